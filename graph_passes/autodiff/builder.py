@@ -1,0 +1,284 @@
+"""Minimal gradient graph over an ONNX forward graph.
+
+1. Values on a path from a trainable input to the loss are found by a forward
+   walk (along differentiable edges, float tensors only) intersected with a
+   backward walk from the loss. Only nodes on such paths get gradient nodes, so
+   frozen parameters and index/mask subgraphs get none.
+2. Nodes are visited in reverse topological order; each asks its registered rule
+   for the input gradients that are needed, and only those.
+3. A value used several times (tied weights, residuals) gets its contributions
+   merged by one ``Sum`` node.
+4. An op on a gradient path without a rule, or registered as not differentiable,
+   raises :class:`GradientError` naming the op, the node and its torch scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import onnx_ir as ir
+from graph_passes.autodiff import registry
+from graph_passes.autodiff.context import GradContext
+from graph_passes.emitter import Emitter, static_shape
+
+# Import for registration side effects.
+from graph_passes.autodiff.rules import register_all
+
+register_all()
+
+FLOAT_TYPES = {
+    ir.DataType.FLOAT,
+    ir.DataType.FLOAT16,
+    ir.DataType.BFLOAT16,
+    ir.DataType.DOUBLE,
+}
+
+
+class GradientError(RuntimeError):
+    """An op on a gradient path cannot be differentiated."""
+
+
+def node_scope(node: ir.Node) -> str:
+    """The torch module scope a node came from (exporter metadata), or ''."""
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+    if scopes:
+        try:
+            names = [s for s in eval_list(scopes) if s]
+            return names[-2] if len(names) > 1 else (names[-1] if names else "")
+        except ValueError:
+            pass
+    return node.metadata_props.get("namespace", "")
+
+
+def eval_list(text: str) -> list[str]:
+    text = text.strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        raise ValueError(text)
+    return [p.strip().strip("'\"") for p in text[1:-1].split(",")]
+
+
+def describe(node: ir.Node) -> str:
+    scope = node_scope(node)
+    where = f" in module '{scope}'" if scope else ""
+    dom = f"{node.domain}::" if node.domain else ""
+    return f"op {dom}{node.op_type} (node '{node.name}'{where})"
+
+
+@dataclasses.dataclass
+class GradientGraphResult:
+    model: ir.Model
+    grad_outputs: dict[str, str]  # trainable input name -> gradient output name
+    unreachable: list[str]  # trainable inputs with no path to the loss (grad None in torch)
+    grad_nodes: int  # number of gradient nodes emitted
+
+
+def _is_float(v: ir.Value) -> bool:
+    return v.dtype in FLOAT_TYPES
+
+
+def _opset(model: ir.Model, node: ir.Node) -> int:
+    if node.version is not None:
+        return node.version
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return model.opset_imports.get(domain, 1)
+
+
+def _expose_outputs(graph: ir.Graph, node: ir.Node, count: int) -> ir.Node:
+    """Rebuild ``node`` so it produces at least ``count`` outputs (keeps names and uses)."""
+    if len(node.outputs) >= count:
+        return node
+    new = ir.Node(
+        node.domain,
+        node.op_type,
+        list(node.inputs),
+        attributes=list(node.attributes.values()),
+        num_outputs=count,
+        name=node.name,
+        metadata_props=dict(node.metadata_props),
+        version=node.version,
+    )
+    for old_v, new_v in zip(node.outputs, new.outputs):
+        name, shape, typ = old_v.name, old_v.shape, old_v.type
+        old_v.name = f"{name}__replaced"
+        old_v.replace_all_uses_with(new_v, replace_graph_outputs=True)
+        new_v.name, new_v.shape, new_v.type = name, shape, typ
+    for k in range(len(node.outputs), count):
+        v = new.outputs[k]
+        v.name = f"{node.name}__out{k}"
+        v.dtype, v.shape = _extra_output_type(node, k)
+    graph.insert_before(node, new)
+    graph.remove(node, safe=True)
+    return new
+
+
+def _extra_output_type(node: ir.Node, k: int) -> tuple[ir.DataType, ir.Shape | None]:
+    """dtype/shape of optional forward outputs that rules read."""
+    x = node.inputs[0]
+    if node.op_type == "Dropout":
+        return ir.DataType.BOOL, x.shape
+    if node.op_type == "LayerNormalization":
+        stash = node.attributes.get("stash_type")
+        dtype = ir.DataType(stash.value if stash is not None else 1)
+        if x.shape is None:
+            return dtype, None
+        rank = len(x.shape)
+        attr = node.attributes.get("axis")
+        axis = (attr.value if attr is not None else -1) % rank
+        dims = [d if i < axis else 1 for i, d in enumerate(x.shape.dims)]
+        return dtype, ir.Shape(dims)
+    return x.dtype, x.shape
+
+
+def build_gradient_graph(
+    model: ir.Model,
+    loss: str,
+    wrt: Sequence[str],
+    *,
+    loss_grad: ir.Value | None = None,
+) -> GradientGraphResult:
+    """Add the minimal backward graph of ``loss`` w.r.t. the inputs ``wrt`` to ``model``.
+
+    The model is changed in place: gradient outputs named ``grad:<input>`` are appended.
+    ``loss_grad`` (a graph input, e.g. the loss scale) seeds the backward pass; the
+    default seed is 1.
+    """
+    graph = model.graph
+    values = {v.name: v for v in graph.inputs}
+    for node in graph:
+        for o in node.outputs:
+            values[o.name] = o
+    if loss not in values:
+        raise GradientError(f"loss value '{loss}' is not in the graph")
+    loss_v = values[loss]
+    missing = [n for n in wrt if n not in values]
+    if missing:
+        raise GradientError(f"trainable inputs not in the graph: {missing}")
+    wrt_values = [values[n] for n in wrt]
+    regs = {
+        id(node): registry.lookup(node.op_type, node.domain, _opset(model, node)) for node in graph
+    }
+
+    # 1. forward reachability along differentiable edges.
+    fwd: set[int] = {id(v) for v in wrt_values if _is_float(v)}
+    for node in graph:
+        reg = regs[id(node)]
+        if reg is not None and reg.kind == "no_gradient":
+            continue
+        live = any(
+            v is not None
+            and id(v) in fwd
+            and (reg is None or reg.kind != "rule" or reg.input_differentiable(i))
+            for i, v in enumerate(node.inputs)
+        )
+        if live:
+            fwd.update(id(o) for o in node.outputs if _is_float(o))
+
+    # 2. backward reachability from the loss, restricted to forward-reachable values.
+    needed: set[int] = {id(loss_v)} if id(loss_v) in fwd else set()
+    on_path: list[ir.Node] = []
+    for node in reversed(list(graph)):
+        if not any(id(o) in needed for o in node.outputs):
+            continue
+        reg = regs[id(node)]
+        diff_inputs = [
+            i
+            for i, v in enumerate(node.inputs)
+            if v is not None and id(v) in fwd and (reg is None or reg.input_differentiable(i))
+        ]
+        if not diff_inputs:
+            continue
+        if reg is None:
+            raise GradientError(
+                f"no gradient rule for {describe(node)}; it lies between a trainable "
+                f"parameter and the loss. Register one in graph_passes/autodiff/rules."
+            )
+        if reg.kind == "not_differentiable":
+            raise GradientError(f"{describe(node)} is not differentiable: {reg.reason}")
+        on_path.append(node)
+        needed.update(id(node.inputs[i]) for i in diff_inputs)
+
+    # 3. expose forward outputs the rules read (Dropout mask, LayerNorm statistics).
+    rebuilt: list[ir.Node] = []
+    for node in on_path:
+        reg = regs[id(node)]
+        if reg.forward_outputs > len(node.outputs):
+            new = _expose_outputs(graph, node, reg.forward_outputs)
+            regs[id(new)] = reg
+            for old_v, new_v in zip(node.outputs, new.outputs):
+                for ids in (fwd, needed):
+                    if id(old_v) in ids:
+                        ids.add(id(new_v))
+                if old_v is loss_v:
+                    loss_v = new_v
+            node = new
+        rebuilt.append(node)
+
+    # 4. emit gradients in reverse topological order.
+    em = Emitter(graph, "grad")
+    contribs: dict[int, list[ir.Value]] = {}
+    if loss_grad is None:
+        seed = em.const(1.0, loss_v.dtype)
+        if static_shape(loss_v) != ():
+            seed = em.op("Expand", seed, em.ints(static_shape(loss_v)))
+    else:
+        seed = loss_grad
+    contribs[id(loss_v)] = [seed]
+
+    def total(v: ir.Value) -> ir.Value | None:
+        parts = contribs.get(id(v))
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        merged = em.op("Sum", *parts, dtype=v.dtype, shape=v.shape, name_hint="gradsum")
+        contribs[id(v)] = [merged]
+        return merged
+
+    for node in rebuilt:
+        reg = regs[id(node)]
+        gos = [total(o) if id(o) in needed else None for o in node.outputs]
+        if all(g is None for g in gos):
+            continue
+        want = frozenset(
+            i
+            for i, v in enumerate(node.inputs)
+            if v is not None and id(v) in needed and reg.input_differentiable(i)
+        )
+        em.metadata = {"ortrain.grad_of": node.name, "namespace": node.metadata_props.get("namespace", "")}
+        ctx = GradContext(node, em, gos, want)
+        try:
+            result = reg.fn(ctx)
+        except GradientError:
+            raise
+        except Exception as exc:  # a rule bug: say which node it was building
+            raise GradientError(f"gradient rule failed for {describe(node)}: {exc}") from exc
+        for i, g in result.items():
+            if g is None or i not in want:
+                continue
+            x = node.inputs[i]
+            if g.shape is None and x.shape is not None:
+                g.shape = x.shape
+            if g.dtype is None:
+                g.dtype = x.dtype
+            contribs.setdefault(id(x), []).append(g)
+
+    # 5. gradient outputs for the trainable inputs.
+    grad_outputs: dict[str, str] = {}
+    unreachable: list[str] = []
+    used: set[int] = set()
+    for name, v in zip(wrt, wrt_values):
+        g = total(v)
+        if g is None:
+            unreachable.append(name)
+            continue
+        if g.is_graph_input() or g.is_graph_output() or g.const_value is not None or id(g) in used:
+            g = em.op("Identity", g, dtype=v.dtype, shape=v.shape)
+        used.add(id(g))
+        g.name = f"grad:{name}"
+        g.shape, g.dtype = v.shape, v.dtype
+        graph.outputs.append(g)
+        grad_outputs[name] = g.name
+    count = len(em.nodes)
+    em.flush_before(None)
+    return GradientGraphResult(model, grad_outputs, unreachable, count)

@@ -1,0 +1,20 @@
+"""Gradient rules, one small function per op, grouped by op family."""
+
+_done = False
+
+
+def register_all() -> None:
+    """Import every rule module once (registration happens at import)."""
+    global _done
+    if _done:
+        return
+    _done = True
+    from graph_passes.autodiff.rules import (  # noqa: F401
+        elementwise,
+        loss,
+        matmul,
+        nn,
+        nondiff,
+        reduce,
+        shape,
+    )

@@ -1,0 +1,67 @@
+"""Loss ops. ``SoftmaxCrossEntropyLoss`` is what torch's cross_entropy exports to."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import onnx_ir as ir
+from graph_passes.autodiff.context import GradContext
+from graph_passes.autodiff.registry import gradient
+
+
+def _sample_coefficients(ctx: GradContext, labels_i: int, weights_i: int):
+    """Per-sample coefficient of d loss / d (per-sample loss): w_i [/ sum w] [* dy]."""
+    labels, g = ctx.I(labels_i), ctx.GO(0)
+    dtype = g.dtype
+    valid = None
+    ignore = ctx.attr("ignore_index")
+    if ignore is not None:
+        eq = ctx.op("Equal", labels, ctx.const(int(ignore), labels.dtype))
+        valid = ctx.op("Not", eq)
+    if ctx.has_input(weights_i):
+        safe = labels if valid is None else ctx.op(
+            "Where", valid, labels, ctx.const(0, labels.dtype)
+        )
+        w = ctx.op("Gather", ctx.I(weights_i), safe, axis=0)
+        if valid is not None:
+            w = ctx.op("Mul", w, ctx.op("Cast", valid, to=dtype.value))
+    elif valid is not None:
+        w = ctx.op("Cast", valid, to=dtype.value)
+    else:
+        w = ctx.op("Expand", ctx.const(1.0, dtype), ctx.ints(ctx.shape(labels)))
+    reduction = ctx.attr("reduction", "mean")
+    if reduction == "mean":
+        denom = ctx.op("ReduceSum", w, keepdims=0)
+        w = ctx.op("Div", w, denom)
+    elif reduction not in ("sum", "none"):
+        raise NotImplementedError(f"reduction {reduction!r}")
+    return ctx.op("Mul", w, g)  # g is a scalar for mean/sum, per-sample for none
+
+
+def _onehot(ctx: GradContext, labels: ir.Value, scores_shape, dtype: ir.DataType):
+    c = scores_shape[1]
+    classes = np.arange(c, dtype=np.int64).reshape([1, c] + [1] * (len(scores_shape) - 2))
+    cls = ctx.const(classes.tolist(), labels.dtype)
+    lab = ctx.op("Unsqueeze", labels, ctx.ints([1]))
+    return ctx.op("Cast", ctx.op("Equal", lab, cls), to=dtype.value)
+
+
+@gradient("SoftmaxCrossEntropyLoss", nondiff_inputs=(1, 2), forward_outputs=2)
+def softmax_cross_entropy(ctx: GradContext):
+    # d loss / d scores = (softmax(scores) - onehot(labels)) * coefficient per sample
+    scores = ctx.I(0)
+    shape = ctx.shape(scores)
+    coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
+    prob = ctx.op("Exp", ctx.O(1))
+    diff = ctx.op("Sub", prob, _onehot(ctx, ctx.I(1), shape, scores.dtype))
+    return {0: ctx.op("Mul", diff, coef, shape=shape)}
+
+
+@gradient("NegativeLogLikelihoodLoss", nondiff_inputs=(1, 2))
+def nll_loss(ctx: GradContext):
+    # loss_i = -x[i, t_i] * w_i  =>  d/dx = -onehot(t) * coefficient
+    x = ctx.I(0)
+    shape = ctx.shape(x)
+    coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
+    onehot = _onehot(ctx, ctx.I(1), shape, x.dtype)
+    return {0: ctx.op("Neg", ctx.op("Mul", onehot, coef), shape=shape)}

@@ -1,0 +1,126 @@
+"""Neural-net ops: Softmax family, LayerNormalization, GELU, Dropout.
+
+Stock onnxruntime has no training kernels (SoftmaxGrad, LayerNormalizationGrad,
+GeluGrad, DropoutGrad), so each backward is spelled in standard ONNX ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+from graph_passes.autodiff.context import GradContext
+from graph_passes.autodiff.registry import gradient
+
+
+@gradient("Softmax", opsets=(13, None))
+def softmax(ctx: GradContext):
+    # dx = y * (dy - sum(dy * y, axis))
+    y, g = ctx.O(0), ctx.GO(0)
+    axis = int(ctx.attr("axis", -1))
+    s = ctx.op("ReduceSum", ctx.op("Mul", g, y), ctx.ints([axis]), keepdims=1)
+    return {0: ctx.op("Mul", y, ctx.op("Sub", g, s))}
+
+
+@gradient("LogSoftmax", opsets=(13, None))
+def log_softmax(ctx: GradContext):
+    # dx = dy - exp(y) * sum(dy, axis)
+    y, g = ctx.O(0), ctx.GO(0)
+    axis = int(ctx.attr("axis", -1))
+    s = ctx.op("ReduceSum", g, ctx.ints([axis]), keepdims=1)
+    return {0: ctx.op("Sub", g, ctx.op("Mul", ctx.op("Exp", y), s))}
+
+
+@gradient("LayerNormalization", forward_outputs=3)
+def layer_norm(ctx: GradContext):
+    # xhat = (x - mean) * rstd ; y = xhat * scale + bias
+    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale
+    x, scale, g = ctx.I(0), ctx.I(1), ctx.GO(0)
+    mean, rstd = ctx.O(1), ctx.O(2)
+    shape = ctx.shape(x)
+    rank = len(shape)
+    axis = int(ctx.attr("axis", -1)) % rank
+    norm_axes = ctx.ints(list(range(axis, rank)))
+    lead_axes = list(range(axis))
+    if mean.dtype != x.dtype:  # stats are stashed in fp32 for half inputs
+        mean, rstd = ctx.cast_like(mean, x), ctx.cast_like(rstd, x)
+    xhat = ctx.op("Mul", ctx.op("Sub", x, mean), rstd)
+    out = {}
+    if ctx.needs(0):
+        dxhat = ctx.op("Mul", g, scale)
+        m1 = ctx.op("ReduceMean", dxhat, norm_axes, keepdims=1)
+        m2 = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat), norm_axes, keepdims=1)
+        inner = ctx.op("Sub", ctx.op("Sub", dxhat, m1), ctx.op("Mul", xhat, m2))
+        out[0] = ctx.op("Mul", inner, rstd, shape=shape)
+    pshape = ctx.shape(scale)
+    if ctx.needs(1):
+        gs = ctx.op("Mul", g, xhat)
+        out[1] = ctx.sum_to(gs, shape, pshape)
+    if ctx.has_input(2) and ctx.needs(2):
+        out[2] = ctx.sum_to(g, shape, ctx.shape(ctx.I(2)))
+    del lead_axes
+    return out
+
+
+def _gelu_erf_grad(ctx: GradContext, x):
+    # d/dx [x * Phi(x)] = Phi(x) + x * phi(x)
+    half = ctx.scalar_like(0.5, x)
+    one = ctx.scalar_like(1.0, x)
+    cdf = ctx.op(
+        "Mul", half, ctx.op("Add", one, ctx.op("Erf", ctx.op("Mul", x, ctx.scalar_like(
+            1.0 / math.sqrt(2.0), x))))
+    )
+    pdf = ctx.op(
+        "Mul",
+        ctx.op("Exp", ctx.op("Mul", ctx.op("Mul", x, x), ctx.scalar_like(-0.5, x))),
+        ctx.scalar_like(1.0 / math.sqrt(2.0 * math.pi), x),
+    )
+    return ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
+
+
+def _gelu_tanh_grad(ctx: GradContext, x):
+    # y = 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3), c = sqrt(2/pi)
+    # dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)
+    c = math.sqrt(2.0 / math.pi)
+    x2 = ctx.op("Mul", x, x)
+    u = ctx.op(
+        "Mul",
+        ctx.op("Add", x, ctx.op("Mul", ctx.op("Mul", x2, x), ctx.scalar_like(0.044715, x))),
+        ctx.scalar_like(c, x),
+    )
+    t = ctx.op("Tanh", u)
+    half = ctx.scalar_like(0.5, x)
+    one = ctx.scalar_like(1.0, x)
+    left = ctx.op("Mul", half, ctx.op("Add", one, t))
+    du = ctx.op(
+        "Mul", ctx.scalar_like(c, x),
+        ctx.op("Add", one, ctx.op("Mul", x2, ctx.scalar_like(3 * 0.044715, x))),
+    )
+    right = ctx.op(
+        "Mul", ctx.op("Mul", ctx.op("Mul", half, x), ctx.op("Sub", one, ctx.op("Mul", t, t))), du
+    )
+    return ctx.op("Add", left, right)
+
+
+@gradient("Gelu", opsets=(20, None))
+def gelu(ctx: GradContext):
+    x = ctx.I(0)
+    approx = ctx.attr("approximate", "none")
+    d = _gelu_tanh_grad(ctx, x) if approx == "tanh" else _gelu_erf_grad(ctx, x)
+    return {0: ctx.op("Mul", ctx.GO(0), d)}
+
+
+@gradient("Dropout", nondiff_inputs=(1, 2), opsets=(12, None), forward_outputs=2)
+def dropout(ctx: GradContext):
+    # dx = dy * mask / (1 - ratio) in training mode, dy otherwise.
+    g = ctx.GO(0)
+    if not ctx.has_input(2):  # no training_mode input: inference, identity
+        return {0: g}
+    mask = ctx.cast_like(ctx.O(1), g)
+    if ctx.has_input(1):
+        ratio = ctx.cast_like(ctx.I(1), g)
+    else:
+        ratio = ctx.scalar_like(0.5, g)
+    one = ctx.scalar_like(1.0, g)
+    scale = ctx.op("Div", one, ctx.op("Sub", one, ratio))
+    scale = ctx.op("Where", ctx.I(2), scale, one)
+    return {0: ctx.op("Mul", ctx.op("Mul", g, mask), scale)}

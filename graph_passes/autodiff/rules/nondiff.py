@@ -1,0 +1,16 @@
+"""Ops through which no gradient flows, and ops that must not be differentiated."""
+
+from graph_passes.autodiff.registry import no_gradient, not_differentiable
+
+# Piecewise-constant or integer-valued outputs: nothing flows back.
+no_gradient(
+    "Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+    "And", "Or", "Not", "Xor", "Range", "ArgMax", "ArgMin", "NonZero", "OneHot",
+    "ConstantOfShape", "Constant", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round",
+    "RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Bernoulli",
+    "EyeLike", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseNot", "BitwiseXor",
+)
+
+# Control flow: the subgraph would need its own gradient graph, which ortrain does not build.
+for _op in ("If", "Loop", "Scan"):
+    not_differentiable(_op, "control flow (subgraphs) is not supported by ortrain's autodiff")

@@ -1,0 +1,189 @@
+"""Layout ops: the gradient undoes the data movement (shapes are static)."""
+
+from __future__ import annotations
+
+from graph_passes.autodiff.context import GradContext
+from graph_passes.autodiff.registry import gradient
+
+
+def _reshape_back(ctx: GradContext):
+    return {0: ctx.reshape(ctx.GO(0), ctx.shape(ctx.I(0)))}
+
+
+for _op in ("Reshape", "Squeeze", "Unsqueeze"):
+    gradient(_op, nondiff_inputs=(1,))(_reshape_back)
+gradient("Flatten")(_reshape_back)
+
+
+@gradient("Transpose")
+def transpose(ctx: GradContext):
+    perm = ctx.attr("perm")
+    rank = ctx.rank(ctx.I(0))
+    perm = list(perm) if perm is not None else list(reversed(range(rank)))
+    inv = [0] * rank
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return {0: ctx.op("Transpose", ctx.GO(0), perm=inv, shape=ctx.shape(ctx.I(0)))}
+
+
+@gradient("Expand", nondiff_inputs=(1,))
+def expand(ctx: GradContext):
+    return {0: ctx.unbroadcast(ctx.GO(0), ctx.I(0))}
+
+
+@gradient("Split", nondiff_inputs=(1,))
+def split(ctx: GradContext):
+    axis = int(ctx.attr("axis", 0))
+    parts = [ctx.GO_or_zeros(i) for i in range(len(ctx.node.outputs))]
+    return {0: ctx.op("Concat", *parts, axis=axis, shape=ctx.shape(ctx.I(0)))}
+
+
+@gradient("Concat")
+def concat(ctx: GradContext):
+    axis = int(ctx.attr("axis"))
+    rank = ctx.rank(ctx.O(0))
+    axis = axis % rank
+    sizes = [ctx.shape(ctx.I(i))[axis] for i in range(len(ctx.node.inputs))]
+    pieces = ctx.op_multi(
+        "Split", ctx.GO(0), ctx.ints(sizes), axis=axis, num_outputs=len(sizes)
+    )
+    out = {}
+    for i, piece in enumerate(pieces):
+        piece.dtype = ctx.GO(0).dtype
+        if ctx.needs(i):
+            piece.shape = ctx.I(i).shape
+            out[i] = piece
+    return out
+
+
+@gradient("Slice", nondiff_inputs=(1, 2, 3, 4))
+def slice_(ctx: GradContext):
+    x, g = ctx.I(0), ctx.GO(0)
+    shape = ctx.shape(x)
+    rank = len(shape)
+    starts = ctx.const_ints(ctx.I(1))
+    ends = ctx.const_ints(ctx.I(2))
+    axes = ctx.const_ints(ctx.I(3)) if ctx.has_input(3) else list(range(len(starts or [])))
+    steps = ctx.const_ints(ctx.I(4)) if ctx.has_input(4) else [1] * len(axes or [])
+    if starts is None or ends is None or axes is None or steps is None:
+        raise NotImplementedError("Slice with non-constant starts/ends/axes/steps")
+    out_shape = list(ctx.shape(ctx.O(0)))
+    cur = g
+    for start, axis, step in zip(starts, axes, steps):
+        axis %= rank
+        n = shape[axis]
+        if step <= 0:
+            raise NotImplementedError(f"Slice with step {step}")
+        s = start + n if start < 0 else start
+        s = min(max(s, 0), n)
+        m = out_shape[axis]
+        if step > 1 and m > 0:
+            # Interleave zeros: [.., m, ..] -> [.., m, step, ..] -> [.., m*step, ..].
+            unsq = ctx.op("Unsqueeze", cur, ctx.ints([axis + 1]))
+            zshape = [*out_shape[: axis + 1], step - 1, *out_shape[axis + 1 :]]
+            z = ctx.zeros(zshape, g.dtype)
+            cur = ctx.op("Concat", unsq, z, axis=axis + 1)
+            out_shape[axis] = m * step
+            cur = ctx.op("Reshape", cur, ctx.ints(out_shape))
+        width = out_shape[axis]
+        after = n - s - width
+        pads = [0] * (2 * rank)
+        pads[axis] = s
+        pads[rank + axis] = after
+        if after < 0:  # the interleaved tail overshoots the input: trim it
+            cur = ctx.op(
+                "Slice", cur, ctx.ints([0]), ctx.ints([n - s]), ctx.ints([axis])
+            )
+            pads[rank + axis] = 0
+        if any(pads):
+            cur = ctx.op("Pad", cur, ctx.ints(pads))
+        out_shape[axis] = n
+    cur.shape = x.shape
+    return {0: cur}
+
+
+@gradient("Pad", nondiff_inputs=(1, 2, 3))
+def pad(ctx: GradContext):
+    mode = ctx.attr("mode", "constant")
+    if mode != "constant":
+        raise NotImplementedError(f"Pad mode {mode!r}")
+    pads = ctx.const_ints(ctx.I(1))
+    if pads is None:
+        raise NotImplementedError("Pad with non-constant pads")
+    rank = ctx.rank(ctx.I(0))
+    axes = ctx.const_ints(ctx.I(3)) if ctx.has_input(3) else list(range(rank))
+    k = len(axes)
+    out_shape = ctx.shape(ctx.O(0))
+    starts, ends = [], []
+    for j, ax in enumerate(axes):
+        ax %= rank
+        starts.append(pads[j])
+        ends.append(out_shape[ax] - pads[k + j])
+    sl = ctx.op(
+        "Slice", ctx.GO(0), ctx.ints(starts), ctx.ints(ends), ctx.ints([a % rank for a in axes])
+    )
+    sl.shape = ctx.I(0).shape
+    return {0: sl}
+
+
+def _scatter_add_rows(ctx: GradContext, table_shape, indices, updates):
+    """zeros(table_shape) with ``updates`` added at rows ``indices`` (ScatterND, add)."""
+    zeros = ctx.zeros(table_shape, updates.dtype)
+    idx = ctx.op("Unsqueeze", indices, ctx.ints([-1]))
+    return ctx.op("ScatterND", zeros, idx, updates, reduction="add", shape=table_shape)
+
+
+@gradient("Gather", nondiff_inputs=(1,))
+def gather(ctx: GradContext):
+    x, idx, g = ctx.I(0), ctx.I(1), ctx.GO(0)
+    shape = ctx.shape(x)
+    rank = len(shape)
+    axis = int(ctx.attr("axis", 0)) % rank
+    q = ctx.rank(idx)
+    consts = ctx.const_ints(idx)
+    if q == 0 and consts is not None:
+        # x.select(axis, k): put the slice back with zeros around it.
+        k = consts[0] % shape[axis]
+        unsq = ctx.op("Unsqueeze", g, ctx.ints([axis]))
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = k, shape[axis] - k - 1
+        out = ctx.op("Pad", unsq, ctx.ints(pads), shape=shape)
+        return {0: out}
+    if q == 0:
+        idx = ctx.op("Unsqueeze", idx, ctx.ints([0]))
+        g = ctx.op("Unsqueeze", g, ctx.ints([axis]))
+        q = 1
+    if axis == 0:
+        return {0: _scatter_add_rows(ctx, shape, idx, g)}
+    # Move the gathered axis to the front, scatter rows, move it back.
+    g_rank = rank - 1 + q
+    idx_dims = list(range(axis, axis + q))
+    perm_g = idx_dims + [d for d in range(g_rank) if d not in idx_dims]
+    g_t = ctx.op("Transpose", g, perm=perm_g)
+    t_shape = [shape[axis], *shape[:axis], *shape[axis + 1 :]]
+    scattered = _scatter_add_rows(ctx, t_shape, idx, g_t)
+    perm_back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    return {0: ctx.op("Transpose", scattered, perm=perm_back, shape=shape)}
+
+
+@gradient("GatherND", nondiff_inputs=(1,))
+def gather_nd(ctx: GradContext):
+    if int(ctx.attr("batch_dims", 0)) != 0:
+        raise NotImplementedError("GatherND with batch_dims != 0")
+    shape = ctx.shape(ctx.I(0))
+    zeros = ctx.zeros(shape, ctx.GO(0).dtype)
+    return {0: ctx.op("ScatterND", zeros, ctx.I(1), ctx.GO(0), reduction="add", shape=shape)}
+
+
+@gradient("Tile", nondiff_inputs=(1,))
+def tile(ctx: GradContext):
+    reps = ctx.const_ints(ctx.I(1))
+    if reps is None:
+        raise NotImplementedError("Tile with non-constant repeats")
+    shape = ctx.shape(ctx.I(0))
+    inter = []
+    for r, d in zip(reps, shape):
+        inter += [r, d]
+    g = ctx.reshape(ctx.GO(0), inter)
+    red = ctx.op("ReduceSum", g, ctx.ints(list(range(0, 2 * len(shape), 2))), keepdims=0)
+    return {0: ctx.reshape(red, shape)}

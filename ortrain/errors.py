@@ -1,0 +1,38 @@
+"""Errors a user of ortrain can meet; each message says what and where."""
+
+from graph_passes.autodiff.builder import GradientError
+
+
+class OrtrainError(RuntimeError):
+    """Base class of ortrain's own errors."""
+
+
+class ExportError(OrtrainError):
+    """The module could not be exported to ONNX."""
+
+
+class UnsupportedOptimizerError(OrtrainError, TypeError):
+    """The torch optimizer or one of its options has no in-graph implementation."""
+
+
+class BatchError(OrtrainError, ValueError):
+    """A batch the compiled graph cannot take (names, dtypes)."""
+
+
+class NonFiniteLossError(OrtrainError, FloatingPointError):
+    """The loss became NaN/Inf; the step was not applied."""
+
+
+class CheckpointError(OrtrainError, ValueError):
+    """A checkpoint that does not belong to this model/optimizer."""
+
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "ExportError",
+    "GradientError",
+    "NonFiniteLossError",
+    "OrtrainError",
+    "UnsupportedOptimizerError",
+]

@@ -1,0 +1,217 @@
+"""Export an ``nn.Module`` to an ONNX forward graph whose inputs are its state.
+
+A functional wrapper (``torch.func.functional_call(..., tie_weights=True)``) makes
+every parameter and buffer a named graph input (named exactly as in
+``named_parameters()``/``named_buffers()``), followed by the batch tensors named
+after the forward signature. Outputs: the loss first, then (for evaluation graphs)
+the model's other tensor outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import io
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import onnx_ir as ir
+from ortrain.errors import ExportError
+from ortrain.roles import GraphIO, Role
+
+LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
+
+
+@dataclasses.dataclass
+class ExportedForward:
+    model: ir.Model
+    io: list[GraphIO]  # graph inputs, in order, with roles
+    output_names: list[str]  # graph outputs; the first is the loss
+    output_keys: list[str]  # user-facing key of each output ("loss", "logits", ...)
+
+
+def normalize_batch(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Positional and keyword batch arguments as one name -> value mapping."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"batch does not match {type(module).__name__}.forward: {exc}") from exc
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = inspect.signature(module.forward).parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError("ortrain does not support *args in forward; pass keywords")
+        else:
+            out[name] = value
+    return out
+
+
+def find_loss(outputs: Any) -> torch.Tensor:
+    """The loss in a model's output: a tensor, a tuple's first item, or ``.loss``."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    loss = getattr(outputs, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), torch.Tensor):
+        return outputs["loss"]
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise ExportError(
+        f"cannot find a loss in the model output of type {type(outputs).__name__}: return a "
+        "loss tensor, a tuple whose first item is the loss, an object with .loss, or pass "
+        "loss_fn=(outputs, batch) -> loss to ORTTrainer"
+    )
+
+
+def other_outputs(outputs: Any) -> list[tuple[str, torch.Tensor]]:
+    """Tensor outputs besides the loss, with a user-facing key each."""
+    if isinstance(outputs, torch.Tensor):
+        return []
+    if isinstance(outputs, Mapping):
+        return [
+            (str(k), v) for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)
+        ]
+    if isinstance(outputs, (tuple, list)):
+        return [(f"output_{i}", v) for i, v in enumerate(outputs) if i and isinstance(v, torch.Tensor)]
+    return []
+
+
+class _SharedList(list):
+    """A list that survives the exporter's deepcopy of the module (it records keys)."""
+
+    def __deepcopy__(self, memo: dict) -> _SharedList:
+        return self
+
+
+class _Functional(torch.nn.Module):
+    """forward(*params, *buffers, *batch) -> (loss, *others) through functional_call."""
+
+    def __init__(self, module, pnames, bnames, batch_keys, const_kwargs, loss_fn, with_outputs):
+        super().__init__()
+        self.module = module
+        self.pnames, self.bnames, self.batch_keys = pnames, bnames, batch_keys
+        self.const_kwargs = const_kwargs
+        self.loss_fn = loss_fn
+        self.with_outputs = with_outputs
+        self.output_keys = _SharedList()
+
+    def forward(self, *flat):
+        n, nb = len(self.pnames), len(self.bnames)
+        state = dict(zip(self.pnames, flat[:n]))
+        state.update(zip(self.bnames, flat[n : n + nb]))
+        batch = dict(zip(self.batch_keys, flat[n + nb :]))
+        kwargs = {**self.const_kwargs, **batch}
+        if self.loss_fn is not None:
+            model_kwargs = {k: v for k, v in kwargs.items() if k in self._forward_params()}
+            outputs = torch.func.functional_call(self.module, state, (), model_kwargs, tie_weights=True)
+            loss = self.loss_fn(outputs, kwargs)
+        else:
+            outputs = torch.func.functional_call(self.module, state, (), kwargs, tie_weights=True)
+            loss = find_loss(outputs)
+        # Mutate in place: the exporter may not keep attribute assignments on the module.
+        self.output_keys.clear()
+        self.output_keys.append("loss")
+        if not self.with_outputs:
+            return loss
+        others = other_outputs(outputs)
+        self.output_keys.extend(k for k, _ in others)
+        return (loss, *[v for _, v in others])
+
+    def _forward_params(self) -> set[str]:
+        params = inspect.signature(self.module.forward).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return set(self.batch_keys) | set(self.const_kwargs)
+        return set(params)
+
+
+def _warn_sdpa(module: torch.nn.Module) -> None:
+    cfg = getattr(module, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return
+    p = max(
+        float(getattr(cfg, name, 0.0) or 0.0)
+        for name in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
+    )
+    if p > 0:
+        warnings.warn(
+            f"{type(module).__name__} uses attn_implementation='sdpa': its attention-probability "
+            f"dropout (p={p}) is lost in ONNX export. Build the model with "
+            "attn_implementation='eager' to keep it.",
+            stacklevel=3,
+        )
+
+
+def export_forward(
+    module: torch.nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    train: bool,
+    loss_fn: LossFn | None = None,
+    with_outputs: bool = False,
+) -> ExportedForward:
+    """Export ``module`` on ``batch`` (a normalized name -> value mapping)."""
+    _warn_sdpa(module)
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    consts = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+    clash = set(tensors) & (set(params) | set(buffers))
+    if clash:
+        raise ExportError(f"batch input names clash with parameter names: {sorted(clash)}")
+    pnames, bnames, keys = list(params), list(buffers), list(tensors)
+    wrapper = _Functional(module, pnames, bnames, keys, consts, loss_fn, with_outputs)
+    flat = tuple(p.detach() for p in params.values()) + tuple(
+        b.detach() for b in buffers.values()
+    ) + tuple(tensors.values())
+    was_training = module.training
+    module.train(train)
+    sink = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+            warnings.simplefilter("ignore")
+            logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+            program = torch.onnx.export(
+                wrapper,
+                flat,
+                dynamo=True,
+                optimize=True,
+                verbose=False,
+                input_names=pnames + bnames + keys,
+            )
+    except Exception as exc:
+        raise ExportError(
+            f"torch.onnx.export failed for {type(module).__name__}: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        module.train(was_training)
+    model = program.model
+    model.graph.name = type(module).__name__
+    graph_inputs = {v.name: v for v in model.graph.inputs}
+    roles: list[GraphIO] = []
+    for name in pnames:
+        roles.append(
+            GraphIO(name, Role.PARAMETER if params[name].requires_grad else Role.FROZEN_PARAMETER)
+        )
+    roles += [GraphIO(n, Role.BUFFER) for n in bnames]
+    roles += [GraphIO(n, Role.BATCH) for n in keys]
+    # The exporter drops inputs that the graph does not read (e.g. an unused buffer).
+    roles = [r for r in roles if r.name in graph_inputs]
+    outs = [v.name for v in model.graph.outputs]
+    if len(outs) != len(wrapper.output_keys):
+        raise ExportError(f"export produced {len(outs)} outputs, expected {wrapper.output_keys}")
+    loss_v = model.graph.outputs[0]
+    if loss_v.shape is None or len(loss_v.shape) != 0:
+        raise ExportError(
+            f"the loss must be a scalar (0-dim) tensor, got shape {loss_v.shape}; reduce it "
+            "in the model or in loss_fn"
+        )
+    return ExportedForward(model, roles, outs, list(wrapper.output_keys))

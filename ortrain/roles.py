@@ -1,0 +1,28 @@
+"""Explicit roles of training-graph inputs and outputs (never inferred from names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Role(str, enum.Enum):
+    PARAMETER = "parameter"  # trainable: gets a gradient and an update
+    FROZEN_PARAMETER = "frozen_parameter"  # requires_grad=False: read only
+    BUFFER = "buffer"
+    BATCH = "batch"
+    LOSS = "loss"
+    OUTPUT = "output"  # other model outputs (evaluation graphs)
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    HYPERPARAMETER = "hyperparameter"  # lr, betas, ... read from param_groups each step
+    STEP = "step"
+    GRAD_SCALE = "grad_scale"
+    CLIP = "clip"  # global-norm clipping statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphIO:
+    name: str
+    role: Role
+    of: str | None = None  # the parameter a gradient/state belongs to
