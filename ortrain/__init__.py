@@ -1,0 +1,26 @@
+"""ortrain: a graph-compiler training backend for PyTorch on ONNX Runtime."""
+
+from ortrain.errors import (
+    BatchError,
+    CheckpointError,
+    ExportError,
+    GradientError,
+    NonFiniteLossError,
+    OrtrainError,
+    UnsupportedOptimizerError,
+)
+from ortrain.options import TrainerOptions
+from ortrain.trainer import ORTTrainer, StepOutputs
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "ExportError",
+    "GradientError",
+    "NonFiniteLossError",
+    "ORTTrainer",
+    "OrtrainError",
+    "StepOutputs",
+    "TrainerOptions",
+    "UnsupportedOptimizerError",
+]

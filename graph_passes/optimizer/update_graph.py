@@ -1,0 +1,142 @@
+"""The update graph: gradients in, parameters and optimizer state updated in place.
+
+Inputs: each trained parameter, its (accumulated) gradient and optimizer state, the
+per-group hyperparameters, the step counter, the gradient scale (1 / accumulation
+steps) and, with clipping, ``max_grad_norm``. Outputs: the new parameter/state values,
+each meant to be bound to the same buffer as its input (``aliases``), the new step,
+and the global gradient norm. ``check_inplace_safe`` proves that binding is sound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import onnx_ir as ir
+from graph_passes.emitter import Emitter
+from graph_passes.optimizer import adam, clip, lamb, sgd
+from ortrain.optim.spec import OptimizerSpec
+from ortrain.roles import GraphIO, Role
+
+F = ir.DataType.FLOAT
+
+
+@dataclasses.dataclass
+class UpdateGraph:
+    model: ir.Model
+    io: list[GraphIO]  # inputs, in order
+    outputs: list[GraphIO]
+    aliases: dict[str, str]  # output name -> input name whose buffer it overwrites
+
+
+def state_key(state: str, param: str) -> str:
+    return f"{state}:{param}"
+
+
+def _scalar(name: str) -> ir.Value:
+    return ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(F))
+
+
+def build_update_graph(
+    spec: OptimizerSpec,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    clip_grad_norm: bool,
+) -> UpdateGraph:
+    """``shapes``: the parameters that receive gradients (others are skipped, as torch does)."""
+    graph = ir.Graph([], [], nodes=[], name=f"{spec.kind}_update", opset_imports={"": 20})
+    em = Emitter(graph, "update")
+    io: list[GraphIO] = []
+    outs: list[GraphIO] = []
+    aliases: dict[str, str] = {}
+
+    def add_input(name: str, role: Role, shape=(), of: str | None = None) -> ir.Value:
+        v = ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(F))
+        graph.inputs.append(v)
+        io.append(GraphIO(name, role, of))
+        return v
+
+    def add_output(v: ir.Value, name: str, role: Role, of: str | None = None, alias=None):
+        if v.is_graph_input() or v.is_graph_output():
+            v = em.op("Identity", v)
+        v.name = name
+        graph.outputs.append(v)
+        outs.append(GraphIO(name, role, of))
+        if alias is not None:
+            aliases[name] = alias
+
+    step = add_input("step", Role.STEP)
+    grad_scale = add_input("grad_scale", Role.GRAD_SCALE)
+    max_norm = add_input("max_grad_norm", Role.CLIP) if clip_grad_norm else None
+    trained = [(gi, p) for gi, g in enumerate(spec.groups) for p in g.params if p in shapes]
+    params, grads, states = {}, {}, {}
+    for gi, p in trained:
+        params[p] = add_input(p, Role.PARAMETER, shapes[p])
+        grads[p] = add_input(f"grad:{p}", Role.GRADIENT, shapes[p], of=p)
+        states[p] = {
+            s: add_input(state_key(s, p), Role.OPTIMIZER_STATE, shapes[p], of=p)
+            for s in spec.state_names(spec.groups[gi])
+        }
+    hps = [
+        {h: add_input(f"group{gi}.{h}", Role.HYPERPARAMETER) for h in spec.hyperparameters}
+        for gi in range(len(spec.groups))
+    ]
+
+    step_new = em.op("Add", step, em.const(1.0, F), shape=())
+    scaled = {p: em.op("Mul", grads[p], grad_scale) for _, p in trained}
+    norm = clip.global_norm(em, list(scaled.values())) if trained else em.const(0.0, F)
+    if max_norm is not None and trained:
+        coef = clip.clip_coefficient(em, norm, max_norm)
+        scaled = {p: em.op("Mul", g, coef) for p, g in scaled.items()}
+
+    module = {"adam": adam, "adamw": adam, "sgd": sgd, "lamb": lamb}[spec.kind]
+    group_sc = {}
+    for gi, _ in enumerate(spec.groups):
+        if any(p in shapes for p in spec.groups[gi].params):
+            group_sc[gi] = module.group_scalars(em, hps[gi], step_new)
+    for gi, p in trained:
+        group = spec.groups[gi]
+        if spec.kind in ("adam", "adamw"):
+            kw = {"decoupled": spec.kind == "adamw"}
+        elif spec.kind == "sgd":
+            kw = {"momentum": group.momentum, "nesterov": group.nesterov}
+        else:
+            kw = {"bias_correction": group.bias_correction}
+        p_new, s_new = module.update(em, params[p], scaled[p], states[p], hps[gi], group_sc[gi], **kw)
+        add_output(p_new, f"new:{p}", Role.PARAMETER, of=p, alias=p)
+        for s, v in s_new.items():
+            add_output(v, f"new:{state_key(s, p)}", Role.OPTIMIZER_STATE, of=p, alias=state_key(s, p))
+    add_output(step_new, "new:step", Role.STEP, alias="step")
+    em.flush_before(None)
+    add_output(norm if norm.producer() is not None else em.op("Identity", norm), "grad_norm", Role.CLIP)
+    em.flush_before(None)
+    model = ir.Model(graph, ir_version=10, producer_name="ortrain")
+    check_inplace_safe(model, aliases)
+    return UpdateGraph(model, io, outs, aliases)
+
+
+def check_inplace_safe(model: ir.Model, aliases: Mapping[str, str]) -> None:
+    """Every reader of an aliased input must run before the node writing its buffer.
+
+    ONNX has no control edges; "before" is only guaranteed for ancestors, so each
+    reader of input X must be an ancestor of the producer of X's aliased output.
+    """
+    graph = model.graph
+    inputs = {v.name: v for v in graph.inputs}
+    outputs = {v.name: v for v in graph.outputs}
+    for out_name, in_name in aliases.items():
+        writer = outputs[out_name].producer()
+        ancestors: set[int] = set()
+        stack = [writer]
+        while stack:
+            n = stack.pop()
+            if n is None or id(n) in ancestors:
+                continue
+            ancestors.add(id(n))
+            stack.extend(v.producer() for v in n.inputs if v is not None)
+        for node, _ in inputs[in_name].uses():
+            if id(node) not in ancestors:
+                raise AssertionError(
+                    f"in-place update of '{in_name}' is unsafe: node '{node.name}' reads it "
+                    f"but is not an ancestor of '{writer.name}' which overwrites it"
+                )

@@ -1,0 +1,1 @@
+"""Optimizers: ortrain.optim.Lamb."""

@@ -1,0 +1,125 @@
+"""What ortrain needs to know about a torch optimizer to put its update in the graph."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ortrain.errors import UnsupportedOptimizerError
+
+# Per-group hyperparameters fed to the update graph each step (read from param_groups).
+HYPERPARAMETERS = {
+    "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "lamb": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay"),
+}
+
+# Optimizer state tensors per parameter, named as torch names them in optimizer.state.
+STATE_NAMES = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "lamb": ("exp_avg", "exp_avg_sq"),
+    "sgd": ("momentum_buffer",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    params: tuple[str, ...]
+    nesterov: bool = False  # SGD
+    momentum: bool = False  # SGD: keeps a momentum buffer
+    bias_correction: bool = True  # LAMB
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    kind: str
+    groups: tuple[GroupSpec, ...]
+
+    @property
+    def hyperparameters(self) -> tuple[str, ...]:
+        return HYPERPARAMETERS[self.kind]
+
+    def state_names(self, group: GroupSpec) -> tuple[str, ...]:
+        if self.kind == "sgd" and not group.momentum:
+            return ()
+        return STATE_NAMES[self.kind]
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    try:  # TEMP
+        from ortrain.optim.lamb import Lamb
+    except ImportError:
+        Lamb = ()
+    if isinstance(optimizer, Lamb):
+        return "lamb"
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        decoupled = optimizer.defaults.get("decoupled_weight_decay", False)
+        return "adamw" if decoupled else "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise UnsupportedOptimizerError(
+        f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported "
+        "by ortrain; use torch.optim.AdamW, Adam, SGD or ortrain.optim.Lamb"
+    )
+
+
+def optimizer_spec(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> OptimizerSpec:
+    """Describe ``optimizer``; ``names`` maps id(parameter) -> parameter name."""
+    kind = _kind(optimizer)
+    name = type(optimizer).__name__
+    groups = []
+    seen: set[str] = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for opt in ("amsgrad", "maximize"):
+            if group.get(opt):
+                raise UnsupportedOptimizerError(f"{name}({opt}=True) in param group {gi} is not supported")
+        if kind == "sgd" and group.get("nesterov") and group.get("dampening", 0) != 0:
+            raise UnsupportedOptimizerError("SGD: nesterov momentum requires dampening=0")
+        pnames = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise UnsupportedOptimizerError(
+                    f"{name} param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                    "not a parameter of the model"
+                )
+            if names[id(p)] in seen:
+                raise UnsupportedOptimizerError(f"parameter {names[id(p)]} is in two param groups")
+            seen.add(names[id(p)])
+            if p.requires_grad:
+                pnames.append(names[id(p)])
+        groups.append(
+            GroupSpec(
+                tuple(pnames),
+                nesterov=bool(group.get("nesterov", False)),
+                momentum=float(group.get("momentum", 0.0)) != 0.0,
+                bias_correction=bool(group.get("bias_correction", True)),
+            )
+        )
+    return OptimizerSpec(kind, tuple(groups))
+
+
+def group_values(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> list[dict[str, float]]:
+    """This step's hyperparameters per group (so LR schedulers work unchanged)."""
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        values: dict[str, float] = {}
+        for h in spec.hyperparameters:
+            if h in ("beta1", "beta2"):
+                values[h] = float(group["betas"][0 if h == "beta1" else 1])
+            else:
+                values[h] = float(group.get(h, 0.0))
+        gs = spec.groups[gi]
+        if spec.kind == "sgd" and (float(group.get("momentum", 0.0)) != 0.0) != gs.momentum:
+            raise UnsupportedOptimizerError(
+                f"SGD param group {gi}: momentum switched between zero and non-zero after the "
+                "training graph was built"
+            )
+        out.append(values)
+    return out

@@ -1,0 +1,43 @@
+"""User-facing options of ORTTrainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """How ORTTrainer builds and runs the training graph.
+
+    device: "cpu" (CUDA arrives with the CUDA issue).
+    grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
+        so N micro-batches of size b train like one batch of size N*b.
+    max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off.
+    seed: seeds dropout masks in the graph (two runs with one seed are identical).
+    intra_op_threads: ONNX Runtime threads per session (None: ORT's default).
+    save_graphs_dir: write the ONNX graph after each build stage there (for Netron).
+    check_finite: raise NonFiniteLossError (without applying the update) on NaN/Inf loss.
+    """
+
+    device: str = "cpu"
+    grad_accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    seed: int = 0
+    intra_op_threads: int | None = None
+    save_graphs_dir: str | os.PathLike | None = None
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu":
+            raise ValueError(
+                f"TrainerOptions.device={self.device!r}: only 'cpu' is supported in this build"
+            )
+        if self.grad_accumulation_steps < 1:
+            raise ValueError(
+                f"TrainerOptions.grad_accumulation_steps must be >= 1, got {self.grad_accumulation_steps}"
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"TrainerOptions.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.intra_op_threads is not None and self.intra_op_threads < 1:
+            raise ValueError(f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}")

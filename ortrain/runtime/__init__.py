@@ -1,0 +1,1 @@
+"""Executing training graphs with ONNX Runtime: sessions, bindings, persistent state."""

@@ -1,0 +1,337 @@
+"""ORTTrainer: a PyTorch training loop's model + optimizer, run as ONNX Runtime graphs.
+
+Per batch shape signature the module is exported once and turned into a gradient
+graph (forward + minimal backward); one update graph (clipping + optimizer) serves
+all signatures. Parameters, gradients and optimizer state are tensors whose memory
+ONNX Runtime reads and writes in place through IOBinding; a step moves only the
+batch in and the loss out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import onnx_ir as ir
+from graph_passes.accumulate import accumulate_gradients
+from graph_passes.autodiff import build_gradient_graph
+from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.optimizer import UpdateGraph, build_update_graph
+from graph_passes.optimizer.update_graph import state_key
+from ortrain import checkpoint
+from ortrain.errors import BatchError, NonFiniteLossError
+from ortrain.export import ExportedForward, LossFn, export_forward, normalize_batch
+from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
+from ortrain.options import TrainerOptions
+from ortrain.roles import Role
+from ortrain.runtime.session import BoundSession, make_session
+
+
+@dataclasses.dataclass
+class StageRecord:
+    graph: str
+    stage: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+
+
+@dataclasses.dataclass
+class _Compiled:
+    """One batch shape signature: its gradient (or eval) session and batch names."""
+
+    session: BoundSession
+    batch_names: list[str]
+    batch_dtypes: dict[str, torch.dtype]
+    output_keys: list[str]
+
+
+class StepOutputs(dict):
+    """eval_step's result: a dict of tensors that also allows ``outputs.loss``."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(name) from exc
+
+
+def _signature(batch: Mapping[str, Any]) -> tuple:
+    sig = []
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            sig.append((k, tuple(v.shape), v.dtype))
+        else:
+            sig.append((k, "const", repr(v)))
+    return tuple(sig)
+
+
+class ORTTrainer:
+    """Train ``model`` with ``optimizer`` through ONNX Runtime.
+
+    ``train_step(*args, **kwargs)`` runs forward, backward and (every
+    ``grad_accumulation_steps`` micro-steps) the optimizer update, and returns the loss
+    as a 0-dim tensor. The model's output may be the loss, a tuple starting with it, or
+    an object with ``.loss``; or pass ``loss_fn(outputs, batch) -> loss``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: TrainerOptions | None = None,
+        *,
+        loss_fn: LossFn | None = None,
+    ):
+        self.module = model
+        self.optimizer = optimizer
+        self.options = options or TrainerOptions()
+        self.loss_fn = loss_fn
+        named = dict(model.named_parameters())
+        self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
+        self.trainable = [n for g in self.spec.groups for n in g.params]
+        # Parameters share memory with the module on CPU: updates are visible in place.
+        self.params: dict[str, torch.Tensor] = {}
+        for n, p in named.items():
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {n} is {p.dtype}; ortrain trains float32 parameters")
+            if not p.data.is_contiguous():
+                p.data = p.data.contiguous()
+            self.params[n] = p.data
+        self.buffers = {n: b.data.contiguous() for n, b in model.named_buffers()}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.opt_state: dict[str, torch.Tensor] = {}
+        self.step_tensor = torch.zeros((), dtype=torch.float32)
+        self._scalars = {
+            "grad_scale": torch.ones((), dtype=torch.float32),
+            "max_grad_norm": torch.zeros((), dtype=torch.float32),
+        }
+        self._loss = torch.zeros((), dtype=torch.float32)
+        self._grad_norm = torch.zeros((), dtype=torch.float32)
+        self._train: dict[tuple, _Compiled] = {}
+        self._eval: dict[tuple, _Compiled] = {}
+        self._update: BoundSession | None = None
+        self._update_graph: UpdateGraph | None = None
+        self.grad_params: list[str] | None = None  # trainable params reached by the loss
+        self.micro_step = 0
+        self.build_log: list[StageRecord] = []
+        self._graph_dir = (
+            Path(self.options.save_graphs_dir) if self.options.save_graphs_dir else None
+        )
+        if self._graph_dir is not None:
+            self._graph_dir.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ building
+    def _save(self, model: ir.Model, name: str) -> None:
+        if self._graph_dir is not None:
+            ir.save(model, self._graph_dir / f"{name}.onnx")
+
+    def _stage(self, graph: str, stage: str, model: ir.Model, fn: Callable[[], Any]) -> Any:
+        before = len(model.graph)
+        t = time.perf_counter()
+        out = fn()
+        self.build_log.append(
+            StageRecord(graph, stage, time.perf_counter() - t, before, len(model.graph))
+        )
+        self._save(model, f"{graph}.{len(self.build_log):02d}.{stage}")
+        return out
+
+    def _export(self, batch: Mapping[str, Any], *, train: bool) -> ExportedForward:
+        t = time.perf_counter()
+        ex = export_forward(
+            self.module, batch, train=train, loss_fn=self.loss_fn, with_outputs=not train
+        )
+        n = len(ex.model.graph)
+        self.build_log.append(
+            StageRecord("train" if train else "eval", "export", time.perf_counter() - t, 0, n)
+        )
+        return ex
+
+    def _build_train(self, batch: Mapping[str, Any]) -> _Compiled:
+        ex = self._export(batch, train=True)
+        model = ex.model
+        inputs = {r.name for r in ex.io}
+        wrt = [n for n in self.trainable if n in inputs]
+        self._stage("train", "seed_dropout", model, lambda: seed_dropouts(model, self.options.seed))
+        result = self._stage(
+            "train", "autodiff", model, lambda: build_gradient_graph(model, ex.output_names[0], wrt)
+        )
+        grad_params = sorted(result.grad_outputs, key=self.trainable.index)
+        if self.grad_params is None:
+            self.grad_params = grad_params
+            self._build_update()
+        elif grad_params != self.grad_params:
+            raise BatchError(
+                "this batch reaches a different set of parameters than the first one "
+                f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
+            )
+        accumulate = self.options.grad_accumulation_steps > 1
+        aliases = {}
+        if accumulate:
+            aliases = self._stage(
+                "train", "accumulate", model,
+                lambda: accumulate_gradients(model, result.grad_outputs),
+            )
+        ir.passes.common.RemoveUnusedNodesPass()(model)
+        session = BoundSession(make_session(model, threads=self.options.intra_op_threads))
+        session.bind_inputs({**self.params, **self.buffers})
+        if accumulate:
+            session.bind_inputs({acc: self.grads[out[len("grad:"):]] for acc, out in aliases.items()})
+        session.bind_outputs({ex.output_names[0]: self._loss})
+        session.bind_outputs({result.grad_outputs[p]: self.grads[p] for p in grad_params})
+        batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
+        dtypes = {k: batch[k].dtype for k in batch_names}
+        return _Compiled(session, batch_names, dtypes, ex.output_keys)
+
+    def _build_update(self) -> None:
+        assert self.grad_params is not None
+        shapes = {p: tuple(self.params[p].shape) for p in self.grad_params}
+        for p in self.grad_params:
+            self.grads[p] = torch.zeros_like(self.params[p])
+            for gi, g in enumerate(self.spec.groups):
+                if p in g.params:
+                    for s in self.spec.state_names(self.spec.groups[gi]):
+                        self.opt_state.setdefault(state_key(s, p), torch.zeros_like(self.params[p]))
+        ug = build_update_graph(
+            self.spec, shapes, clip_grad_norm=self.options.max_grad_norm is not None
+        )
+        self._save(ug.model, "update")
+        self._update_graph = ug
+        self._hyper = {
+            io.name: torch.zeros((), dtype=torch.float32)
+            for io in ug.io
+            if io.role is Role.HYPERPARAMETER
+        }
+        sess = BoundSession(make_session(ug.model, threads=self.options.intra_op_threads))
+        sess.bind_inputs({**self.params, **self.opt_state, **self._hyper, **self._scalars})
+        sess.bind_inputs({f"grad:{p}": self.grads[p] for p in self.grad_params})
+        sess.bind_inputs({"step": self.step_tensor})
+        outputs = {"new:step": self.step_tensor, "grad_norm": self._grad_norm}
+        for out, src in ug.aliases.items():
+            if src != "step":
+                outputs[out] = self.params[src] if src in self.params else self.opt_state[src]
+        sess.bind_outputs(outputs)
+        self._update = sess
+
+    def _compiled(self, batch: Mapping[str, Any], *, train: bool) -> _Compiled:
+        cache = self._train if train else self._eval
+        sig = _signature(batch)
+        if sig not in cache:
+            cache[sig] = self._build_train(batch) if train else self._build_eval(batch)
+        return cache[sig]
+
+    def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
+        ex = self._export(batch, train=False)
+        self._save(ex.model, "eval")
+        session = BoundSession(make_session(ex.model, threads=self.options.intra_op_threads))
+        session.bind_inputs({**self.params, **self.buffers})
+        for name in ex.output_names:
+            session.bind_output_to_cpu(name)
+        batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
+        return _Compiled(session, batch_names, {k: batch[k].dtype for k in batch_names}, ex.output_keys)
+
+    # ------------------------------------------------------------------ running
+    def _bind_batch(self, compiled: _Compiled, batch: Mapping[str, Any]) -> list[torch.Tensor]:
+        keep = []
+        for name in compiled.batch_names:
+            t = batch[name]
+            if t.device.type != "cpu":
+                raise BatchError(f"batch input '{name}' is on {t.device}; this trainer runs on cpu")
+            t = t.contiguous()
+            keep.append(t)
+            compiled.session.bind_batch(name, t)
+        return keep
+
+    def _normalize(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        batch = normalize_batch(self.module, args, kwargs)
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
+                raise BatchError(f"batch input '{k}' is {v.dtype}; expected float32")
+        return batch
+
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward + backward (+ optimizer update at the end of an accumulation window)."""
+        batch = self._normalize(args, kwargs)
+        compiled = self._compiled(batch, train=True)
+        keep = self._bind_batch(compiled, batch)
+        accum = self.options.grad_accumulation_steps
+        if accum > 1 and self.micro_step == 0:
+            for g in self.grads.values():
+                g.zero_()
+        compiled.session.run()
+        del keep
+        loss = self._loss.clone()
+        if self.options.check_finite and not math.isfinite(float(loss)):
+            self.micro_step = 0
+            raise NonFiniteLossError(
+                f"loss is {float(loss)} at optimizer step {int(self.step_tensor)}; the update "
+                "was not applied and parameters/optimizer state are unchanged"
+            )
+        self.micro_step += 1
+        if self.micro_step == accum:
+            self.micro_step = 0
+            self._apply_update()
+        return loss
+
+    def _apply_update(self) -> None:
+        assert self._update is not None
+        for gi, values in enumerate(group_values(self.optimizer, self.spec)):
+            for h, v in values.items():
+                self._hyper[f"group{gi}.{h}"].fill_(v)
+        self._scalars["grad_scale"].fill_(1.0 / self.options.grad_accumulation_steps)
+        if self.options.max_grad_norm is not None:
+            self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
+        self._update.run()
+
+    @property
+    def last_grad_norm(self) -> float:
+        """Global gradient norm (before clipping) of the last optimizer update."""
+        return float(self._grad_norm)
+
+    @property
+    def step(self) -> int:
+        return int(self.step_tensor)
+
+    @torch.no_grad()
+    def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:
+        """Forward only in eval mode (no dropout), no update: loss and other outputs."""
+        batch = self._normalize(args, kwargs)
+        compiled = self._compiled(batch, train=False)
+        keep = self._bind_batch(compiled, batch)
+        compiled.session.run()
+        del keep
+        values = compiled.session.binding.get_outputs()
+        return StepOutputs(
+            (k, torch.from_numpy(v.numpy())) for k, v in zip(compiled.output_keys, values)
+        )
+
+    # ------------------------------------------------------------------ state
+    @torch.no_grad()
+    def sync_to_module(self) -> torch.nn.Module:
+        """Copy trained weights into the module (a no-op where memory is shared)."""
+        for n, p in self.module.named_parameters():
+            if p.data.data_ptr() != self.params[n].data_ptr():
+                p.data.copy_(self.params[n])
+        for n, b in self.module.named_buffers():
+            if b.data_ptr() != self.buffers[n].data_ptr():
+                b.copy_(self.buffers[n])
+        return self.module
+
+    def state_dict(self) -> dict[str, Any]:
+        return checkpoint.trainer_state_dict(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        checkpoint.load_trainer_state_dict(self, state)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        checkpoint.load(self, path)
