@@ -48,6 +48,7 @@ class _Compiled:
     """One batch shape signature: its gradient (or eval) session and batch names."""
 
     session: BoundSession
+    model: ir.Model  # the graph the session runs (for inspection and tests)
     batch_names: list[str]
     batch_dtypes: dict[str, torch.dtype]
     output_keys: list[str]
@@ -188,7 +189,7 @@ class ORTTrainer:
         session.bind_outputs({result.grad_outputs[p]: self.grads[p] for p in grad_params})
         batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
-        return _Compiled(session, batch_names, dtypes, ex.output_keys)
+        return _Compiled(session, model, batch_names, dtypes, ex.output_keys)
 
     def _build_update(self) -> None:
         assert self.grad_params is not None
@@ -235,7 +236,8 @@ class ORTTrainer:
         for name in ex.output_names:
             session.bind_output_to_cpu(name)
         batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
-        return _Compiled(session, batch_names, {k: batch[k].dtype for k in batch_names}, ex.output_keys)
+        dtypes = {k: batch[k].dtype for k in batch_names}
+        return _Compiled(session, ex.model, batch_names, dtypes, ex.output_keys)
 
     # ------------------------------------------------------------------ running
     def _bind_batch(self, compiled: _Compiled, batch: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -289,11 +291,22 @@ class ORTTrainer:
         if self.options.max_grad_norm is not None:
             self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
         self._update.run()
+        # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     @property
     def last_grad_norm(self) -> float:
         """Global gradient norm (before clipping) of the last optimizer update."""
         return float(self._grad_norm)
+
+    @property
+    def train_graphs(self) -> list[ir.Model]:
+        """The compiled gradient graphs, one per batch shape signature."""
+        return [c.model for c in self._train.values()]
+
+    @property
+    def update_graph(self) -> ir.Model | None:
+        return self._update_graph.model if self._update_graph is not None else None
 
     @property
     def step(self) -> int:

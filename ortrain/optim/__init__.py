@@ -1,1 +1,5 @@
 """Optimizers: ortrain.optim.Lamb."""
+
+from ortrain.optim.lamb import Lamb
+
+__all__ = ["Lamb"]

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from ortrain.errors import UnsupportedOptimizerError
+from ortrain.optim.lamb import Lamb
 
 # Per-group hyperparameters fed to the update graph each step (read from param_groups).
 HYPERPARAMETERS = {
@@ -49,10 +50,6 @@ class OptimizerSpec:
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> str:
-    try:  # TEMP
-        from ortrain.optim.lamb import Lamb
-    except ImportError:
-        Lamb = ()
     if isinstance(optimizer, Lamb):
         return "lamb"
     if isinstance(optimizer, torch.optim.AdamW):

@@ -48,13 +48,23 @@ def _onehot(ctx: GradContext, labels: ir.Value, scores_shape, dtype: ir.DataType
 
 @gradient("SoftmaxCrossEntropyLoss", nondiff_inputs=(1, 2), forward_outputs=2)
 def softmax_cross_entropy(ctx: GradContext):
-    # d loss / d scores = (softmax(scores) - onehot(labels)) * coefficient per sample
+    # Output 0: d loss / d scores = (softmax(scores) - onehot(labels)) * coefficient per sample.
+    # Output 1 (log_prob = scores - logsumexp(scores, 1)), when used: dlp - softmax * sum(dlp, 1).
     scores = ctx.I(0)
     shape = ctx.shape(scores)
-    coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
     prob = ctx.op("Exp", ctx.O(1))
-    diff = ctx.op("Sub", prob, _onehot(ctx, ctx.I(1), shape, scores.dtype))
-    return {0: ctx.op("Mul", diff, coef, shape=shape)}
+    parts = []
+    if ctx.GO(0) is not None:
+        coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
+        diff = ctx.op("Sub", prob, _onehot(ctx, ctx.I(1), shape, scores.dtype))
+        parts.append(ctx.op("Mul", diff, coef, shape=shape))
+    if ctx.GO(1) is not None:
+        glp = ctx.GO(1)
+        total = ctx.op("ReduceSum", glp, ctx.ints([1]), keepdims=1)
+        parts.append(ctx.op("Sub", glp, ctx.op("Mul", prob, total), shape=shape))
+    if len(parts) == 1:
+        return {0: parts[0]}
+    return {0: ctx.op("Add", *parts, shape=shape)}
 
 
 @gradient("NegativeLogLikelihoodLoss", nondiff_inputs=(1, 2))

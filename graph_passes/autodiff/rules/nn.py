@@ -32,32 +32,43 @@ def log_softmax(ctx: GradContext):
 
 @gradient("LayerNormalization", forward_outputs=3)
 def layer_norm(ctx: GradContext):
-    # xhat = (x - mean) * rstd ; y = xhat * scale + bias
+    # xhat = (x - mean) * rstd ; y = xhat * scale + bias ; n = elements per normalized group
     # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale
+    # Mean / InvStdDev outputs, when used: dmean/dx = 1/n, drstd/dx = -rstd^2 * xhat / n.
     x, scale, g = ctx.I(0), ctx.I(1), ctx.GO(0)
     mean, rstd = ctx.O(1), ctx.O(2)
     shape = ctx.shape(x)
     rank = len(shape)
     axis = int(ctx.attr("axis", -1)) % rank
     norm_axes = ctx.ints(list(range(axis, rank)))
-    lead_axes = list(range(axis))
     if mean.dtype != x.dtype:  # stats are stashed in fp32 for half inputs
         mean, rstd = ctx.cast_like(mean, x), ctx.cast_like(rstd, x)
     xhat = ctx.op("Mul", ctx.op("Sub", x, mean), rstd)
+    parts = []
     out = {}
-    if ctx.needs(0):
+    if g is not None and ctx.needs(0):
         dxhat = ctx.op("Mul", g, scale)
         m1 = ctx.op("ReduceMean", dxhat, norm_axes, keepdims=1)
         m2 = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat), norm_axes, keepdims=1)
         inner = ctx.op("Sub", ctx.op("Sub", dxhat, m1), ctx.op("Mul", xhat, m2))
-        out[0] = ctx.op("Mul", inner, rstd, shape=shape)
-    pshape = ctx.shape(scale)
-    if ctx.needs(1):
-        gs = ctx.op("Mul", g, xhat)
-        out[1] = ctx.sum_to(gs, shape, pshape)
-    if ctx.has_input(2) and ctx.needs(2):
+        parts.append(ctx.op("Mul", inner, rstd, shape=shape))
+    if ctx.needs(0) and (ctx.GO(1) is not None or ctx.GO(2) is not None):
+        n = 1
+        for d in shape[axis:]:
+            n *= d
+        stats = ctx.zeros(ctx.shape(ctx.O(1)), x.dtype) if ctx.GO(1) is None else ctx.GO(1)
+        stats = ctx.cast_like(stats, x)
+        if ctx.GO(2) is not None:
+            grstd = ctx.cast_like(ctx.GO(2), x)
+            t = ctx.op("Mul", ctx.op("Mul", grstd, ctx.op("Mul", rstd, rstd)), xhat)
+            stats = ctx.op("Sub", stats, t)
+        parts.append(ctx.op("Mul", stats, ctx.scalar_like(1.0 / n, x), shape=shape))
+    if parts:
+        out[0] = parts[0] if len(parts) == 1 else ctx.op("Add", *parts, shape=shape)
+    if g is not None and ctx.needs(1):
+        out[1] = ctx.sum_to(ctx.op("Mul", g, xhat), shape, ctx.shape(scale))
+    if g is not None and ctx.has_input(2) and ctx.needs(2):
         out[2] = ctx.sum_to(g, shape, ctx.shape(ctx.I(2)))
-    del lead_axes
     return out
 
 

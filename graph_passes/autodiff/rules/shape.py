@@ -69,7 +69,7 @@ def slice_(ctx: GradContext):
         raise NotImplementedError("Slice with non-constant starts/ends/axes/steps")
     out_shape = list(ctx.shape(ctx.O(0)))
     cur = g
-    for start, axis, step in zip(starts, axes, steps):
+    for start, axis, step in zip(starts, axes, steps, strict=True):
         axis %= rank
         n = shape[axis]
         if step <= 0:
@@ -104,26 +104,17 @@ def slice_(ctx: GradContext):
 
 @gradient("Pad", nondiff_inputs=(1, 2, 3))
 def pad(ctx: GradContext):
+    # Constant mode: y = x with p[i] zeros/values added (p < 0: entries removed) at each
+    # end, so dx = Pad(dy, -p): added entries are cut off, removed ones get zero gradient.
     mode = ctx.attr("mode", "constant")
     if mode != "constant":
         raise NotImplementedError(f"Pad mode {mode!r}")
     pads = ctx.const_ints(ctx.I(1))
     if pads is None:
         raise NotImplementedError("Pad with non-constant pads")
-    rank = ctx.rank(ctx.I(0))
-    axes = ctx.const_ints(ctx.I(3)) if ctx.has_input(3) else list(range(rank))
-    k = len(axes)
-    out_shape = ctx.shape(ctx.O(0))
-    starts, ends = [], []
-    for j, ax in enumerate(axes):
-        ax %= rank
-        starts.append(pads[j])
-        ends.append(out_shape[ax] - pads[k + j])
-    sl = ctx.op(
-        "Slice", ctx.GO(0), ctx.ints(starts), ctx.ints(ends), ctx.ints([a % rank for a in axes])
-    )
-    sl.shape = ctx.I(0).shape
-    return {0: sl}
+    extra = (None, ctx.I(3)) if ctx.has_input(3) else ()  # same axes, constant 0
+    neg = ctx.ints([-p for p in pads])
+    return {0: ctx.op("Pad", ctx.GO(0), neg, *extra, shape=ctx.shape(ctx.I(0)))}
 
 
 def _scatter_add_rows(ctx: GradContext, table_shape, indices, updates):
@@ -180,10 +171,11 @@ def tile(ctx: GradContext):
     reps = ctx.const_ints(ctx.I(1))
     if reps is None:
         raise NotImplementedError("Tile with non-constant repeats")
+    # y[r0*d0 + i0, ...] = x[i0, ...]: view dy as [r0, d0, r1, d1, ...], sum the r axes.
     shape = ctx.shape(ctx.I(0))
     inter = []
-    for r, d in zip(reps, shape):
+    for r, d in zip(reps, shape, strict=True):
         inter += [r, d]
     g = ctx.reshape(ctx.GO(0), inter)
-    red = ctx.op("ReduceSum", g, ctx.ints(list(range(0, 2 * len(shape), 2))), keepdims=0)
-    return {0: ctx.reshape(red, shape)}
+    axes = ctx.ints(list(range(0, 2 * len(shape), 2)))
+    return {0: ctx.op("ReduceSum", g, axes, keepdims=0, shape=shape)}

@@ -1,0 +1,102 @@
+"""Small HF models and batches shared by the end-to-end tests (built from configs)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def gpt2(layers: int = 4, hidden: int = 256, vocab: int = 512, dropout: float = 0.0, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _quiet_transformers()
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=64,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def bert_config(vocab: int = 512, hidden: int = 128, layers: int = 2, dropout: float = 0.0):
+    from transformers import BertConfig
+
+    _quiet_transformers()
+    return BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=hidden * 4, max_position_embeddings=64,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+        attn_implementation="eager", pad_token_id=0,
+    )
+
+
+def bert_mlm(seed: int = 0, **kw):
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(seed)
+    return BertForMaskedLM(bert_config(**kw))
+
+
+def bert_pretraining(seed: int = 0, **kw):
+    from transformers import BertForPreTraining
+
+    torch.manual_seed(seed)
+    return BertForPreTraining(bert_config(**kw))
+
+
+def lm_batches(n: int, batch: int = 4, seq: int = 32, vocab: int = 512, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def bert_batches(n: int, batch: int = 4, seq: int = 32, vocab: int = 512, nsp: bool = False, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, vocab, (batch, seq), generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        for b in range(batch):  # right padding of varying length
+            pad = int(torch.randint(0, seq // 2, (1,), generator=g))
+            if pad:
+                mask[b, seq - pad :] = 0
+                ids[b, seq - pad :] = 0
+        types = torch.zeros(batch, seq, dtype=torch.long)
+        types[:, seq // 2 :] = 1
+        labels = torch.full((batch, seq), -100)
+        pick = (torch.rand(batch, seq, generator=g) < 0.15) & (mask == 1)
+        pick[:, 1] = True  # at least one label per row
+        labels[pick] = ids[pick]
+        item = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels}
+        if nsp:
+            item["next_sentence_label"] = torch.randint(0, 2, (batch,), generator=g)
+        out.append(item)
+    return out
+
+
+def decay_groups(model: torch.nn.Module, wd: float = 0.01) -> list[dict]:
+    """The usual transformer split: no weight decay for biases and LayerNorm weights."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "LayerNorm" in name or "ln_" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+    yield
