@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter
 
 

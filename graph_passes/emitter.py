@@ -11,15 +11,25 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-
 import onnx_ir as ir
 
 MS_DOMAIN = "com.microsoft"
 
 
 _BOOL_OPS = frozenset(
-    {"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Not", "Xor",
-     "IsNaN", "IsInf"}
+    {
+        "Equal",
+        "Greater",
+        "GreaterOrEqual",
+        "Less",
+        "LessOrEqual",
+        "And",
+        "Or",
+        "Not",
+        "Xor",
+        "IsNaN",
+        "IsInf",
+    }
 )
 
 
@@ -103,7 +113,7 @@ class Emitter:
         return node.outputs
 
     def const(self, value: float | int | Sequence, dtype: ir.DataType) -> ir.Value:
-        """A constant initializer (cached), e.g. ``const(0.5, FLOAT)`` or ``const([0, 1], INT64)``."""
+        """A cached constant initializer, e.g. ``const(0.5, FLOAT)``, ``const([0, 1], INT64)``."""
         arr = np.asarray(value, dtype=dtype.numpy())
         key = (dtype, arr.shape, arr.tobytes())
         if key not in self._consts:
@@ -133,5 +143,8 @@ class Emitter:
 def static_shape(value: ir.Value) -> tuple[int, ...]:
     shape = value.shape
     if shape is None or not all(isinstance(d, int) for d in shape.dims):
-        raise ValueError(f"value {value.name!r} has no static shape ({shape}); ortrain compiles one graph per shape signature")
+        raise ValueError(
+            f"value {value.name!r} has no static shape ({shape}); ortrain compiles one graph "
+            "per batch shape signature"
+        )
     return tuple(int(d) for d in shape.dims)

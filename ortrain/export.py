@@ -18,9 +18,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import onnx_ir as ir
 import torch
 
-import onnx_ir as ir
 from ortrain.errors import ExportError
 from ortrain.roles import GraphIO, Role
 
@@ -35,8 +35,18 @@ class ExportedForward:
     output_keys: list[str]  # user-facing key of each output ("loss", "logits", ...)
 
 
-def normalize_batch(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Positional and keyword batch arguments as one name -> value mapping."""
+def normalize_batch(
+    module: torch.nn.Module, args: tuple, kwargs: dict, *, allow_extra: bool = False
+) -> dict[str, Any]:
+    """Positional and keyword batch arguments as one name -> value mapping.
+
+    ``allow_extra``: keywords the forward does not take (targets for a ``loss_fn``).
+    """
+    params = inspect.signature(module.forward).parameters
+    extra = {}
+    if allow_extra and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        extra = {k: v for k, v in kwargs.items() if k not in params}
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
     try:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
     except TypeError as exc:
@@ -51,6 +61,7 @@ def normalize_batch(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[
                 raise TypeError("ortrain does not support *args in forward; pass keywords")
         else:
             out[name] = value
+    out.update(extra)
     return out
 
 
@@ -81,7 +92,9 @@ def other_outputs(outputs: Any) -> list[tuple[str, torch.Tensor]]:
             (str(k), v) for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)
         ]
     if isinstance(outputs, (tuple, list)):
-        return [(f"output_{i}", v) for i, v in enumerate(outputs) if i and isinstance(v, torch.Tensor)]
+        return [
+            (f"output_{i}", v) for i, v in enumerate(outputs) if i and isinstance(v, torch.Tensor)
+        ]
     return []
 
 
@@ -112,7 +125,9 @@ class _Functional(torch.nn.Module):
         kwargs = {**self.const_kwargs, **batch}
         if self.loss_fn is not None:
             model_kwargs = {k: v for k, v in kwargs.items() if k in self._forward_params()}
-            outputs = torch.func.functional_call(self.module, state, (), model_kwargs, tie_weights=True)
+            outputs = torch.func.functional_call(
+                self.module, state, (), model_kwargs, tie_weights=True
+            )
             loss = self.loss_fn(outputs, kwargs)
         else:
             outputs = torch.func.functional_call(self.module, state, (), kwargs, tie_weights=True)
@@ -169,9 +184,11 @@ def export_forward(
         raise ExportError(f"batch input names clash with parameter names: {sorted(clash)}")
     pnames, bnames, keys = list(params), list(buffers), list(tensors)
     wrapper = _Functional(module, pnames, bnames, keys, consts, loss_fn, with_outputs)
-    flat = tuple(p.detach() for p in params.values()) + tuple(
-        b.detach() for b in buffers.values()
-    ) + tuple(tensors.values())
+    flat = (
+        tuple(p.detach() for p in params.values())
+        + tuple(b.detach() for b in buffers.values())
+        + tuple(tensors.values())
+    )
     was_training = module.training
     module.train(train)
     sink = io.StringIO()

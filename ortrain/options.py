@@ -35,9 +35,12 @@ class TrainerOptions:
             )
         if self.grad_accumulation_steps < 1:
             raise ValueError(
-                f"TrainerOptions.grad_accumulation_steps must be >= 1, got {self.grad_accumulation_steps}"
+                "TrainerOptions.grad_accumulation_steps must be >= 1, got "
+                f"{self.grad_accumulation_steps}"
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainerOptions.max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
-            raise ValueError(f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}")
+            raise ValueError(
+                f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}"
+            )

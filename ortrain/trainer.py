@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import onnx_ir as ir
 import torch
 
-import onnx_ir as ir
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import build_gradient_graph
 from graph_passes.dropout_seed import seed_dropouts
@@ -177,14 +177,18 @@ class ORTTrainer:
         aliases = {}
         if accumulate:
             aliases = self._stage(
-                "train", "accumulate", model,
+                "train",
+                "accumulate",
+                model,
                 lambda: accumulate_gradients(model, result.grad_outputs),
             )
         ir.passes.common.RemoveUnusedNodesPass()(model)
         session = BoundSession(make_session(model, threads=self.options.intra_op_threads))
         session.bind_inputs({**self.params, **self.buffers})
         if accumulate:
-            session.bind_inputs({acc: self.grads[out[len("grad:"):]] for acc, out in aliases.items()})
+            session.bind_inputs(
+                {acc: self.grads[out[len("grad:") :]] for acc, out in aliases.items()}
+            )
         session.bind_outputs({ex.output_names[0]: self._loss})
         session.bind_outputs({result.grad_outputs[p]: self.grads[p] for p in grad_params})
         batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
@@ -252,7 +256,7 @@ class ORTTrainer:
         return keep
 
     def _normalize(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        batch = normalize_batch(self.module, args, kwargs)
+        batch = normalize_batch(self.module, args, kwargs, allow_extra=self.loss_fn is not None)
         for k, v in batch.items():
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
                 raise BatchError(f"batch input '{k}' is {v.dtype}; expected float32")

@@ -22,9 +22,17 @@ def gpt2(layers: int = 4, hidden: int = 256, vocab: int = 512, dropout: float = 
     _quiet_transformers()
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=64,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg)
 
@@ -34,10 +42,16 @@ def bert_config(vocab: int = 512, hidden: int = 128, layers: int = 2, dropout: f
 
     _quiet_transformers()
     return BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-        intermediate_size=hidden * 4, max_position_embeddings=64,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-        attn_implementation="eager", pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=hidden * 4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation="eager",
+        pad_token_id=0,
     )
 
 
@@ -64,7 +78,9 @@ def lm_batches(n: int, batch: int = 4, seq: int = 32, vocab: int = 512, seed: in
     return out
 
 
-def bert_batches(n: int, batch: int = 4, seq: int = 32, vocab: int = 512, nsp: bool = False, seed: int = 2):
+def bert_batches(
+    n: int, batch: int = 4, seq: int = 32, vocab: int = 512, nsp: bool = False, seed: int = 2
+):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):

@@ -22,10 +22,10 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-import onnx_ir as ir
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from graph_passes.emitter import MS_DOMAIN
 
@@ -74,44 +74,44 @@ def _nonzero(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 2.0, shape)
 
 
-def X(*shape: int, grad: bool = True, dtype: str = "float32") -> In:  # noqa: N802
+def X(*shape: int, grad: bool = True, dtype: str = "float32") -> In:
     """A float input drawn from N(0, 1), differentiated by default."""
     return In(tuple(shape), dtype, _normal, grad)
 
 
-def Pos(*shape: int, grad: bool = True) -> In:  # noqa: N802
+def Pos(*shape: int, grad: bool = True) -> In:
     """A float input in [0.5, 2] (Log, Sqrt, Pow base, class weights)."""
     return In(tuple(shape), "float32", _positive, grad)
 
 
-def NonZero(*shape: int, grad: bool = True) -> In:  # noqa: N802
+def NonZero(*shape: int, grad: bool = True) -> In:
     """A float input with |x| in [0.5, 2] (divisors, Abs, Reciprocal)."""
     return In(tuple(shape), "float32", _nonzero, grad)
 
 
-def Const(value: object, dtype: str = "int64") -> In:  # noqa: N802
+def Const(value: object, dtype: str = "int64") -> In:
     """A constant initializer: shape / axes / starts / repeats / pads / scalar exponent."""
     arr = np.asarray(value, dtype=dtype)
     return In(arr.shape, dtype, const=True, value=arr)
 
 
-def Index(shape: tuple[int, ...], lo: int, hi: int) -> In:  # noqa: N802
+def Index(shape: tuple[int, ...], lo: int, hi: int) -> In:
     """An int64 graph input drawn uniformly from [lo, hi)."""
     return In(tuple(shape), "int64", lambda rng, s: rng.integers(lo, hi, s))
 
 
-def Fixed(value: object, dtype: str = "int64") -> In:  # noqa: N802
+def Fixed(value: object, dtype: str = "int64") -> In:
     """A graph input with a fixed value (e.g. GatherND indices)."""
     arr = np.asarray(value, dtype=dtype)
     return In(arr.shape, dtype, value=arr)
 
 
-def Mask(*shape: int) -> In:  # noqa: N802
+def Mask(*shape: int) -> In:
     """A bool graph input (Where condition)."""
     return In(tuple(shape), "bool", lambda rng, s: rng.random(s) < 0.5)
 
 
-def Labels(shape: tuple[int, ...], classes: int, ignore: int | None = None) -> In:  # noqa: N802
+def Labels(shape: tuple[int, ...], classes: int, ignore: int | None = None) -> In:
     """Class labels in [0, classes); with ``ignore``, about a third of them (at least one,
     never all) are set to the ignored index."""
 
@@ -150,7 +150,7 @@ class Spec:
         return [i for i, s in enumerate(self.inputs) if s is not None and s.grad]
 
 
-def case(id: str, op: str, inputs: Sequence[In | None], ref: Callable, **kw) -> Spec:  # noqa: A002
+def case(id: str, op: str, inputs: Sequence[In | None], ref: Callable, **kw) -> Spec:
     return Spec(id, op, inputs, ref, **kw)
 
 
@@ -168,9 +168,7 @@ def _session(model: ir.Model) -> ort.InferenceSession:
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     proto = ir.serde.serialize_model(model)
-    return ort.InferenceSession(
-        proto.SerializeToString(), opts, providers=["CPUExecutionProvider"]
-    )
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def _forward_graph(spec: Spec, arrays: list[np.ndarray | None], out_types=None):
@@ -203,9 +201,7 @@ def _forward_graph(spec: Spec, arrays: list[np.ndarray | None], out_types=None):
 
 
 def _model(inputs, outputs, nodes, inits) -> ir.Model:
-    graph = ir.Graph(
-        inputs, outputs, nodes=nodes, initializers=inits, opset_imports=dict(OPSETS)
-    )
+    graph = ir.Graph(inputs, outputs, nodes=nodes, initializers=inits, opset_imports=dict(OPSETS))
     return ir.Model(graph, ir_version=IR_VERSION)
 
 
@@ -233,7 +229,7 @@ def run_onnx(spec: Spec, arrays, rng: np.random.Generator):
     nodes = [node]
     used = spec.loss_outputs
     if used is None:
-        used = tuple(k for k, (_, a) in enumerate(zip(out_types, first)) if a.dtype in FLOAT_DTYPES)
+        used = tuple(k for k, a in enumerate(first) if a.dtype in FLOAT_DTYPES)
     rs: dict[int, np.ndarray] = {}
     terms = []
     for k in used:
@@ -340,7 +336,9 @@ def seed_of(spec_id: str) -> int:
     return zlib.crc32(spec_id.encode())
 
 
-def check_gradients(spec: Spec) -> GradientGraphResult:
+def check_gradients(spec: Spec) -> tuple[GradientGraphResult, list[np.ndarray]]:
+    """Raise AssertionError unless ONNX Runtime and torch agree; return the gradient
+    graph result and the node's forward outputs from ONNX Runtime."""
     rng = np.random.default_rng(seed_of(spec.id))
     arrays = [None if s is None else s.draw(rng) for s in spec.inputs]
     fwd, grads, rs, res = run_onnx(spec, arrays, rng)
@@ -352,7 +350,7 @@ def check_gradients(spec: Spec) -> GradientGraphResult:
     for i in spec.wrt:
         assert grads[i].dtype == arrays[i].dtype, f"{spec.id}: grad {i} dtype {grads[i].dtype}"
         assert_close(grads[i], ref_grads[i], f"{spec.id}: d loss / d input {i}")
-    return res
+    return res, fwd
 
 
 # --- a tiny graph builder for the structural tests -----------------------------------------

@@ -38,9 +38,7 @@ def run_both(
     accum = options.grad_accumulation_steps
     losses_ref, losses = [], []
     for batch in batches:
-        micro = [
-            {k: v.chunk(accum)[i] for k, v in batch.items()} for i in range(accum)
-        ]
+        micro = [{k: v.chunk(accum)[i] for k, v in batch.items()} for i in range(accum)]
         opt_ref.zero_grad()
         for mb in micro:
             loss = ref(**mb).loss
@@ -69,8 +67,7 @@ def assert_parity(ref, model, trainer, losses_ref, losses):
         )
     # Training really moved the weights (the comparison is not between initial values).
     moved = [
-        (p - q).abs().max().item()
-        for p, q in zip(model.parameters(), make_initial(model, trainer))
+        (p - q).abs().max().item() for p, q in zip(model.parameters(), make_initial(model, trainer))
     ]
     assert max(moved) > 1e-3
 
@@ -132,10 +129,15 @@ def test_sgd_momentum_nesterov_weight_decay():
         return torch.optim.SGD(
             [
                 {"params": [p for p in m.parameters() if p.ndim >= 2], "nesterov": True},
-                {"params": [p for p in m.parameters() if p.ndim < 2], "momentum": 0.5,
-                 "dampening": 0.1},
+                {
+                    "params": [p for p in m.parameters() if p.ndim < 2],
+                    "momentum": 0.5,
+                    "dampening": 0.1,
+                },
             ],
-            lr=0.5, momentum=0.9, weight_decay=1e-3,
+            lr=0.5,
+            momentum=0.9,
+            weight_decay=1e-3,
         )
 
     _check(small_gpt2, opt, lm_batches(12, vocab=256))
@@ -167,8 +169,12 @@ def test_gradient_clipping():
 
 
 def test_gradient_accumulation_micro_batches():
-    _check(small_gpt2, adamw, lm_batches(6, batch=4, vocab=256),
-           TrainerOptions(grad_accumulation_steps=2))
+    _check(
+        small_gpt2,
+        adamw,
+        lm_batches(6, batch=4, vocab=256),
+        TrainerOptions(grad_accumulation_steps=2),
+    )
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -181,8 +187,10 @@ def test_gradient_accumulation_equals_one_big_batch():
         big = ref(**batch).loss
         big.backward()
         opt_ref.step()
-        micro = [trainer.train_step(**{k: v.chunk(4)[i] for k, v in batch.items()}).item()
-                 for i in range(4)]
+        micro = [
+            trainer.train_step(**{k: v.chunk(4)[i] for k, v in batch.items()}).item()
+            for i in range(4)
+        ]
         assert sum(micro) / 4 == pytest.approx(big.item(), rel=LOSS_RTOL)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         p, q = drop_key_bias(name, p, ref), drop_key_bias(name, q, ref)
@@ -211,8 +219,9 @@ def test_frozen_parameters_get_no_gradient_nodes():
     outputs = {v.name for v in graph.graph.outputs}
     for name in frozen:
         assert f"grad:{name}" not in outputs
-        assert torch.equal(dict(model.named_parameters())[name],
-                           dict(ref_init.named_parameters())[name])
+        assert torch.equal(
+            dict(model.named_parameters())[name], dict(ref_init.named_parameters())[name]
+        )
     # Only the token embedding is scattered into; the frozen position embedding is not.
     assert sum(1 for n in graph.graph if n.op_type == "ScatterND") == 1
     # No gradient node reads a frozen parameter's Gemm weight path: the first block's

@@ -18,12 +18,13 @@ import dataclasses
 from collections.abc import Sequence
 
 import onnx_ir as ir
+
 from graph_passes.autodiff import registry
 from graph_passes.autodiff.context import GradContext
-from graph_passes.emitter import Emitter, static_shape
 
 # Import for registration side effects.
 from graph_passes.autodiff.rules import register_all
+from graph_passes.emitter import Emitter, static_shape
 
 register_all()
 
@@ -184,7 +185,9 @@ def build_gradient_graph(
         diff_inputs = [
             i
             for i, v in enumerate(node.inputs)
-            if v is not None and id(v) in fwd and (reg is None or reg.input_differentiable(i))
+            if v is not None
+            and id(v) in fwd
+            and (reg is None or reg.kind != "rule" or reg.input_differentiable(i))
         ]
         if not diff_inputs:
             continue
@@ -245,7 +248,10 @@ def build_gradient_graph(
             for i, v in enumerate(node.inputs)
             if v is not None and id(v) in needed and reg.input_differentiable(i)
         )
-        em.metadata = {"ortrain.grad_of": node.name, "namespace": node.metadata_props.get("namespace", "")}
+        em.metadata = {
+            "ortrain.grad_of": node.name,
+            "namespace": node.metadata_props.get("namespace", ""),
+        }
         ctx = GradContext(node, em, gos, want)
         try:
             result = reg.fn(ctx)

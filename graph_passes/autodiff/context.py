@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter, static_shape
 
 
@@ -30,7 +30,7 @@ class GradContext:
         self.needed = needed
 
     # --- forward values and gradients -------------------------------------------------
-    def I(self, i: int) -> ir.Value:  # noqa: N802
+    def I(self, i: int) -> ir.Value:
         v = self.node.inputs[i] if i < len(self.node.inputs) else None
         if v is None:
             raise IndexError(f"{self.node.op_type} node {self.node.name!r} has no input {i}")
@@ -39,13 +39,13 @@ class GradContext:
     def has_input(self, i: int) -> bool:
         return i < len(self.node.inputs) and self.node.inputs[i] is not None
 
-    def O(self, i: int) -> ir.Value:  # noqa: N802
+    def O(self, i: int) -> ir.Value:
         return self.node.outputs[i]
 
-    def GO(self, i: int) -> ir.Value | None:  # noqa: N802
+    def GO(self, i: int) -> ir.Value | None:
         return self._go[i] if i < len(self._go) else None
 
-    def GO_or_zeros(self, i: int) -> ir.Value:  # noqa: N802
+    def GO_or_zeros(self, i: int) -> ir.Value:
         g = self.GO(i)
         if g is not None:
             return g
@@ -76,9 +76,7 @@ class GradContext:
         return self.em.ints(values)
 
     def zeros(self, shape: Sequence[int], dtype: ir.DataType) -> ir.Value:
-        return self.op(
-            "Expand", self.const(0, dtype), self.ints(shape), dtype=dtype, shape=shape
-        )
+        return self.op("Expand", self.const(0, dtype), self.ints(shape), dtype=dtype, shape=shape)
 
     # --- static shape helpers -------------------------------------------------------
     @staticmethod

@@ -20,8 +20,6 @@ import dataclasses
 from collections.abc import Callable
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Registration:
     op_type: str

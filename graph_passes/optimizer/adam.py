@@ -1,14 +1,15 @@
 """Adam and AdamW, in torch's order of operations (single-tensor implementation).
 
-    AdamW: p = p * (1 - lr * wd)          Adam: g = g + wd * p
-    m = m + (1 - b1) * (g - m)            (torch: exp_avg.lerp_(g, 1 - b1))
-    v = b2 * v + (1 - b2) * g * g
-    p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+AdamW: p = p * (1 - lr * wd)          Adam: g = g + wd * p
+m = m + (1 - b1) * (g - m)            (torch: exp_avg.lerp_(g, 1 - b1))
+v = b2 * v + (1 - b2) * g * g
+p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter
 
 

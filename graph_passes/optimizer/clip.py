@@ -1,6 +1,6 @@
 """Global-norm gradient clipping with torch.nn.utils.clip_grad_norm_ semantics:
 
-    total = sqrt(sum_i ||g_i||^2);  coef = min(max_norm / (total + 1e-6), 1);  g_i *= coef
+total = sqrt(sum_i ||g_i||^2);  coef = min(max_norm / (total + 1e-6), 1);  g_i *= coef
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter
 
 

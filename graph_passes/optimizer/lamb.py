@@ -1,15 +1,16 @@
 """LAMB (ortrain.optim.Lamb semantics, as used for BERT pretraining):
 
-    m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
-    m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)   (when bias_correction)
-    u = m_hat / (sqrt(v_hat) + eps) + wd * p
-    trust = ||p|| / ||u||  if both norms > 0, else 1
-    p = p - lr * trust * u
+m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
+m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)   (when bias_correction)
+u = m_hat / (sqrt(v_hat) + eps) + wd * p
+trust = ||p|| / ||u||  if both norms > 0, else 1
+p = p - lr * trust * u
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter
 
 

@@ -1,15 +1,16 @@
 """SGD with momentum, dampening, Nesterov and L2 weight decay, as torch.optim.SGD:
 
-    d = g + wd * p
-    buf = d                                   on the first step
-    buf = momentum * buf + (1 - dampening) * d  afterwards
-    d = d + momentum * buf (nesterov) | buf
-    p = p - lr * d
+d = g + wd * p
+buf = d                                   on the first step
+buf = momentum * buf + (1 - dampening) * d  afterwards
+d = d + momentum * buf (nesterov) | buf
+p = p - lr * d
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter
 
 

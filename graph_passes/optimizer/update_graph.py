@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import onnx_ir as ir
+
 from graph_passes.emitter import Emitter
 from graph_passes.optimizer import adam, clip, lamb, sgd
 from ortrain.optim.spec import OptimizerSpec
@@ -102,13 +103,19 @@ def build_update_graph(
             kw = {"momentum": group.momentum, "nesterov": group.nesterov}
         else:
             kw = {"bias_correction": group.bias_correction}
-        p_new, s_new = module.update(em, params[p], scaled[p], states[p], hps[gi], group_sc[gi], **kw)
+        p_new, s_new = module.update(
+            em, params[p], scaled[p], states[p], hps[gi], group_sc[gi], **kw
+        )
         add_output(p_new, f"new:{p}", Role.PARAMETER, of=p, alias=p)
         for s, v in s_new.items():
-            add_output(v, f"new:{state_key(s, p)}", Role.OPTIMIZER_STATE, of=p, alias=state_key(s, p))
+            add_output(
+                v, f"new:{state_key(s, p)}", Role.OPTIMIZER_STATE, of=p, alias=state_key(s, p)
+            )
     add_output(step_new, "new:step", Role.STEP, alias="step")
     em.flush_before(None)
-    add_output(norm if norm.producer() is not None else em.op("Identity", norm), "grad_norm", Role.CLIP)
+    add_output(
+        norm if norm.producer() is not None else em.op("Identity", norm), "grad_norm", Role.CLIP
+    )
     em.flush_before(None)
     model = ir.Model(graph, ir_version=10, producer_name="ortrain")
     check_inplace_safe(model, aliases)

@@ -65,9 +65,7 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     )
 
 
-def optimizer_spec(
-    optimizer: torch.optim.Optimizer, names: dict[int, str]
-) -> OptimizerSpec:
+def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimizerSpec:
     """Describe ``optimizer``; ``names`` maps id(parameter) -> parameter name."""
     kind = _kind(optimizer)
     name = type(optimizer).__name__
@@ -76,7 +74,9 @@ def optimizer_spec(
     for gi, group in enumerate(optimizer.param_groups):
         for opt in ("amsgrad", "maximize"):
             if group.get(opt):
-                raise UnsupportedOptimizerError(f"{name}({opt}=True) in param group {gi} is not supported")
+                raise UnsupportedOptimizerError(
+                    f"{name}({opt}=True) in param group {gi} is not supported"
+                )
         if kind == "sgd" and group.get("nesterov") and group.get("dampening", 0) != 0:
             raise UnsupportedOptimizerError("SGD: nesterov momentum requires dampening=0")
         pnames = []

@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 import torch
-
-import onnx_ir as ir
 
 # Keep ONNX Runtime from deleting Dropout nodes: training graphs need live masks.
 DISABLED_OPTIMIZERS = ["EliminateDropout"]
@@ -80,9 +79,7 @@ class BoundSession:
 
     def bind_batch(self, name: str, t: torch.Tensor) -> None:
         """Bind a batch tensor by pointer (no copy); the caller keeps ``t`` alive for the run."""
-        self.binding.bind_input(
-            name, "cpu", 0, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
-        )
+        self.binding.bind_input(name, "cpu", 0, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr())
 
     def bind_output_to_cpu(self, name: str) -> None:
         self.binding.bind_output(name, "cpu")

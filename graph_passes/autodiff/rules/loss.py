@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-
 import onnx_ir as ir
+
 from graph_passes.autodiff.context import GradContext
 from graph_passes.autodiff.registry import gradient
 
@@ -19,8 +19,8 @@ def _sample_coefficients(ctx: GradContext, labels_i: int, weights_i: int):
         eq = ctx.op("Equal", labels, ctx.const(int(ignore), labels.dtype))
         valid = ctx.op("Not", eq)
     if ctx.has_input(weights_i):
-        safe = labels if valid is None else ctx.op(
-            "Where", valid, labels, ctx.const(0, labels.dtype)
+        safe = (
+            labels if valid is None else ctx.op("Where", valid, labels, ctx.const(0, labels.dtype))
         )
         w = ctx.op("Gather", ctx.I(weights_i), safe, axis=0)
         if valid is not None:

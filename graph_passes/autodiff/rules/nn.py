@@ -56,13 +56,18 @@ def layer_norm(ctx: GradContext):
         n = 1
         for d in shape[axis:]:
             n *= d
-        stats = ctx.zeros(ctx.shape(ctx.O(1)), x.dtype) if ctx.GO(1) is None else ctx.GO(1)
-        stats = ctx.cast_like(stats, x)
+        dstats = None
         if ctx.GO(2) is not None:
             grstd = ctx.cast_like(ctx.GO(2), x)
             t = ctx.op("Mul", ctx.op("Mul", grstd, ctx.op("Mul", rstd, rstd)), xhat)
-            stats = ctx.op("Sub", stats, t)
-        parts.append(ctx.op("Mul", stats, ctx.scalar_like(1.0 / n, x), shape=shape))
+            dstats = ctx.op("Neg", t)
+        if ctx.GO(1) is not None:
+            gmean = ctx.cast_like(ctx.GO(1), x)
+            if dstats is None:
+                dstats = ctx.op("Expand", gmean, ctx.ints(shape))
+            else:
+                dstats = ctx.op("Add", dstats, gmean)
+        parts.append(ctx.op("Mul", dstats, ctx.scalar_like(1.0 / n, x), shape=shape))
     if parts:
         out[0] = parts[0] if len(parts) == 1 else ctx.op("Add", *parts, shape=shape)
     if g is not None and ctx.needs(1):
@@ -77,8 +82,11 @@ def _gelu_erf_grad(ctx: GradContext, x):
     half = ctx.scalar_like(0.5, x)
     one = ctx.scalar_like(1.0, x)
     cdf = ctx.op(
-        "Mul", half, ctx.op("Add", one, ctx.op("Erf", ctx.op("Mul", x, ctx.scalar_like(
-            1.0 / math.sqrt(2.0), x))))
+        "Mul",
+        half,
+        ctx.op(
+            "Add", one, ctx.op("Erf", ctx.op("Mul", x, ctx.scalar_like(1.0 / math.sqrt(2.0), x)))
+        ),
     )
     pdf = ctx.op(
         "Mul",
@@ -103,7 +111,8 @@ def _gelu_tanh_grad(ctx: GradContext, x):
     one = ctx.scalar_like(1.0, x)
     left = ctx.op("Mul", half, ctx.op("Add", one, t))
     du = ctx.op(
-        "Mul", ctx.scalar_like(c, x),
+        "Mul",
+        ctx.scalar_like(c, x),
         ctx.op("Add", one, ctx.op("Mul", x2, ctx.scalar_like(3 * 0.044715, x))),
     )
     right = ctx.op(

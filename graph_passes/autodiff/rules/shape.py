@@ -44,9 +44,7 @@ def concat(ctx: GradContext):
     rank = ctx.rank(ctx.O(0))
     axis = axis % rank
     sizes = [ctx.shape(ctx.I(i))[axis] for i in range(len(ctx.node.inputs))]
-    pieces = ctx.op_multi(
-        "Split", ctx.GO(0), ctx.ints(sizes), axis=axis, num_outputs=len(sizes)
-    )
+    pieces = ctx.op_multi("Split", ctx.GO(0), ctx.ints(sizes), axis=axis, num_outputs=len(sizes))
     out = {}
     for i, piece in enumerate(pieces):
         piece.dtype = ctx.GO(0).dtype
@@ -91,9 +89,7 @@ def slice_(ctx: GradContext):
         pads[axis] = s
         pads[rank + axis] = after
         if after < 0:  # the interleaved tail overshoots the input: trim it
-            cur = ctx.op(
-                "Slice", cur, ctx.ints([0]), ctx.ints([n - s]), ctx.ints([axis])
-            )
+            cur = ctx.op("Slice", cur, ctx.ints([0]), ctx.ints([n - s]), ctx.ints([axis]))
             pads[rank + axis] = 0
         if any(pads):
             cur = ctx.op("Pad", cur, ctx.ints(pads))
@@ -153,7 +149,7 @@ def gather(ctx: GradContext):
     g_t = ctx.op("Transpose", g, perm=perm_g)
     t_shape = [shape[axis], *shape[:axis], *shape[axis + 1 :]]
     scattered = _scatter_add_rows(ctx, t_shape, idx, g_t)
-    perm_back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    perm_back = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
     return {0: ctx.op("Transpose", scattered, perm=perm_back, shape=shape)}
 
 

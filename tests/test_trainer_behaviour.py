@@ -1,0 +1,234 @@
+"""ORTTrainer behaviour beyond parity: dropout seeding, eval, shapes, errors, state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ortrain import (
+    BatchError,
+    CheckpointError,
+    GradientError,
+    NonFiniteLossError,
+    ORTTrainer,
+    TrainerOptions,
+    UnsupportedOptimizerError,
+)
+from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
+
+
+def tiny(dropout: float = 0.0):
+    return gpt2(layers=2, hidden=64, vocab=128, dropout=dropout)
+
+
+def _losses(seed: int, steps: int = 4) -> list[float]:
+    model = tiny(dropout=0.1)
+    trainer = ORTTrainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), TrainerOptions(seed=seed)
+    )
+    return [trainer.train_step(**b).item() for b in lm_batches(steps, vocab=128)]
+
+
+def test_dropout_same_seed_identical_other_seed_differs():
+    a, b, c = _losses(1), _losses(1), _losses(2)
+    assert a == b
+    assert a != c
+    # Masks change every step: a fixed batch gives different losses on consecutive steps
+    # even with lr=0.
+    model = tiny(dropout=0.1)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    batch = lm_batches(1, vocab=128)[0]
+    first, second = trainer.train_step(**batch).item(), trainer.train_step(**batch).item()
+    assert first != second
+
+
+def test_dropout_training_lowers_loss_like_eager():
+    """100 steps on a small fixed corpus with dropout 0.1: both backends learn it."""
+    corpus = lm_batches(4, batch=4, seq=32, vocab=128, seed=7)
+    ref = tiny(dropout=0.1)
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    eager, ours = [], []
+    for step in range(100):
+        batch = corpus[step % len(corpus)]
+        opt_ref.zero_grad()
+        loss = ref(**batch).loss
+        loss.backward()
+        opt_ref.step()
+        eager.append(loss.item())
+        ours.append(trainer.train_step(**batch).item())
+    first = sum(ours[:4]) / 4
+    last_ours, last_eager = sum(ours[-4:]) / 4, sum(eager[-4:]) / 4
+    assert last_ours < 0.6 * first  # a concrete drop
+    assert abs(last_ours - last_eager) < 0.15 * last_eager  # and like eager's
+
+
+def test_eval_step_matches_eager_eval():
+    model = bert_mlm(dropout=0.1)
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = bert_batches(1)[0]
+    trainer.train_step(**batch)
+    out = trainer.eval_step(**batch)
+    model.eval()
+    with torch.no_grad():
+        ref = model(**batch)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["logits"], ref.logits, rtol=1e-4, atol=1e-5)
+    step = trainer.step
+    trainer.eval_step(**batch)
+    assert trainer.step == step  # no update
+
+
+def test_new_batch_shape_compiles_a_second_graph_and_keeps_parity():
+    ref = tiny()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    shapes = [(4, 32), (2, 16), (4, 32), (3, 24)]
+    g = torch.Generator().manual_seed(0)
+    for b, s in shapes:
+        ids = torch.randint(0, 128, (b, s), generator=g)
+        opt_ref.zero_grad()
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt_ref.step()
+        assert trainer.train_step(input_ids=ids, labels=ids).item() == pytest.approx(
+            loss.item(), rel=1e-4
+        )
+    assert len(trainer.train_graphs) == 3
+
+
+def test_positional_batch_and_loss_fn():
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(0)
+    ref = Regressor()
+    model = copy.deepcopy(ref)
+
+    def loss_fn(out, batch):
+        return torch.nn.functional.mse_loss(out.squeeze(-1), batch["y"])
+
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    trainer = ORTTrainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        loss_fn=lambda out, batch: loss_fn(out, batch),
+    )
+    x, y = torch.randn(32, 8), torch.randn(32)
+    for _ in range(5):
+        opt_ref.zero_grad()
+        loss = loss_fn(ref(x), {"y": y})
+        loss.backward()
+        opt_ref.step()
+        ours = trainer.train_step(x, y=y)
+        assert ours.item() == pytest.approx(loss.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_op_without_rule_names_op_node_and_scope():
+    class RunningScore(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cumsum(self.proj(x), dim=-1).pow(2).mean()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scorer = RunningScore()
+
+        def forward(self, x):
+            return self.scorer(x)
+
+    model = Model()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(GradientError) as err:
+        trainer.train_step(torch.randn(3, 4))
+    msg = str(err.value)
+    assert "CumSum" in msg and "node" in msg and "scorer" in msg
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_unsupported_optimizer_and_options():
+    model = tiny()
+    with pytest.raises(UnsupportedOptimizerError, match="RMSprop"):
+        ORTTrainer(model, torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="amsgrad"):
+        ORTTrainer(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(UnsupportedOptimizerError, match="not a parameter"):
+        ORTTrainer(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="grad_accumulation_steps"):
+        TrainerOptions(grad_accumulation_steps=0)
+
+
+def test_nonfinite_loss_raises_and_keeps_state():
+    model = tiny()
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = lm_batches(1, vocab=128)[0]
+    trainer.train_step(**batch)
+    snapshot = {k: v.clone() for k, v in trainer.state_dict()["model"].items()}
+    with torch.no_grad():
+        model.transformer.ln_f.weight.fill_(float("inf"))
+    trainer.params["transformer.ln_f.weight"].copy_(model.transformer.ln_f.weight)
+    with pytest.raises(NonFiniteLossError, match="not applied"):
+        trainer.train_step(**batch)
+    state = trainer.state_dict()["model"]
+    for k, v in snapshot.items():
+        if k != "transformer.ln_f.weight":
+            assert torch.equal(state[k], v), k
+    assert trainer.step == 1
+
+
+def test_bad_batch_dtype_is_named():
+    model = tiny()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(BatchError, match="input_ids"):
+        trainer.train_step(input_ids=torch.zeros(2, 8, dtype=torch.float64), labels=None)
+
+
+def test_state_dict_roundtrip_and_eager_optimizer_compat():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = ORTTrainer(model, opt)
+    batches = lm_batches(4, vocab=128)
+    for b in batches[:3]:
+        trainer.train_step(**b)
+    sd = trainer.state_dict()
+    # The optimizer part is torch's own format: an eager AdamW loads it.
+    eager = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    eager.load_state_dict(sd["model"])
+    eager_opt.load_state_dict(sd["optimizer"])
+    first = next(iter(eager_opt.state.values()))
+    assert float(first["step"]) == 3.0
+    # And it loads back into a fresh trainer, which then continues identically.
+    expected = trainer.train_step(**batches[3]).item()
+    model2 = tiny()
+    trainer2 = ORTTrainer(model2, torch.optim.AdamW(model2.parameters(), lr=1e-3))
+    trainer2.load_state_dict(sd)
+    assert trainer2.train_step(**batches[3]).item() == expected
+    # A state dict of another model is refused with the mismatch named, nothing changed.
+    other = gpt2(layers=1, hidden=64, vocab=128)
+    trainer3 = ORTTrainer(other, torch.optim.AdamW(other.parameters(), lr=1e-3))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"transformer\.h\.1"):
+        trainer3.load_state_dict(sd)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k])
