@@ -222,6 +222,12 @@ class Trace:
     rss_mib: list[float] = dataclasses.field(default_factory=list)  # RSS after the step
 
 
+def busy_cpu_seconds() -> float:
+    """System-wide busy CPU time (all processes, all CPUs)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
 def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -287,7 +293,9 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
 
     # ---- timed steps
     load_before = os.getloadavg()[0]
+    busy0 = busy_cpu_seconds()
     timed = timed_steps(s.step, batches, 1 + args.warmup, args.steps)
+    busy = busy_cpu_seconds() - busy0
     peak_end = peak_rss_bytes()
 
     median = statistics.median(timed.wall_s)
@@ -309,6 +317,8 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         # CPUs to itself, less when other processes competed for them.
         "cpu_util": sum(timed.cpu_s) / sum(timed.wall_s),
         "loadavg_1m": [load_before, os.getloadavg()[0]],
+        # CPUs kept busy by other processes during the timed steps (0 on a quiet machine).
+        "other_cpus": max(busy - sum(timed.cpu_s), 0.0) / sum(timed.wall_s),
         "first_loss": first.loss[0],
         "rss_start_mib": rss_start / 2**20,
         "rss_setup_mib": rss_setup / 2**20,
@@ -359,16 +369,42 @@ def run_child(args: argparse.Namespace, workload: str, backend: str) -> dict[str
         return result
 
 
+def contended(r: dict[str, Any]) -> bool:
+    """Other processes took a noticeable share of the CPUs during the timed steps."""
+    return r["other_cpus"] > 0.25 or r["cpu_util"] < 0.75 * r["threads"]
+
+
 def better(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
-    """Of two repeats, keep the one with the lower median step time."""
-    return b if a is None or b["median_step_s"] < a["median_step_s"] else a
+    """Of two repeats, keep the uncontended one, else the one with the lower median."""
+    if a is None:
+        return b
+    if contended(a) != contended(b):
+        return a if contended(b) else b
+    return b if b["median_step_s"] < a["median_step_s"] else a
+
+
+def source_state() -> dict[str, Any]:
+    """The git commit and uncommitted changes of the code under test."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        try:
+            out = subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True)
+        except OSError:
+            return ""
+        return out.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "ortrain", "graph_passes").splitlines()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": [d[3:] for d in dirty]}
 
 
 def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-def report(results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: float) -> str:
+def report(
+    results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: float, src: dict[str, Any]
+) -> str:
     lines = [
         "| workload | eager ms/step | ortrain ms/step | speedup | eager tok/s | ortrain tok/s "
         "| eager peak RSS MiB | ortrain peak RSS MiB | RSS ratio |",
@@ -390,7 +426,7 @@ def report(results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: 
         "",
         "| workload | backend | first step s | ortrain build: export / passes / ORT init s "
         "| RSS after warm-up MiB | RSS growth MiB/step | min / max ms | CPU ms/step "
-        "| CPU util | minor faults/step warm-up → timed | load 1m |",
+        "| CPU util | other procs' CPUs | minor faults/step warm-up → timed |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
@@ -411,12 +447,13 @@ def report(results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: 
                 f"| {x['rss_after_warmup_mib']:.0f} | {growth:+.2f} "
                 f"| {min(timed['wall_s']) * 1e3:.0f} / {max(timed['wall_s']) * 1e3:.0f} "
                 f"| {x['median_cpu_step_s'] * 1e3:.0f} | {x['cpu_util']:.2f} "
-                f"| {faults_w}k → {faults_t:.1f}k | {x['loadavg_1m'][0]:.2f} |"
+                f"| {x['other_cpus']:.2f} | {faults_w}k → {faults_t:.1f}k |"
             )
     lines += [
         "",
         "CPU ms/step: median process CPU time (all threads) per step, less sensitive to other "
-        "load than wall time; CPU util: CPU s per wall s in the timed steps (threads = ideal).",
+        "load than wall time; CPU util: CPU s per wall s in the timed steps (threads = ideal); "
+        "other procs' CPUs: CPUs kept busy by other processes meanwhile (0 = quiet machine).",
         "",
     ]
     for name, r in results.items():
@@ -424,6 +461,14 @@ def report(results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: 
             ms = ", ".join(f"{t * 1e3:.0f}" for t in r[b]["trace"]["warmup"]["wall_s"])
             lines.append(f"{name}: {b} warm-up step times ms: [{ms}]")
     for name, r in results.items():
+        for b in BACKENDS:
+            x = r[b]
+            if contended(x):
+                lines.append(
+                    f"WARNING {name} {b}: other processes used {x['other_cpus']:.2f} CPUs during "
+                    f"the timed steps (CPU util {x['cpu_util']:.2f} of {x['threads']} threads): "
+                    "its timings are contended"
+                )
         e, o = r["torch"], r["ortrain"]
         if rel_diff(e["param_checksum"], o["param_checksum"]) > 1e-9:
             lines.append(f"WARNING {name}: initial weights differ between the backends")
@@ -439,6 +484,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: 
         "",
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, python "
         f"{platform.python_version()}, {os.cpu_count()} CPUs; total wall time {wall_s:.0f} s",
+        f"code under test: commit {src['commit']}"
+        + (f" + uncommitted changes in {', '.join(src['dirty'])}" if src["dirty"] else ""),
         f"command: {command}",
     ]
     return "\n".join(lines)
@@ -465,7 +512,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0, help="all dropout probabilities")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-batches", type=int, default=4, help="distinct batches, cycled")
-    p.add_argument("--repeats", type=int, default=1, help="runs per backend; keeps the fastest")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per backend (keeps the fastest uncontended)"
+    )
     p.add_argument(
         "--wait-quiet",
         type=float,
@@ -491,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     command = "PYTHONPATH=. python " + shlex.join(sys.argv)
+    src = source_state()
     t0 = time.perf_counter()
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name in workloads:
@@ -503,17 +553,19 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"[{name} {backend} #{rep + 1}] median {r['median_step_s'] * 1e3:.1f} ms, "
                     f"first step {r['first_step_s']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
-                    f"process {r['process_s']:.0f} s",
+                    f"other procs {r['other_cpus']:.2f} CPUs, process {r['process_s']:.0f} s",
                     file=sys.stderr,
                     flush=True,
                 )
                 best[backend] = better(best[backend], r)
         results[name] = {b: r for b, r in best.items() if r is not None}
     wall = time.perf_counter() - t0
-    print(report(results, command, wall))
+    print(report(results, command, wall, src))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"command": command, "wall_s": wall, "results": results}, indent=1)
+            json.dumps(
+                {"command": command, "wall_s": wall, "source": src, "results": results}, indent=1
+            )
         )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 import onnxruntime as ort
 import torch
 

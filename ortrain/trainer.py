@@ -23,6 +23,8 @@ import torch
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import build_gradient_graph
 from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.optimizer import UpdateGraph, build_update_graph
 from graph_passes.optimizer.update_graph import state_key
 from ortrain import checkpoint
@@ -161,6 +163,7 @@ class ORTTrainer:
         inputs = {r.name for r in ex.io}
         wrt = [n for n in self.trainable if n in inputs]
         self._stage("train", "seed_dropout", model, lambda: seed_dropouts(model, self.options.seed))
+        self._stage("train", "fuse_gelu", model, lambda: fuse_gelu(model))
         result = self._stage(
             "train", "autodiff", model, lambda: build_gradient_graph(model, ex.output_names[0], wrt)
         )
@@ -173,6 +176,9 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
+        self._stage(
+            "train", "lower_cross_entropy", model, lambda: lower_softmax_cross_entropy(model)
+        )
         accumulate = self.options.grad_accumulation_steps > 1
         aliases = {}
         if accumulate:
@@ -234,6 +240,7 @@ class ORTTrainer:
 
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
         ex = self._export(batch, train=False)
+        lower_softmax_cross_entropy(ex.model)
         self._save(ex.model, "eval")
         session = BoundSession(make_session(ex.model, threads=self.options.intra_op_threads))
         session.bind_inputs({**self.params, **self.buffers})

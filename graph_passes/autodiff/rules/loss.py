@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from graph_passes.autodiff.context import GradContext
@@ -38,12 +37,19 @@ def _sample_coefficients(ctx: GradContext, labels_i: int, weights_i: int):
     return ctx.op("Mul", w, g)  # g is a scalar for mean/sum, per-sample for none
 
 
-def _onehot(ctx: GradContext, labels: ir.Value, scores_shape, dtype: ir.DataType):
-    c = scores_shape[1]
-    classes = np.arange(c, dtype=np.int64).reshape([1, c] + [1] * (len(scores_shape) - 2))
-    cls = ctx.const(classes.tolist(), labels.dtype)
-    lab = ctx.op("Unsqueeze", labels, ctx.ints([1]))
-    return ctx.op("Cast", ctx.op("Equal", lab, cls), to=dtype.value)
+def _add_at_labels(ctx: GradContext, base: ir.Value, labels: ir.Value, updates: ir.Value):
+    """``base`` with ``updates`` added at each sample's label along the class axis (1).
+
+    One ScatterElements instead of building a [N, C] one-hot (Equal, Cast, Sub): the
+    class dimension is the big one (the vocabulary). Ignored labels are clamped to 0;
+    their rows are multiplied by a zero coefficient afterwards.
+    """
+    ignore = ctx.attr("ignore_index")
+    if ignore is not None:
+        bad = ctx.op("Equal", labels, ctx.const(int(ignore), labels.dtype))
+        labels = ctx.op("Where", bad, ctx.const(0, labels.dtype), labels)
+    idx = ctx.op("Unsqueeze", labels, ctx.ints([1]))
+    return ctx.op("ScatterElements", base, idx, updates, axis=1, reduction="add")
 
 
 @gradient("SoftmaxCrossEntropyLoss", nondiff_inputs=(1, 2), forward_outputs=2)
@@ -56,7 +62,9 @@ def softmax_cross_entropy(ctx: GradContext):
     parts = []
     if ctx.GO(0) is not None:
         coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
-        diff = ctx.op("Sub", prob, _onehot(ctx, ctx.I(1), shape, scores.dtype))
+        idx_shape = [shape[0], 1, *shape[2:]]
+        minus_one = ctx.op("Expand", ctx.scalar_like(-1.0, scores), ctx.ints(idx_shape))
+        diff = _add_at_labels(ctx, prob, ctx.I(1), minus_one)
         parts.append(ctx.op("Mul", diff, coef, shape=shape))
     if ctx.GO(1) is not None:
         glp = ctx.GO(1)
@@ -73,5 +81,4 @@ def nll_loss(ctx: GradContext):
     x = ctx.I(0)
     shape = ctx.shape(x)
     coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
-    onehot = _onehot(ctx, ctx.I(1), shape, x.dtype)
-    return {0: ctx.op("Neg", ctx.op("Mul", onehot, coef), shape=shape)}
+    return {0: _add_at_labels(ctx, ctx.zeros(shape, x.dtype), ctx.I(1), ctx.op("Neg", coef))}

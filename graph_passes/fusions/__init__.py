@@ -1,0 +1,1 @@
+"""Fusions: onnxscript rewriter rules (pattern / replacement), one family per module."""

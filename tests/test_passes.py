@@ -1,0 +1,138 @@
+"""Graph passes: structure after the pass and numerical equivalence before/after."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
+from ortrain.export import export_forward
+from tests.conftest import gpt2
+
+
+def _run(model: ir.Model, feeds: dict) -> list[np.ndarray]:
+    data = ir.serde.serialize_model(model).SerializeToString()
+    return ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _ops(model: ir.Model) -> collections.Counter:
+    return collections.Counter(n.op_type for n in model.graph)
+
+
+def _model(nodes, inputs, outputs, opset=20) -> ir.Model:
+    g = helper.make_graph(nodes, "g", inputs, outputs)
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    proto.ir_version = 10
+    return ir.serde.deserialize_model(proto)
+
+
+def test_fuse_gelu_on_exported_gpt2_keeps_outputs():
+    model = gpt2(layers=3, hidden=64, vocab=64)
+    ids = torch.randint(0, 64, (2, 8))
+    ex = export_forward(model, {"input_ids": ids, "labels": ids}, train=False)
+    feeds = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    feeds.update(input_ids=ids.numpy(), labels=ids.numpy())
+    feeds = {v.name: feeds[v.name] for v in ex.model.graph.inputs}
+    before = _run(ex.model, feeds)
+    assert _ops(ex.model)["Tanh"] == 3
+    assert fuse_gelu(ex.model) == 3
+    ops = _ops(ex.model)
+    assert ops["Gelu"] == 3 and ops["Tanh"] == 0 and ops["Pow"] == 0
+    after = _run(ex.model, feeds)
+    np.testing.assert_allclose(after[0], before[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["div", "mul", "commuted"])
+def test_fuse_gelu_erf_forms(form):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])
+    c = [
+        helper.make_node("Constant", [], ["half"], value_float=0.5),
+        helper.make_node("Constant", [], ["one"], value_float=1.0),
+        helper.make_node("Constant", [], ["s"], value_float=2**0.5 if form != "mul" else 2**-0.5),
+    ]
+    scaled = helper.make_node("Mul" if form == "mul" else "Div", ["x", "s"], ["xs"])
+    half = (
+        helper.make_node("Mul", ["half", "x"], ["hx"])
+        if form == "commuted"
+        else helper.make_node("Mul", ["x", "half"], ["hx"])
+    )
+    nodes = [
+        *c,
+        scaled,
+        helper.make_node("Erf", ["xs"], ["e"]),
+        helper.make_node("Add", ["one", "e"] if form == "commuted" else ["e", "one"], ["a"]),
+        half,
+        helper.make_node("Mul", ["hx", "a"], ["y"]),
+    ]
+    model = _model(nodes, [x], [y])
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)}
+    before = _run(model, feeds)[0]
+    assert fuse_gelu(model) == 1
+    assert _ops(model)["Gelu"] == 1 and _ops(model)["Erf"] == 0
+    np.testing.assert_allclose(_run(model, feeds)[0], before, rtol=1e-5, atol=1e-6)
+    assert fuse_gelu(model) == 0  # nothing left to do: not modified
+
+
+def _sce_model(rank: int, with_log_prob: bool) -> ir.Model:
+    shape = [6, 10] if rank == 2 else [6, 10, 3]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    lab = helper.make_tensor_value_info("l", TensorProto.INT64, [shape[0], *shape[2:]])
+    outs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
+    names = ["loss"]
+    if with_log_prob:
+        outs.append(helper.make_tensor_value_info("lp", TensorProto.FLOAT, shape))
+        names.append("lp")
+    node = helper.make_node(
+        "SoftmaxCrossEntropyLoss", ["x", "l"], names, ignore_index=-100, reduction="mean"
+    )
+    return _model([node], [x, lab], outs)
+
+
+@pytest.mark.parametrize("with_log_prob", [True, False])
+def test_lower_cross_entropy_2d(with_log_prob):
+    model = _sce_model(2, with_log_prob)
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 10, 6)
+    labels[2] = -100
+    feeds = {"x": rng.standard_normal((6, 10)).astype(np.float32), "l": labels}
+    before = _run(model, feeds)
+    assert lower_softmax_cross_entropy(model) == 1
+    assert _ops(model) == collections.Counter({"LogSoftmax": 1, "NegativeLogLikelihoodLoss": 1})
+    assert [v.name for v in model.graph.outputs] == ["loss", "lp"][: 1 + with_log_prob]
+    after = _run(model, feeds)
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_lower_cross_entropy_leaves_3d_alone():
+    model = _sce_model(3, True)
+    assert lower_softmax_cross_entropy(model) == 0
+    assert _ops(model) == collections.Counter({"SoftmaxCrossEntropyLoss": 1})
+
+
+def test_seed_dropouts_gives_distinct_reproducible_seeds():
+    def build():
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+        nodes = [
+            helper.make_node("Dropout", ["x"], ["a"]),
+            helper.make_node("Dropout", ["a"], ["y"]),
+        ]
+        return _model(nodes, [x], [y])
+
+    m1, m2, m3 = build(), build(), build()
+    assert seed_dropouts(m1, 5) == 2 and seed_dropouts(m2, 5) == 2 and seed_dropouts(m3, 6) == 2
+    s1 = [n.attributes["seed"].value for n in m1.graph]
+    assert s1 == [n.attributes["seed"].value for n in m2.graph]
+    assert s1 != [n.attributes["seed"].value for n in m3.graph]
+    assert len(set(s1)) == 2
+    assert seed_dropouts(m1, 7) == 0  # existing seeds are kept
