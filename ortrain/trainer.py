@@ -23,6 +23,7 @@ import torch
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import build_gradient_graph
 from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.optimizer import UpdateGraph, build_update_graph
@@ -176,6 +177,7 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
+        self._stage("train", "fold_transpose_gemm", model, lambda: fold_transpose_into_gemm(model))
         self._stage(
             "train", "lower_cross_entropy", model, lambda: lower_softmax_cross_entropy(model)
         )

@@ -136,3 +136,52 @@ def test_seed_dropouts_gives_distinct_reproducible_seeds():
     assert s1 != [n.attributes["seed"].value for n in m3.graph]
     assert len(set(s1)) == 2
     assert seed_dropouts(m1, 7) == 0  # existing seeds are kept
+
+
+@pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_fold_transpose_into_gemm(ta, tb):
+    from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
+
+    m, k, n = 3, 4, 5
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [k, m] if ta else [m, k])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [n, k] if tb else [k, n])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, m])
+    nodes = [
+        helper.make_node("Gemm", ["a", "b"], ["g"], transA=ta, transB=tb, alpha=0.5),
+        helper.make_node("Transpose", ["g"], ["y"], perm=[1, 0]),
+    ]
+    model = _model(nodes, [a, b], [y])
+    rng = np.random.default_rng(3)
+    feeds = {
+        "a": rng.standard_normal([k, m] if ta else [m, k]).astype(np.float32),
+        "b": rng.standard_normal([n, k] if tb else [k, n]).astype(np.float32),
+    }
+    before = _run(model, feeds)[0]
+    assert fold_transpose_into_gemm(model) == 1
+    assert _ops(model) == collections.Counter({"Gemm": 1})
+    np.testing.assert_allclose(_run(model, feeds)[0], before, rtol=1e-6, atol=1e-6)
+
+
+def test_fold_transpose_keeps_gemm_with_other_uses_or_bias():
+    from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
+
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 4])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 5])
+    c = helper.make_tensor_value_info("c", TensorProto.FLOAT, [5])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 5])
+    shared = _model(
+        [helper.make_node("Gemm", ["a", "b"], ["z"]), helper.make_node("Transpose", ["z"], ["y"])],
+        [a, b],
+        [y, z],
+    )
+    assert fold_transpose_into_gemm(shared) == 0
+    biased = _model(
+        [
+            helper.make_node("Gemm", ["a", "b", "c"], ["g"]),
+            helper.make_node("Transpose", ["g"], ["y"]),
+        ],
+        [a, b, c],
+        [y],
+    )
+    assert fold_transpose_into_gemm(biased) == 0
