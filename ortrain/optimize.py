@@ -1,0 +1,183 @@
+"""`ortrain optimize`: forward graph passes for any ONNX model, checked by ONNX Runtime.
+
+Levels:
+- basic: constant folding (onnxscript optimizer, named size limits), dropout seeding
+  (so CSE cannot merge two independent Dropouts on one input), CSE, dead-code removal,
+  GELU fusion, lowering of 2-D SoftmaxCrossEntropyLoss.
+- extended: basic + onnxscript's ORT fusions: Transpose into FusedMatMul, Add+Gelu into
+  BiasGelu, residual Add + LayerNormalization into SkipLayerNormalization.
+
+After the pipeline the optimized and the original model run on the same random inputs;
+a mismatch re-runs the passes one by one to name the pass to blame.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import onnxscript.optimizer
+from onnxscript.rewriter.ort_fusions import bias_gelu, fused_matmul_rule_sets, skip_normalization
+
+from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
+from graph_passes.pipeline import Pass, PassRecord, format_table, run_pipeline
+from ortrain.errors import OrtrainError
+
+FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
+FOLD_OUTPUT_LIMIT = 1 << 20  # elements: folded results larger than this are not kept
+
+
+class OptimizeError(OrtrainError):
+    """An input that cannot be optimized, or a pass that changed the outputs."""
+
+
+def _fold(model: ir.Model) -> None:
+    onnxscript.optimizer.optimize(
+        model, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT
+    )
+
+
+def passes(level: str) -> list[Pass]:
+    basic = [
+        Pass("fold_constants", _fold),
+        Pass("seed_dropouts", lambda m: seed_dropouts(m, 0)),
+        Pass("cse", ir.passes.common.CommonSubexpressionEliminationPass()),
+        Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()),
+        Pass("fuse_gelu", fuse_gelu),
+        Pass("lower_cross_entropy", lower_softmax_cross_entropy),
+    ]
+    if level == "basic":
+        return basic
+    if level != "extended":
+        raise OptimizeError(f"unknown level {level!r}: use basic or extended")
+    return [
+        *basic,
+        Pass(
+            "fuse_matmul_transpose",
+            lambda m: fused_matmul_rule_sets.fused_matmul_rule_sets().apply_to_model(m),
+        ),
+        Pass("fuse_bias_gelu", bias_gelu.fuse_bias_gelu),
+        Pass("fuse_skip_layer_norm", skip_normalization.fuse_skip_layer_normalization),
+        Pass("remove_unused_final", ir.passes.common.RemoveUnusedNodesPass()),
+    ]
+
+
+def load(path: str | Path) -> ir.Model:
+    path = Path(path)
+    if not path.is_file():
+        raise OptimizeError(f"{path}: no such file")
+    try:
+        proto = onnx.load(str(path))
+    except Exception as exc:
+        raise OptimizeError(f"{path}: not a readable ONNX model ({type(exc).__name__})") from exc
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise OptimizeError(f"{path}: invalid ONNX model: {first}") from exc
+    return ir.serde.deserialize_model(proto)
+
+
+_NP = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _session(model: ir.Model) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    data = ir.serde.serialize_model(model).SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def random_feeds(sess: ort.InferenceSession, seed: int = 0, int_high: int = 2) -> dict:
+    """Random inputs: N(0,1) floats; integers in [0, int_high) (valid indices/masks)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in sess.get_inputs():
+        if any(not isinstance(d, int) for d in i.shape):
+            raise OptimizeError(
+                f"input '{i.name}' has a symbolic shape {i.shape}; "
+                "give static shapes to check the outputs"
+            )
+        dtype = _NP.get(i.type)
+        if dtype is None:
+            raise OptimizeError(f"input '{i.name}' has unsupported type {i.type}")
+        if np.issubdtype(dtype, np.floating):
+            feeds[i.name] = rng.standard_normal(i.shape).astype(dtype)
+        elif dtype is np.bool_:
+            feeds[i.name] = rng.integers(0, 2, i.shape).astype(bool)
+        else:
+            feeds[i.name] = rng.integers(0, int_high, i.shape).astype(dtype)
+    return feeds
+
+
+def _outputs_match(a: ir.Model, b: ir.Model, feeds: dict, rtol: float, atol: float) -> str | None:
+    ra = _session(a).run(None, feeds)
+    rb = _session(b).run(None, feeds)
+    names = [v.name for v in a.graph.outputs]
+    for name, x, y in zip(names, ra, rb, strict=True):
+        if x.shape != y.shape:
+            return f"output '{name}': shape {y.shape} != {x.shape}"
+        if not np.allclose(y, x, rtol=rtol, atol=atol, equal_nan=True):
+            err = float(np.max(np.abs(y.astype(np.float64) - x)))
+            return f"output '{name}': max abs difference {err:.3g} (rtol {rtol}, atol {atol})"
+    return None
+
+
+def optimize_file(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    level: str = "extended",
+    report: str | Path | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+) -> list[PassRecord]:
+    original = load(src)
+    model = load(src)
+    try:
+        feeds = random_feeds(_session(original))
+    except OptimizeError:
+        raise
+    except Exception as exc:
+        raise OptimizeError(
+            f"{src}: ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}"
+        ) from exc
+    pipeline = passes(level)
+    records = run_pipeline(model, pipeline)
+    problem = _outputs_match(original, model, feeds, rtol, atol)
+    if problem is not None:
+        blame = _blame(src, pipeline, feeds, rtol, atol)
+        raise OptimizeError(f"outputs changed after pass '{blame}': {problem}")
+    ir.save(model, dst)
+    if report is not None:
+        Path(report).write_text(json.dumps([r.__dict__ for r in records], indent=1))
+    return records
+
+
+def _blame(src, pipeline: Sequence[Pass], feeds: dict, rtol: float, atol: float) -> str:
+    reference = load(src)
+    model = load(src)
+    for p in pipeline:
+        run_pipeline(model, [p])
+        if _outputs_match(reference, model, feeds, rtol, atol) is not None:
+            return p.name
+    return pipeline[-1].name
+
+
+def summary(records: Sequence[PassRecord]) -> str:
+    return format_table(records)

@@ -1,0 +1,99 @@
+"""`ortrain optimize` on an exported BERT-MLM eval graph, and its errors."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from ortrain.cli import main
+from tests.conftest import bert_batches, bert_mlm
+
+
+@pytest.fixture(scope="module")
+def bert_onnx(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("optimize") / "bert_mlm.onnx"
+    model = bert_mlm(hidden=64).eval()
+    batch = bert_batches(1, batch=2, seq=16)[0]
+    del batch["labels"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            (),
+            str(path),
+            kwargs=batch,
+            dynamo=True,
+            input_names=list(batch),
+            output_names=["logits"],
+        )
+    return path
+
+
+def _ops(path: Path) -> collections.Counter:
+    import onnx
+
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+def test_optimize_bert_fewer_nodes_fused_ops_same_outputs(bert_onnx, tmp_path, capsys):
+    out = tmp_path / "opt.onnx"
+    report = tmp_path / "report.json"
+    assert main(["optimize", str(bert_onnx), "-o", str(out), "--report", str(report)]) == 0
+    before, after = _ops(bert_onnx), _ops(out)
+    assert sum(after.values()) < sum(before.values())
+    # 2 layers x (attention, FFN) residual LayerNorms; BiasGelu in both FFNs and the MLM head
+    assert after["SkipLayerNormalization"] == 4 and after["BiasGelu"] == 3
+    assert after["Gelu"] == 0
+    printed = capsys.readouterr().out
+    assert "fuse_skip_layer_norm" in printed and "outputs match" in printed
+    assert report.is_file()
+    # Independent check of the outputs on a real batch.
+    batch = {
+        k: v.numpy()
+        for k, v in bert_batches(1, batch=2, seq=16, seed=9)[0].items()
+        if k != "labels"
+    }
+    ref = ort.InferenceSession(str(bert_onnx)).run(None, batch)[0]
+    got = ort.InferenceSession(str(out)).run(None, batch)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "content,expected",
+    [(None, "no such file"), (b"garbage", "not a readable ONNX model")],
+)
+def test_optimize_bad_files_give_one_line_errors(tmp_path, content, expected):
+    src = tmp_path / "in.onnx"
+    if content is not None:
+        src.write_bytes(content)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ortrain.cli", "optimize", str(src), "-o", str(tmp_path / "o.onnx")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0]
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_optimize_invalid_model(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    graph = helper.make_graph([helper.make_node("Relu", ["missing"], ["y"])], "g", [x], [y])
+    bad = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    src = tmp_path / "invalid.onnx"
+    onnx.save(bad, str(src))
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx")]) == 1
