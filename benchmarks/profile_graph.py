@@ -26,6 +26,7 @@ import json
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import WORKLOADS, _quiet_transformers
+from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds
 
 DISABLED_OPTIMIZERS = ["EliminateDropout"]  # as ortrain.runtime.session
 
@@ -48,8 +49,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def workload_graph(
     name: str, graph: str, save_dir: Path, threads: int, seed: int
-) -> tuple[Path, dict[str, np.ndarray]]:
-    """Run one train step of workload ``name``; return the graph file and real feeds."""
+) -> tuple[Path, dict[str, np.ndarray], int]:
+    """Run one train step of workload ``name``.
+
+    Returns the graph file, real feeds, and the node count of the graph the trainer runs.
+    """
     from ortrain import ORTTrainer, TrainerOptions
 
     w = WORKLOADS[name]
@@ -67,6 +71,7 @@ def workload_graph(
     if graph == "train":
         path = sorted(save_dir.glob("train.*.onnx"))[-1]
         feeds.update(batch)
+        nodes = len(trainer.train_graphs[0].graph)
     else:
         path = save_dir / "update.onnx"
         feeds.update(trainer.opt_state)
@@ -74,7 +79,9 @@ def workload_graph(
         feeds.update(trainer._scalars)
         feeds.update({f"grad:{p}": g for p, g in trainer.grads.items()})
         feeds["step"] = trainer.step_tensor
-    return path, {k: _np(v) for k, v in feeds.items()}
+        assert trainer.update_graph is not None
+        nodes = len(trainer.update_graph.graph)
+    return path, {k: _np(v) for k, v in feeds.items()}, nodes
 
 
 _ORT_TYPES = {
@@ -109,11 +116,12 @@ def random_feeds(
 
 
 # --------------------------------------------------------------------------- profiling
-def load_graph(path: Path, remove_unused: bool) -> bytes:
+def load_graph(path: Path, remove_unused: bool) -> tuple[bytes, int]:
+    """The serialized graph and its node count."""
     model = ir.load(path)
     if remove_unused:
         ir.passes.common.RemoveUnusedNodesPass()(model)
-    return ir.serde.serialize_model(model).SerializeToString()
+    return ir.serde.serialize_model(model).SerializeToString(), len(model.graph)
 
 
 def profile(
@@ -126,8 +134,11 @@ def profile(
     int_high: int,
     seed: int,
     prefix: str,
-) -> tuple[list[dict[str, Any]], int]:
-    """Run the graph ``warmup_runs + runs`` times under the profiler; return its events."""
+) -> tuple[list[dict[str, Any]], float]:
+    """Run the graph ``warmup_runs + runs`` times under the profiler.
+
+    Returns the profiler's events and the CPUs that other processes kept busy meanwhile.
+    """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = threads
@@ -139,13 +150,17 @@ def profile(
         data, so, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
     )
     feeds = random_feeds(sess, known, int_high, seed)
-    unused = sorted(set(known) - {i.name for i in sess.get_inputs()})
-    for _ in range(warmup_runs + runs):
+    for _ in range(warmup_runs):
         sess.run(None, feeds)
+    busy0, cpu0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    for _ in range(runs):
+        sess.run(None, feeds)
+    own, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    others = max(busy_cpu_seconds() - busy0 - own, 0.0) / wall
     trace = Path(sess.end_profiling())
     events = json.loads(trace.read_text())
     trace.unlink()
-    return events, len(unused)
+    return events, others
 
 
 @dataclasses.dataclass
@@ -218,7 +233,9 @@ def report(agg: dict[str, Any], top_ops: int, top_nodes: int, title: str) -> str
         "",
         f"{agg['runs']} measured runs: {agg['run_ms']:.1f} ms per run (model_run), kernels "
         f"{agg['kernel_ms']:.1f} ms ({100 * agg['kernel_ms'] / agg['run_ms']:.0f}%), "
-        f"{agg['nodes_executed']} nodes executed",
+        f"{agg['nodes_executed']} nodes executed; other processes kept "
+        f"{agg['other_cpus']:.2f} CPUs busy meanwhile"
+        + (" (CONTENDED: timings inflated)" if agg["other_cpus"] > 0.25 else ""),
         "",
         "| # | op type | ms/run | % kernel time | calls/run | ms/call |",
         "|---:|---|---:|---:|---:|---:|",
@@ -270,17 +287,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         known: dict[str, np.ndarray] = {}
+        expected = None
         if args.onnx is not None:
             path = args.onnx
         else:
             save_dir = args.save_dir or Path(tmp) / "graphs"
-            path, known = workload_graph(
+            path, known, expected = workload_graph(
                 args.workload, args.graph, save_dir, args.threads, args.seed
             )
         # The trainer runs RemoveUnusedNodesPass on the gradient graph after saving it.
         remove = not args.no_remove_unused and path.name.startswith("train.")
-        data = load_graph(path, remove)
-        events, _unused = profile(
+        data, n_nodes = load_graph(path, remove)
+        if expected is not None and n_nodes != expected:
+            print(
+                f"WARNING: {path.name} has {n_nodes} nodes, the trainer's session graph "
+                f"{expected}: the profile may not match what the trainer runs",
+                file=sys.stderr,
+            )
+        events, others = profile(
             data,
             known,
             threads=args.threads,
@@ -291,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             prefix=str(Path(tmp) / "ort_profile"),
         )
     agg = aggregate(events, args.warmup_runs)
+    agg["other_cpus"] = others
     title = f"{path.name} ({args.onnx or args.workload}, {args.threads} threads)"
     print(report(agg, args.top, args.nodes, title))
     print(f"\ncommand: PYTHONPATH=. python {shlex.join(sys.argv)}")

@@ -7,6 +7,7 @@ from ortrain.errors import (
     GradientError,
     NonFiniteLossError,
     OrtrainError,
+    RankFailureError,
     UnsupportedOptimizerError,
 )
 from ortrain.options import TrainerOptions
@@ -20,6 +21,7 @@ __all__ = [
     "NonFiniteLossError",
     "ORTTrainer",
     "OrtrainError",
+    "RankFailureError",
     "StepOutputs",
     "TrainerOptions",
     "UnsupportedOptimizerError",

@@ -8,7 +8,7 @@ state dict loads here). Checkpoint files add a header and are written atomically
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,16 +23,21 @@ if TYPE_CHECKING:
 FORMAT = "ortrain.checkpoint/1"
 
 
-def _index_names(trainer: ORTTrainer) -> list[str]:
+def index_names(trainer: ORTTrainer) -> list[str]:
     """Parameter names in torch's optimizer-state index order."""
     by_id = {id(p): n for n, p in trainer.module.named_parameters()}
     return [by_id[id(p)] for g in trainer.optimizer.param_groups for p in g["params"]]
 
 
-def trainer_state_dict(trainer: ORTTrainer) -> dict[str, Any]:
+def trainer_state_dict(
+    trainer: ORTTrainer, opt_state: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """``opt_state``: full per-parameter optimizer state, where the trainer's is not
+    (ZeRO-1 gathers its shards); default ``trainer.opt_state``."""
+    opt_state = trainer.opt_state if opt_state is None else opt_state
     trainer.sync_to_module()
     model = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
-    names = _index_names(trainer)
+    names = index_names(trainer)
     state: dict[int, dict[str, torch.Tensor]] = {}
     group_of = {n: g for g in trainer.spec.groups for n in g.params}
     for idx, name in enumerate(names):
@@ -40,9 +45,9 @@ def trainer_state_dict(trainer: ORTTrainer) -> dict[str, Any]:
         if group is None or trainer.step == 0:
             continue  # frozen, or no update yet: torch has no state either
         tensors = {
-            s: trainer.opt_state[state_key(s, name)].clone()
+            s: opt_state[state_key(s, name)].clone()
             for s in trainer.spec.state_names(group)
-            if state_key(s, name) in trainer.opt_state
+            if state_key(s, name) in opt_state
         }
         if not tensors:
             continue
@@ -79,12 +84,20 @@ def _check_model(trainer: ORTTrainer, model: Mapping[str, torch.Tensor]) -> None
             )
 
 
-def load_trainer_state_dict(trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+def load_trainer_state_dict(
+    trainer: ORTTrainer,
+    state: Mapping[str, Any],
+    *,
+    opt_state: MutableMapping[str, torch.Tensor] | None = None,
+) -> None:
+    """``opt_state``: where the full per-parameter optimizer state goes (ZeRO-1 passes an
+    empty dict and keeps its shard of it); default ``trainer.opt_state``."""
+    opt_state = trainer.opt_state if opt_state is None else opt_state
     if "model" not in state or "optimizer" not in state:
         raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
     _check_model(trainer, state["model"])
     opt = state["optimizer"]
-    names = _index_names(trainer)
+    names = index_names(trainer)
     if len(opt["param_groups"]) != len(trainer.optimizer.param_groups):
         raise CheckpointError(
             f"checkpoint has {len(opt['param_groups'])} param groups, the optimizer has "
@@ -110,10 +123,10 @@ def load_trainer_state_dict(trainer: ORTTrainer, state: Mapping[str, Any]) -> No
                     steps.append(float(t))
                     continue
                 key = state_key(s, name)
-                if key in trainer.opt_state:
-                    trainer.opt_state[key].copy_(t)
+                if key in opt_state:
+                    opt_state[key].copy_(t)
                 else:
-                    trainer.opt_state[key] = t.detach().to(torch.float32).clone().contiguous()
+                    opt_state[key] = t.detach().to(torch.float32).clone().contiguous()
         step = int(state.get("ortrain", {}).get("step", max(steps)))
         trainer.step_tensor.fill_(float(step))
         trainer.micro_step = int(state.get("ortrain", {}).get("micro_step", 0))
@@ -135,8 +148,13 @@ def save(trainer: ORTTrainer, path: str | os.PathLike) -> None:
     os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
 
 
-def load(trainer: ORTTrainer, path: str | os.PathLike) -> None:
+def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
+    """The state dict in checkpoint ``path``, checked against ``trainer``'s optimizer."""
+    from ortrain.distributed import sharded_checkpoint  # (imports this module)
+
     path = Path(path)
+    if sharded_checkpoint.is_sharded(path):
+        return sharded_checkpoint.read_consolidated(trainer, path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
@@ -150,4 +168,8 @@ def load(trainer: ORTTrainer, path: str | os.PathLike) -> None:
             f"{path} holds {payload['optimizer_kind']} optimizer state, this trainer uses "
             f"{trainer.spec.kind}"
         )
-    load_trainer_state_dict(trainer, payload["state"])
+    return payload["state"]
+
+
+def load(trainer: ORTTrainer, path: str | os.PathLike) -> None:
+    load_trainer_state_dict(trainer, read(trainer, path))

@@ -27,6 +27,17 @@ class CheckpointError(OrtrainError, ValueError):
     """A checkpoint that does not belong to this model/optimizer."""
 
 
+class RankFailureError(OrtrainError):
+    """Another rank died, or did not reach a collective within ``TrainerOptions.dist_timeout``.
+
+    ``ranks`` holds the global ranks found responsible (empty when none could be named).
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
 __all__ = [
     "BatchError",
     "CheckpointError",
@@ -34,5 +45,6 @@ __all__ = [
     "GradientError",
     "NonFiniteLossError",
     "OrtrainError",
+    "RankFailureError",
     "UnsupportedOptimizerError",
 ]

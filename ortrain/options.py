@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +19,12 @@ class TrainerOptions:
     intra_op_threads: ONNX Runtime threads per session (None: ORT's default).
     save_graphs_dir: write the ONNX graph after each build stage there (for Netron).
     check_finite: raise NonFiniteLossError (without applying the update) on NaN/Inf loss.
+    zero_stage: with torch.distributed initialised (torchrun): 0 = data parallel (every
+        rank holds the whole state; gradients are averaged), 1 = ZeRO-1 (each rank keeps
+        and updates only its shard of the optimizer state). Ignored single-process.
+    process_group: the torch.distributed group to train over (None: the default group).
+    dist_timeout: seconds a collective waits for the other ranks before failing with
+        RankFailureError naming the rank that died or hangs.
     """
 
     device: str = "cpu"
@@ -27,6 +34,9 @@ class TrainerOptions:
     intra_op_threads: int | None = None
     save_graphs_dir: str | os.PathLike | None = None
     check_finite: bool = True
+    zero_stage: int = 0
+    process_group: Any = None  # torch.distributed.ProcessGroup
+    dist_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.device != "cpu":
@@ -40,6 +50,10 @@ class TrainerOptions:
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainerOptions.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"TrainerOptions.zero_stage must be 0 or 1, got {self.zero_stage}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"TrainerOptions.dist_timeout must be > 0, got {self.dist_timeout}")
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise ValueError(
                 f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}"

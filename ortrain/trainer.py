@@ -29,11 +29,13 @@ from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.optimizer import UpdateGraph, build_update_graph
 from graph_passes.optimizer.update_graph import state_key
 from ortrain import checkpoint
+from ortrain.distributed import Reducer, join_process_group
 from ortrain.errors import BatchError, NonFiniteLossError
 from ortrain.export import ExportedForward, LossFn, export_forward, normalize_batch
 from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.roles import Role
+from ortrain.runtime.flat_update import flatten_update
 from ortrain.runtime.session import BoundSession, make_session
 
 
@@ -131,6 +133,9 @@ class ORTTrainer:
         )
         if self._graph_dir is not None:
             self._graph_dir.mkdir(parents=True, exist_ok=True)
+        # torch.distributed (torchrun): data parallel or ZeRO-1 (ortrain.distributed);
+        # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
+        self._reducer: Reducer | None = join_process_group(self)
 
     # ------------------------------------------------------------------ building
     def _save(self, model: ir.Model, name: str) -> None:
@@ -205,16 +210,29 @@ class ORTTrainer:
 
     def _build_update(self) -> None:
         assert self.grad_params is not None
-        shapes = {p: tuple(self.params[p].shape) for p in self.grad_params}
-        for p in self.grad_params:
-            self.grads[p] = torch.zeros_like(self.params[p])
-            for gi, g in enumerate(self.spec.groups):
-                if p in g.params:
-                    for s in self.spec.state_names(self.spec.groups[gi]):
-                        self.opt_state.setdefault(state_key(s, p), torch.zeros_like(self.params[p]))
-        ug = build_update_graph(
-            self.spec, shapes, clip_grad_norm=self.options.max_grad_norm is not None
-        )
+        # Distributed: gradients become views of one flat buffer; ZeRO-1 also builds and
+        # binds the update graph of this rank's shard instead of the one below.
+        if self._reducer is not None and self._reducer.prepare_update(self):
+            return
+        flat = flatten_update(self)
+        if flat is not None:  # one update chain per param group (memory moved: rebuild evals)
+            self._eval.clear()
+            spec, shapes = flat.spec, flat.shapes
+            params, grads, states = flat.params, flat.grads, flat.states
+        else:
+            spec = self.spec
+            shapes = {p: tuple(self.params[p].shape) for p in self.grad_params}
+            for p in self.grad_params:
+                self.grads.setdefault(p, torch.zeros_like(self.params[p]))
+                for g in self.spec.groups:
+                    if p in g.params:
+                        for s in self.spec.state_names(g):
+                            key = state_key(s, p)
+                            self.opt_state.setdefault(key, torch.zeros_like(self.params[p]))
+            params = {p: self.params[p] for p in self.grad_params}
+            grads = {p: self.grads[p] for p in self.grad_params}
+            states = self.opt_state
+        ug = build_update_graph(spec, shapes, clip_grad_norm=self.options.max_grad_norm is not None)
         self._save(ug.model, "update")
         self._update_graph = ug
         self._hyper = {
@@ -223,13 +241,15 @@ class ORTTrainer:
             if io.role is Role.HYPERPARAMETER
         }
         sess = BoundSession(make_session(ug.model, threads=self.options.intra_op_threads))
-        sess.bind_inputs({**self.params, **self.opt_state, **self._hyper, **self._scalars})
-        sess.bind_inputs({f"grad:{p}": self.grads[p] for p in self.grad_params})
+        sess.bind_inputs({**params, **states, **self._hyper, **self._scalars})
+        sess.bind_inputs({f"grad:{p}": t for p, t in grads.items()})
         sess.bind_inputs({"step": self.step_tensor})
-        outputs = {"new:step": self.step_tensor, "grad_norm": self._grad_norm}
+        outputs = {"new:step": self.step_tensor}
+        if self.options.max_grad_norm is not None:
+            outputs["grad_norm"] = self._grad_norm
         for out, src in ug.aliases.items():
             if src != "step":
-                outputs[out] = self.params[src] if src in self.params else self.opt_state[src]
+                outputs[out] = params[src] if src in params else states[src]
         sess.bind_outputs(outputs)
         self._update = sess
 
@@ -300,17 +320,22 @@ class ORTTrainer:
         for gi, values in enumerate(group_values(self.optimizer, self.spec)):
             for h, v in values.items():
                 self._hyper[f"group{gi}.{h}"].fill_(v)
-        self._scalars["grad_scale"].fill_(1.0 / self.options.grad_accumulation_steps)
+        # Gradients are sums over micro-steps (and ranks): the graph scales them to a mean.
+        world = self._reducer.world_size if self._reducer is not None else 1
+        self._scalars["grad_scale"].fill_(1.0 / (self.options.grad_accumulation_steps * world))
         if self.options.max_grad_norm is not None:
             self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
-        self._update.run()
+        if self._reducer is None:
+            self._update.run()
+        else:
+            self._reducer.update(self._update.run)
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     @property
-    def last_grad_norm(self) -> float:
-        """Global gradient norm (before clipping) of the last optimizer update."""
-        return float(self._grad_norm)
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last update; None without clipping."""
+        return float(self._grad_norm) if self.options.max_grad_norm is not None else None
 
     @property
     def train_graphs(self) -> list[ir.Model]:
@@ -350,14 +375,24 @@ class ORTTrainer:
                 b.copy_(self.buffers[n])
         return self.module
 
+    # Distributed: collectives (every rank calls them). ZeRO-1's state_dict() is the full
+    # one on rank 0 and {} elsewhere; its checkpoints are directories of shards.
     def state_dict(self) -> dict[str, Any]:
+        if self._reducer is not None:
+            return self._reducer.state_dict(self)
         return checkpoint.trainer_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._reducer is not None:
+            return self._reducer.load_state_dict(self, state)
         checkpoint.load_trainer_state_dict(self, state)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
+        if self._reducer is not None:
+            return self._reducer.save_checkpoint(self, path)
         checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
+        if self._reducer is not None:
+            return self._reducer.load_checkpoint(self, path)
         checkpoint.load(self, path)

@@ -4,7 +4,11 @@ Inputs: each trained parameter, its (accumulated) gradient and optimizer state, 
 per-group hyperparameters, the step counter, the gradient scale (1 / accumulation
 steps) and, with clipping, ``max_grad_norm``. Outputs: the new parameter/state values,
 each meant to be bound to the same buffer as its input (``aliases``), the new step,
-and the global gradient norm. ``check_inplace_safe`` proves that binding is sound.
+and, with clipping, the global gradient norm. ``check_inplace_safe`` proves that binding is sound.
+
+With clipping and ``global_sq_norm_input``, the global squared gradient norm is an
+input (``global_sq_norm``) instead of being computed from the graph's own gradients:
+ZeRO-1 (``graph_passes/zero.py``) sums the shards' partial sums across ranks first.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def build_update_graph(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     clip_grad_norm: bool,
+    global_sq_norm_input: bool = False,
 ) -> UpdateGraph:
     """``shapes``: the parameters that receive gradients (others are skipped, as torch does)."""
     graph = ir.Graph([], [], nodes=[], name=f"{spec.kind}_update", opset_imports={"": 20})
@@ -69,6 +74,7 @@ def build_update_graph(
     step = add_input("step", Role.STEP)
     grad_scale = add_input("grad_scale", Role.GRAD_SCALE)
     max_norm = add_input("max_grad_norm", Role.CLIP) if clip_grad_norm else None
+    sq_norm = add_input("global_sq_norm", Role.CLIP) if global_sq_norm_input else None
     trained = [(gi, p) for gi, g in enumerate(spec.groups) for p in g.params if p in shapes]
     params, grads, states = {}, {}, {}
     for gi, p in trained:
@@ -85,8 +91,12 @@ def build_update_graph(
 
     step_new = em.op("Add", step, em.const(1.0, F), shape=())
     scaled = {p: em.op("Mul", grads[p], grad_scale) for _, p in trained}
-    norm = clip.global_norm(em, list(scaled.values())) if trained else em.const(0.0, F)
-    if max_norm is not None and trained:
+    norm = None
+    if max_norm is not None and sq_norm is not None:  # ZeRO-1: summed over ranks outside
+        norm = em.op("Sqrt", sq_norm, shape=(), name_hint="global_norm")
+    elif max_norm is not None and trained:  # the norm costs a pass over all gradients
+        norm = clip.global_norm(em, list(scaled.values()))
+    if norm is not None and trained:
         coef = clip.clip_coefficient(em, norm, max_norm)
         scaled = {p: em.op("Mul", g, coef) for p, g in scaled.items()}
 
@@ -113,9 +123,8 @@ def build_update_graph(
             )
     add_output(step_new, "new:step", Role.STEP, alias="step")
     em.flush_before(None)
-    add_output(
-        norm if norm.producer() is not None else em.op("Identity", norm), "grad_norm", Role.CLIP
-    )
+    if norm is not None:
+        add_output(norm, "grad_norm", Role.CLIP)
     em.flush_before(None)
     model = ir.Model(graph, ir_version=10, producer_name="ortrain")
     check_inplace_safe(model, aliases)

@@ -1,0 +1,273 @@
+"""Distributed training benchmark: 2 CPU ranks on gloo, per-rank memory and step time.
+
+Backends, each run as its own group of rank processes (this script re-invoked
+torchrun-style with ``--rank-of BACKEND --json PATH`` and RANK/WORLD_SIZE/MASTER_* set):
+
+  ortrain-dp     ORTTrainer(zero_stage=0): whole state per rank, all-reduced gradients
+  ortrain-zero1  ORTTrainer(zero_stage=1): optimizer state sharded over the ranks
+  torch-ddp      DistributedDataParallel + torch.optim.AdamW
+  torch-zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer
+
+Same workload for all: a GPT-2 built from one seed, AdamW(lr=1e-4, weight_decay=0.01),
+per-rank synthetic batches (rank r draws its own), ``--threads`` threads per rank. Per
+rank: the first step (ortrain: export + compile), ``--warmup`` untimed steps, ``--steps``
+timed steps (each reads the loss back); the median is the step time. Peak RSS is
+``ru_maxrss`` of the rank process; steady RSS is its RSS after the timed steps;
+optimizer state counts the bytes of the state tensors the rank holds.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/bench_dist.py                      # gpt2-27m
+    PYTHONPATH=. python benchmarks/bench_dist.py --workload gpt2-tiny --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("ortrain-dp", "ortrain-zero1", "torch-ddp", "torch-zero")
+WORLD = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    layers: int
+    hidden: int
+    vocab: int
+    batch: int  # sequences per rank
+    seq: int
+
+
+WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload("gpt2-tiny", 4, 256, 8192, 4, 128),
+        Workload("gpt2-27m", 6, 512, 16384, 4, 128),
+    ]
+}
+
+
+def build_model(w: Workload) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=w.layers,
+        n_embd=w.hidden,
+        n_head=8,
+        vocab_size=w.vocab,
+        n_positions=w.seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def batches(w: Workload, rank: int, n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, w.vocab, (w.batch, w.seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def state_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# --------------------------------------------------------------------------- one rank
+def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build_model(w)
+    data = batches(w, rank, 4)
+
+    if backend.startswith("ortrain"):
+        from ortrain import ORTTrainer, TrainerOptions
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        stage = 1 if backend == "ortrain-zero1" else 0
+        trainer = ORTTrainer(
+            model, opt, TrainerOptions(zero_stage=stage, intra_op_threads=args.threads)
+        )
+
+        def step(b: dict[str, torch.Tensor]) -> float:
+            return float(trainer.train_step(**b))
+
+        def held_state() -> int:
+            return state_bytes(trainer.opt_state.values())
+    else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        if backend == "torch-zero":
+            opt = ZeroRedundancyOptimizer(
+                ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01
+            )
+        else:
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.01)
+        ddp.train()
+
+        def step(b: dict[str, torch.Tensor]) -> float:
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(**b).loss
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        def held_state() -> int:
+            inner = opt.optim if backend == "torch-zero" else opt  # this rank's shard
+            return sum(state_bytes(s.values()) for s in inner.state.values())
+
+    t = time.perf_counter()
+    first_loss = step(data[0])
+    first_s = time.perf_counter() - t
+    for i in range(args.warmup):
+        step(data[(1 + i) % len(data)])
+    times, losses = [], []
+    for i in range(args.steps):
+        b = data[(1 + args.warmup + i) % len(data)]
+        t = time.perf_counter()
+        losses.append(step(b))
+        times.append(time.perf_counter() - t)
+    # Mean over ranks of the first loss: the same number for every backend.
+    mean_first = torch.tensor([first_loss])
+    dist.all_reduce(mean_first)
+    result = {
+        "rank": rank,
+        "first_step_s": first_s,
+        "median_step_s": statistics.median(times),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        "steady_rss_mib": psutil.Process().memory_info().rss / 2**20,
+        "opt_state_mib": held_state() / 2**20,
+        "first_loss_mean": mean_first.item() / dist.get_world_size(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    dist.destroy_process_group()
+    return result
+
+
+# --------------------------------------------------------------------------- driver
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    repo = str(Path(__file__).resolve().parents[1])
+    port = str(_free_port())
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, outs = [], []
+        for rank in range(WORLD):
+            out = Path(tmp) / f"rank{rank}.json"
+            outs.append(out)
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(WORLD),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": str(args.threads),
+                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+            }
+            cmd = [
+                sys.executable, str(Path(__file__).resolve()), "--rank-of", backend,
+                "--json", str(out), "--workload", args.workload, "--threads", str(args.threads),
+                "--warmup", str(args.warmup), "--steps", str(args.steps),
+            ]  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            )
+        logs = [p.communicate()[0].decode(errors="replace") for p in procs]
+        for p, log in zip(procs, logs):
+            if p.returncode != 0:
+                sys.stderr.write(log[-4000:])
+                raise SystemExit(f"{backend}: a rank exited {p.returncode}")
+        return [json.loads(o.read_text()) for o in outs]
+
+
+def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) -> str:
+    params = results[BACKENDS[0]][0]["params"]
+    lines = [
+        f"{w.name}: GPT-2 {w.layers} layers, hidden {w.hidden}, vocab {w.vocab}, "
+        f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
+        "",
+        "| backend | rank | ms/step | first step s | peak RSS MiB | steady RSS MiB "
+        "| optimizer state MiB | first loss (rank mean) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b, ranks in results.items():
+        for r in ranks:
+            lines.append(
+                f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {r['first_step_s']:.1f} "
+                f"| {r['peak_rss_mib']:.0f} | {r['steady_rss_mib']:.0f} "
+                f"| {r['opt_state_mib']:.1f} | {r['first_loss_mean']:.6f} |"
+            )
+    lines += [
+        "",
+        "ms/step: median of the timed steps (rank processes share the machine's CPUs); "
+        "peak RSS: ru_maxrss (for ortrain it includes the one-off export); steady RSS: RSS "
+        "after the timed steps; optimizer state: bytes of state tensors this rank holds.",
+        f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs",
+        f"command: {command}",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2-27m")
+    p.add_argument("--backend", action="append", choices=BACKENDS, help="repeatable; all")
+    p.add_argument("--threads", type=int, default=1, help="threads per rank")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rank-of", choices=BACKENDS, help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    w = WORKLOADS[args.workload]
+    if args.rank_of is not None:
+        Path(args.json).write_text(json.dumps(run_rank(args.rank_of, w, args)))
+        return
+    command = "PYTHONPATH=. python " + shlex.join(sys.argv)
+    results = {b: run_backend(b, args) for b in (args.backend or BACKENDS)}
+    print(report(results, w, command))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

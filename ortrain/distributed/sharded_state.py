@@ -1,0 +1,215 @@
+"""ZeRO-1: each rank keeps and updates only its shard of the optimizer state.
+
+Layout (``ShardConfig``): the trainable parameters live in one flat, padded, aligned
+buffer (the module's parameters become views into it); rank r owns one contiguous
+shard of it, and of the equally laid out flat gradient buffer. Per optimizer step:
+
+    backward graph  -> flat gradients (views bound to ONNX Runtime)
+    reduce-scatter  -> this rank's shard of the flat gradients holds their sum
+    partial norm    -> (clipping) sum of squares of the shard's scaled gradients
+    all-reduce      -> (clipping) the global squared norm: every rank clips alike
+    update graph    -> the shard's pieces only (graph_passes/zero.py), in place;
+                       moments exist for the shard only
+    all-gather      -> every rank's updated shard into the flat parameters
+
+Both collectives work in place on the flat buffers: beside the whole parameters and
+gradients (as data parallel), a rank holds 1/N of the optimizer state and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graph_passes.optimizer.update_graph import state_key
+from graph_passes.zero import build_partial_norm_graph, build_shard_update_graph, check_shardable
+from ortrain import checkpoint
+from ortrain.distributed import sharded_checkpoint
+from ortrain.distributed.comm import Comm
+from ortrain.distributed.layout import FlatLayout, Piece
+from ortrain.optim.spec import OptimizerSpec
+from ortrain.roles import Role
+from ortrain.runtime.session import BoundSession, make_session
+
+if TYPE_CHECKING:
+    from ortrain.trainer import ORTTrainer
+
+ALIGN = 16  # elements: every tensor and every shard starts on a 64-byte boundary
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardConfig:
+    """Which flat layout, which shard of it, and which optimizer-state buffers."""
+
+    layout: FlatLayout
+    rank: int
+    state_names: tuple[str, ...]  # one shard-sized buffer each (exp_avg, exp_avg_sq, ...)
+
+    @classmethod
+    def build(
+        cls, spec: OptimizerSpec, shapes: Mapping[str, tuple[int, ...]], rank: int, world: int
+    ) -> ShardConfig:
+        names = dict.fromkeys(s for g in spec.groups for s in spec.state_names(g))
+        layout = FlatLayout.build(shapes, align=ALIGN, world_size=world)
+        return cls(layout, rank, tuple(names))
+
+    @property
+    def shard(self) -> slice:
+        lo, hi = self.layout.shard(self.rank)
+        return slice(lo, hi)
+
+    def local(self, piece: Piece) -> slice:
+        """Where ``piece`` sits in this rank's shard buffers."""
+        lo = self.shard.start
+        return slice(piece.start - lo, piece.stop - lo)
+
+
+class ShardedState:
+    """This rank's ZeRO-1 state and the steps around its update graph (a ``Reducer``)."""
+
+    def __init__(self, trainer: ORTTrainer, comm: Comm):
+        check_shardable(trainer.spec)
+        shapes = {n: tuple(trainer.params[n].shape) for n in trainer.trainable}
+        self.config = ShardConfig.build(trainer.spec, shapes, comm.rank, comm.world_size)
+        self.comm = comm
+        self.world_size = comm.world_size
+        layout = self.config.layout
+        self.flat_params = torch.zeros(layout.numel)
+        self._adopt_parameters(trainer)
+        comm.broadcast_tensors(
+            [self.flat_params]
+            + [t for n, t in trainer.params.items() if n not in shapes]
+            + list(trainer.buffers.values())
+        )
+        n = layout.shard_numel
+        self.flat_grads = torch.zeros(layout.numel)
+        self.grad_shard = self.flat_grads[self.config.shard]  # reduced here
+        self.state = {s: torch.zeros(n) for s in self.config.state_names}
+        self.sq_norm = torch.zeros(())
+        self._norm: BoundSession | None = None
+        # Parameters whose optimizer state is live: those with gradients, and those a
+        # loaded checkpoint had state for (before the first step says which get gradients).
+        self.stateful: set[str] = set()
+
+    def _adopt_parameters(self, trainer: ORTTrainer) -> None:
+        """Move the trainable parameters into the flat buffer; module and trainer see views."""
+        module_params = dict(trainer.module.named_parameters())
+        # (Views made outside no_grad: a no_grad view may not be written in grad mode.)
+        for name, view in self.config.layout.views(self.flat_params).items():
+            view.copy_(trainer.params[name])  # plain data: no autograd involved
+            module_params[name].data = view
+            trainer.params[name] = view
+
+    # ------------------------------------------------------------------ building
+    def prepare_update(self, trainer: ORTTrainer) -> bool:
+        """Bind the shard's update graph as the trainer's update session."""
+        assert trainer.grad_params is not None
+        cfg, spec = self.config, trainer.spec
+        reached = set(trainer.grad_params)
+        self.stateful |= reached
+        views = cfg.layout.views(self.flat_grads)
+        trainer.grads = {p: views[p] for p in trainer.grad_params}
+        pieces = [pc for pc in cfg.layout.pieces(cfg.rank) if pc.name in reached]
+        group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
+        clip = trainer.options.max_grad_norm is not None
+        ug = build_shard_update_graph(
+            spec, {pc.name: pc.numel for pc in pieces}, clip_grad_norm=clip
+        )
+        trainer._save(ug.model, "update.zero1")
+        params = {pc.name: self.flat_params[pc.start : pc.stop] for pc in pieces}
+        grads = {f"grad:{pc.name}": self.grad_shard[cfg.local(pc)] for pc in pieces}
+        state = {
+            state_key(s, pc.name): self.state[s][cfg.local(pc)]
+            for pc in pieces
+            for s in group_states[pc.name]
+        }
+        hyper = {io.name: torch.zeros(()) for io in ug.io if io.role is Role.HYPERPARAMETER}
+        threads = trainer.options.intra_op_threads
+        sess = BoundSession(make_session(ug.model, threads=threads))
+        sess.bind_inputs({**params, **grads, **state, **hyper, **trainer._scalars})
+        sess.bind_inputs({"step": trainer.step_tensor, "global_sq_norm": self.sq_norm})
+        outputs = {"new:step": trainer.step_tensor}
+        if clip:
+            outputs["grad_norm"] = trainer._grad_norm
+        for out, src in ug.aliases.items():
+            if src != "step":
+                outputs[out] = params[src] if src in params else state[src]
+        sess.bind_outputs(outputs)
+        trainer.opt_state = state
+        trainer._hyper = hyper
+        trainer._update, trainer._update_graph = sess, ug
+
+        if clip:
+            norm = build_partial_norm_graph(cfg.layout.shard_numel)
+            trainer._save(norm, "update.zero1_partial_norm")
+            self._norm = BoundSession(make_session(norm, threads=threads))
+            self._norm.bind_inputs(
+                {"grad_shard": self.grad_shard, "grad_scale": trainer._scalars["grad_scale"]}
+            )
+            self._norm.bind_outputs({"partial_sq_norm": self.sq_norm})
+        return True
+
+    # ------------------------------------------------------------------ running
+    def update(self, run_update: Callable[[], None]) -> None:
+        self.comm.reduce_scatter(self.flat_grads)  # other ranks' shards: left undefined
+        if self._norm is not None:  # clipping: every rank needs the global norm
+            self._norm.run()
+            self.comm.all_reduce(self.sq_norm)
+        run_update()
+        self.comm.all_gather(self.flat_params)
+
+    # ------------------------------------------------------------------ state
+    def full_state(self, buffers: Mapping[str, torch.Tensor], trainer: ORTTrainer) -> dict:
+        """{state_key: tensor} of every parameter with state, from full flat state buffers."""
+        out = {}
+        for s, flat in buffers.items():
+            views = self.config.layout.views(flat)
+            for g in trainer.spec.groups:
+                if s in trainer.spec.state_names(g):
+                    out.update({state_key(s, p): views[p] for p in g.params if p in self.stateful})
+        return out
+
+    def state_dict(self, trainer: ORTTrainer) -> dict[str, Any]:
+        """The full, ordinary state dict on rank 0 (a collective: every rank must call it);
+        ``{}`` on the other ranks."""
+        gathered = {s: self.comm.gather(buf) for s, buf in self.state.items()}
+        if self.comm.rank != 0:
+            return {}
+        flat = {s: torch.cat(parts) for s, parts in gathered.items() if parts is not None}
+        return checkpoint.trainer_state_dict(trainer, opt_state=self.full_state(flat, trainer))
+
+    def load_state_dict(self, trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+        """Load a full state dict (any world size wrote it): keep this rank's shard of it."""
+        full: dict[str, torch.Tensor] = {}
+        checkpoint.load_trainer_state_dict(trainer, state, opt_state=full)
+        self.stateful = {
+            p
+            for p in self.config.layout.names
+            if any(state_key(s, p) in full for s in self.config.state_names)
+        }
+        for s, buf in self.state.items():
+            buf.zero_()
+            for pc in self.config.layout.pieces(self.config.rank):
+                t = full.get(state_key(s, pc.name))
+                if t is not None:
+                    src = t.reshape(-1)[pc.start - pc.entry_offset : pc.stop - pc.entry_offset]
+                    buf[self.config.local(pc)].copy_(src)
+
+    def load_shards(
+        self, trainer: ORTTrainer, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+    ) -> None:
+        """Load a sharded checkpoint written with this layout: this rank's shard as is."""
+        checkpoint.load_trainer_state_dict(trainer, base, opt_state={})
+        self.stateful = set(stateful)
+        for s, buf in self.state.items():
+            buf.copy_(shard[s])
+
+    def save_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
+        sharded_checkpoint.save(trainer, self, path)
+
+    def load_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
+        sharded_checkpoint.load(trainer, self, path)

@@ -1,0 +1,97 @@
+"""Element-wise optimizers update each param group as one flat tensor.
+
+Adam, AdamW and SGD are element-wise, so the update graph does not need one chain of
+nodes per parameter tensor (hundreds of small kernels): the trained parameters, their
+gradients and the optimizer state are laid out group by group in flat buffers, and the
+update graph sees one pseudo-parameter per group. Parameters stay views of the flat
+buffer (the module's ``.data`` is re-homed there), so the gradient graph, checkpoints
+and ``state_dict`` keep working per tensor. LAMB needs per-tensor norms: not flattened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from graph_passes.optimizer.update_graph import state_key
+from ortrain.distributed.layout import FlatLayout
+from ortrain.optim.spec import GroupSpec, OptimizerSpec
+
+if TYPE_CHECKING:
+    from ortrain.trainer import ORTTrainer
+
+FLAT_KINDS = ("adam", "adamw", "sgd")
+ALIGN = 16  # elements: every tensor starts on a 64-byte boundary
+
+
+@dataclasses.dataclass
+class FlatUpdate:
+    spec: OptimizerSpec  # one pseudo-parameter per group with trained tensors
+    shapes: dict[str, tuple[int, ...]]
+    params: dict[str, torch.Tensor]  # pseudo-parameter -> flat slice of the parameters
+    grads: dict[str, torch.Tensor]
+    states: dict[str, torch.Tensor]  # state_key(state, pseudo-parameter) -> flat slice
+
+
+def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.Tensor | None:
+    """The flat buffer the tensors already view with this layout (set up by a reducer)."""
+    bases = {id(t._base): t._base for t in tensors.values() if t._base is not None}
+    if len(bases) != 1 or len(tensors) != len(layout.entries):
+        return None
+    base = next(iter(bases.values()))
+    if base.numel() != layout.numel:
+        return None
+    for e in layout.entries:
+        if tensors[e.name].data_ptr() != base[e.offset :].data_ptr():
+            return None
+    return base
+
+
+def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
+    spec = trainer.spec
+    if spec.kind not in FLAT_KINDS or not trainer.grad_params:
+        return None
+    shapes = {p: tuple(trainer.params[p].shape) for p in trainer.grad_params}
+    layout = FlatLayout.build(shapes, align=ALIGN)
+    flat_g = _shared_base({p: trainer.grads[p] for p in shapes if p in trainer.grads}, layout)
+    if flat_g is None:
+        flat_g = torch.zeros(layout.numel)
+        trainer.grads.update(layout.views(flat_g))
+    flat_p = torch.zeros(layout.numel)
+    modules = dict(trainer.module.named_parameters())
+    # Views are made with grad mode on: views made under no_grad may not be written in
+    # place later (users do write parameters in place).
+    for name, view in layout.views(flat_p).items():
+        with torch.no_grad():
+            view.copy_(trainer.params[name])
+        modules[name].data = view
+        trainer.params[name] = view
+    entries = {e.name: e for e in layout.entries}
+    groups, pshapes, params, grads, states = [], {}, {}, {}, {}
+    for gi, group in enumerate(spec.groups):
+        mine = [entries[p] for p in group.params if p in entries]
+        if not mine:
+            groups.append(GroupSpec((), group.nesterov, group.momentum, group.bias_correction))
+            continue
+        start, stop = mine[0].offset, mine[-1].stop
+        if any(b.offset < a.stop for a, b in itertools.pairwise(mine)):
+            raise AssertionError("flat layout is not ordered by param group")
+        pseudo = f"flat.group{gi}"
+        groups.append(GroupSpec((pseudo,), group.nesterov, group.momentum, group.bias_correction))
+        pshapes[pseudo] = (stop - start,)
+        params[pseudo] = flat_p[start:stop]
+        grads[pseudo] = flat_g[start:stop]
+        for s in spec.state_names(group):
+            flat_s = torch.zeros(stop - start)
+            states[state_key(s, pseudo)] = flat_s
+            for e in mine:
+                view = flat_s[e.offset - start : e.stop - start].view(e.shape)
+                old = trainer.opt_state.get(state_key(s, e.name))
+                if old is not None:  # loaded from a checkpoint before the first step
+                    with torch.no_grad():
+                        view.copy_(old)
+                trainer.opt_state[state_key(s, e.name)] = view
+    return FlatUpdate(OptimizerSpec(spec.kind, tuple(groups)), pshapes, params, grads, states)

@@ -1,0 +1,183 @@
+"""One rank of the distributed tests, started torchrun-style by tests/test_distributed.py:
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m tests.dist_worker SCENARIO OUT
+
+train   data parallel, then ZeRO-1 (which also writes a sharded checkpoint, a consolidated
+        state dict and the LR scheduler's state after RESUME_AT steps) on per-rank batches
+resume  ZeRO-1 from that sharded checkpoint, for the remaining steps
+reshard ZeRO-1 on another world size loads that checkpoint and consolidates it again
+loop    data-parallel steps until the test kills or stops a rank (fault tests; the
+        timeout comes from ORTRAIN_TEST_TIMEOUT)
+
+The same loop runs single-process in the test (``world=1``) on the combined batches.
+Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ortrain import ORTTrainer, RankFailureError, TrainerOptions
+from ortrain.roles import Role
+from tests.conftest import decay_groups, gpt2, lm_batches
+
+STEPS, ACCUM, RESUME_AT = 6, 2, 3  # optimizer steps; micro-steps per step; checkpoint step
+PER_RANK = 2  # sequences per rank per micro-step
+CLIP = 0.5  # below the gradient norms of this workload: clipping is active
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 5)
+
+
+def make_trainer(
+    zero_stage: int, seed: int = 0, timeout: float = 120.0, group=None, layers: int = 2
+):
+    model = gpt2(layers=layers, hidden=64, vocab=128, seed=seed)
+    opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    options = TrainerOptions(
+        zero_stage=zero_stage,
+        max_grad_norm=CLIP,
+        grad_accumulation_steps=ACCUM,
+        intra_op_threads=1,
+        dist_timeout=timeout,
+        process_group=group,
+    )
+    return ORTTrainer(model, opt, options), sched
+
+
+def micro_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-step i of rank r: its slice of the combined micro-batch i (world=1: all)."""
+    combined = lm_batches(STEPS * ACCUM, batch=2 * PER_RANK, vocab=128, seed=11)
+    per = 2 * PER_RANK // world
+    return [{k: v[rank * per : (rank + 1) * per] for k, v in b.items()} for b in combined]
+
+
+def run(trainer: ORTTrainer, sched, batches: list[dict], start: int, stop: int) -> list[float]:
+    """Micro-steps [start, stop); the scheduler steps after each optimizer step."""
+    losses = []
+    for i in range(start, stop):
+        losses.append(trainer.train_step(**batches[i]).item())
+        if (i + 1) % ACCUM == 0:
+            sched.step()
+    return losses
+
+
+def state_bytes(trainer: ORTTrainer) -> dict[str, Any]:
+    """Optimizer-state bytes of the OrtValues bound to the update graph, and of the
+    storages behind them."""
+    graph = trainer._update_graph
+    assert graph is not None and trainer._update is not None
+    names = [io.name for io in graph.io if io.role is Role.OPTIMIZER_STATE]
+    values = [trainer._update.bound_inputs[n] for n in names]
+    bound = sum(int(torch.Size(v.shape()).numel()) * 4 for v in values)
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (trainer.opt_state[n] for n in names)
+    }
+    ptrs = sorted((v.data_ptr(), int(torch.Size(v.shape()).numel()) * 4) for v in values)
+    overlap = any(a + n > b for (a, n), (b, _) in itertools.pairwise(ptrs))
+    return {"bound": bound, "storage": sum(storages.values()), "overlap": overlap}
+
+
+def params(trainer: ORTTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+
+
+def scenario_train(rank: int, world: int, out: Path) -> dict[str, Any]:
+    batches = micro_batches(rank, world)
+    result: dict[str, Any] = {}
+    trainer, sched = make_trainer(0, seed=rank)
+    result["dp_losses"] = run(trainer, sched, batches, 0, STEPS * ACCUM)
+    result["dp_grad_norm"] = trainer.last_grad_norm
+    if rank == 0:
+        torch.save(params(trainer), out / "dp_params.pt")
+
+    trainer, sched = make_trainer(1, seed=rank)
+    mid = RESUME_AT * ACCUM
+    losses = run(trainer, sched, batches, 0, mid)
+    trainer.save_checkpoint(out / "sharded")
+    consolidated = trainer.state_dict()
+    if rank == 0:
+        torch.save(consolidated, out / "consolidated_mid.pt")
+        torch.save(sched.state_dict(), out / "sched_mid.pt")
+    else:
+        assert consolidated == {}
+    losses += run(trainer, sched, batches, mid, STEPS * ACCUM)
+    result["zero_losses"] = losses
+    result["zero_grad_norm"] = trainer.last_grad_norm
+    result["zero_state_bytes"] = state_bytes(trainer)
+    layout = trainer._reducer.config.layout  # type: ignore[union-attr]
+    result["layout"] = {"padding": layout.padding, "numel": layout.numel}
+    final = trainer.state_dict()
+    if rank == 0:
+        torch.save(params(trainer), out / "zero_params.pt")
+        torch.save(final, out / "zero_state_dict.pt")
+    return result
+
+
+def scenario_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
+    batches = micro_batches(rank, world)
+    trainer, sched = make_trainer(1, seed=rank + 100)  # the checkpoint replaces everything
+    trainer.load_checkpoint(out / "sharded")
+    sched.load_state_dict(torch.load(out / "sched_mid.pt", weights_only=True))
+    losses = run(trainer, sched, batches, RESUME_AT * ACCUM, STEPS * ACCUM)
+    if rank == 0:
+        torch.save(params(trainer), out / "resumed_params.pt")
+    return {"losses": losses}
+
+
+def scenario_reshard(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Another world size loads the 2-rank sharded checkpoint (over a group passed in)."""
+    group = torch.distributed.new_group(list(range(world)))
+    trainer, _ = make_trainer(1, seed=rank, group=group)
+    trainer.load_checkpoint(out / "sharded")
+    state = trainer.state_dict()
+    if rank == 0:
+        torch.save(state, out / f"resharded{world}.pt")
+    return {"empty": state == {}, "shard_numel": trainer._reducer.config.layout.shard_numel}
+
+
+def scenario_loop(rank: int, world: int, out: Path) -> dict[str, Any]:
+    batches = micro_batches(rank, world)
+    timeout = float(os.environ["ORTRAIN_TEST_TIMEOUT"])  # set by the fault tests
+    trainer, _ = make_trainer(0, seed=0, timeout=timeout, layers=1)  # any model will do
+    step = 0
+    try:
+        while True:
+            trainer.train_step(**batches[step % len(batches)])
+            step += 1
+            print(f"STEP {step}", flush=True)
+    except RankFailureError as exc:
+        print(f"FAILED at {time.time():.3f} ranks={exc.ranks}: {exc}", flush=True)
+        sys.exit(3)
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")  # env://, as torchrun sets it up
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    fn = {
+        "train": scenario_train,
+        "resume": scenario_resume,
+        "reshard": scenario_reshard,
+        "loop": scenario_loop,
+    }[scenario]
+    result = fn(rank, world, out)
+    (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

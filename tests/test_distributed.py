@@ -1,0 +1,387 @@
+"""Data parallel and ZeRO-1 on 2 real gloo processes against one process on the combined
+batches (tests/dist_worker.py holds the training loop both run), plus the pieces that
+need no processes: the flat layout, the shard's graphs, the failure diagnosis."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+from ortrain import TrainerOptions, UnsupportedOptimizerError
+from ortrain.checkpoint import index_names
+from ortrain.distributed.health import RankHealth
+from ortrain.distributed.layout import FlatLayout
+from ortrain.optim import Lamb
+from ortrain.optim.spec import optimizer_spec
+from ortrain.roles import Role
+from tests.dist_worker import (
+    ACCUM,
+    CLIP,
+    RESUME_AT,
+    STEPS,
+    make_trainer,
+    micro_batches,
+    run,
+)
+from tests.test_parity import drop_key_bias
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+TOL = 1e-5  # relative, fp32
+MID, END = RESUME_AT * ACCUM, STEPS * ACCUM
+
+
+# --------------------------------------------------------------------------- launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out: Path, world: int = WORLD, **env: str) -> list[subprocess.Popen]:
+    """``world`` ranks of tests/dist_worker.py with the environment torchrun would set."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        log = open(out / f"{scenario}.log{rank}", "w")
+        env_r = {
+            **os.environ,
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, "-m", "tests.dist_worker", scenario, str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_r, stdout=log, stderr=log))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], out: Path, scenario: str) -> list[dict]:
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, p in enumerate(procs):
+        log = (out / f"{scenario}.log{rank}").read_text()
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-4000:]}"
+    return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(len(procs))]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("dist")
+    return out, finish(launch("train", out), out, "train")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the combined batches, the same options."""
+    trainer, sched = make_trainer(0)
+    initial = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+    losses = run(trainer, sched, micro_batches(0, 1), 0, END)
+    moved = max((p - initial[n]).abs().max().item() for n, p in trainer.module.named_parameters())
+    assert moved > 1e-3  # training moved the weights: comparisons are not of initial values
+    return trainer, losses
+
+
+# --------------------------------------------------------------------------- checks
+def rank_mean(results: list[dict], key: str) -> list[float]:
+    return [sum(r[key][i] for r in results) / len(results) for i in range(len(results[0][key]))]
+
+
+def assert_losses(actual: list[float], expected: list[float]) -> None:
+    assert len(actual) == len(expected)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=TOL, atol=0)
+
+
+def assert_tensor(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Element-wise within TOL relative, with an absolute floor of TOL of the tensor's
+    largest magnitude (rounding differences of near-zero elements)."""
+    torch.testing.assert_close(
+        actual, expected, rtol=TOL, atol=TOL * expected.abs().max().item(), msg=lambda m: what + m
+    )
+
+
+def assert_params(params: dict[str, torch.Tensor], ref_model: torch.nn.Module) -> None:
+    """Final parameters; attention key biases left out (see drop_key_bias)."""
+    assert sorted(params) == sorted(n for n, _ in ref_model.named_parameters())
+    for name, q in ref_model.named_parameters():
+        p = params[name]
+        assert_tensor(drop_key_bias(name, p, ref_model), drop_key_bias(name, q, ref_model), name)
+
+
+@pytest.mark.parametrize("stage", ["dp", "zero"])
+def test_matches_single_process_on_combined_batch(trained, reference, stage):
+    """Per micro-step, the mean of the ranks' losses is the single process's loss (with
+    clipping active and 2-step accumulation); so are the final parameters."""
+    out, results = trained
+    ref_trainer, ref_losses = reference
+    assert_losses(rank_mean(results, f"{stage}_losses"), ref_losses)
+    # The ranks' own losses differ (different batches): this is not one rank's copy.
+    assert results[0][f"{stage}_losses"] != results[1][f"{stage}_losses"]
+    norms = [r[f"{stage}_grad_norm"] for r in results]
+    assert norms[0] == norms[1] and norms[0] > CLIP  # every rank clipped alike
+    assert norms[0] == pytest.approx(ref_trainer.last_grad_norm, rel=TOL)
+    assert_params(torch.load(out / f"{stage}_params.pt"), ref_trainer.module)
+
+
+def test_zero1_optimizer_state_is_sharded(trained, reference):
+    """The OrtValues bound as optimizer state hold 1/N of the single-process state (plus
+    alignment padding): each element's moments live on exactly one rank."""
+    _, results = trained
+    ref_trainer, _ = reference
+    single = sum(t.numel() * t.element_size() for t in ref_trainer.opt_state.values())
+    n_states = 2  # AdamW: exp_avg, exp_avg_sq
+    padding = n_states * results[0]["layout"]["padding"] * 4
+    for r in results:
+        held = r["zero_state_bytes"]
+        assert not held["overlap"]
+        assert held["bound"] <= single / WORLD + padding
+        assert held["storage"] <= single / WORLD + padding
+    assert sum(r["zero_state_bytes"]["bound"] for r in results) == single
+
+
+def test_zero1_consolidated_state_dict_equals_single_process(trained, reference):
+    out, _ = trained
+    ref_trainer, _ = reference
+    ours, ref = torch.load(out / "zero_state_dict.pt"), ref_trainer.state_dict()
+    assert ours["ortrain"] == ref["ortrain"] == {"step": STEPS, "micro_step": 0}
+    assert ours["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
+    assert sorted(ours["model"]) == sorted(ref["model"])
+    for k, v in ref["model"].items():
+        assert_tensor(
+            drop_key_bias(k, ours["model"][k], ref_trainer.module),
+            drop_key_bias(k, v, ref_trainer.module),
+            k,
+        )
+    names = index_names(ref_trainer)
+    assert sorted(ours["optimizer"]["state"]) == sorted(ref["optimizer"]["state"])
+    for idx, entry in ref["optimizer"]["state"].items():
+        assert sorted(ours["optimizer"]["state"][idx]) == sorted(entry)
+        for s, t in entry.items():
+            mine = ours["optimizer"]["state"][idx][s]
+            if s == "step":
+                assert torch.equal(mine, t)
+            else:
+                name = names[idx]
+                assert_tensor(
+                    drop_key_bias(name, mine, ref_trainer.module),
+                    drop_key_bias(name, t, ref_trainer.module),
+                    f"{s} of {name}",
+                )
+
+
+def test_zero1_sharded_checkpoint_resumes_identically(trained):
+    """Save at step RESUME_AT, start both processes afresh, load: the same losses, bit for bit."""
+    out, results = trained
+    manifest = json.loads((out / "sharded" / "manifest.json").read_text())
+    assert manifest["world_size"] == WORLD and manifest["step"] == RESUME_AT
+    assert len(list((out / "sharded").glob("*.rank*-of-*.pt"))) == WORLD
+    assert not list((out / "sharded").glob("*.tmp"))
+    resumed = finish(launch("resume", out), out, "resume")
+    for r in range(WORLD):
+        assert resumed[r]["losses"] == results[r]["zero_losses"][MID:]
+    final, again = torch.load(out / "zero_params.pt"), torch.load(out / "resumed_params.pt")
+    for name, t in final.items():
+        assert torch.equal(again[name], t), name
+
+
+def test_two_rank_checkpoints_load_into_one_process(trained):
+    """The consolidated state dict and the sharded directory both load into one rank,
+    which then continues like the two ranks did."""
+    out, results = trained
+    consolidated = torch.load(out / "consolidated_mid.pt")
+    trainer, sched = make_trainer(0)
+    trainer.load_state_dict(consolidated)
+    sched.load_state_dict(torch.load(out / "sched_mid.pt"))
+    losses = run(trainer, sched, micro_batches(0, 1), MID, END)
+    assert_losses(losses, rank_mean(results, "zero_losses")[MID:])
+    final = torch.load(out / "zero_params.pt")
+    for name, p in trainer.module.named_parameters():
+        m = trainer.module
+        assert_tensor(drop_key_bias(name, p, m), drop_key_bias(name, final[name], m), name)
+
+    trainer.load_checkpoint(out / "sharded")  # the directory of shards, re-sharded to 1
+    assert_same_state(trainer.state_dict(), consolidated)
+
+
+def test_sharded_checkpoint_loads_into_three_ranks(trained):
+    """3 ranks (a process group passed in) load the 2-rank shards: consolidated again on
+    rank 0, the state is exactly the 2-rank one."""
+    out, trained_results = trained
+    results = finish(launch("reshard", out, world=3), out, "reshard")
+    assert [r["empty"] for r in results] == [False, True, True]
+    two_rank_shard = trained_results[0]["layout"]["numel"] // 2
+    assert results[0]["shard_numel"] < two_rank_shard  # really re-sharded, into thirds
+    assert_same_state(torch.load(out / "resharded3.pt"), torch.load(out / "consolidated_mid.pt"))
+
+
+def assert_same_state(loaded: dict, expected: dict) -> None:
+    assert loaded["ortrain"] == expected["ortrain"]
+    assert loaded["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    assert sorted(loaded["model"]) == sorted(expected["model"])
+    for k, v in expected["model"].items():
+        assert torch.equal(loaded["model"][k], v), k
+    assert sorted(loaded["optimizer"]["state"]) == sorted(expected["optimizer"]["state"])
+    for idx, entry in expected["optimizer"]["state"].items():
+        assert sorted(loaded["optimizer"]["state"][idx]) == sorted(entry)
+        for s, t in entry.items():
+            assert torch.equal(loaded["optimizer"]["state"][idx][s], t), (idx, s)
+
+
+@pytest.mark.parametrize(
+    "fault,sig,timeout",
+    [
+        pytest.param("killed", signal.SIGKILL, 20.0, id="killed"),
+        pytest.param("hung", signal.SIGSTOP, 4.0, id="hung"),
+    ],
+)
+def test_failed_rank_fails_the_other_within_timeout(tmp_path, fault, sig, timeout):
+    """A killed rank is noticed at once (its connections close); a stopped one when the
+    collective times out. Either way rank 0 raises RankFailureError naming rank 1."""
+    procs = launch("loop", tmp_path, ORTRAIN_TEST_TIMEOUT=str(timeout))
+    try:
+        log1 = tmp_path / "loop.log1"
+        deadline = time.monotonic() + 120
+        while "STEP 3\n" not in (log1.read_text() if log1.exists() else ""):
+            assert time.monotonic() < deadline and procs[1].poll() is None, log1.read_text()
+            time.sleep(0.1)
+        start = time.time()
+        procs[1].send_signal(sig)
+        rc = procs[0].wait(timeout=timeout + 30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # also ends a stopped process
+                p.wait()
+    log0 = (tmp_path / "loop.log0").read_text()
+    assert rc == 3, log0[-3000:]
+    failure = next(ln for ln in log0.splitlines() if ln.startswith("FAILED"))
+    assert "ranks=[1]" in failure and "rank 1 stopped responding" in failure, failure
+    assert f"dist_timeout={timeout:g} s" in failure
+    elapsed = float(failure.split()[2]) - start  # "FAILED at <time.time()> ..."
+    if fault == "killed":
+        assert elapsed < timeout, f"rank 0 needed {elapsed:.1f} s to fail"
+    else:  # waited for the timeout, then the diagnosis (3 heartbeat intervals)
+        assert timeout <= elapsed < timeout + 4, f"rank 0 failed after {elapsed:.1f} s"
+
+
+# --------------------------------------------------------------------------- no processes
+def test_flat_layout_aligns_pads_and_splits_into_pieces():
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 2, 3), "d": (1,)}
+    layout = FlatLayout.build(shapes, align=4, world_size=3)
+    assert [e.offset for e in layout.entries] == [0, 16, 24, 36]
+    assert layout.numel == 48 and layout.shard_numel == 16  # padded to 3 * 4
+    assert layout.padding == 48 - (15 + 7 + 12 + 1)
+    covered = {n: [] for n in shapes}
+    for rank in range(3):
+        lo, hi = layout.shard(rank)
+        assert lo % 4 == 0
+        for pc in layout.pieces(rank):
+            assert lo <= pc.start < pc.stop <= hi
+            covered[pc.name].append((pc.start, pc.stop))
+    # every element of every tensor in exactly one piece; "c" straddles shards 1 and 2
+    for e in layout.entries:
+        pieces = sorted(covered[e.name])
+        assert pieces[0][0] == e.offset and pieces[-1][1] == e.stop
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    assert len(covered["c"]) == 2
+    flat = torch.arange(48, dtype=torch.float32)
+    views = layout.views(flat)
+    assert views["b"].tolist() == list(range(16, 23)) and views["c"].shape == (2, 2, 3)
+    assert FlatLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+
+
+def test_shard_graphs_take_the_global_norm_and_hold_pieces():
+    # Imported here: a module importing graph_passes.optimizer before ortrain hits their
+    # import cycle (graph_passes.optimizer needs ortrain.optim, ortrain needs it back).
+    from graph_passes.zero import build_partial_norm_graph, build_shard_update_graph
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spec = optimizer_spec(opt, {id(p): n for n, p in model.named_parameters()})
+    ug = build_shard_update_graph(spec, {"weight": 5}, clip_grad_norm=True)
+    inputs = {v.name: v for v in ug.model.graph.inputs}
+    assert "global_sq_norm" in inputs and "bias" not in inputs
+    for name in ("weight", "grad:weight", "exp_avg:weight", "exp_avg_sq:weight"):
+        assert list(inputs[name].shape.dims) == [5]
+    assert [io.name for io in ug.io if io.role is Role.OPTIMIZER_STATE] == [
+        "exp_avg:weight",
+        "exp_avg_sq:weight",
+    ]
+    # the norm comes in: no local reduction over the shard's gradients
+    assert not any(n.op_type == "ReduceSumSquare" for n in ug.model.graph)
+    norm = build_partial_norm_graph(8)
+    assert [n.op_type for n in norm.graph].count("ReduceSumSquare") == 1
+
+    lamb = optimizer_spec(Lamb(model.parameters()), {id(p): n for n, p in model.named_parameters()})
+    with pytest.raises(UnsupportedOptimizerError, match=r"ZeRO-1 .* lamb optimizer"):
+        build_shard_update_graph(lamb, {"weight": 5}, clip_grad_norm=False)
+
+
+def test_partial_norm_graph_numerics():
+    from graph_passes.zero import build_partial_norm_graph
+
+    g = torch.randn(64)
+    proto = ir.serde.serialize_model(build_partial_norm_graph(64))
+    sess = ort.InferenceSession(proto.SerializeToString())
+    (out,) = sess.run(None, {"grad_shard": g.numpy(), "grad_scale": torch.tensor(0.25).numpy()})
+    assert out.item() == pytest.approx(((g * 0.25) ** 2).sum().item(), rel=1e-5)
+
+
+def test_rank_health_names_dead_missing_and_lagging_ranks():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    me = RankHealth(store, rank=0, interval=0.05)
+    me.seq = 7
+    peers = dist.PrefixStore("ortrain/health/", store)
+    peers.set("1", "5 7")  # beat once, then nothing: dead or stopped
+    stop = threading.Event()
+
+    def lagging() -> None:  # rank 2 beats on but sits at collective #6
+        beats = 0
+        while not stop.is_set():
+            peers.set("2", f"{beats} 6")
+            beats += 1
+            time.sleep(0.02)
+
+    t = threading.Thread(target=lagging, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.1)
+        blamed, why = me.diagnose([1, 2, 3])  # rank 3 never beat at all
+    finally:
+        stop.set()
+        me.stop()
+        t.join()
+    assert blamed == [1, 3, 2]
+    assert "ranks 1, 3 stopped responding" in why
+    assert "rank 2 still alive but never reached collective #7" in why
+
+
+def test_options_validate_distributed_fields():
+    with pytest.raises(ValueError, match="zero_stage"):
+        TrainerOptions(zero_stage=2)
+    with pytest.raises(ValueError, match="dist_timeout"):
+        TrainerOptions(dist_timeout=0)
