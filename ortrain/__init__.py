@@ -10,6 +10,7 @@ from ortrain.errors import (
     RankFailureError,
     UnsupportedOptimizerError,
 )
+from ortrain.explain import explain
 from ortrain.options import TrainerOptions
 from ortrain.trainer import ORTTrainer, StepOutputs
 
@@ -25,4 +26,5 @@ __all__ = [
     "StepOutputs",
     "TrainerOptions",
     "UnsupportedOptimizerError",
+    "explain",
 ]

@@ -232,3 +232,19 @@ def test_state_dict_roundtrip_and_eager_optimizer_compat():
         trainer3.load_state_dict(sd)
     for k, v in other.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_explain_lists_build_stages_with_node_counts():
+    from ortrain import explain
+
+    model = tiny()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "nothing built yet" in explain(trainer)
+    trainer.train_step(**lm_batches(1, vocab=128)[0])
+    text = explain(trainer)
+    for stage in ("export", "fuse_gelu", "autodiff", "lower_cross_entropy"):
+        assert stage in text
+    autodiff = next(r for r in trainer.build_log if r.stage == "autodiff")
+    assert autodiff.nodes_after > 2 * autodiff.nodes_before  # the backward was added
+    gelu = next(r for r in trainer.build_log if r.stage == "fuse_gelu")
+    assert gelu.nodes_after < gelu.nodes_before  # 8-op chains became one Gelu each
