@@ -116,7 +116,21 @@ class GradContext:
             if d == 1 and grad_shape[lead + i] != 1:
                 axes.append(lead + i)
         out = grad
-        if axes:
+        rows = 1
+        for d in grad_shape[:lead]:
+            rows *= d
+        cols = 1
+        for d in grad_shape[lead:]:
+            cols *= d
+        if axes == list(range(lead)) and rows > 1 and grad.dtype == ir.DataType.FLOAT:
+            # Summing over all leading axes (bias gradients): ones[1, R] @ g[R, C] runs on
+            # the GEMM kernel, about 2x faster than ReduceSum over axis 0 on the CPU EP.
+            g2 = grad
+            if grad_shape != (rows, cols):
+                g2 = self.op("Reshape", grad, self.ints((rows, cols)), shape=(rows, cols))
+            ones = self.const(np.ones((1, rows), dtype=np.float32).tolist(), ir.DataType.FLOAT)
+            out = self.op("Gemm", ones, g2, shape=(1, cols))
+        elif axes:
             kept = [d for i, d in enumerate(grad_shape) if i not in axes]
             out = self.op("ReduceSum", grad, self.ints(axes), keepdims=0, shape=kept)
         return self.reshape(out, target)
