@@ -12,7 +12,19 @@ from ortrain.errors import (
 )
 from ortrain.explain import explain
 from ortrain.options import TrainerOptions
-from ortrain.trainer import ORTTrainer, StepOutputs
+
+# The trainer is imported on first use: graph_passes imports ortrain's small modules
+# (roles, optimizer spec), and an eager import here would make that a cycle.
+_LAZY = {"ORTTrainer": "ortrain.trainer", "StepOutputs": "ortrain.trainer"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ortrain' has no attribute {name!r}")
+
 
 __all__ = [
     "BatchError",
