@@ -19,7 +19,45 @@ def main(argv: list[str] | None = None) -> int:
     opt.add_argument("-o", "--output", required=True, help="where to write the optimized model")
     opt.add_argument("--level", choices=["basic", "extended"], default="extended")
     opt.add_argument("--report", help="write the per-pass table as JSON here")
+    bt = sub.add_parser("build-training", help="build training artifacts from an ONNX model")
+    bt.add_argument("input", help="forward ONNX model with a scalar loss output")
+    bt.add_argument("--loss", required=True, help="name of the loss output")
+    bt.add_argument(
+        "--trainable-from-initializers",
+        action="store_true",
+        required=True,
+        help="train every float initializer (except --frozen)",
+    )
+    bt.add_argument("--frozen", default="", help="comma-separated initializers to keep fixed")
+    bt.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "lamb"])
+    bt.add_argument("--lr", type=float, default=1e-3)
+    bt.add_argument("--weight-decay", type=float, default=None)
+    bt.add_argument("--max-grad-norm", type=float, default=None)
+    bt.add_argument("-o", "--output", required=True, help="artifact directory")
     args = parser.parse_args(argv)
+    if args.command == "build-training":
+        from ortrain.offline import ArtifactError, build_training
+
+        hyper = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
+        try:
+            manifest = build_training(
+                args.input,
+                args.output,
+                loss=args.loss,
+                frozen=[f for f in args.frozen.split(",") if f],
+                optimizer=args.optimizer,
+                lr=args.lr,
+                hyper=hyper,
+                max_grad_norm=args.max_grad_norm,
+            )
+        except ArtifactError as exc:
+            print(f"ortrain build-training: error: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"{len(manifest['parameters'])} trainable, {len(manifest['frozen'])} frozen "
+            f"tensors; batch inputs {manifest['batch']}; wrote {args.output}"
+        )
+        return 0
     if args.command == "optimize":
         from ortrain.optimize import OptimizeError, optimize_file, summary
 

@@ -1,0 +1,179 @@
+"""Offline training artifacts (like ORT's generate_artifacts), and a session that trains
+them with no torch model present.
+
+``build_training(IN.onnx, loss=..., ...)`` turns a forward model whose float
+initializers are the weights into ``gradient.onnx`` (forward + minimal backward),
+``update.onnx`` (optimizer), ``state.npz`` (initial weights) and ``manifest.json`` (the
+role of every graph input/output). ``TrainingSession.load(dir)`` runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+
+from graph_passes.autodiff import build_gradient_graph
+from graph_passes.optimizer import build_update_graph
+from graph_passes.optimizer.update_graph import state_key
+from ortrain.errors import OrtrainError
+from ortrain.optim.spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
+from ortrain.runtime.session import BoundSession, make_session
+
+MANIFEST = "manifest.json"
+DEFAULTS = {
+    "adamw": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
+    "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    "sgd": {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0},
+    "lamb": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.01},
+}
+
+
+class ArtifactError(OrtrainError):
+    """A model or artifact directory that cannot be turned into / loaded as training."""
+
+
+def build_training(
+    src: str | Path,
+    out_dir: str | Path,
+    *,
+    loss: str,
+    frozen: Sequence[str] = (),
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    hyper: dict[str, float] | None = None,
+    max_grad_norm: float | None = None,
+) -> dict[str, Any]:
+    """Write the training artifacts for ``src``; returns the manifest."""
+    src, out = Path(src), Path(out_dir)
+    if not src.is_file():
+        raise ArtifactError(f"{src}: no such file")
+    if optimizer not in HYPERPARAMETERS:
+        raise ArtifactError(f"optimizer {optimizer!r}: use one of {sorted(HYPERPARAMETERS)}")
+    try:
+        model = ir.serde.deserialize_model(onnx.load(str(src)))
+    except Exception as exc:
+        raise ArtifactError(f"{src}: not a readable ONNX model ({type(exc).__name__})") from exc
+    graph = model.graph
+    if loss not in {v.name for v in graph.outputs}:
+        outs = [v.name for v in graph.outputs]
+        raise ArtifactError(f"loss output {loss!r} is not an output of {src.name}: {outs}")
+    floats = {
+        name: v
+        for name, v in graph.initializers.items()
+        if v.const_value is not None and v.dtype == ir.DataType.FLOAT
+    }
+    unknown = sorted(set(frozen) - set(floats))
+    if unknown:
+        raise ArtifactError(f"--frozen names no float initializer: {unknown}")
+    state: dict[str, np.ndarray] = {}
+    for name, v in floats.items():  # weights become graph inputs fed from persistent state
+        state[name] = v.const_value.numpy().copy()
+        v.const_value = None
+        del graph.initializers[name]
+        graph.inputs.append(v)
+    trainable = [n for n in floats if n not in set(frozen)]
+    for v in list(graph.outputs):
+        if v.name != loss:
+            graph.outputs.remove(v)
+    result = build_gradient_graph(model, loss, trainable)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    grads = [n for n in trainable if n in result.grad_outputs]
+    spec = OptimizerSpec(optimizer, (GroupSpec(tuple(grads), momentum=True),))
+    shapes = {n: tuple(state[n].shape) for n in grads}
+    update = build_update_graph(spec, shapes, clip_grad_norm=max_grad_norm is not None)
+    out.mkdir(parents=True, exist_ok=True)
+    ir.save(model, out / "gradient.onnx")
+    ir.save(update.model, out / "update.onnx")
+    np.savez(out / "state.npz", **state)
+    values = {**DEFAULTS[optimizer], **(hyper or {}), "lr": lr}
+    manifest = {
+        "format": "ortrain.artifacts/1",
+        "loss": loss,
+        "parameters": grads,
+        "frozen": [n for n in floats if n not in grads],
+        "batch": [v.name for v in graph.inputs if v.name not in floats],
+        "grad_outputs": {n: result.grad_outputs[n] for n in grads},
+        "optimizer": {
+            "kind": optimizer,
+            "hyperparameters": values,
+            "states": list(spec.state_names(spec.groups[0])),
+        },
+        "max_grad_norm": max_grad_norm,
+        "update_aliases": update.aliases,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+@dataclasses.dataclass
+class TrainingSession:
+    """Trains built artifacts: ``train_step(**batch) -> loss``; weights in ``parameters``."""
+
+    manifest: dict[str, Any]
+    parameters: dict[str, torch.Tensor]
+    _grad: BoundSession
+    _update: BoundSession
+    _loss: torch.Tensor
+    _scalars: dict[str, torch.Tensor]
+
+    @classmethod
+    def load(cls, directory: str | Path, *, threads: int | None = None) -> TrainingSession:
+        d = Path(directory)
+        if not (d / MANIFEST).is_file():
+            raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
+        manifest = json.loads((d / MANIFEST).read_text())
+        with np.load(d / "state.npz") as npz:
+            params = {k: torch.from_numpy(npz[k].copy()) for k in npz.files}
+        names = manifest["parameters"]
+        grads = {n: torch.zeros_like(params[n]) for n in names}
+        states = {
+            state_key(s, n): torch.zeros_like(params[n])
+            for s in manifest["optimizer"]["states"]
+            for n in names
+        }
+        hp = manifest["optimizer"]["hyperparameters"]
+        scalars = {"step": torch.zeros(()), "grad_scale": torch.ones(())}
+        scalars.update({f"group0.{k}": torch.tensor(float(v)) for k, v in hp.items()})
+        if manifest["max_grad_norm"] is not None:
+            scalars["max_grad_norm"] = torch.tensor(float(manifest["max_grad_norm"]))
+        loss = torch.zeros(())
+        grad_sess = BoundSession(make_session(ir.load(d / "gradient.onnx"), threads=threads))
+        grad_sess.bind_inputs(params)
+        grad_sess.bind_outputs({manifest["loss"]: loss})
+        grad_sess.bind_outputs({manifest["grad_outputs"][n]: grads[n] for n in names})
+        upd = BoundSession(make_session(ir.load(d / "update.onnx"), threads=threads))
+        upd.bind_inputs({**params, **states, **scalars})
+        upd.bind_inputs({f"grad:{n}": grads[n] for n in names})
+        aliased = {**params, **states, "step": scalars["step"]}
+        outputs = {out: aliased[src] for out, src in manifest["update_aliases"].items()}
+        if manifest["max_grad_norm"] is not None:
+            scalars["grad_norm"] = torch.zeros(())
+            outputs["grad_norm"] = scalars["grad_norm"]
+        upd.bind_outputs(outputs)
+        return cls(manifest, params, grad_sess, upd, loss, scalars)
+
+    def train_step(self, **batch: torch.Tensor | np.ndarray) -> float:
+        missing = sorted(set(self.manifest["batch"]) - set(batch))
+        if missing:
+            raise ArtifactError(f"batch is missing inputs {missing}")
+        keep = []
+        for name in self.manifest["batch"]:
+            t = torch.as_tensor(batch[name]).contiguous()
+            keep.append(t)
+            self._grad.bind_batch(name, t)
+        self._grad.run()
+        self._update.run()
+        del keep
+        return float(self._loss)
+
+    @property
+    def step(self) -> int:
+        return int(self._scalars["step"])
