@@ -26,6 +26,23 @@ def group_scalars(em: Emitter, hp: dict[str, ir.Value], step: ir.Value) -> dict[
     }
 
 
+def fold_grad_scale(
+    em: Emitter, sc: dict[str, ir.Value], hp: dict[str, ir.Value], scale: ir.Value
+) -> dict[str, ir.Value]:
+    """AdamW on ``scale * g`` without scaling g: the scale moves into the coefficients,
+    and sqrt(1 - b2^t) into eps and the step size (two fewer passes over the state):
+
+        m = b1 m + ((1 - b1) s) g ;  v = b2 v + ((1 - b2) s^2) g^2
+        p = p - (lr / (1 - b1^t) * c) * m / (sqrt(v) + eps * c),  c = sqrt(1 - b2^t)
+    """
+    return {
+        "c1": em.op("Mul", sc["one_minus_b1"], scale),
+        "c2": em.op("Mul", sc["one_minus_b2"], em.op("Mul", scale, scale)),
+        "eps_hat": em.op("Mul", hp["eps"], sc["bc2_sqrt"]),
+        "step_hat": em.op("Mul", sc["step_size"], sc["bc2_sqrt"]),
+    }
+
+
 def update(
     em: Emitter,
     p: ir.Value,
@@ -41,6 +58,14 @@ def update(
     else:
         g = em.op("Add", g, em.op("Mul", p, hp["weight_decay"]))
     m, v = state["exp_avg"], state["exp_avg_sq"]
+    if "c1" in sc:  # folded form (see fold_grad_scale)
+        m_new = em.op("Add", em.op("Mul", m, hp["beta1"]), em.op("Mul", g, sc["c1"]))
+        v_new = em.op(
+            "Add", em.op("Mul", v, hp["beta2"]), em.op("Mul", em.op("Mul", g, g), sc["c2"])
+        )
+        denom = em.op("Add", em.op("Sqrt", v_new), sc["eps_hat"])
+        p_new = em.op("Sub", p, em.op("Mul", em.op("Div", m_new, denom), sc["step_hat"]))
+        return p_new, {"exp_avg": m_new, "exp_avg_sq": v_new}
     m_new = em.op("Add", m, em.op("Mul", em.op("Sub", g, m), sc["one_minus_b1"]))
     v_new = em.op(
         "Add",

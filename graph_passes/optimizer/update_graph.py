@@ -90,21 +90,28 @@ def build_update_graph(
     ]
 
     step_new = em.op("Add", step, em.const(1.0, F), shape=())
-    scaled = {p: em.op("Mul", grads[p], grad_scale) for _, p in trained}
+    # One scalar carries the mean over micro-steps/ranks and the clipping coefficient;
+    # AdamW folds it into its moment coefficients instead of a pass over every gradient.
+    gscale = grad_scale
     norm = None
     if max_norm is not None and sq_norm is not None:  # ZeRO-1: summed over ranks outside
         norm = em.op("Sqrt", sq_norm, shape=(), name_hint="global_norm")
-    elif max_norm is not None and trained:  # the norm costs a pass over all gradients
-        norm = clip.global_norm(em, list(scaled.values()))
+    elif max_norm is not None and trained:  # ||s g|| = s ||g|| for the scale s > 0
+        raw = clip.global_norm(em, [grads[p] for _, p in trained])
+        norm = em.op("Mul", raw, grad_scale, shape=(), name_hint="global_norm")
     if norm is not None and trained:
         coef = clip.clip_coefficient(em, norm, max_norm)
-        scaled = {p: em.op("Mul", g, coef) for p, g in scaled.items()}
+        gscale = em.op("Mul", grad_scale, coef, shape=())
+    folds = spec.kind == "adamw"
+    scaled = {p: grads[p] if folds else em.op("Mul", grads[p], gscale) for _, p in trained}
 
     module = {"adam": adam, "adamw": adam, "sgd": sgd, "lamb": lamb}[spec.kind]
     group_sc = {}
     for gi, _ in enumerate(spec.groups):
         if any(p in shapes for p in spec.groups[gi].params):
             group_sc[gi] = module.group_scalars(em, hps[gi], step_new)
+            if folds:
+                group_sc[gi].update(adam.fold_grad_scale(em, group_sc[gi], hps[gi], gscale))
     for gi, p in trained:
         group = spec.groups[gi]
         if spec.kind in ("adam", "adamw"):
