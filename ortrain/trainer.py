@@ -234,6 +234,22 @@ class ORTTrainer:
             states = self.opt_state
         ug = build_update_graph(spec, shapes, clip_grad_norm=self.options.max_grad_norm is not None)
         self._save(ug.model, "update")
+        grads = {f"grad:{p}": t for p, t in grads.items()}
+        self._bind_update(ug, params, grads, states)
+
+    def _bind_update(
+        self,
+        ug: UpdateGraph,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        states: Mapping[str, torch.Tensor],
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Session for an update graph; every aliased output bound to its input's buffer.
+
+        ``grads`` are keyed by graph input name (``grad:<param>``); ``extra`` holds other
+        inputs (ZeRO-1's ``global_sq_norm``).
+        """
         self._update_graph = ug
         self._hyper = {
             io.name: torch.zeros((), dtype=torch.float32)
@@ -241,9 +257,8 @@ class ORTTrainer:
             if io.role is Role.HYPERPARAMETER
         }
         sess = BoundSession(make_session(ug.model, threads=self.options.intra_op_threads))
-        sess.bind_inputs({**params, **states, **self._hyper, **self._scalars})
-        sess.bind_inputs({f"grad:{p}": t for p, t in grads.items()})
-        sess.bind_inputs({"step": self.step_tensor})
+        sess.bind_inputs({**params, **grads, **states, **self._hyper, **self._scalars})
+        sess.bind_inputs({"step": self.step_tensor, **(extra or {})})
         outputs = {"new:step": self.step_tensor}
         if self.options.max_grad_norm is not None:
             outputs["grad_norm"] = self._grad_norm

@@ -32,7 +32,6 @@ from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
 from ortrain.distributed.layout import FlatLayout, Piece
 from ortrain.optim.spec import OptimizerSpec
-from ortrain.roles import Role
 from ortrain.runtime.session import BoundSession, make_session
 
 if TYPE_CHECKING:
@@ -127,25 +126,13 @@ class ShardedState:
             for pc in pieces
             for s in group_states[pc.name]
         }
-        hyper = {io.name: torch.zeros(()) for io in ug.io if io.role is Role.HYPERPARAMETER}
-        threads = trainer.options.intra_op_threads
-        sess = BoundSession(make_session(ug.model, threads=threads))
-        sess.bind_inputs({**params, **grads, **state, **hyper, **trainer._scalars})
-        sess.bind_inputs({"step": trainer.step_tensor, "global_sq_norm": self.sq_norm})
-        outputs = {"new:step": trainer.step_tensor}
-        if clip:
-            outputs["grad_norm"] = trainer._grad_norm
-        for out, src in ug.aliases.items():
-            if src != "step":
-                outputs[out] = params[src] if src in params else state[src]
-        sess.bind_outputs(outputs)
         trainer.opt_state = state
-        trainer._hyper = hyper
-        trainer._update, trainer._update_graph = sess, ug
+        trainer._bind_update(ug, params, grads, state, {"global_sq_norm": self.sq_norm})
 
         if clip:
             norm = build_partial_norm_graph(cfg.layout.shard_numel)
             trainer._save(norm, "update.zero1_partial_norm")
+            threads = trainer.options.intra_op_threads
             self._norm = BoundSession(make_session(norm, threads=threads))
             self._norm.bind_inputs(
                 {"grad_shard": self.grad_shard, "grad_scale": trainer._scalars["grad_scale"]}
