@@ -22,6 +22,7 @@ Usage::
     PYTHONPATH=. python benchmarks/bench_train.py                   # gpt2-tiny, bert-tiny
     PYTHONPATH=. python benchmarks/bench_train.py --workload gpt2-small --steps 5
     PYTHONPATH=. python benchmarks/bench_train.py --json results.json --repeats 2
+    PYTHONPATH=. python benchmarks/bench_train.py --backends torch,ortrain,ortrain-fp16   # + fp16
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import psutil
 import torch
 
 Batch = dict[str, torch.Tensor]
-BACKENDS = ("torch", "ortrain")
+BACKENDS = ("torch", "ortrain", "ortrain-fp16")
+DEFAULT_BACKENDS = ("torch", "ortrain")
 LOSS_RTOL = 1e-3
 
 
@@ -174,7 +176,9 @@ def setup_torch(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Setup:
     return Setup(step, {}, lambda: None)
 
 
-def setup_ortrain(model: torch.nn.Module, opt: torch.optim.Optimizer, threads: int) -> Setup:
+def setup_ortrain(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, threads: int, precision: str | None
+) -> Setup:
     import ortrain.trainer as trainer_mod
     from ortrain import ORTTrainer, TrainerOptions
 
@@ -189,7 +193,8 @@ def setup_ortrain(model: torch.nn.Module, opt: torch.optim.Optimizer, threads: i
             info["session_init_s"] += time.perf_counter() - t
 
     trainer_mod.make_session = timed_make_session
-    trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=threads))
+    options = TrainerOptions(intra_op_threads=threads, mixed_precision=precision)
+    trainer = ORTTrainer(model, opt, options)
 
     def step(batch: Batch) -> float:
         return float(trainer.train_step(**batch))
@@ -201,6 +206,7 @@ def setup_ortrain(model: torch.nn.Module, opt: torch.optim.Optimizer, threads: i
             stages[r.stage] = stages.get(r.stage, 0.0) + r.seconds
         info["build_stages_s"] = stages
         info["graph_nodes"] = {f"{r.graph}.{r.stage}": r.nodes_after for r in trainer.build_log}
+        info["skipped_steps"] = trainer.skipped_steps
 
     return Setup(step, info, after_first)
 
@@ -272,7 +278,8 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     if args.backend == "torch":
         s = setup_torch(model, opt)
     else:
-        s = setup_ortrain(model, opt, args.threads)
+        precision = "fp16" if args.backend == "ortrain-fp16" else None
+        s = setup_ortrain(model, opt, args.threads, precision)
     rss_setup = rss_bytes()
 
     # ---- step 0: first step (ortrain: export + compile + run)
@@ -413,6 +420,21 @@ def report(
             f"| {e['peak_rss_mib']:.0f} | {o['peak_rss_mib']:.0f} "
             f"| {o['peak_rss_mib'] / e['peak_rss_mib']:.2f} |"
         )
+    if any("ortrain-fp16" in r for r in results.values()):
+        lines += [
+            "",
+            "| workload | ortrain fp32 ms/step | ortrain fp16 ms/step | fp16 speedup "
+            "| fp32 peak RSS MiB | fp16 peak RSS MiB | RSS ratio | fp16 skipped steps |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in results.items():
+            a, h = r["ortrain"], r["ortrain-fp16"]
+            lines.append(
+                f"| {name} | {a['median_step_s'] * 1e3:.1f} | {h['median_step_s'] * 1e3:.1f} "
+                f"| {a['median_step_s'] / h['median_step_s']:.2f}x | {a['peak_rss_mib']:.0f} "
+                f"| {h['peak_rss_mib']:.0f} | {h['peak_rss_mib'] / a['peak_rss_mib']:.2f} "
+                f"| {h.get('skipped_steps', 0)} |"
+            )
     lines += [
         "",
         "speedup = eager / ortrain median step time (>1: ortrain faster); "
@@ -424,10 +446,10 @@ def report(
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
-        for b in BACKENDS:
+        for b in r:
             x = r[b]
             build = "-"
-            if b == "ortrain":
+            if b.startswith("ortrain"):
                 st = x["build_stages_s"]
                 passes = sum(v for k, v in st.items() if k != "export")
                 build = f"{st.get('export', 0):.2f} / {passes:.2f} / {x['session_init_s']:.2f}"
@@ -451,11 +473,11 @@ def report(
         "",
     ]
     for name, r in results.items():
-        for b in BACKENDS:
+        for b in r:
             ms = ", ".join(f"{t * 1e3:.0f}" for t in r[b]["trace"]["warmup"]["wall_s"])
             lines.append(f"{name}: {b} warm-up step times ms: [{ms}]")
     for name, r in results.items():
-        for b in BACKENDS:
+        for b in r:
             x = r[b]
             if contended(x):
                 lines.append(
@@ -502,6 +524,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="repeatable; default: " + ", ".join(n for n, w in WORKLOADS.items() if w.default),
     )
     p.add_argument("--backend", choices=BACKENDS, help="run one backend here (child mode)")
+    p.add_argument(
+        "--backends",
+        default=",".join(DEFAULT_BACKENDS),
+        help=f"comma-separated backends to compare, of {', '.join(BACKENDS)} (torch and "
+        "ortrain are always run)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first step")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--threads", type=int, default=2, help="torch / ORT intra-op threads")
@@ -520,6 +548,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
+    chosen = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(chosen) - set(BACKENDS))
+    if unknown:
+        p.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    args.backends = [b for b in BACKENDS if b in {*chosen, *DEFAULT_BACKENDS}]
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -540,9 +573,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name in workloads:
-        best: dict[str, dict[str, Any] | None] = dict.fromkeys(BACKENDS)
+        best: dict[str, dict[str, Any] | None] = dict.fromkeys(args.backends)
         for rep in range(args.repeats):
-            for backend in BACKENDS:
+            for backend in args.backends:
                 busy = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else None
                 r = run_child(args, name, backend)
                 r["cpu_busy_before_pct"] = busy

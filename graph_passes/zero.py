@@ -37,13 +37,25 @@ def check_shardable(spec: OptimizerSpec) -> None:
 
 
 def build_shard_update_graph(
-    spec: OptimizerSpec, piece_numels: Mapping[str, int], *, clip_grad_norm: bool
+    spec: OptimizerSpec,
+    piece_numels: Mapping[str, int],
+    *,
+    clip_grad_norm: bool,
+    skip_nonfinite: bool = False,
 ) -> UpdateGraph:
-    """The update graph of one shard; ``piece_numels``: parameter name -> piece length."""
+    """The update graph of one shard; ``piece_numels``: parameter name -> piece length.
+
+    Clipping and the overflow check both read the global sum of squares (an input),
+    so every rank takes the same decision.
+    """
     check_shardable(spec)
     shapes = {name: (n,) for name, n in piece_numels.items()}
     return build_update_graph(
-        spec, shapes, clip_grad_norm=clip_grad_norm, global_sq_norm_input=clip_grad_norm
+        spec,
+        shapes,
+        clip_grad_norm=clip_grad_norm,
+        global_sq_norm_input=clip_grad_norm or skip_nonfinite,
+        skip_nonfinite=skip_nonfinite,
     )
 
 

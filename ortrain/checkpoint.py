@@ -60,10 +60,13 @@ def trainer_state_dict(
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
+    extra: dict[str, Any] = {"step": trainer.step, "micro_step": trainer.micro_step}
+    if trainer.scaler is not None:
+        extra["loss_scaler"] = trainer.scaler.state_dict()
     return {
         "model": model,
         "optimizer": {"state": state, "param_groups": groups},
-        "ortrain": {"step": trainer.step, "micro_step": trainer.micro_step},
+        "ortrain": extra,
     }
 
 
@@ -130,6 +133,9 @@ def load_trainer_state_dict(
         step = int(state.get("ortrain", {}).get("step", max(steps)))
         trainer.step_tensor.fill_(float(step))
         trainer.micro_step = int(state.get("ortrain", {}).get("micro_step", 0))
+        scaler_state = state.get("ortrain", {}).get("loss_scaler")
+        if trainer.scaler is not None and scaler_state is not None:
+            trainer.scaler.load_state_dict(scaler_state)
         for g, saved in zip(trainer.optimizer.param_groups, opt["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
 

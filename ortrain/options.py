@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Any
 
+from ortrain.loss_scaler import DynamicLossScale
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainerOptions:
@@ -25,6 +27,12 @@ class TrainerOptions:
     process_group: the torch.distributed group to train over (None: the default group).
     dist_timeout: seconds a collective waits for the other ranks before failing with
         RankFailureError naming the rank that died or hangs.
+    mixed_precision: "fp16" or "bf16": the graphs compute in half precision from copies
+        of the fp32 parameters (master weights); the fp32 op list is in
+        ``graph_passes/mixed_precision.py``. bf16 needs a CUDA device. None: fp32.
+    loss_scale: "dynamic" (or a ``DynamicLossScale`` with its settings), a fixed float, or
+        None. "auto" (default): dynamic with fp16, none otherwise. With a loss scale,
+        steps whose gradients overflow are skipped (see ``trainer.skipped_steps``).
     """
 
     device: str = "cpu"
@@ -37,6 +45,8 @@ class TrainerOptions:
     zero_stage: int = 0
     process_group: Any = None  # torch.distributed.ProcessGroup
     dist_timeout: float = 300.0
+    mixed_precision: str | None = None
+    loss_scale: str | float | DynamicLossScale | None = "auto"
 
     def __post_init__(self) -> None:
         if self.device != "cpu":
@@ -54,7 +64,32 @@ class TrainerOptions:
             raise ValueError(f"TrainerOptions.zero_stage must be 0 or 1, got {self.zero_stage}")
         if self.dist_timeout <= 0:
             raise ValueError(f"TrainerOptions.dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.mixed_precision not in (None, "fp16", "bf16"):
+            raise ValueError(
+                "TrainerOptions.mixed_precision must be 'fp16', 'bf16' or None, got "
+                f"{self.mixed_precision!r}"
+            )
+        if self.mixed_precision == "bf16" and self.device == "cpu":
+            raise ValueError(
+                "TrainerOptions.mixed_precision='bf16' needs a CUDA device: ONNX Runtime's CPU "
+                "execution provider has no bf16 kernels (use 'fp16' on CPU)"
+            )
+        ls = self.loss_scale
+        if isinstance(ls, str) and ls not in ("auto", "dynamic"):
+            raise ValueError(
+                f"TrainerOptions.loss_scale must be 'auto', 'dynamic', a float, a "
+                f"DynamicLossScale or None, got {ls!r}"
+            )
+        if isinstance(ls, (int, float)) and not (ls > 0 and ls != float("inf")):
+            raise ValueError(f"TrainerOptions.loss_scale must be a finite value > 0, got {ls}")
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise ValueError(
                 f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}"
             )
+
+    @property
+    def resolved_loss_scale(self) -> str | float | DynamicLossScale | None:
+        """The loss scale in effect: "auto" resolved against ``mixed_precision``."""
+        if self.loss_scale == "auto":
+            return "dynamic" if self.mixed_precision == "fp16" else None
+        return self.loss_scale

@@ -19,6 +19,8 @@ class Role(str, enum.Enum):
     STEP = "step"
     GRAD_SCALE = "grad_scale"
     CLIP = "clip"  # global-norm clipping statistics
+    LOSS_SCALE = "loss_scale"  # the backward's seed (dynamic loss scaling)
+    GRADS_FINITE = "grads_finite"  # whether the update was applied (no Inf/NaN gradient)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,25 +13,23 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
 import torch
 
-from graph_passes.accumulate import accumulate_gradients
-from graph_passes.autodiff import build_gradient_graph
-from graph_passes.dropout_seed import seed_dropouts
-from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
-from graph_passes.fusions.gelu import fuse_gelu
-from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
+from graph_passes.loss_scaling import LOSS_SCALE_INPUT
 from graph_passes.optimizer import UpdateGraph, build_update_graph
 from graph_passes.optimizer.update_graph import state_key
+from graph_passes.pipeline import Pass, run_pipeline
+from graph_passes.training_pipeline import TrainingBuild, eval_passes, training_passes
 from ortrain import checkpoint
 from ortrain.distributed import Reducer, join_process_group
 from ortrain.errors import BatchError, NonFiniteLossError
 from ortrain.export import ExportedForward, LossFn, export_forward, normalize_batch
+from ortrain.loss_scaler import LossScaler
 from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.roles import Role
@@ -46,6 +44,7 @@ class StageRecord:
     seconds: float
     nodes_before: int
     nodes_after: int
+    op_delta: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -121,6 +120,12 @@ class ORTTrainer:
         }
         self._loss = torch.zeros((), dtype=torch.float32)
         self._grad_norm = torch.zeros((), dtype=torch.float32)
+        # Loss scaling: the backward is seeded with the scale; the update graph reports
+        # whether the gradients were finite (and skips the update if not).
+        ls = self.options.resolved_loss_scale
+        self.scaler: LossScaler | None = None if ls is None else LossScaler.from_option(ls)
+        self._loss_scale = torch.ones((), dtype=torch.float32)
+        self._grads_finite = torch.ones((), dtype=torch.bool)
         self._train: dict[tuple, _Compiled] = {}
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
@@ -142,15 +147,21 @@ class ORTTrainer:
         if self._graph_dir is not None:
             ir.save(model, self._graph_dir / f"{name}.onnx")
 
-    def _stage(self, graph: str, stage: str, model: ir.Model, fn: Callable[[], Any]) -> Any:
-        before = len(model.graph)
-        t = time.perf_counter()
-        out = fn()
-        self.build_log.append(
-            StageRecord(graph, stage, time.perf_counter() - t, before, len(model.graph))
-        )
-        self._save(model, f"{graph}.{len(self.build_log):02d}.{stage}")
-        return out
+    def _run_passes(self, graph: str, model: ir.Model, passes: list[Pass]) -> None:
+        def save(name: str, m: ir.Model) -> None:
+            self._save(m, f"{graph}.{len(self.build_log) + 1:02d}.{name}")
+
+        for record in run_pipeline(model, passes, after_each=save):
+            self.build_log.append(
+                StageRecord(
+                    graph,
+                    record.name,
+                    record.seconds,
+                    record.nodes_before,
+                    record.nodes_after,
+                    record.op_delta,
+                )
+            )
 
     def _export(self, batch: Mapping[str, Any], *, train: bool) -> ExportedForward:
         t = time.perf_counter()
@@ -167,12 +178,17 @@ class ORTTrainer:
         ex = self._export(batch, train=True)
         model = ex.model
         inputs = {r.name for r in ex.io}
-        wrt = [n for n in self.trainable if n in inputs]
-        self._stage("train", "seed_dropout", model, lambda: seed_dropouts(model, self.options.seed))
-        self._stage("train", "fuse_gelu", model, lambda: fuse_gelu(model))
-        result = self._stage(
-            "train", "autodiff", model, lambda: build_gradient_graph(model, ex.output_names[0], wrt)
+        build = TrainingBuild(
+            loss=ex.output_names[0],
+            wrt=[n for n in self.trainable if n in inputs],
+            seed=self.options.seed,
+            accumulate=self.options.grad_accumulation_steps > 1,
+            mixed_precision=self.options.mixed_precision,
+            loss_scaling=self.scaler is not None,
         )
+        self._run_passes("train", model, training_passes(build))
+        result = build.gradient
+        assert result is not None
         grad_params = sorted(result.grad_outputs, key=self.trainable.index)
         if self.grad_params is None:
             self.grad_params = grad_params
@@ -182,26 +198,11 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
-        self._stage("train", "fold_transpose_gemm", model, lambda: fold_transpose_into_gemm(model))
-        self._stage(
-            "train", "lower_cross_entropy", model, lambda: lower_softmax_cross_entropy(model)
-        )
-        accumulate = self.options.grad_accumulation_steps > 1
-        aliases = {}
-        if accumulate:
-            aliases = self._stage(
-                "train",
-                "accumulate",
-                model,
-                lambda: accumulate_gradients(model, result.grad_outputs),
-            )
-        ir.passes.common.RemoveUnusedNodesPass()(model)
         session = BoundSession(make_session(model, threads=self.options.intra_op_threads))
-        session.bind_inputs({**self.params, **self.buffers})
-        if accumulate:
-            session.bind_inputs(
-                {acc: self.grads[out[len("grad:") :]] for acc, out in aliases.items()}
-            )
+        session.bind_inputs({**self.params, **self.buffers, LOSS_SCALE_INPUT: self._loss_scale})
+        session.bind_inputs(
+            {acc: self.grads[out[len("grad:") :]] for acc, out in build.accumulators.items()}
+        )
         session.bind_outputs({ex.output_names[0]: self._loss})
         session.bind_outputs({result.grad_outputs[p]: self.grads[p] for p in grad_params})
         batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
@@ -232,7 +233,12 @@ class ORTTrainer:
             params = {p: self.params[p] for p in self.grad_params}
             grads = {p: self.grads[p] for p in self.grad_params}
             states = self.opt_state
-        ug = build_update_graph(spec, shapes, clip_grad_norm=self.options.max_grad_norm is not None)
+        ug = build_update_graph(
+            spec,
+            shapes,
+            clip_grad_norm=self.options.max_grad_norm is not None,
+            skip_nonfinite=self.scaler is not None,
+        )
         self._save(ug.model, "update")
         grads = {f"grad:{p}": t for p, t in grads.items()}
         self._bind_update(ug, params, grads, states)
@@ -262,6 +268,8 @@ class ORTTrainer:
         outputs = {"new:step": self.step_tensor}
         if self.options.max_grad_norm is not None:
             outputs["grad_norm"] = self._grad_norm
+        if any(o.role is Role.GRADS_FINITE for o in ug.outputs):
+            outputs["grads_finite"] = self._grads_finite
         for out, src in ug.aliases.items():
             if src != "step":
                 outputs[out] = params[src] if src in params else states[src]
@@ -277,8 +285,7 @@ class ORTTrainer:
 
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
         ex = self._export(batch, train=False)
-        lower_softmax_cross_entropy(ex.model)
-        self._save(ex.model, "eval")
+        self._run_passes("eval", ex.model, eval_passes(self.options.mixed_precision))
         session = BoundSession(make_session(ex.model, threads=self.options.intra_op_threads))
         session.bind_inputs({**self.params, **self.buffers})
         for name in ex.output_names:
@@ -315,6 +322,8 @@ class ORTTrainer:
         if accum > 1 and self.micro_step == 0:
             for g in self.grads.values():
                 g.zero_()
+        if self.scaler is not None:
+            self._loss_scale.fill_(self.scaler.scale)
         compiled.session.run()
         del keep
         loss = self._loss.clone()
@@ -335,15 +344,21 @@ class ORTTrainer:
         for gi, values in enumerate(group_values(self.optimizer, self.spec)):
             for h, v in values.items():
                 self._hyper[f"group{gi}.{h}"].fill_(v)
-        # Gradients are sums over micro-steps (and ranks): the graph scales them to a mean.
+        # Gradients are sums over micro-steps (and ranks) of the loss-scaled gradients: the
+        # graph scales them to the unscaled mean.
         world = self._reducer.world_size if self._reducer is not None else 1
-        self._scalars["grad_scale"].fill_(1.0 / (self.options.grad_accumulation_steps * world))
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._scalars["grad_scale"].fill_(
+            1.0 / (self.options.grad_accumulation_steps * world * scale)
+        )
         if self.options.max_grad_norm is not None:
             self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
         if self._reducer is None:
             self._update.run()
         else:
             self._reducer.update(self._update.run)
+        if self.scaler is not None:
+            self.scaler.update(bool(self._grads_finite))
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -351,6 +366,16 @@ class ORTTrainer:
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (before clipping) of the last update; None without clipping."""
         return float(self._grad_norm) if self.options.max_grad_norm is not None else None
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step's backward uses (None without loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped because a gradient overflowed (always 0 without loss scaling)."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     @property
     def train_graphs(self) -> list[ir.Model]:

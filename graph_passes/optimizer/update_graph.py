@@ -9,6 +9,11 @@ and, with clipping, the global gradient norm. ``check_inplace_safe`` proves that
 With clipping and ``global_sq_norm_input``, the global squared gradient norm is an
 input (``global_sq_norm``) instead of being computed from the graph's own gradients:
 ZeRO-1 (``graph_passes/zero.py``) sums the shards' partial sums across ranks first.
+
+With ``skip_nonfinite`` (loss scaling), the graph checks that the gradients' sum of
+squares is finite (NaN and Inf propagate into it) and writes every aliased output
+through ``Where(grads_finite, new, old)``: on overflow parameters, optimizer state and
+the step keep their bit patterns. ``grads_finite`` is an output for the loss scaler.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def build_update_graph(
     *,
     clip_grad_norm: bool,
     global_sq_norm_input: bool = False,
+    skip_nonfinite: bool = False,
 ) -> UpdateGraph:
     """``shapes``: the parameters that receive gradients (others are skipped, as torch does)."""
     graph = ir.Graph([], [], nodes=[], name=f"{spec.kind}_update", opset_imports={"": 20})
@@ -56,13 +62,19 @@ def build_update_graph(
     outs: list[GraphIO] = []
     aliases: dict[str, str] = {}
 
+    input_index: dict[str, int] = {}
+    finite: ir.Value | None = None
+
     def add_input(name: str, role: Role, shape=(), of: str | None = None) -> ir.Value:
         v = ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(F))
+        input_index[name] = len(graph.inputs)
         graph.inputs.append(v)
         io.append(GraphIO(name, role, of))
         return v
 
     def add_output(v: ir.Value, name: str, role: Role, of: str | None = None, alias=None):
+        if finite is not None and alias is not None:  # overflow: keep the old value
+            v = em.op("Where", finite, v, graph.inputs[input_index[alias]], shape=v.shape)
         if v.is_graph_input() or v.is_graph_output():
             v = em.op("Identity", v)
         v.name = name
@@ -102,6 +114,12 @@ def build_update_graph(
     if norm is not None and trained:
         coef = clip.clip_coefficient(em, norm, max_norm)
         gscale = em.op("Mul", grad_scale, coef, shape=())
+    if skip_nonfinite and trained:
+        total = sq_norm if sq_norm is not None else (raw if norm is not None else None)
+        if total is None:
+            total = clip.global_norm(em, [grads[p] for _, p in trained])
+        bad = em.op("Or", em.op("IsNaN", total), em.op("IsInf", total))
+        finite = em.op("Not", bad, shape=(), name_hint="grads_finite")
     folds = spec.kind == "adamw"
     scaled = {p: grads[p] if folds else em.op("Mul", grads[p], gscale) for _, p in trained}
 
@@ -132,6 +150,8 @@ def build_update_graph(
     em.flush_before(None)
     if norm is not None:
         add_output(norm, "grad_norm", Role.CLIP)
+    if finite is not None:
+        add_output(finite, "grads_finite", Role.GRADS_FINITE)
     em.flush_before(None)
     model = ir.Model(graph, ir_version=10, producer_name="ortrain")
     check_inplace_safe(model, aliases)

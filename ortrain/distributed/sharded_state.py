@@ -115,8 +115,9 @@ class ShardedState:
         pieces = [pc for pc in cfg.layout.pieces(cfg.rank) if pc.name in reached]
         group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
         clip = trainer.options.max_grad_norm is not None
+        skip = trainer.scaler is not None
         ug = build_shard_update_graph(
-            spec, {pc.name: pc.numel for pc in pieces}, clip_grad_norm=clip
+            spec, {pc.name: pc.numel for pc in pieces}, clip_grad_norm=clip, skip_nonfinite=skip
         )
         trainer._save(ug.model, "update.zero1")
         params = {pc.name: self.flat_params[pc.start : pc.stop] for pc in pieces}
@@ -129,7 +130,7 @@ class ShardedState:
         trainer.opt_state = state
         trainer._bind_update(ug, params, grads, state, {"global_sq_norm": self.sq_norm})
 
-        if clip:
+        if clip or skip:  # both read the global sum of squares
             norm = build_partial_norm_graph(cfg.layout.shard_numel)
             trainer._save(norm, "update.zero1_partial_norm")
             threads = trainer.options.intra_op_threads
@@ -143,7 +144,7 @@ class ShardedState:
     # ------------------------------------------------------------------ running
     def update(self, run_update: Callable[[], None]) -> None:
         self.comm.reduce_scatter(self.flat_grads)  # other ranks' shards: left undefined
-        if self._norm is not None:  # clipping: every rank needs the global norm
+        if self._norm is not None:  # clipping/overflow check: every rank needs the global norm
             self._norm.run()
             self.comm.all_reduce(self.sq_norm)
         run_update()
