@@ -8,6 +8,8 @@ resume  ZeRO-1 from that sharded checkpoint, for the remaining steps
 reshard ZeRO-1 on another world size loads that checkpoint and consolidates it again
 loop    data-parallel steps until the test kills or stops a rank (fault tests; the
         timeout comes from ORTRAIN_TEST_TIMEOUT)
+overflow  data parallel and ZeRO-1 with loss scaling: rank 1 alone overflows one step;
+        every rank must skip that update and keep its state
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -67,7 +69,7 @@ def run(trainer: ORTTrainer, sched, batches: list[dict], start: int, stop: int) 
     losses = []
     for i in range(start, stop):
         losses.append(trainer.train_step(**batches[i]).item())
-        if (i + 1) % ACCUM == 0:
+        if (i + 1) % ACCUM == 0 and sched is not None:
             sched.step()
     return losses
 
@@ -147,6 +149,37 @@ def scenario_reshard(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"empty": state == {}, "shard_numel": trainer._reducer.config.layout.shard_numel}
 
 
+def scenario_overflow(rank: int, world: int, out: Path) -> dict[str, Any]:
+    from ortrain.loss_scaler import DynamicLossScale
+
+    batches = micro_batches(rank, world)
+    result: dict[str, Any] = {}
+    for stage in (0, 1):
+        model = gpt2(layers=1, hidden=64, vocab=128, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        options = TrainerOptions(
+            zero_stage=stage,
+            grad_accumulation_steps=ACCUM,
+            intra_op_threads=1,
+            loss_scale=DynamicLossScale(initial=1024.0),
+        )
+        trainer = ORTTrainer(model, opt, options)
+        run(trainer, None, batches, 0, ACCUM)  # one good step
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+        if rank == 1:  # only this rank's gradients overflow (sum of squares > fp32 max)
+            assert trainer.scaler is not None
+            trainer.scaler.scale = 2.0**120
+        run(trainer, None, batches, ACCUM, 2 * ACCUM)
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        result[f"stage{stage}"] = {
+            "step": trainer.step,
+            "skipped": trainer.skipped_steps,
+            "unchanged": bool(torch.equal(before, after)),
+            "checksum": float(after.double().sum()),
+        }
+    return result
+
+
 def scenario_loop(rank: int, world: int, out: Path) -> dict[str, Any]:
     batches = micro_batches(rank, world)
     timeout = float(os.environ["ORTRAIN_TEST_TIMEOUT"])  # set by the fault tests
@@ -172,6 +205,7 @@ def main() -> None:
         "resume": scenario_resume,
         "reshard": scenario_reshard,
         "loop": scenario_loop,
+        "overflow": scenario_overflow,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

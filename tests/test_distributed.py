@@ -145,6 +145,17 @@ def test_matches_single_process_on_combined_batch(trained, reference, stage):
     assert_params(torch.load(out / f"{stage}_params.pt"), ref_trainer.module)
 
 
+def test_one_rank_overflowing_makes_every_rank_skip_the_update(tmp_path):
+    """Loss scaling across ranks: the overflow check reads the all-reduced gradients (data
+    parallel) or the all-reduced sum of squares (ZeRO-1), so one rank's Inf makes every
+    rank skip, and the replicas stay identical."""
+    results = finish(launch("overflow", tmp_path), tmp_path, "overflow")
+    for stage in ("stage0", "stage1"):
+        ranks = [r[stage] for r in results]
+        assert all(r["step"] == 1 and r["skipped"] == 1 and r["unchanged"] for r in ranks)
+        assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+
 def test_zero1_optimizer_state_is_sharded(trained, reference):
     """The OrtValues bound as optimizer state hold 1/N of the single-process state (plus
     alignment padding): each element's moments live on exactly one rank."""

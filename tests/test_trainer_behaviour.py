@@ -248,3 +248,6 @@ def test_explain_lists_build_stages_with_node_counts():
     assert autodiff.nodes_after > 2 * autodiff.nodes_before  # the backward was added
     gelu = next(r for r in trainer.build_log if r.stage == "fuse_gelu")
     assert gelu.nodes_after < gelu.nodes_before  # 8-op chains became one Gelu each
+    layers = trainer.module.config.n_layer
+    assert gelu.op_delta["Gelu"] == layers and gelu.op_delta["Tanh"] == -layers
+    assert f"Gelu +{layers}" in text
