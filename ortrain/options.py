@@ -13,7 +13,10 @@ from ortrain.loss_scaler import DynamicLossScale
 class TrainerOptions:
     """How ORTTrainer builds and runs the training graph.
 
-    device: "cpu" (CUDA arrives with the CUDA issue).
+    device: "cpu", "cuda" or "cuda:N": where the graphs run (CUDA needs onnxruntime-gpu:
+        ``pip install ortrain[gpu]``); the module is moved there.
+    cuda_graph: capture each CUDA session once and replay it (ONNX Runtime's
+        ``enable_cuda_graph``; static shapes, the batch is copied into fixed buffers).
     grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
         so N micro-batches of size b train like one batch of size N*b.
     max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off.
@@ -36,6 +39,7 @@ class TrainerOptions:
     """
 
     device: str = "cpu"
+    cuda_graph: bool = False
     grad_accumulation_steps: int = 1
     max_grad_norm: float | None = None
     seed: int = 0
@@ -49,10 +53,17 @@ class TrainerOptions:
     loss_scale: str | float | DynamicLossScale | None = "auto"
 
     def __post_init__(self) -> None:
-        if self.device != "cpu":
+        kind, _, index = self.device.partition(":")
+        if (
+            kind not in ("cpu", "cuda")
+            or (index and not index.isdigit())
+            or (kind == "cpu" and index)
+        ):
             raise ValueError(
-                f"TrainerOptions.device={self.device!r}: only 'cpu' is supported in this build"
+                f"TrainerOptions.device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'"
             )
+        if self.cuda_graph and kind != "cuda":
+            raise ValueError("TrainerOptions.cuda_graph=True needs device='cuda'")
         if self.grad_accumulation_steps < 1:
             raise ValueError(
                 "TrainerOptions.grad_accumulation_steps must be >= 1, got "

@@ -9,11 +9,12 @@ batch in and the loss out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.roles import Role
 from ortrain.runtime.flat_update import flatten_update
-from ortrain.runtime.session import BoundSession, make_session
+from ortrain.runtime.session import BoundSession, check_device, make_session
 
 
 @dataclasses.dataclass
@@ -56,6 +57,8 @@ class _Compiled:
     batch_names: list[str]
     batch_dtypes: dict[str, torch.dtype]
     output_keys: list[str]
+    # CUDA graphs replay fixed addresses: each batch is copied into these buffers.
+    static_batch: dict[str, torch.Tensor] | None = None
 
 
 class StepOutputs(dict):
@@ -99,6 +102,13 @@ class ORTTrainer:
         self.optimizer = optimizer
         self.options = options or TrainerOptions()
         self.loss_fn = loss_fn
+        self.device = torch.device(self.options.device)
+        check_device(self.device)
+        # CUDA: the module lives on the device; ONNX Runtime runs on a stream of ours
+        # (torch's default stream cannot be handed to it) that train_step makes current.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            model.to(self.device)
         named = dict(model.named_parameters())
         self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
         self.trainable = [n for g in self.spec.groups for n in g.params]
@@ -113,19 +123,20 @@ class ORTTrainer:
         self.buffers = {n: b.data.contiguous() for n, b in model.named_buffers()}
         self.grads: dict[str, torch.Tensor] = {}
         self.opt_state: dict[str, torch.Tensor] = {}
-        self.step_tensor = torch.zeros((), dtype=torch.float32)
+        dev = self.device
+        self.step_tensor = torch.zeros((), dtype=torch.float32, device=dev)
         self._scalars = {
-            "grad_scale": torch.ones((), dtype=torch.float32),
-            "max_grad_norm": torch.zeros((), dtype=torch.float32),
+            "grad_scale": torch.ones((), dtype=torch.float32, device=dev),
+            "max_grad_norm": torch.zeros((), dtype=torch.float32, device=dev),
         }
-        self._loss = torch.zeros((), dtype=torch.float32)
-        self._grad_norm = torch.zeros((), dtype=torch.float32)
+        self._loss = torch.zeros((), dtype=torch.float32, device=dev)
+        self._grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         # Loss scaling: the backward is seeded with the scale; the update graph reports
         # whether the gradients were finite (and skips the update if not).
         ls = self.options.resolved_loss_scale
         self.scaler: LossScaler | None = None if ls is None else LossScaler.from_option(ls)
-        self._loss_scale = torch.ones((), dtype=torch.float32)
-        self._grads_finite = torch.ones((), dtype=torch.bool)
+        self._loss_scale = torch.ones((), dtype=torch.float32, device=dev)
+        self._grads_finite = torch.ones((), dtype=torch.bool, device=dev)
         self._train: dict[tuple, _Compiled] = {}
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
@@ -141,6 +152,30 @@ class ORTTrainer:
         # torch.distributed (torchrun): data parallel or ZeRO-1 (ortrain.distributed);
         # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
         self._reducer: Reducer | None = join_process_group(self)
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Run on the sessions' CUDA stream, ordered after the caller's stream's work (the
+        batch) and before its later work (reading the loss); a no-op on CPU."""
+        if self._stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            yield
+        caller.wait_stream(self._stream)
+
+    def _session(self, model: ir.Model, *, graph_capture: bool = False) -> BoundSession:
+        return BoundSession(
+            make_session(
+                model,
+                threads=self.options.intra_op_threads,
+                device=self.device,
+                stream=self._stream,
+                cuda_graph=graph_capture and self.options.cuda_graph,
+            )
+        )
 
     # ------------------------------------------------------------------ building
     def _save(self, model: ir.Model, name: str) -> None:
@@ -198,7 +233,7 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
-        session = BoundSession(make_session(model, threads=self.options.intra_op_threads))
+        session = self._session(model, graph_capture=True)
         session.bind_inputs({**self.params, **self.buffers, LOSS_SCALE_INPUT: self._loss_scale})
         session.bind_inputs(
             {acc: self.grads[out[len("grad:") :]] for acc, out in build.accumulators.items()}
@@ -207,7 +242,8 @@ class ORTTrainer:
         session.bind_outputs({result.grad_outputs[p]: self.grads[p] for p in grad_params})
         batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
-        return _Compiled(session, model, batch_names, dtypes, ex.output_keys)
+        static = {} if self.options.cuda_graph else None
+        return _Compiled(session, model, batch_names, dtypes, ex.output_keys, static)
 
     def _build_update(self) -> None:
         assert self.grad_params is not None
@@ -258,11 +294,11 @@ class ORTTrainer:
         """
         self._update_graph = ug
         self._hyper = {
-            io.name: torch.zeros((), dtype=torch.float32)
+            io.name: torch.zeros((), dtype=torch.float32, device=self.device)
             for io in ug.io
             if io.role is Role.HYPERPARAMETER
         }
-        sess = BoundSession(make_session(ug.model, threads=self.options.intra_op_threads))
+        sess = self._session(ug.model, graph_capture=True)
         sess.bind_inputs({**params, **grads, **states, **self._hyper, **self._scalars})
         sess.bind_inputs({"step": self.step_tensor, **(extra or {})})
         outputs = {"new:step": self.step_tensor}
@@ -286,7 +322,7 @@ class ORTTrainer:
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
         ex = self._export(batch, train=False)
         self._run_passes("eval", ex.model, eval_passes(self.options.mixed_precision))
-        session = BoundSession(make_session(ex.model, threads=self.options.intra_op_threads))
+        session = self._session(ex.model)
         session.bind_inputs({**self.params, **self.buffers})
         for name in ex.output_names:
             session.bind_output_to_cpu(name)
@@ -299,8 +335,16 @@ class ORTTrainer:
         keep = []
         for name in compiled.batch_names:
             t = batch[name]
-            if t.device.type != "cpu":
-                raise BatchError(f"batch input '{name}' is on {t.device}; this trainer runs on cpu")
+            if compiled.static_batch is not None:  # CUDA graph: the captured addresses
+                buf = compiled.static_batch.get(name)
+                if buf is None:
+                    buf = compiled.static_batch[name] = torch.empty(
+                        t.shape, dtype=t.dtype, device=self.device
+                    )
+                buf.copy_(t, non_blocking=True)
+                t = buf
+            elif t.device != self.device:  # a host batch: one copy (CUDA: on our stream)
+                t = t.to(self.device, non_blocking=True)
             t = t.contiguous()
             keep.append(t)
             compiled.session.bind_batch(name, t)
@@ -315,6 +359,10 @@ class ORTTrainer:
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward + backward (+ optimizer update at the end of an accumulation window)."""
+        with self._on_stream():
+            return self._train_step(args, kwargs)
+
+    def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         batch = self._normalize(args, kwargs)
         compiled = self._compiled(batch, train=True)
         keep = self._bind_batch(compiled, batch)
@@ -392,12 +440,14 @@ class ORTTrainer:
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:
-        """Forward only in eval mode (no dropout), no update: loss and other outputs."""
+        """Forward only in eval mode (no dropout), no update: loss and other outputs
+        (host tensors)."""
         batch = self._normalize(args, kwargs)
-        compiled = self._compiled(batch, train=False)
-        keep = self._bind_batch(compiled, batch)
-        compiled.session.run()
-        del keep
+        with self._on_stream():
+            compiled = self._compiled(batch, train=False)
+            keep = self._bind_batch(compiled, batch)
+            compiled.session.run()
+            del keep
         values = compiled.session.binding.get_outputs()
         return StepOutputs(
             (k, torch.from_numpy(v.numpy())) for k, v in zip(compiled.output_keys, values)

@@ -81,12 +81,12 @@ def state_bytes(trainer: ORTTrainer) -> dict[str, Any]:
     assert graph is not None and trainer._update is not None
     names = [io.name for io in graph.io if io.role is Role.OPTIMIZER_STATE]
     values = [trainer._update.bound_inputs[n] for n in names]
-    bound = sum(int(torch.Size(v.shape()).numel()) * 4 for v in values)
+    bound = sum(v.numel() * v.element_size() for v in values)
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in (trainer.opt_state[n] for n in names)
     }
-    ptrs = sorted((v.data_ptr(), int(torch.Size(v.shape()).numel()) * 4) for v in values)
+    ptrs = sorted((v.data_ptr(), v.numel() * v.element_size()) for v in values)
     overlap = any(a + n > b for (a, n), (b, _) in itertools.pairwise(ptrs))
     return {"bound": bound, "storage": sum(storages.values()), "overlap": overlap}
 

@@ -52,6 +52,11 @@ def join_process_group(trainer: ORTTrainer) -> Reducer | None:
     comm = Comm(options.process_group, options.dist_timeout)
     if comm.world_size == 1:
         return None
+    if trainer.device.type != "cpu":
+        raise ValueError(
+            f"distributed training on {trainer.device} is not supported yet: ortrain's "
+            "collectives run on gloo over host memory (use device='cpu' per rank)"
+        )
     if options.zero_stage == 1:
         return ShardedState(trainer, comm)
     return DataParallel(trainer, comm)

@@ -58,9 +58,9 @@ def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
     layout = FlatLayout.build(shapes, align=ALIGN)
     flat_g = _shared_base({p: trainer.grads[p] for p in shapes if p in trainer.grads}, layout)
     if flat_g is None:
-        flat_g = torch.zeros(layout.numel)
+        flat_g = torch.zeros(layout.numel, device=trainer.device)
         trainer.grads.update(layout.views(flat_g))
-    flat_p = torch.zeros(layout.numel)
+    flat_p = torch.zeros(layout.numel, device=trainer.device)
     modules = dict(trainer.module.named_parameters())
     # Views are made with grad mode on: views made under no_grad may not be written in
     # place later (users do write parameters in place).
@@ -85,7 +85,7 @@ def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
         params[pseudo] = flat_p[start:stop]
         grads[pseudo] = flat_g[start:stop]
         for s in spec.state_names(group):
-            flat_s = torch.zeros(stop - start)
+            flat_s = torch.zeros(stop - start, device=trainer.device)
             states[state_key(s, pseudo)] = flat_s
             for e in mine:
                 view = flat_s[e.offset - start : e.stop - start].view(e.shape)

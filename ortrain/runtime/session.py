@@ -1,7 +1,10 @@
-"""ONNX Runtime sessions with persistent, zero-copy bindings.
+"""ONNX Runtime sessions with persistent, zero-copy bindings, on CPU or CUDA.
 
-State tensors are torch tensors; ONNX Runtime sees them through OrtValues that
-share their memory, bound once with IOBinding. A step rebinds only the batch.
+State tensors are torch tensors; ONNX Runtime reads and writes their memory directly:
+IOBinding binds each one by device and data pointer, once. A step rebinds only the
+batch. On CUDA the session runs on a torch stream the trainer owns
+(``user_compute_stream``), so torch work before and after a run (batch copies, fused
+kernels, collectives) is ordered with it without host synchronisation.
 """
 
 from __future__ import annotations
@@ -28,15 +31,51 @@ _TORCH_TO_NP = {
 }
 
 
-def ortvalue(t: torch.Tensor) -> ort.OrtValue:
-    """An OrtValue sharing ``t``'s memory (CPU)."""
-    if not t.is_contiguous():
-        raise ValueError("state tensors must be contiguous")
-    return ort.OrtValue.ortvalue_from_numpy(t.detach().numpy())
+class DeviceError(RuntimeError):
+    """The requested device cannot run ONNX Runtime sessions here."""
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def check_device(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise DeviceError(f"device {device}: ortrain runs on 'cpu' or 'cuda[:N]'")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {device}: torch sees no CUDA device on this machine")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise DeviceError(
+            f"device {device}: this onnxruntime ({ort.__version__}) has no "
+            "CUDAExecutionProvider; install ortrain[gpu] (onnxruntime-gpu) instead of onnxruntime"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise DeviceError(f"device {device}: only {torch.cuda.device_count()} CUDA devices")
+
+
+def providers(
+    device: torch.device, stream: torch.cuda.Stream | None = None, cuda_graph: bool = False
+) -> list:
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"]
+    options: dict[str, str] = {"device_id": str(device.index or 0)}
+    if stream is not None:  # torch's default stream is 0, which ORT reads as "none"
+        options["user_compute_stream"] = str(stream.cuda_stream)
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
 def make_session(
-    model: ir.Model, *, threads: int | None, save_path: str | None = None
+    model: ir.Model,
+    *,
+    threads: int | None,
+    save_path: str | None = None,
+    device: torch.device | None = None,
+    stream: torch.cuda.Stream | None = None,
+    cuda_graph: bool = False,
 ) -> ort.InferenceSession:
     proto = ir.serde.serialize_model(model)
     data = proto.SerializeToString()
@@ -55,9 +94,19 @@ def make_session(
     if threads is not None:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    device = device or torch.device("cpu")
     return ort.InferenceSession(
-        data, so, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+        data,
+        so,
+        providers=providers(device, stream, cuda_graph),
+        disabled_optimizers=DISABLED_OPTIMIZERS,
     )
+
+
+def _where(t: torch.Tensor) -> tuple[str, int]:
+    if t.device.type == "cuda":
+        return "cuda", t.device.index or 0
+    return "cpu", 0
 
 
 class BoundSession:
@@ -68,26 +117,39 @@ class BoundSession:
         self.binding = session.io_binding()
         self.input_names = {i.name for i in session.get_inputs()}
         self.output_names = [o.name for o in session.get_outputs()]
-        self._keep: list[object] = []  # OrtValues and tensors whose memory is bound
-        self.bound_inputs: dict[str, ort.OrtValue] = {}  # persistent inputs, for inspection
+        self._keep: list[torch.Tensor] = []  # tensors whose memory is bound
+        self.bound_inputs: dict[str, torch.Tensor] = {}  # persistent inputs, for inspection
+
+    @staticmethod
+    def _check(name: str, t: torch.Tensor) -> None:
+        if not t.is_contiguous():
+            raise ValueError(f"'{name}': tensors bound to ONNX Runtime must be contiguous")
+        if t.dtype not in _TORCH_TO_NP:
+            raise TypeError(f"'{name}': dtype {t.dtype} cannot be bound to ONNX Runtime")
 
     def bind_inputs(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             if name in self.input_names:
-                ov = ortvalue(t)
-                self._keep.append((ov, t))
-                self.bound_inputs[name] = ov
-                self.binding.bind_ortvalue_input(name, ov)
+                self._check(name, t)
+                self._keep.append(t)
+                self.bound_inputs[name] = t
+                self.bind_batch(name, t)
 
     def bind_outputs(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
-            ov = ortvalue(t)
-            self._keep.append((ov, t))
-            self.binding.bind_ortvalue_output(name, ov)
+            self._check(name, t)
+            self._keep.append(t)
+            kind, index = _where(t)
+            self.binding.bind_output(
+                name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
+            )
 
     def bind_batch(self, name: str, t: torch.Tensor) -> None:
-        """Bind a batch tensor by pointer (no copy); the caller keeps ``t`` alive for the run."""
-        self.binding.bind_input(name, "cpu", 0, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr())
+        """Bind a tensor by pointer (no copy); the caller keeps ``t`` alive for the run."""
+        kind, index = _where(t)
+        self.binding.bind_input(
+            name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
+        )
 
     def bind_output_to_cpu(self, name: str) -> None:
         self.binding.bind_output(name, "cpu")

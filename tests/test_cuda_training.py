@@ -1,0 +1,92 @@
+"""Training on ONNX Runtime's CUDA execution provider (skips without a CUDA device and
+onnxruntime-gpu); device validation runs everywhere."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.runtime.session import DeviceError, cuda_available
+from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
+
+needs_cuda = pytest.mark.skipif(
+    not cuda_available(), reason="needs a CUDA device and onnxruntime-gpu (CUDAExecutionProvider)"
+)
+
+
+def _run(model, batches, options):
+    opt = torch.optim.AdamW(decay_groups(model), lr=2e-3, weight_decay=0.01)
+    trainer = ORTTrainer(model, opt, options)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def test_device_option_is_validated():
+    with pytest.raises(ValueError, match="cuda:N"):
+        TrainerOptions(device="gpu")
+    with pytest.raises(ValueError, match="cuda:N"):
+        TrainerOptions(device="cuda:x")
+    with pytest.raises(ValueError, match="cuda_graph"):
+        TrainerOptions(cuda_graph=True)
+    assert TrainerOptions(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the error raised where CUDA is missing")
+def test_cuda_without_a_gpu_build_fails_clearly():
+    model = gpt2(layers=1, hidden=64, vocab=128)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DeviceError, match="cuda"):
+        ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions("cuda"))
+    for k, v in model.state_dict().items():  # nothing was moved or changed
+        assert v.device.type == "cpu" and torch.equal(v, before[k])
+
+
+@needs_cuda
+@pytest.mark.parametrize("which", ["gpt2", "bert"])
+def test_cuda_fp32_matches_cpu_per_step(which):
+    if which == "gpt2":
+        base, batches = gpt2(layers=4, hidden=256), lm_batches(20)
+    else:
+        base, batches = bert_mlm(), bert_batches(20)
+    _, cpu = _run(copy.deepcopy(base), batches, TrainerOptions())
+    trainer, gpu = _run(copy.deepcopy(base), batches, TrainerOptions(device="cuda"))
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=0)
+    assert next(trainer.module.parameters()).device.type == "cuda"
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_half_precision_tracks_fp32_after_200_steps(precision):
+    base = gpt2(layers=2, hidden=128, vocab=256)
+    data = lm_batches(8, vocab=256)
+    batches = [data[i % len(data)] for i in range(200)]
+    _, l32 = _run(copy.deepcopy(base), batches, TrainerOptions(device="cuda"))
+    opts = TrainerOptions(device="cuda", mixed_precision=precision)
+    _, low = _run(copy.deepcopy(base), batches, opts)
+    end32, end_low = np.mean(l32[-10:]), np.mean(low[-10:])
+    assert abs(end_low - end32) <= 0.02 * end32, (end_low, end32)
+
+
+@needs_cuda
+def test_cuda_graph_replay_gives_the_same_losses():
+    base, batches = gpt2(layers=2, hidden=128, vocab=256), lm_batches(6, vocab=256)
+    _, plain = _run(copy.deepcopy(base), batches, TrainerOptions(device="cuda"))
+    graph_opts = TrainerOptions(device="cuda", cuda_graph=True)
+    _, graphed = _run(copy.deepcopy(base), batches, graph_opts)
+    np.testing.assert_allclose(graphed, plain, rtol=1e-6, atol=0)
+
+
+@needs_cuda
+def test_cuda_batch_on_device_and_checkpoint_roundtrip(tmp_path):
+    base, batches = gpt2(layers=1, hidden=64, vocab=128), lm_batches(4, vocab=128)
+    trainer, _ = _run(copy.deepcopy(base), batches[:2], TrainerOptions(device="cuda"))
+    on_device = {k: v.cuda() for k, v in batches[2].items()}
+    trainer.save_checkpoint(tmp_path / "ck.pt")
+    a = trainer.train_step(**on_device).item()
+    other = copy.deepcopy(base)
+    restored, _ = _run(other, [], TrainerOptions(device="cuda"))
+    restored.load_checkpoint(tmp_path / "ck.pt")
+    assert restored.train_step(**batches[2]).item() == a
