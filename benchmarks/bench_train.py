@@ -47,7 +47,15 @@ import psutil
 import torch
 
 Batch = dict[str, torch.Tensor]
-BACKENDS = ("torch", "ortrain", "ortrain-fp16")
+BACKENDS = (
+    "torch",
+    "ortrain",
+    "ortrain-fp16",
+    "ortrain-bf16",  # CUDA only
+    "ortrain-cudagraph",  # CUDA only: whole-session CUDA graph replay
+    "torch-amp-fp16",  # eager under torch.autocast, for the mixed-precision comparison
+    "torch-amp-bf16",
+)
 DEFAULT_BACKENDS = ("torch", "ortrain")
 LOSS_RTOL = 1e-3
 
@@ -101,22 +109,25 @@ def _lm_batch(w: Workload, g: torch.Generator) -> Batch:
     return {"input_ids": ids, "labels": ids}
 
 
-def _bert(w: Workload, dropout: float) -> torch.nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
+def _bert_mlm(layers: int, hidden: int, heads: int, positions: int) -> Callable:
+    def build(w: Workload, dropout: float) -> torch.nn.Module:
+        from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(
-        vocab_size=w.vocab,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=128,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-        attn_implementation="eager",
-        pad_token_id=0,
-    )
-    return BertForMaskedLM(cfg)
+        cfg = BertConfig(
+            vocab_size=w.vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=positions,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            attn_implementation="eager",
+            pad_token_id=0,
+        )
+        return BertForMaskedLM(cfg)
+
+    return build
 
 
 def _mlm_batch(w: Workload, g: torch.Generator) -> Batch:
@@ -141,8 +152,15 @@ WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
         Workload("gpt2-tiny", 8, 128, 8192, _gpt2(4, 256, 4, 128), _lm_batch),
-        Workload("bert-tiny", 8, 128, 8192, _bert, _mlm_batch),
+        Workload("bert-tiny", 8, 128, 8192, _bert_mlm(4, 256, 4, 128), _mlm_batch),
         Workload("gpt2-small", 2, 256, 50257, _gpt2(12, 768, 12, 1024), _lm_batch, default=False),
+        # GPU workloads (the CUDA issue's benchmark): BERT-base seq 128, GPT-2 small seq 512
+        Workload(
+            "bert-base", 32, 128, 30522, _bert_mlm(12, 768, 12, 512), _mlm_batch, default=False
+        ),
+        Workload(
+            "gpt2-small-512", 8, 512, 50257, _gpt2(12, 768, 12, 1024), _lm_batch, default=False
+        ),
     ]
 }
 
@@ -163,21 +181,34 @@ class Setup:
     after_first: Callable[[], None]
 
 
-def setup_torch(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Setup:
+def setup_torch(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, device: str, amp: str | None
+) -> Setup:
+    """Eager PyTorch; ``amp``: run under torch.autocast (fp16 with a GradScaler)."""
     model.train()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp or "")
+    scaler = torch.amp.GradScaler(device, enabled=amp == "fp16")
 
     def step(batch: Batch) -> float:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         return loss.item()
 
     return Setup(step, {}, lambda: None)
 
 
 def setup_ortrain(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, threads: int, precision: str | None
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    threads: int,
+    precision: str | None,
+    device: str = "cpu",
+    cuda_graph: bool = False,
 ) -> Setup:
     import ortrain.trainer as trainer_mod
     from ortrain import ORTTrainer, TrainerOptions
@@ -193,7 +224,9 @@ def setup_ortrain(
             info["session_init_s"] += time.perf_counter() - t
 
     trainer_mod.make_session = timed_make_session
-    options = TrainerOptions(intra_op_threads=threads, mixed_precision=precision)
+    options = TrainerOptions(
+        intra_op_threads=threads, mixed_precision=precision, device=device, cuda_graph=cuda_graph
+    )
     trainer = ORTTrainer(model, opt, options)
 
     def step(batch: Batch) -> float:
@@ -261,11 +294,26 @@ def wait_quiet(max_wait_s: float, busy_pct: float = 25.0) -> float:
     return busy
 
 
+def device_used_bytes(device: str) -> int:
+    """Memory in use on the CUDA device (all allocators: torch's and ONNX Runtime's
+    arenas keep their peak reserved, so this after the steps is the run's peak)."""
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     w = WORKLOADS[args.workload]
+    if args.batch is not None:
+        w = dataclasses.replace(w, batch=args.batch)
     torch.set_num_threads(args.threads)
     _quiet_transformers()
     rss_start = rss_bytes()
+    if args.device == "cuda":
+        torch.cuda.init()
+    device_start = device_used_bytes(args.device)
 
     # ---- setup (not timed)
     torch.manual_seed(args.seed)
@@ -275,11 +323,14 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     g = torch.Generator().manual_seed(args.seed + 1)
     batches = [w.make_batch(w, g) for _ in range(args.num_batches)]
-    if args.backend == "torch":
-        s = setup_torch(model, opt)
+    if args.backend.startswith("torch"):
+        model.to(args.device)
+        amp = args.backend.removeprefix("torch-amp-") if "amp" in args.backend else None
+        s = setup_torch(model, opt, args.device, amp)
     else:
-        precision = "fp16" if args.backend == "ortrain-fp16" else None
-        s = setup_ortrain(model, opt, args.threads, precision)
+        precision = {"ortrain-fp16": "fp16", "ortrain-bf16": "bf16"}.get(args.backend)
+        graph = args.backend == "ortrain-cudagraph"
+        s = setup_ortrain(model, opt, args.threads, precision, args.device, graph)
     rss_setup = rss_bytes()
 
     # ---- step 0: first step (ortrain: export + compile + run)
@@ -300,7 +351,11 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     peak_end = peak_rss_bytes()
 
     median = statistics.median(timed.wall_s)
+    device_peak = device_used_bytes(args.device) - device_start
     return {
+        "device": args.device
+        + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""),
+        "device_peak_mib": device_peak / 2**20,
         "workload": w.name,
         "backend": args.backend,
         "batch": w.batch,
@@ -350,10 +405,14 @@ def child_command(args: argparse.Namespace, workload: str, backend: str, out: Pa
         "--dropout", str(args.dropout),
         "--seed", str(args.seed),
         "--num-batches", str(args.num_batches),
+        "--device", args.device,
+        *(["--batch", str(args.batch)] if args.batch is not None else []),
     ]  # fmt: skip
 
 
-def run_child(args: argparse.Namespace, workload: str, backend: str) -> dict[str, Any]:
+def run_child(
+    args: argparse.Namespace, workload: str, backend: str, *, check: bool = True
+) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = child_command(args, workload, backend, out)
@@ -363,6 +422,8 @@ def run_child(args: argparse.Namespace, workload: str, backend: str) -> dict[str
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
+            if not check:  # a probe that ran out of memory
+                return None
             sys.stderr.write(proc.stdout + proc.stderr)
             raise SystemExit(f"{backend} / {workload} failed (exit {proc.returncode})")
         result = json.loads(out.read_text())
@@ -498,6 +559,14 @@ def report(
             f"(rel diff {d:.2e}, tol {LOSS_RTOL:g}) {status}; last loss eager {last_e:.6f} "
             f"ortrain {last_o:.6f}"
         )
+    if any(r[b].get("device_peak_mib") for r in results.values() for b in r):
+        lines += ["", "| workload | backend | device memory in use after the steps MiB |"]
+        lines.append("|---|---|---:|")
+        for name, r in results.items():
+            for b in r:
+                lines.append(f"| {name} | {b} | {r[b]['device_peak_mib']:.0f} |")
+        first = next(iter(results.values()))
+        lines.append(f"device: {next(iter(first.values()))['device']}")
     lines += [
         "",
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, python "
@@ -547,6 +616,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="before each run wait up to S seconds for the CPUs to be < 25%% busy",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--batch", type=int, help="override the workload's batch size")
+    p.add_argument(
+        "--find-max-batch",
+        action="store_true",
+        help="instead of timing: the largest batch each backend trains without running out "
+        "of memory (doubling, then bisection; 3 steps per probe)",
+    )
     args = p.parse_args(argv)
     chosen = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(chosen) - set(BACKENDS))
@@ -556,6 +633,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
+
+
+def fits(args: argparse.Namespace, workload: str, backend: str, batch: int) -> bool:
+    probe = argparse.Namespace(**{**vars(args), "batch": batch, "warmup": 1, "steps": 1})
+    r = run_child(probe, workload, backend, check=False)
+    ok = r is not None
+    print(f"[{workload} {backend}] batch {batch}: {'fits' if ok else 'out of memory'}", flush=True)
+    return ok
+
+
+def max_batch(args: argparse.Namespace, workload: str, backend: str) -> int:
+    """Largest batch that trains: double until a probe fails, then bisect."""
+    lo, hi = 0, WORKLOADS[workload].batch
+    while fits(args, workload, backend, hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(args, workload, backend, mid) else (lo, mid)
+    return lo
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -570,6 +666,21 @@ def main(argv: list[str] | None = None) -> None:
 
     command = "PYTHONPATH=. python " + shlex.join(sys.argv)
     src = source_state()
+    if args.find_max_batch:
+        rows = [
+            "| workload | " + " | ".join(args.backends) + " |",
+            "|---|" + "---:|" * len(args.backends),
+        ]
+        for name in workloads:
+            found = {b: max_batch(args, name, b) for b in args.backends}
+            rows.append(
+                f"| {name} (seq {WORKLOADS[name].seq}) | "
+                + " | ".join(str(found[b]) for b in args.backends)
+                + " |"
+            )
+        print("largest batch that trains on " + args.device + ":\n" + "\n".join(rows))
+        print(f"command: {command}")
+        return
     t0 = time.perf_counter()
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name in workloads:
