@@ -183,8 +183,12 @@ class ORTTrainer:
             ir.save(model, self._graph_dir / f"{name}.onnx")
 
     def _run_passes(self, graph: str, model: ir.Model, passes: list[Pass]) -> None:
-        def save(name: str, m: ir.Model) -> None:
-            self._save(m, f"{graph}.{len(self.build_log) + 1:02d}.{name}")
+        first = len(self.build_log) + 1
+        done: list[str] = []
+
+        def save(name: str, m: ir.Model) -> None:  # files sort in pass order
+            done.append(name)
+            self._save(m, f"{graph}.{first + len(done) - 1:02d}.{name}")
 
         for record in run_pipeline(model, passes, after_each=save):
             self.build_log.append(

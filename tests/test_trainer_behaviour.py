@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import onnx_ir as ir
 import pytest
 import torch
 
@@ -251,3 +252,16 @@ def test_explain_lists_build_stages_with_node_counts():
     layers = trainer.module.config.n_layer
     assert gelu.op_delta["Gelu"] == layers and gelu.op_delta["Tanh"] == -layers
     assert f"Gelu +{layers}" in text
+
+
+def test_save_graphs_dir_writes_one_file_per_pass_in_order(tmp_path):
+    model = tiny()
+    options = TrainerOptions(save_graphs_dir=tmp_path)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    trainer.train_step(**lm_batches(1, vocab=128)[0])
+    files = sorted(p.name for p in tmp_path.glob("train.*.onnx"))
+    passes = [r.stage for r in trainer.build_log if r.graph == "train" and r.stage != "export"]
+    assert [f.split(".")[2] for f in files] == passes  # numbered in pass order
+    last = ir.load(tmp_path / files[-1])
+    assert len(last.graph) == len(trainer.train_graphs[0].graph)
+    assert (tmp_path / "update.onnx").exists()
