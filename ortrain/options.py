@@ -17,6 +17,9 @@ class TrainerOptions:
         ``pip install ortrain[gpu]``); the module is moved there.
     cuda_graph: capture each CUDA session once and replay it (ONNX Runtime's
         ``enable_cuda_graph``; static shapes, the batch is copied into fixed buffers).
+    update_engine: what runs the optimizer update. "graph": the update ONNX graph;
+        "kernels": the fused kernels of ``cuda_kernels/`` (AdamW/Adam/LAMB; build them with
+        CMake); "auto" (default): kernels on CUDA when built, the graph otherwise.
     grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
         so N micro-batches of size b train like one batch of size N*b.
     max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off.
@@ -40,6 +43,7 @@ class TrainerOptions:
 
     device: str = "cpu"
     cuda_graph: bool = False
+    update_engine: str = "auto"
     grad_accumulation_steps: int = 1
     max_grad_norm: float | None = None
     seed: int = 0
@@ -61,6 +65,11 @@ class TrainerOptions:
         ):
             raise ValueError(
                 f"TrainerOptions.device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'"
+            )
+        if self.update_engine not in ("auto", "graph", "kernels"):
+            raise ValueError(
+                "TrainerOptions.update_engine must be 'auto', 'graph' or 'kernels', got "
+                f"{self.update_engine!r}"
             )
         if self.cuda_graph and kind != "cuda":
             raise ValueError("TrainerOptions.cuda_graph=True needs device='cuda'")

@@ -34,7 +34,14 @@ from ortrain.loss_scaler import LossScaler
 from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.roles import Role
+from ortrain.runtime import kernels
 from ortrain.runtime.flat_update import flatten_update
+from ortrain.runtime.fused_update import (
+    KERNEL_KINDS,
+    FusedUpdate,
+    check_supported,
+    kernels_available,
+)
 from ortrain.runtime.session import BoundSession, check_device, make_session
 
 
@@ -140,6 +147,7 @@ class ORTTrainer:
         self._train: dict[tuple, _Compiled] = {}
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
+        self._fused: FusedUpdate | None = None  # the kernels run the update instead
         self._update_graph: UpdateGraph | None = None
         self.grad_params: list[str] | None = None  # trainable params reached by the loss
         self.micro_step = 0
@@ -152,6 +160,9 @@ class ORTTrainer:
         # torch.distributed (torchrun): data parallel or ZeRO-1 (ortrain.distributed);
         # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
         self._reducer: Reducer | None = join_process_group(self)
+        if self.options.update_engine == "kernels":  # fail now, not at the first step
+            self._use_kernels()
+            kernels.library(self.device.type)
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -255,6 +266,12 @@ class ORTTrainer:
         # binds the update graph of this rank's shard instead of the one below.
         if self._reducer is not None and self._reducer.prepare_update(self):
             return
+        if self._use_kernels():
+            flat = flatten_update(self, KERNEL_KINDS)
+            assert flat is not None
+            self._eval.clear()
+            self._fused = FusedUpdate(self, flat, flat.segments)
+            return
         flat = flatten_update(self)
         if flat is not None:  # one update chain per param group (memory moved: rebuild evals)
             self._eval.clear()
@@ -282,6 +299,21 @@ class ORTTrainer:
         self._save(ug.model, "update")
         grads = {f"grad:{p}": t for p, t in grads.items()}
         self._bind_update(ug, params, grads, states)
+
+    def _use_kernels(self) -> bool:
+        """Whether the fused kernels run the update (``TrainerOptions.update_engine``)."""
+        engine = self.options.update_engine
+        if engine == "graph" or (engine == "auto" and self.device.type != "cuda"):
+            return False
+        if engine == "auto":  # CUDA: the kernels when built and they cover the optimizer
+            return self.spec.kind in KERNEL_KINDS and kernels_available(self.device)
+        check_supported(self.spec.kind)
+        if self._reducer is not None:
+            raise ValueError(
+                "TrainerOptions.update_engine='kernels' is single-process only; distributed "
+                "training updates through the update graph (use 'graph' or 'auto')"
+            )
+        return True
 
     def _bind_update(
         self,
@@ -392,23 +424,26 @@ class ORTTrainer:
         return loss
 
     def _apply_update(self) -> None:
-        assert self._update is not None
-        for gi, values in enumerate(group_values(self.optimizer, self.spec)):
-            for h, v in values.items():
-                self._hyper[f"group{gi}.{h}"].fill_(v)
+        values = group_values(self.optimizer, self.spec)
         # Gradients are sums over micro-steps (and ranks) of the loss-scaled gradients: the
-        # graph scales them to the unscaled mean.
+        # update scales them to the unscaled mean.
         world = self._reducer.world_size if self._reducer is not None else 1
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        self._scalars["grad_scale"].fill_(
-            1.0 / (self.options.grad_accumulation_steps * world * scale)
-        )
-        if self.options.max_grad_norm is not None:
-            self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
-        if self._reducer is None:
-            self._update.run()
+        grad_scale = 1.0 / (self.options.grad_accumulation_steps * world * scale)
+        if self._fused is not None:
+            self._fused.run(values, grad_scale)
         else:
-            self._reducer.update(self._update.run)
+            assert self._update is not None
+            for gi, group in enumerate(values):
+                for h, v in group.items():
+                    self._hyper[f"group{gi}.{h}"].fill_(v)
+            self._scalars["grad_scale"].fill_(grad_scale)
+            if self.options.max_grad_norm is not None:
+                self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
+            if self._reducer is None:
+                self._update.run()
+            else:
+                self._reducer.update(self._update.run)
         if self.scaler is not None:
             self.scaler.update(bool(self._grads_finite))
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.

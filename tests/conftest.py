@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -116,3 +123,34 @@ def decay_groups(model: torch.nn.Module, wd: float = 0.01) -> list[dict]:
 def _threads():
     torch.set_num_threads(2)
     yield
+
+
+# ----------------------------------------------------------- kernel libraries (cuda_kernels/)
+def cmake_build(dest: Path, *flags: str) -> float:
+    """Configures and builds into ``dest``; returns the seconds it took."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not found: the kernel libraries cannot be built")
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler found: the kernel libraries cannot be built")
+    start = time.perf_counter()
+    for cmd in (
+        ["cmake", "-S", str(ROOT), "-B", str(dest), "-DCMAKE_BUILD_TYPE=Release", *flags],
+        ["cmake", "--build", str(dest), "-j", str(os.cpu_count() or 2)],
+    ):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
+    return time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def cpu_lib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("kernels_cpu")
+    cmake_build(dest, "-DORTRAIN_KERNELS_CUDA=OFF")
+    return dest
+
+
+@pytest.fixture
+def cpu_kernels(cpu_lib_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTRAIN_KERNELS_DIR", str(cpu_lib_dir))
+
+

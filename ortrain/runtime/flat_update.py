@@ -34,6 +34,8 @@ class FlatUpdate:
     params: dict[str, torch.Tensor]  # pseudo-parameter -> flat slice of the parameters
     grads: dict[str, torch.Tensor]
     states: dict[str, torch.Tensor]  # state_key(state, pseudo-parameter) -> flat slice
+    # pseudo-parameter -> lengths of its tensors' segments (each with its alignment padding)
+    segments: dict[str, list[int]]
 
 
 def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.Tensor | None:
@@ -50,9 +52,11 @@ def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.
     return base
 
 
-def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
+def flatten_update(trainer: ORTTrainer, kinds: tuple[str, ...] = FLAT_KINDS) -> FlatUpdate | None:
+    """``kinds``: optimizers to flatten (the fused kernels also take LAMB, whose per-tensor
+    norms they compute over ``segments``)."""
     spec = trainer.spec
-    if spec.kind not in FLAT_KINDS or not trainer.grad_params:
+    if spec.kind not in kinds or not trainer.grad_params:
         return None
     shapes = {p: tuple(trainer.params[p].shape) for p in trainer.grad_params}
     layout = FlatLayout.build(shapes, align=ALIGN)
@@ -70,7 +74,7 @@ def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
         modules[name].data = view
         trainer.params[name] = view
     entries = {e.name: e for e in layout.entries}
-    groups, pshapes, params, grads, states = [], {}, {}, {}, {}
+    groups, pshapes, params, grads, states, segments = [], {}, {}, {}, {}, {}
     for gi, group in enumerate(spec.groups):
         mine = [entries[p] for p in group.params if p in entries]
         if not mine:
@@ -82,6 +86,8 @@ def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
         pseudo = f"flat.group{gi}"
         groups.append(GroupSpec((pseudo,), group.nesterov, group.momentum, group.bias_correction))
         pshapes[pseudo] = (stop - start,)
+        bounds = [e.offset - start for e in mine] + [stop - start]
+        segments[pseudo] = [b - a for a, b in itertools.pairwise(bounds)]
         params[pseudo] = flat_p[start:stop]
         grads[pseudo] = flat_g[start:stop]
         for s in spec.state_names(group):
@@ -94,4 +100,6 @@ def flatten_update(trainer: ORTTrainer) -> FlatUpdate | None:
                     with torch.no_grad():
                         view.copy_(old)
                 trainer.opt_state[state_key(s, e.name)] = view
-    return FlatUpdate(OptimizerSpec(spec.kind, tuple(groups)), pshapes, params, grads, states)
+    return FlatUpdate(
+        OptimizerSpec(spec.kind, tuple(groups)), pshapes, params, grads, states, segments
+    )
