@@ -144,6 +144,7 @@ class Spec:
     loss_outputs: tuple[int, ...] | None = None  # None: every float output
     direct_loss: bool = False  # output 0 is already the scalar loss: use it as is
     ref_sees_ort: bool = False  # ``ref`` gets the ONNX Runtime outputs (Dropout's mask)
+    threads: int = 1  # intra-op threads for the gradient run (races show only with > 1)
 
     @property
     def wrt(self) -> list[int]:
@@ -162,9 +163,9 @@ def _value(name: str, arr_or_shape, dtype: ir.DataType) -> ir.Value:
     return ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(dtype))
 
 
-def _session(model: ir.Model) -> ort.InferenceSession:
+def _session(model: ir.Model, threads: int = 1) -> ort.InferenceSession:
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
+    opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     proto = ir.serde.serialize_model(model)
@@ -271,7 +272,7 @@ def run_onnx(spec: Spec, arrays, rng: np.random.Generator):
     model = _model(gin, outputs, nodes, inits)
     wrt = [f"in{i}" for i in spec.wrt]
     res = build_gradient_graph(model, loss.name, wrt)
-    sess = _session(model)
+    sess = _session(model, spec.threads)
     names = [o.name for o in sess.get_outputs()]
     got = dict(zip(names, sess.run(None, _feeds(spec, arrays)), strict=True))
     fwd_outs = [got[f"out{k}"] for k in range(spec.outputs)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from graph_passes.autodiff.context import GradContext
 from graph_passes.autodiff.registry import gradient
 
@@ -114,10 +116,21 @@ def pad(ctx: GradContext):
 
 
 def _scatter_add_rows(ctx: GradContext, table_shape, indices, updates):
-    """zeros(table_shape) with ``updates`` added at rows ``indices`` (ScatterND, add)."""
+    """zeros(table_shape) with ``updates`` added at rows ``indices``.
+
+    ScatterElements(add) with the row index broadcast over each row, not ScatterND(add):
+    ONNX Runtime's CPU ScatterND loses updates to repeated indices when it runs on more
+    than one thread (onnxruntime#18048), and embedding rows repeat all the time.
+    """
+    rows = int(np.prod(ctx.shape(indices), dtype=np.int64))
+    rest = list(table_shape[1:])
+    flat_updates = ctx.reshape(updates, [rows, *rest])
+    column = ctx.reshape(indices, [rows] + [1] * len(rest))
+    expanded = ctx.op("Expand", column, ctx.ints([rows, *rest]), shape=[rows, *rest])
     zeros = ctx.zeros(table_shape, updates.dtype)
-    idx = ctx.op("Unsqueeze", indices, ctx.ints([-1]))
-    return ctx.op("ScatterND", zeros, idx, updates, reduction="add", shape=table_shape)
+    return ctx.op(
+        "ScatterElements", zeros, expanded, flat_updates, axis=0, reduction="add", shape=table_shape
+    )
 
 
 @gradient("Gather", nondiff_inputs=(1,))
@@ -137,8 +150,9 @@ def gather(ctx: GradContext):
         out = ctx.op("Pad", unsq, ctx.ints(pads), shape=shape)
         return {0: out}
     if q == 0:
-        idx = ctx.op("Unsqueeze", idx, ctx.ints([0]))
-        g = ctx.op("Unsqueeze", g, ctx.ints([axis]))
+        idx = ctx.op("Unsqueeze", idx, ctx.ints([0]), shape=[1])
+        g_shape = list(ctx.shape(g))
+        g = ctx.op("Unsqueeze", g, ctx.ints([axis]), shape=[*g_shape[:axis], 1, *g_shape[axis:]])
         q = 1
     if axis == 0:
         return {0: _scatter_add_rows(ctx, shape, idx, g)}
@@ -146,7 +160,8 @@ def gather(ctx: GradContext):
     g_rank = rank - 1 + q
     idx_dims = list(range(axis, axis + q))
     perm_g = idx_dims + [d for d in range(g_rank) if d not in idx_dims]
-    g_t = ctx.op("Transpose", g, perm=perm_g)
+    g_dims = ctx.shape(g)
+    g_t = ctx.op("Transpose", g, perm=perm_g, shape=[g_dims[d] for d in perm_g])
     t_shape = [shape[axis], *shape[:axis], *shape[axis + 1 :]]
     scattered = _scatter_add_rows(ctx, t_shape, idx, g_t)
     perm_back = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
@@ -158,8 +173,18 @@ def gather_nd(ctx: GradContext):
     if int(ctx.attr("batch_dims", 0)) != 0:
         raise NotImplementedError("GatherND with batch_dims != 0")
     shape = ctx.shape(ctx.I(0))
-    zeros = ctx.zeros(shape, ctx.GO(0).dtype)
-    return {0: ctx.op("ScatterND", zeros, ctx.I(1), ctx.GO(0), reduction="add", shape=shape)}
+    depth = ctx.shape(ctx.I(1))[-1]
+    lead = [int(d) for d in shape[:depth]]
+    # Row-major linear index into the first ``depth`` axes (negatives wrapped by Mod),
+    # then the same row scatter as Gather's over the table viewed as [prod(lead), rest].
+    strides = [int(np.prod(lead[j + 1 :], dtype=np.int64)) for j in range(depth)]
+    idx_shape = ctx.shape(ctx.I(1))
+    wrapped = ctx.op("Mod", ctx.I(1), ctx.ints(lead), fmod=0, shape=idx_shape)
+    scaled = ctx.op("Mul", wrapped, ctx.ints(strides), shape=idx_shape)
+    linear = ctx.op("ReduceSum", scaled, ctx.ints([-1]), keepdims=0, shape=idx_shape[:-1])
+    table = [int(np.prod(lead, dtype=np.int64)), *shape[depth:]]
+    rows = _scatter_add_rows(ctx, table, linear, ctx.GO(0))
+    return {0: ctx.reshape(rows, shape)}
 
 
 @gradient("Tile", nondiff_inputs=(1,))
