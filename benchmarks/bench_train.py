@@ -50,6 +50,7 @@ Batch = dict[str, torch.Tensor]
 BACKENDS = (
     "torch",
     "ortrain",
+    "ortrain-nopasses",  # optimize_graph=False, memory_plan=False: the plain gradient graph
     "ortrain-fp16",
     "ortrain-bf16",  # CUDA only
     "ortrain-cudagraph",  # CUDA only: whole-session CUDA graph replay
@@ -209,6 +210,7 @@ def setup_ortrain(
     precision: str | None,
     device: str = "cpu",
     cuda_graph: bool = False,
+    passes: bool = True,
 ) -> Setup:
     import ortrain.trainer as trainer_mod
     from ortrain import ORTTrainer, TrainerOptions
@@ -225,7 +227,12 @@ def setup_ortrain(
 
     trainer_mod.make_session = timed_make_session
     options = TrainerOptions(
-        intra_op_threads=threads, mixed_precision=precision, device=device, cuda_graph=cuda_graph
+        intra_op_threads=threads,
+        mixed_precision=precision,
+        device=device,
+        cuda_graph=cuda_graph,
+        optimize_graph=passes,
+        memory_plan=passes,
     )
     trainer = ORTTrainer(model, opt, options)
 
@@ -330,7 +337,8 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     else:
         precision = {"ortrain-fp16": "fp16", "ortrain-bf16": "bf16"}.get(args.backend)
         graph = args.backend == "ortrain-cudagraph"
-        s = setup_ortrain(model, opt, args.threads, precision, args.device, graph)
+        passes = args.backend != "ortrain-nopasses"
+        s = setup_ortrain(model, opt, args.threads, precision, args.device, graph, passes)
     rss_setup = rss_bytes()
 
     # ---- step 0: first step (ortrain: export + compile + run)
@@ -464,6 +472,12 @@ def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
+def _train_nodes(r: dict[str, Any]) -> int:
+    """Nodes of the gradient graph after its last build pass."""
+    train = [v for k, v in r.get("graph_nodes", {}).items() if k.startswith("train.")]
+    return train[-1] if train else 0
+
+
 def report(
     results: dict[str, dict[str, dict[str, Any]]], command: str, wall_s: float, src: dict[str, Any]
 ) -> str:
@@ -481,6 +495,21 @@ def report(
             f"| {e['peak_rss_mib']:.0f} | {o['peak_rss_mib']:.0f} "
             f"| {o['peak_rss_mib'] / e['peak_rss_mib']:.2f} |"
         )
+    if any("ortrain-nopasses" in r for r in results.values()):
+        lines += [
+            "",
+            "| workload | passes off ms/step | passes on ms/step | speedup from passes "
+            "| off peak RSS MiB | on peak RSS MiB | RSS ratio | nodes off | nodes on |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in results.items():
+            a, o = r["ortrain-nopasses"], r["ortrain"]
+            lines.append(
+                f"| {name} | {a['median_step_s'] * 1e3:.1f} | {o['median_step_s'] * 1e3:.1f} "
+                f"| {a['median_step_s'] / o['median_step_s']:.2f}x | {a['peak_rss_mib']:.0f} "
+                f"| {o['peak_rss_mib']:.0f} | {o['peak_rss_mib'] / a['peak_rss_mib']:.2f} "
+                f"| {_train_nodes(a)} | {_train_nodes(o)} |"
+            )
     if any("ortrain-fp16" in r for r in results.values()):
         lines += [
             "",

@@ -4,16 +4,22 @@ Every pass reads and writes one ``onnx_ir.Model``; what passes hand to later pas
 (the value to differentiate, the gradient outputs, the accumulator aliases) lives in
 one ``TrainingBuild`` record instead of flags spread through the trainer.
 
-Order (forward passes first, then autodiff, then backward passes):
+Order (forward passes first, then autodiff, then backward passes; * = optimizations,
+left out with ``optimize=False``):
 
-1. seed_dropout       each Dropout gets its own seed (before anything could merge two)
-2. fuse_gelu          decomposed GELU chains -> Gelu (fewer nodes to differentiate)
-3. mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
-4. loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
-5. autodiff           minimal gradient graph, outputs ``grad:<param>``
-6. fold_transpose_gemm / lower_cross_entropy   backward and loss kernels
-7. accumulate         ``grad = acc + micro-grad`` bound in place
-8. remove_unused      forward values nothing reads any more
+1.  seed_dropout       each Dropout gets its own seed (before anything could merge two)
+2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
+3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
+4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``graph_passes.fusions``)
+5.  mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
+6.  loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
+7.  autodiff           minimal gradient graph, outputs ``grad:<param>``
+8.  fold_transpose_gemm* / lower_cross_entropy*   backward and loss kernels
+9.  clean_backward*    folding, CSE, Transpose folding, merged gradient Sums
+10. accumulate         ``grad = acc + micro-grad`` bound in place
+11. recompute          cheap forward values the backward reads are made again there
+                       (``RecomputePolicy``; NOTHING = off)
+12. remove_unused      forward values nothing reads any more
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
+from graph_passes.forward_cleanup import clean_forward
+from graph_passes.fusions import training_fusions
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.loss_scaling import scale_loss
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.mixed_precision import convert_to_mixed_precision
 from graph_passes.pipeline import Pass
+from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
 
 
 @dataclasses.dataclass
@@ -43,6 +52,9 @@ class TrainingBuild:
     accumulate: bool = False
     mixed_precision: str | None = None  # "fp16" | "bf16" | None
     loss_scaling: bool = False
+    recompute: RecomputePolicy = RecomputePolicy.NOTHING
+    optimize: bool = True  # the optimization passes (* above); False: only what training needs
+    fusions: tuple[str, ...] | None = None  # names from ``fusions.FUSIONS``; None: the default set
     # Produced by the passes:
     diff_loss: str = ""  # the value autodiff starts from
     gradient: GradientGraphResult | None = None
@@ -53,10 +65,10 @@ class TrainingBuild:
 
 
 def training_passes(build: TrainingBuild) -> list[Pass]:
-    passes = [
-        Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed)),
-        Pass("fuse_gelu", fuse_gelu),
-    ]
+    passes = [Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed))]
+    if build.optimize:
+        passes += [Pass("clean_forward", clean_forward), Pass("fuse_gelu", fuse_gelu)]
+        passes += training_fusions(build.fusions).before_autodiff
     if build.mixed_precision is not None:
         precision = build.mixed_precision
         passes.append(Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, precision)))
@@ -70,11 +82,13 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     def _autodiff(m: ir.Model) -> None:
         build.gradient = build_gradient_graph(m, build.diff_loss, build.wrt)
 
-    passes += [
-        Pass("autodiff", _autodiff),
-        Pass("fold_transpose_gemm", fold_transpose_into_gemm),
-        Pass("lower_cross_entropy", lower_softmax_cross_entropy),
-    ]
+    passes.append(Pass("autodiff", _autodiff))
+    if build.optimize:
+        passes += [
+            Pass("fold_transpose_gemm", fold_transpose_into_gemm),
+            Pass("lower_cross_entropy", lower_softmax_cross_entropy),
+            *training_fusions(build.fusions).after_autodiff,
+        ]
     if build.accumulate:
 
         def _accumulate(m: ir.Model) -> None:
@@ -82,16 +96,23 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
             build.accumulators = accumulate_gradients(m, build.gradient.grad_outputs)
 
         passes.append(Pass("accumulate", _accumulate))
+    if build.recompute is not RecomputePolicy.NOTHING:
+        policy = build.recompute
+        passes.append(Pass("recompute", lambda m: recompute_cheap_values(m, policy)))
     passes.append(Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()))
     return passes
 
 
-def eval_passes(mixed_precision: str | None) -> list[Pass]:
-    """Evaluation graphs: the same precision as training, no gradients."""
-    passes = [Pass("fuse_gelu", fuse_gelu)]
+def eval_passes(mixed_precision: str | None, optimize: bool = True) -> list[Pass]:
+    """Evaluation graphs: the same precision and forward passes as training, no gradients."""
+    passes = [Pass("seed_dropout", lambda m: seed_dropouts(m, 0))]
+    if optimize:
+        passes += [Pass("clean_forward", clean_forward), Pass("fuse_gelu", fuse_gelu)]
+        passes += training_fusions().before_autodiff
     if mixed_precision is not None:
         passes.append(
             Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, mixed_precision))
         )
-    passes.append(Pass("lower_cross_entropy", lower_softmax_cross_entropy))
+    if optimize:
+        passes.append(Pass("lower_cross_entropy", lower_softmax_cross_entropy))
     return passes

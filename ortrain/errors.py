@@ -23,6 +23,10 @@ class NonFiniteLossError(OrtrainError, FloatingPointError):
     """The loss became NaN/Inf; the step was not applied."""
 
 
+class DeviceError(OrtrainError):
+    """The requested device cannot run ONNX Runtime sessions here."""
+
+
 class CheckpointError(OrtrainError, ValueError):
     """A checkpoint that does not belong to this model/optimizer."""
 

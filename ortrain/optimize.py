@@ -1,8 +1,8 @@
 """`ortrain optimize`: forward graph passes for any ONNX model, checked by ONNX Runtime.
 
 Levels:
-- basic: constant folding (onnxscript optimizer, named size limits), dropout seeding
-  (so CSE cannot merge two independent Dropouts on one input), CSE, dead-code removal,
+- basic: dropout seeding (so CSE cannot merge two independent Dropouts on one input),
+  constant folding (onnxscript optimizer, named size limits), CSE, dead-code removal,
   GELU fusion, lowering of 2-D SoftmaxCrossEntropyLoss.
 - extended: basic + onnxscript's ORT fusions: Transpose into FusedMatMul, Add+Gelu into
   BiasGelu, residual Add + LayerNormalization into SkipLayerNormalization.
@@ -21,33 +21,26 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-import onnxscript.optimizer
 from onnxscript.rewriter.ort_fusions import bias_gelu, fused_matmul_rule_sets, skip_normalization
 
 from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.forward_cleanup import clean_forward
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.pipeline import Pass, PassRecord, format_table, run_pipeline
 from ortrain.errors import OrtrainError
-
-FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
-FOLD_OUTPUT_LIMIT = 1 << 20  # elements: folded results larger than this are not kept
 
 
 class OptimizeError(OrtrainError):
     """An input that cannot be optimized, or a pass that changed the outputs."""
 
 
-def _fold(model: ir.Model) -> None:
-    onnxscript.optimizer.optimize(
-        model, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT
-    )
 
 
 def passes(level: str) -> list[Pass]:
     basic = [
-        Pass("fold_constants", _fold),
         Pass("seed_dropouts", lambda m: seed_dropouts(m, 0)),
+        Pass("fold_constants", clean_forward),
         Pass("cse", ir.passes.common.CommonSubexpressionEliminationPass()),
         Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()),
         Pass("fuse_gelu", fuse_gelu),

@@ -39,6 +39,13 @@ class TrainerOptions:
     loss_scale: "dynamic" (or a ``DynamicLossScale`` with its settings), a fixed float, or
         None. "auto" (default): dynamic with fp16, none otherwise. With a loss scale,
         steps whose gradients overflow are skipped (see ``trainer.skipped_steps``).
+    optimize_graph: run the optimization passes (constant folding, CSE, GELU / LayerNorm /
+        FusedMatMul / Gemm / BiasGelu fusions, backward cleanup; see
+        ``graph_passes/training_pipeline.py``). False builds the plain gradient graph, to
+        compare or to debug a pass.
+    memory_plan: recompute cheap forward values (casts, reshapes, activations,
+        LayerNorm) in the backward instead of keeping them alive from the forward
+        (``RecomputePolicy.CHEAP_OPS``); ``trainer.memory_report()`` shows what is kept.
     """
 
     device: str = "cpu"
@@ -55,6 +62,8 @@ class TrainerOptions:
     dist_timeout: float = 300.0
     mixed_precision: str | None = None
     loss_scale: str | float | DynamicLossScale | None = "auto"
+    optimize_graph: bool = True
+    memory_plan: bool = True
 
     def __post_init__(self) -> None:
         kind, _, index = self.device.partition(":")

@@ -22,9 +22,11 @@ import onnx_ir as ir
 import torch
 
 from graph_passes.loss_scaling import LOSS_SCALE_INPUT
+from graph_passes.memory_plan import MemoryReport, memory_report
 from graph_passes.optimizer import UpdateGraph, build_update_graph
 from graph_passes.optimizer.update_graph import state_key
 from graph_passes.pipeline import Pass, run_pipeline
+from graph_passes.recompute import RecomputePolicy
 from graph_passes.training_pipeline import TrainingBuild, eval_passes, training_passes
 from ortrain import checkpoint
 from ortrain.distributed import Reducer, join_process_group
@@ -235,6 +237,10 @@ class ORTTrainer:
             accumulate=self.options.grad_accumulation_steps > 1,
             mixed_precision=self.options.mixed_precision,
             loss_scaling=self.scaler is not None,
+            optimize=self.options.optimize_graph,
+            recompute=(
+                RecomputePolicy.CHEAP_OPS if self.options.memory_plan else RecomputePolicy.NOTHING
+            ),
         )
         self._run_passes("train", model, training_passes(build))
         result = build.gradient
@@ -357,7 +363,8 @@ class ORTTrainer:
 
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
         ex = self._export(batch, train=False)
-        self._run_passes("eval", ex.model, eval_passes(self.options.mixed_precision))
+        passes = eval_passes(self.options.mixed_precision, self.options.optimize_graph)
+        self._run_passes("eval", ex.model, passes)
         session = self._session(ex.model)
         session.bind_inputs({**self.params, **self.buffers})
         for name in ex.output_names:
@@ -468,6 +475,13 @@ class ORTTrainer:
     def train_graphs(self) -> list[ir.Model]:
         """The compiled gradient graphs, one per batch shape signature."""
         return [c.model for c in self._train.values()]
+
+    def memory_report(self, top: int = 10) -> MemoryReport:
+        """Planned activation bytes of the (first) gradient graph and what its backward
+        keeps from the forward; needs one ``train_step`` first."""
+        if not self._train:
+            raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
+        return memory_report(self.train_graphs[0], top=top)
 
     @property
     def update_graph(self) -> ir.Model | None:

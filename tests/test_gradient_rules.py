@@ -191,6 +191,80 @@ def _reductions() -> list[Spec]:
     return out
 
 
+def _fused_matmul_2d_weight() -> list[Spec]:
+    """x[..., K] @ op(W) with a 2-D W: the rule folds batch dims into Gemm rows."""
+    out = []
+    for sa, tb, alpha in itertools.product(((2, 3, 4), (2, 2, 3, 4), (3, 4)), (0, 1), (1.0, 0.7)):
+        w = X(5, 4) if tb else X(4, 5)
+
+        def ref(x, y, tb=tb, alpha=alpha):
+            return alpha * (x @ (y.T if tb else y))
+
+        attrs = {"transB": tb, "alpha": alpha}
+        out.append(
+            case(f"FusedMatMul-2d-weight-{_ids(sa)}-tB{tb}-alpha{alpha}", "FusedMatMul",
+                 [X(*sa), w], ref, attrs=attrs, domain=MS_DOMAIN)
+        )  # fmt: skip
+    frozen_w = case("FusedMatMul-2d-weight-x-only", "FusedMatMul",
+                    [X(2, 3, 4), X(5, 4, grad=False)], lambda x, y: x @ y.T,
+                    attrs={"transB": 1}, domain=MS_DOMAIN)  # fmt: skip
+    return [*out, frozen_w]
+
+
+def _skip_ln_ref(with_bias: bool, with_beta: bool, eps: float = 1e-5):
+    """SkipLayerNormalization as torch ops: s = x + skip (+ bias), y = LayerNorm(s)."""
+
+    def ref(x, skip, gamma, *rest):
+        beta = rest[0] if with_beta else None
+        bias = rest[-1] if with_bias else None
+        s = x + skip if bias is None else x + skip + bias
+        y = F.layer_norm(s, gamma.shape, gamma, beta, eps)
+        mean = s.mean(-1, keepdim=True)
+        rstd = 1 / torch.sqrt(s.var(-1, unbiased=False, keepdim=True) + eps)
+        return y, mean, rstd, s
+
+    return ref
+
+
+def _skip_layer_norm() -> list[Spec]:
+    out = []
+    for with_beta, with_bias in itertools.product((True, False), (True, False)):
+        inputs = [X(2, 3, 8), X(2, 3, 8), X(8), X(8) if with_beta else None]
+        if with_bias:
+            inputs.append(X(8))
+        ref = _skip_ln_ref(with_bias, with_beta)
+        name = f"SkipLayerNorm-beta{int(with_beta)}-bias{int(with_bias)}"
+        attrs = {"epsilon": 1e-5}
+        kw = {"domain": MS_DOMAIN, "attrs": attrs}
+        out.append(case(name, "SkipLayerNormalization", inputs, ref, outputs=1, **kw))
+        out.append(  # the residual stream also reads s (GPT-2's pre-LN blocks)
+            case(f"{name}-sum-used", "SkipLayerNormalization", inputs, ref, outputs=4,
+                 loss_outputs=(0, 3), **kw)
+        )  # fmt: skip
+    full = [X(2, 3, 8), X(2, 3, 8), X(8), X(8), X(8)]
+    kw = {"domain": MS_DOMAIN, "attrs": {"epsilon": 1e-5}, "outputs": 4}
+    out += [
+        case("SkipLayerNorm-stats-used", "SkipLayerNormalization", full,
+             _skip_ln_ref(True, True), **kw),
+        case("SkipLayerNorm-only-sum-used", "SkipLayerNormalization",
+             [*full[:2], X(8, grad=False), X(8, grad=False), full[4]],
+             _skip_ln_ref(True, True), loss_outputs=(3,), **kw),
+        case("SkipLayerNorm-params-frozen", "SkipLayerNormalization",
+             [X(2, 3, 8), X(2, 3, 8, grad=False), X(8, grad=False), X(8, grad=False),
+              X(8, grad=False)], _skip_ln_ref(True, True), loss_outputs=(0, 2), **kw),
+        case("SkipLayerNorm-eps-1e-12", "SkipLayerNormalization", full[:4],
+             _skip_ln_ref(False, True, 1e-12), domain=MS_DOMAIN, attrs={"epsilon": 1e-12}),
+    ]  # fmt: skip
+    return out
+
+
+def _quick_gelu(alpha: float):
+    def ref(x):
+        return x * torch.sigmoid(alpha * x)
+
+    return ref
+
+
 # --- the table -----------------------------------------------------------------------------
 
 # fmt: off
@@ -241,6 +315,7 @@ SPECS: list[Spec] = [
     case("MatMul-3d-2d-A-only", "MatMul", [X(2, 3, 4), X(4, 5, grad=False)], torch.matmul),
     *_gemm(),
     *_fused_matmul(),
+    *_fused_matmul_2d_weight(),
     # Layout ops.
     case("Transpose-perm", "Transpose", [X(2, 3, 4)], lambda x: x.permute(1, 2, 0),
          attrs={"perm": [1, 2, 0]}),
@@ -311,6 +386,16 @@ SPECS: list[Spec] = [
          lambda x, i: x[i[:, 0], i[:, 1]]),
     case("GatherND-full-depth", "GatherND", [X(4, 5, 6), Fixed([[0, 1, 2], [3, 4, 5]])],
          lambda x, i: x[i[:, 0], i[:, 1], i[:, 2]]),
+    # Many repeated rows on 4 threads: ONNX Runtime's ScatterND(add) loses updates there
+    # (onnxruntime#18048), so the rules must not rely on it.
+    case("Gather-embedding-repeats-4-threads", "Gather", [X(40, 64), Index((32, 128), 0, 6)],
+         lambda w, i: w[i], threads=4),
+    case("Gather-axis1-repeats-4-threads", "Gather", [X(8, 30, 16), Index((512,), -3, 3)],
+         lambda x, i: x[:, i], attrs={"axis": 1}, threads=4),
+    case("GatherND-repeats-4-threads", "GatherND", [X(6, 5, 64), Index((4096, 2), 0, 2)],
+         lambda x, i: x[i[:, 0], i[:, 1]], threads=4),
+    case("GatherND-neg-indices", "GatherND", [X(4, 5, 6), Fixed([[-1, 1], [3, -5], [-1, 1]])],
+         lambda x, i: x[i[:, 0], i[:, 1]]),
     # Reductions.
     *_reductions(),
     case("ReduceSum-noop-empty-axes", "ReduceSum", [X(2, 3), Const([], "int64")],
@@ -350,6 +435,20 @@ SPECS: list[Spec] = [
     case("Dropout-eval", "Dropout", [X(3, 4), Const(0.5, "float32"), Const(False, "bool")],
          lambda x, *_: x),
     case("Dropout-no-training-input", "Dropout", [X(3, 4)], lambda x: x),
+    # com.microsoft contrib ops that the fusions emit (graph_passes/fusions/).
+    case("ms-Gelu", "Gelu", [X(2, 3, 4)], F.gelu, domain=MS_DOMAIN),
+    case("BiasGelu", "BiasGelu", [X(2, 3, 8), X(8)], lambda x, b: F.gelu(x + b),
+         domain=MS_DOMAIN),
+    case("BiasGelu-bias-frozen", "BiasGelu", [X(4, 8), X(8, grad=False)],
+         lambda x, b: F.gelu(x + b), domain=MS_DOMAIN),
+    case("FastGelu", "FastGelu", [X(2, 3, 8)], lambda x: F.gelu(x, approximate="tanh"),
+         domain=MS_DOMAIN),
+    case("FastGelu-bias", "FastGelu", [X(2, 3, 8), X(8)],
+         lambda x, b: F.gelu(x + b, approximate="tanh"), domain=MS_DOMAIN),
+    case("QuickGelu", "QuickGelu", [X(2, 3, 8)], _quick_gelu(1.702), domain=MS_DOMAIN),
+    case("QuickGelu-alpha", "QuickGelu", [X(2, 3, 8)], _quick_gelu(0.5), domain=MS_DOMAIN,
+         attrs={"alpha": 0.5}),
+    *_skip_layer_norm(),
     # Losses (direct_loss for mean/sum: the op's output is the loss itself).
     *_losses(),
 ]

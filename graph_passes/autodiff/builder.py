@@ -25,6 +25,7 @@ from graph_passes.autodiff.context import GradContext
 # Import for registration side effects.
 from graph_passes.autodiff.rules import register_all
 from graph_passes.emitter import Emitter, static_shape
+from graph_passes.tags import GRAD_OF
 
 register_all()
 
@@ -86,7 +87,15 @@ def _opset(model: ir.Model, node: ir.Node) -> int:
 
 
 def _expose_outputs(graph: ir.Graph, node: ir.Node, count: int) -> ir.Node:
-    """Rebuild ``node`` so it produces at least ``count`` outputs (keeps names and uses)."""
+    """Rebuild ``node`` so it produces at least ``count`` outputs (keeps names and uses).
+
+    Optional outputs that the node declares but leaves unnamed (omitted in ONNX) are
+    named and typed in place.
+    """
+    for k, v in enumerate(node.outputs[:count]):
+        if not v.name:
+            v.name = f"{node.name}__out{k}"
+            v.dtype, v.shape = _extra_output_type(node, k)
     if len(node.outputs) >= count:
         return node
     new = ir.Node(
@@ -114,7 +123,8 @@ def _expose_outputs(graph: ir.Graph, node: ir.Node, count: int) -> ir.Node:
 
 
 def _extra_output_type(node: ir.Node, k: int) -> tuple[ir.DataType, ir.Shape | None]:
-    """dtype/shape of optional forward outputs that rules read."""
+    """dtype/shape of optional forward outputs that rules read (SkipLayerNormalization's
+    output 3, input + skip + bias, has the input's)."""
     x = node.inputs[0]
     if node.op_type == "Dropout":
         return ir.DataType.BOOL, x.shape
@@ -128,6 +138,9 @@ def _extra_output_type(node: ir.Node, k: int) -> tuple[ir.DataType, ir.Shape | N
         axis = (attr.value if attr is not None else -1) % rank
         dims = [d if i < axis else 1 for i, d in enumerate(x.shape.dims)]
         return dtype, ir.Shape(dims)
+    if node.op_type == "SkipLayerNormalization" and k in (1, 2):  # fp32 stats, last axis
+        dims = None if x.shape is None else ir.Shape([*x.shape.dims[:-1], 1])
+        return ir.DataType.FLOAT, dims
     return x.dtype, x.shape
 
 
@@ -205,8 +218,8 @@ def build_gradient_graph(
     rebuilt: list[ir.Node] = []
     for node in on_path:
         reg = regs[id(node)]
-        if reg.forward_outputs > len(node.outputs):
-            new = _expose_outputs(graph, node, reg.forward_outputs)
+        new = _expose_outputs(graph, node, reg.forward_outputs) if reg.forward_outputs else node
+        if new is not node:
             regs[id(new)] = reg
             for old_v, new_v in zip(node.outputs, new.outputs):
                 for ids in (fwd, needed):
@@ -249,7 +262,7 @@ def build_gradient_graph(
             if v is not None and id(v) in needed and reg.input_differentiable(i)
         )
         em.metadata = {
-            "ortrain.grad_of": node.name,
+            GRAD_OF: node.name,
             "namespace": node.metadata_props.get("namespace", ""),
         }
         ctx = GradContext(node, em, gos, want)

@@ -1,1 +1,80 @@
-"""Fusions: onnxscript rewriter rules (pattern / replacement), one family per module."""
+"""Fusions: onnxscript rewriter rules (pattern / check / rewrite), one family per module.
+
+``FUSIONS`` lists every training-graph fusion in pipeline order with where it runs
+(before autodiff: the fused op's gradient rule builds its backward; after autodiff: over
+the gradient nodes) and whether it is proposed for the default training pipeline
+(``training_fusions()``): only passes measured not to slow the gradient graph down
+(``benchmarks/bench_fusions.py``, gpt2-tiny / bert-tiny, 2 threads, quiet machine).
+
+Order before autodiff (after seed_dropout and fuse_gelu, before mixed_precision):
+1. fuse_layer_norm        decomposed LayerNorm chains → LayerNormalization (no-op on the
+                          HF exports; a hand-written-LayerNorm model: -7% gradient graph)
+2. fuse_matmul_transpose  Transpose / scalar scale → FusedMatMul transA/transB/alpha
+3. fuse_matmul_add        MatMul(+FusedMatMul) + bias Add → Gemm (after 2: reads transB)
+4. fuse_bias_gelu         bias Add + Gelu → BiasGelu / FastGelu (after 3: a Gemm takes
+                          the bias first, which leaves the GELU's gradient cheaper; alone
+                          on BERT it measured within noise, ±0.6%)
+5. fuse_skip_layer_norm   residual Add + LayerNormalization → SkipLayerNormalization.
+                          Not proposed: onnxruntime's CPU SkipLayerNormalization kernel
+                          took ~1.5 ms where Add + LayerNormalization took ~0.3 ms on
+                          [8, 128, 256]; the gradient graph got 0.7-1.9% slower.
+Order after autodiff (after lower_cross_entropy, before accumulate / remove_unused):
+6. clean_backward         constant folding, dropout-safe CSE, Transpose folding and Sum
+                          merging over the gradient nodes (within noise on both models)
+The proposed set (1-4, 6) ran the gradient graph 1.6-2.4% faster than without it on
+both workloads (A/A noise of the measurement: about ±1%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import onnx_ir as ir
+
+from graph_passes.backward_cleanup import clean_backward
+from graph_passes.fusions.bias_gelu import fuse_bias_gelu
+from graph_passes.fusions.layer_norm import fuse_layer_norm
+from graph_passes.fusions.matmul_add import fuse_matmul_add
+from graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
+from graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
+from graph_passes.pipeline import Pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    name: str
+    run: Callable[[ir.Model], int]
+    before_autodiff: bool
+    default: bool  # proposed for the training pipeline (measured not to slow it down)
+
+
+FUSIONS: dict[str, Fusion] = {
+    f.name: f
+    for f in (
+        Fusion("fuse_layer_norm", fuse_layer_norm, True, True),
+        Fusion("fuse_matmul_transpose", fuse_matmul_transpose, True, True),
+        Fusion("fuse_matmul_add", fuse_matmul_add, True, True),
+        Fusion("fuse_bias_gelu", fuse_bias_gelu, True, True),
+        Fusion("fuse_skip_layer_norm", fuse_skip_layer_norm, True, False),
+        Fusion("clean_backward", clean_backward, False, True),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingFusions:
+    before_autodiff: list[Pass]  # run after fuse_gelu
+    after_autodiff: list[Pass]  # run after lower_cross_entropy
+
+
+def training_fusions(names: Sequence[str] | None = None) -> TrainingFusions:
+    """The proposed fusion passes (or ``names``), in pipeline order."""
+    chosen = [f for f in FUSIONS.values() if (f.default if names is None else f.name in names)]
+    unknown = set(names or ()) - set(FUSIONS)
+    if unknown:
+        raise ValueError(f"unknown fusions {sorted(unknown)}; known: {list(FUSIONS)}")
+    return TrainingFusions(
+        [Pass(f.name, f.run) for f in chosen if f.before_autodiff],
+        [Pass(f.name, f.run) for f in chosen if not f.before_autodiff],
+    )

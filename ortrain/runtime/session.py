@@ -16,8 +16,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
+from graph_passes.tags import RECOMPUTE_OF
+from ortrain.errors import DeviceError
+
 # Keep ONNX Runtime from deleting Dropout nodes: training graphs need live masks.
 DISABLED_OPTIMIZERS = ["EliminateDropout"]
+# Graphs with recomputed copies (graph_passes/recompute.py) also keep ONNX Runtime's CSE
+# off: it would merge each copy back into the forward value it stands in for.
+RECOMPUTE_DISABLED = ["CommonSubexpressionElimination"]
 
 _TORCH_TO_NP = {
     torch.float32: np.float32,
@@ -29,10 +35,6 @@ _TORCH_TO_NP = {
     torch.uint8: np.uint8,
     torch.int8: np.int8,
 }
-
-
-class DeviceError(RuntimeError):
-    """The requested device cannot run ONNX Runtime sessions here."""
 
 
 def cuda_available() -> bool:
@@ -77,6 +79,7 @@ def make_session(
     stream: torch.cuda.Stream | None = None,
     cuda_graph: bool = False,
 ) -> ort.InferenceSession:
+    recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
     proto = ir.serde.serialize_model(model)
     data = proto.SerializeToString()
     if save_path is not None:
@@ -99,7 +102,7 @@ def make_session(
         data,
         so,
         providers=providers(device, stream, cuda_graph),
-        disabled_optimizers=DISABLED_OPTIMIZERS,
+        disabled_optimizers=DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else []),
     )
 
 

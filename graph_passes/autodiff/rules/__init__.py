@@ -10,6 +10,7 @@ def register_all() -> None:
         return
     _done = True
     from graph_passes.autodiff.rules import (  # noqa: F401
+        contrib,
         elementwise,
         loss,
         matmul,

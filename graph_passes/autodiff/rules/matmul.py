@@ -72,12 +72,16 @@ def gemm(ctx: GradContext):
 
 @gradient("FusedMatMul", domain=MS_DOMAIN)
 def fused_matmul(ctx: GradContext):
-    # Y = alpha * op(A) @ op(B) with batch broadcasting; no batch-transpose attributes.
+    # Y = alpha * op(A) @ op(B) with batch broadcasting (op: transA/transB swap the last
+    # two axes). transBatchA/B are not emitted by ortrain's fusions and raise here.
     if ctx.attr("transBatchA", 0) or ctx.attr("transBatchB", 0):
         raise NotImplementedError("FusedMatMul with transBatchA/transBatchB")
-    a, b, g = ctx.I(0), ctx.I(1), ctx.GO(0)
-    alpha = float(ctx.attr("alpha", 1.0))
+    a, b = ctx.I(0), ctx.I(1)
     ta, tb = int(ctx.attr("transA", 0)), int(ctx.attr("transB", 0))
+    if len(ctx.shape(b)) == 2 and not ta and len(ctx.shape(a)) >= 2:
+        return _fused_matmul_2d_weight(ctx, tb)
+    g = ctx.GO(0)
+    alpha = float(ctx.attr("alpha", 1.0))
     sa, sb, so = ctx.shape(a), ctx.shape(b), ctx.shape(ctx.O(0))
     batch = so[:-2]
     out = {}
@@ -93,4 +97,28 @@ def fused_matmul(ctx: GradContext):
         else:
             gb = ctx.op("FusedMatMul", g, a, domain=MS_DOMAIN, transA=1, transB=ta, alpha=alpha)
         out[1] = ctx.sum_to(gb, (*batch, sb[-2], sb[-1]), sb)
+    return out
+
+
+def _fused_matmul_2d_weight(ctx: GradContext, tb: int):
+    # x[..., K] @ op(W) with W 2-D (torch Linear after fusion: transB=1): batch dims fold
+    # into rows, one Gemm each way, no batched products and no reduction over the batch.
+    a, b, g = ctx.I(0), ctx.I(1), ctx.GO(0)
+    alpha = float(ctx.attr("alpha", 1.0))
+    sa = ctx.shape(a)
+    k = sa[-1]
+    n = ctx.shape(ctx.O(0))[-1]
+    rows = _prod(sa[:-1])
+    scale = {"alpha": alpha} if alpha != 1.0 else {}
+    g2 = ctx.reshape(g, (rows, n))
+    out = {}
+    if ctx.needs(0):  # dx = alpha * dY @ op(W)^T
+        ga = ctx.op("Gemm", g2, b, transB=1 - tb, shape=(rows, k), **scale)
+        out[0] = ctx.reshape(ga, sa)
+    if ctx.needs(1):
+        a2 = ctx.reshape(a, (rows, k))
+        if not tb:  # dW = alpha * x^T @ dY
+            out[1] = ctx.op("Gemm", a2, g2, transA=1, shape=(k, n), **scale)
+        else:  # dW = alpha * dY^T @ x
+            out[1] = ctx.op("Gemm", g2, a2, transA=1, shape=(n, k), **scale)
     return out

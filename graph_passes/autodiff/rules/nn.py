@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import onnx_ir as ir
+
 from graph_passes.autodiff.context import GradContext
 from graph_passes.autodiff.registry import gradient
 
@@ -32,52 +34,77 @@ def log_softmax(ctx: GradContext):
 
 @gradient("LayerNormalization", forward_outputs=3)
 def layer_norm(ctx: GradContext):
-    # xhat = (x - mean) * rstd ; y = xhat * scale + bias ; n = elements per normalized group
-    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale
-    # Mean / InvStdDev outputs, when used: dmean/dx = 1/n, drstd/dx = -rstd^2 * xhat / n.
-    x, scale, g = ctx.I(0), ctx.I(1), ctx.GO(0)
-    mean, rstd = ctx.O(1), ctx.O(2)
+    # Outputs: Y, Mean, InvStdDev (the builder exposes the statistics for this rule).
+    axis = int(ctx.attr("axis", -1))
+    bias = ctx.I(2) if ctx.has_input(2) else None
+    grads = layer_norm_backward(
+        ctx, ctx.I(0), ctx.I(1), bias, ctx.O(1), ctx.O(2), axis, ctx.GO(0), ctx.GO(1), ctx.GO(2),
+        want={k for k, i in (("x", 0), ("scale", 1), ("bias", 2)) if ctx.needs(i)},
+    )  # fmt: skip
+    return {i: grads[k] for k, i in (("x", 0), ("scale", 1), ("bias", 2)) if k in grads}
+
+
+def layer_norm_backward(
+    ctx: GradContext,
+    x: ir.Value,
+    scale: ir.Value,
+    bias: ir.Value | None,
+    mean: ir.Value,
+    rstd: ir.Value,
+    axis: int,
+    g: ir.Value | None,
+    g_mean: ir.Value | None,
+    g_rstd: ir.Value | None,
+    want: set[str],
+) -> dict[str, ir.Value]:
+    """Gradients of y = xhat * scale + bias w.r.t. ``want`` (subset of x, scale, bias).
+
+    xhat = (x - mean) * rstd over the axes from ``axis`` on; n = elements per group.
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale.
+    Mean / InvStdDev outputs, when used: dmean/dx = 1/n, drstd/dx = -rstd^2 * xhat / n.
+    Shared by LayerNormalization and com.microsoft SkipLayerNormalization.
+    """
     shape = ctx.shape(x)
     rank = len(shape)
-    axis = int(ctx.attr("axis", -1)) % rank
+    axis %= rank
     norm_axes = ctx.ints(list(range(axis, rank)))
     if mean.dtype != x.dtype:  # stats are stashed in fp32 for half inputs
         mean, rstd = ctx.cast_like(mean, x), ctx.cast_like(rstd, x)
     xhat = ctx.op("Mul", ctx.op("Sub", x, mean), rstd)
     parts = []
     out = {}
-    if g is not None and ctx.needs(0):
+    if g is not None and "x" in want:
         dxhat = ctx.op("Mul", g, scale)
         m1 = ctx.op("ReduceMean", dxhat, norm_axes, keepdims=1)
         m2 = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat), norm_axes, keepdims=1)
         inner = ctx.op("Sub", ctx.op("Sub", dxhat, m1), ctx.op("Mul", xhat, m2))
         parts.append(ctx.op("Mul", inner, rstd, shape=shape))
-    if ctx.needs(0) and (ctx.GO(1) is not None or ctx.GO(2) is not None):
+    if "x" in want and (g_mean is not None or g_rstd is not None):
         n = 1
         for d in shape[axis:]:
             n *= d
         dstats = None
-        if ctx.GO(2) is not None:
-            grstd = ctx.cast_like(ctx.GO(2), x)
+        if g_rstd is not None:
+            grstd = ctx.cast_like(g_rstd, x)
             t = ctx.op("Mul", ctx.op("Mul", grstd, ctx.op("Mul", rstd, rstd)), xhat)
             dstats = ctx.op("Neg", t)
-        if ctx.GO(1) is not None:
-            gmean = ctx.cast_like(ctx.GO(1), x)
+        if g_mean is not None:
+            gmean = ctx.cast_like(g_mean, x)
             if dstats is None:
                 dstats = ctx.op("Expand", gmean, ctx.ints(shape))
             else:
                 dstats = ctx.op("Add", dstats, gmean)
         parts.append(ctx.op("Mul", dstats, ctx.scalar_like(1.0 / n, x), shape=shape))
     if parts:
-        out[0] = parts[0] if len(parts) == 1 else ctx.op("Add", *parts, shape=shape)
-    if g is not None and ctx.needs(1):
-        out[1] = ctx.sum_to(ctx.op("Mul", g, xhat), shape, ctx.shape(scale))
-    if g is not None and ctx.has_input(2) and ctx.needs(2):
-        out[2] = ctx.sum_to(g, shape, ctx.shape(ctx.I(2)))
+        out["x"] = parts[0] if len(parts) == 1 else ctx.op("Add", *parts, shape=shape)
+    if g is not None and "scale" in want:
+        out["scale"] = ctx.sum_to(ctx.op("Mul", g, xhat), shape, ctx.shape(scale))
+    if g is not None and bias is not None and "bias" in want:
+        out["bias"] = ctx.sum_to(g, shape, ctx.shape(bias))
     return out
 
 
-def _gelu_erf_grad(ctx: GradContext, x):
+def gelu_erf_derivative(ctx: GradContext, x: ir.Value) -> ir.Value:
     # d/dx [x * Phi(x)] = Phi(x) + x * phi(x)
     half = ctx.scalar_like(0.5, x)
     one = ctx.scalar_like(1.0, x)
@@ -96,7 +123,7 @@ def _gelu_erf_grad(ctx: GradContext, x):
     return ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
 
 
-def _gelu_tanh_grad(ctx: GradContext, x, y):
+def gelu_tanh_derivative(ctx: GradContext, x: ir.Value, y: ir.Value) -> ir.Value:
     # y = x * s with s = 0.5 (1 + tanh(u)) = sigmoid(2u), u = c (x + a x^3), c = sqrt(2/pi):
     # dy/dx = s + x s (1 - s) 2c (1 + 3a x^2) = s + y (1 - s) k (1 + 3a x^2), k = 2c.
     # 12 element-wise ops (the tanh form takes 17), reusing the forward output y.
@@ -115,7 +142,7 @@ def _gelu_tanh_grad(ctx: GradContext, x, y):
 def gelu(ctx: GradContext):
     x = ctx.I(0)
     approx = ctx.attr("approximate", "none")
-    d = _gelu_tanh_grad(ctx, x, ctx.O(0)) if approx == "tanh" else _gelu_erf_grad(ctx, x)
+    d = gelu_tanh_derivative(ctx, x, ctx.O(0)) if approx == "tanh" else gelu_erf_derivative(ctx, x)
     return {0: ctx.op("Mul", ctx.GO(0), d)}
 
 

@@ -1,0 +1,12 @@
+"""Metadata keys the passes put on nodes, so later passes read roles instead of names."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+GRAD_OF = "ortrain.grad_of"  # on backward nodes: the forward node they differentiate
+RECOMPUTE_OF = "ortrain.recompute_of"  # on recomputed copies: the forward node copied
+
+
+def is_backward(node: ir.Node) -> bool:
+    return GRAD_OF in node.metadata_props
