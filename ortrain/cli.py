@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+RECIPES = ("gpt2", "bert")
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 2 and argv[0] == "recipe" and argv[1] in RECIPES:
+        # The recipe module parses its own flags (and answers --help itself).
+        import importlib
+
+        return importlib.import_module(f"recipes.{argv[1]}_pretrain").main(argv[2:])
     parser = argparse.ArgumentParser(prog="ortrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT-2 on built-in text, ortrain vs eager")
@@ -34,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     bt.add_argument("--weight-decay", type=float, default=None)
     bt.add_argument("--max-grad-norm", type=float, default=None)
     bt.add_argument("-o", "--output", required=True, help="artifact directory")
+    rec = sub.add_parser(
+        "recipe",
+        help="pretrain GPT-2 or BERT (recipes/); 'ortrain recipe gpt2 --help' lists the flags",
+    )
+    rec.add_argument("name", choices=RECIPES, help="which recipe (recipes/<name>_pretrain.py)")
+    rec.add_argument("flags", nargs=argparse.REMAINDER, help="the recipe's own flags")
     args = parser.parse_args(argv)
     if args.command == "build-training":
         from ortrain.offline import ArtifactError, build_training
