@@ -452,16 +452,25 @@ class _Exported:
         feeds.update({k: v.numpy() for k, v in batch.items()})
         self.feeds = {k: v for k, v in feeds.items() if k in inputs}
 
-    def train_graph(self, fusions: list[str]) -> tuple[ir.Model, list[str], dict]:
+    def train_graph(
+        self, fusions: list[str] | None, optimize: bool = True
+    ) -> tuple[ir.Model, list[str], dict]:
         model = _copy(self.ex.model)
-        build = TrainingBuild(loss=self.ex.output_names[0], wrt=self.wrt, fusions=tuple(fusions))
+        build = TrainingBuild(
+            loss=self.ex.output_names[0],
+            wrt=self.wrt,
+            fusions=None if fusions is None else tuple(fusions),
+            optimize=optimize,
+        )
         records = run_pipeline(model, training_passes(build))
         assert build.gradient is not None
         outs = [self.ex.output_names[0], *build.gradient.grad_outputs.values()]
         return model, outs, {r.name: r for r in records}
 
-    def run(self, fusions: list[str]) -> tuple[dict[str, np.ndarray], ir.Model, dict]:
-        model, outs, records = self.train_graph(fusions)
+    def run(
+        self, fusions: list[str] | None, optimize: bool = True
+    ) -> tuple[dict[str, np.ndarray], ir.Model, dict]:
+        model, outs, records = self.train_graph(fusions, optimize)
         values = _session(model).run(outs, self.feeds)
         return dict(zip(outs, values, strict=True)), model, records
 
@@ -525,6 +534,19 @@ def test_proposed_pipeline_keeps_loss_and_gradients(exported, model_name):
     before, _, _ = ex.run([])
     after, _, _ = ex.run([p.name for p in _proposed()])
     _assert_same(after, before, f"{model_name} proposed fusions")
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "bert", "ln-mlp"])
+def test_all_optimization_passes_keep_loss_and_gradients(exported, model_name):
+    """optimize=True (clean_forward, fuse_gelu, the default fusions, fold_transpose_gemm,
+    lower_cross_entropy, clean_backward) against the plain gradient graph."""
+    ex = exported[model_name]
+    plain, plain_model, plain_records = ex.run(None, optimize=False)
+    optimized, model, records = ex.run(None, optimize=True)
+    assert "clean_forward" not in plain_records and "fuse_gelu" not in plain_records
+    _assert_same(optimized, plain, f"{model_name} optimize_graph")
+    assert len(model.graph) < len(plain_model.graph)
+    assert {"clean_forward", "fuse_gelu", "clean_backward"} <= records.keys()
 
 
 # --- 3. structure after the proposed pipeline ----------------------------------------------

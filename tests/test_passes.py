@@ -12,6 +12,7 @@ import torch
 from onnx import TensorProto, helper
 
 from graph_passes.dropout_seed import seed_dropouts
+from graph_passes.forward_cleanup import FOLD_OUTPUT_LIMIT, clean_forward
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from ortrain.export import export_forward
@@ -185,3 +186,74 @@ def test_fold_transpose_keeps_gemm_with_other_uses_or_bias():
         [y],
     )
     assert fold_transpose_into_gemm(biased) == 0
+
+
+def _cleanup_model(mask_rows: int) -> ir.Model:
+    """x [2, 6] -> reshape to [3, 4] through Shape arithmetic, plus a constant
+    subexpression, two identical Exps, a dead Relu, two seeded Dropouts on one input,
+    and an Expand-ed constant mask of mask_rows x 1024 elements."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])
+    m = helper.make_tensor_value_info("m", TensorProto.FLOAT, [mask_rows, 1024])
+    i64 = lambda name, v: helper.make_node(  # noqa: E731
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(v)], v)
+    )
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"]),
+        i64("start", [1]), i64("end", [2]), i64("three", [3]), i64("mshape", [mask_rows, 1024]),
+        helper.make_node("Slice", ["shp", "start", "end"], ["six"]),
+        helper.make_node("Div", ["six", "three"], ["two"]),
+        helper.make_node("Mul", ["two", "two"], ["four"]),
+        helper.make_node("Concat", ["three", "four"], ["newshape"], axis=0),
+        helper.make_node("Reshape", ["x", "newshape"], ["r"]),
+        helper.make_node("Constant", [], ["c"], value_float=1.5),
+        helper.make_node("Add", ["c", "c"], ["c2"]),
+        helper.make_node("Mul", ["r", "c2"], ["s"]),
+        helper.make_node("Exp", ["s"], ["e1"]),
+        helper.make_node("Exp", ["s"], ["e2"]),
+        helper.make_node("Relu", ["s"], ["dead"]),
+        helper.make_node("Constant", [], ["ratio"], value_float=0.5),
+        helper.make_node("Constant", [], ["train"],
+                         value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+        helper.make_node("Dropout", ["e1", "ratio", "train"], ["d1"], seed=1),
+        helper.make_node("Dropout", ["e2", "ratio", "train"], ["d2"], seed=2),
+        helper.make_node("Sub", ["d1", "d2"], ["y"]),
+        helper.make_node("Expand", ["c", "mshape"], ["m"]),
+    ]  # fmt: skip
+    return _model(nodes, [x], [y, m])
+
+
+def test_clean_forward_folds_shape_arithmetic_merges_and_drops_dead_code():
+    model = _cleanup_model(mask_rows=4)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)}
+    before = _run(model, feeds)
+    clean_forward(model)
+    ops = _ops(model)
+    # Shape arithmetic and the constant Add are now initializers; Reshape reads one.
+    for op in ("Shape", "Slice", "Div", "Concat", "Add", "Relu", "Expand"):
+        assert ops[op] == 0, (op, ops)
+    reshape = next(n for n in model.graph if n.op_type == "Reshape")
+    assert reshape.inputs[1].const_value.numpy().tolist() == [3, 4]
+    assert "x" in [v.name for v in model.graph.inputs]  # inputs are never folded
+    assert ops["Exp"] == 1  # CSE merged the identical Exps
+    assert ops["Dropout"] == 2  # differently seeded Dropouts are never merged
+    after = _run(model, feeds)
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_clean_forward_keeps_large_constants_computed():
+    rows = FOLD_OUTPUT_LIMIT // 1024 + 1
+    model = _cleanup_model(mask_rows=rows)
+    clean_forward(model)
+    assert _ops(model)["Expand"] == 1
+    assert all(v.const_value is None or v.const_value.size <= FOLD_OUTPUT_LIMIT
+               for v in model.graph.initializers.values())  # fmt: skip
+
+
+def test_clean_forward_refuses_unseeded_dropout():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    model = _model([helper.make_node("Dropout", ["x"], ["y"], name="drop0")], [x], [y])
+    with pytest.raises(ValueError, match=r"drop0.*seed_dropouts"):
+        clean_forward(model)
