@@ -273,7 +273,7 @@ class ORTTrainer:
         if self._reducer is not None and self._reducer.prepare_update(self):
             return
         if self._use_kernels():
-            flat = flatten_update(self, KERNEL_KINDS)
+            flat = flatten_update(self, KERNEL_KINDS, whole_groups=True)
             assert flat is not None
             self._eval.clear()
             self._fused = FusedUpdate(self, flat, flat.segments)

@@ -7,7 +7,6 @@ one from ``--backend``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,24 +21,15 @@ from recipes.task import Batch, Task
 
 
 def _trainer_options_kwargs(cfg: TrainConfig, rank: int) -> dict[str, Any]:
-    from ortrain import TrainerOptions
-
-    kw: dict[str, Any] = dict(
+    return dict(
         device=cfg.device,
         grad_accumulation_steps=cfg.grad_accum,
         max_grad_norm=cfg.max_grad_norm,
         seed=cfg.seed + rank,  # independent dropout masks per rank
         intra_op_threads=cfg.threads,
         zero_stage=cfg.zero,
+        mixed_precision=cfg.mixed_precision,
     )
-    if cfg.mixed_precision is not None:
-        if "mixed_precision" not in {f.name for f in dataclasses.fields(TrainerOptions)}:
-            raise RecipeError(
-                "--mixed-precision needs TrainerOptions.mixed_precision, which this version "
-                "of ortrain does not have yet"
-            )
-        kw["mixed_precision"] = cfg.mixed_precision
-    return kw
 
 
 class OrtrainBackend:

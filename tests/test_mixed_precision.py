@@ -122,6 +122,35 @@ def test_fp16_trains_like_fp32_for_200_steps(which):
     assert abs(end16 - end32) <= 0.02 * end32, (end16, end32)
 
 
+@pytest.mark.parametrize(
+    ("which", "shape"), [("gpt2", dict(layers=2, hidden=128)), ("bert", dict(hidden=96))]
+)
+def test_fp16_keeps_about_half_the_activation_bytes(which, shape):
+    """The memory report of the fp16 graph against the fp32 one: what the backward keeps
+    from the forward is mostly fp16, about half the bytes; what stays fp32 is on the
+    documented list (Softmax output, LayerNorm statistics)."""
+    if which == "gpt2":
+        base, batch = gpt2(vocab=256, **shape), lm_batches(1, vocab=256)[0]
+    else:
+        base, batch = bert_mlm(vocab=256, **shape), bert_batches(1, vocab=256)[0]
+    reports = {}
+    for precision in (None, "fp16"):
+        model = copy.deepcopy(base)
+        trainer = ORTTrainer(
+            model, torch.optim.AdamW(model.parameters()), TrainerOptions(mixed_precision=precision)
+        )
+        trainer.train_step(**batch)
+        reports[precision] = trainer.memory_report(top=1000)
+    r32, r16 = reports[None], reports["fp16"]
+    assert not r32.unknown_size and not r16.unknown_size
+    assert 0.45 <= r16.kept_bytes / r32.kept_bytes <= 0.65, (r16.kept_bytes, r32.kept_bytes)
+    by_dtype = dict(r16.kept_bytes_by_dtype)
+    assert by_dtype["FLOAT16"] > 2 * by_dtype.get("FLOAT", 0), by_dtype
+    fp32_kept = {k.op_type for k in r16.largest_kept if k.dtype == "FLOAT"}
+    assert fp32_kept <= set(FP32_OPS) | {"LayerNormalization"}, fp32_kept  # + its statistics
+    assert r16.planned_peak_bytes < 0.8 * r32.planned_peak_bytes
+
+
 def _snapshot(trainer: ORTTrainer) -> dict[str, torch.Tensor]:
     out = {f"param:{k}": v.clone() for k, v in trainer.params.items()}
     out.update({f"state:{k}": v.clone() for k, v in trainer.opt_state.items()})

@@ -232,3 +232,25 @@ def test_frozen_parameters_get_no_gradient_nodes():
     # No gradient node reads a frozen parameter's Gemm weight path: the first block's
     # weight-gradient Gemms (transA=1 on its inputs) are absent.
     assert f"grad:{frozen[1]}" not in outputs
+
+
+@pytest.mark.parametrize("which", ["adamw-clip", "sgd-momentum"])
+def test_update_in_pieces_matches_eager(monkeypatch, which):
+    """The update graph cuts each param group's flat buffer into chains of at most
+    ``PIECE`` elements; with a tiny (unaligned) piece the cuts fall inside tensors and
+    between groups' ends: the same losses and parameters as eager, and one chain per
+    piece."""
+    from ortrain.runtime import flat_update
+
+    monkeypatch.setattr(flat_update, "PIECE", 3001)
+    if which == "adamw-clip":
+        make_opt, options = adamw, TrainerOptions(max_grad_norm=0.05)
+    else:
+        make_opt = lambda m: torch.optim.SGD(  # noqa: E731
+            decay_groups(m, 1e-3), lr=0.3, momentum=0.9, nesterov=True
+        )
+        options = TrainerOptions()
+    trainer = _check(small_gpt2, make_opt, lm_batches(6, vocab=256), options)
+    numel = sum(p.numel() for p in small_gpt2().parameters())
+    pieces = [v.name for v in trainer.update_graph.graph.inputs if v.name.startswith("flat.")]
+    assert len(pieces) >= numel // 3001 + 1 and len(pieces) <= numel // 3001 + 2, len(pieces)

@@ -172,6 +172,22 @@ def test_resume_restores_the_torch_rng(tmp_path: Path) -> None:
     assert _without_time(_records(tmp_path / "broken")) == _without_time(_records(whole))
 
 
+def test_fp16_run_tracks_fp32_and_resumes_exactly(
+    whole_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """--mixed-precision fp16 (dynamic loss scale): every training loss within 2% of the
+    fp32 run's, and an interrupted fp16 run resumes bit for bit (scaler state included)."""
+    extra = ("--mixed-precision", "fp16")
+    whole = _records(_run("gpt2", tmp_path / "whole", *extra), "train")
+    fp32 = _records(whole_runs["gpt2"], "train")
+    assert [r["step"] for r in whole] == [r["step"] for r in fp32]
+    for a, b in zip(whole, fp32):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.02), (a, b)
+    _interrupt_and_resume("gpt2", tmp_path / "broken", *extra)
+    got = _without_time(_records(tmp_path / "broken"))
+    assert got == _without_time(_records(tmp_path / "whole"))
+
+
 # ----------------------------------------------------------------------------- masking
 def _masked(n_rows: int = 400, n_cols: int = 256, seed: int = 0, prob: float = 0.15):
     vocab, mask_id = 1000, 4

@@ -6,6 +6,12 @@ gradients and the optimizer state are laid out group by group in flat buffers, a
 update graph sees one pseudo-parameter per group. Parameters stay views of the flat
 buffer (the module's ``.data`` is re-homed there), so the gradient graph, checkpoints
 and ``state_dict`` keep working per tensor. LAMB needs per-tensor norms: not flattened.
+
+For the update graph a group is cut into pieces of at most ``PIECE`` elements, one
+chain each: ONNX Runtime runs the chains one after the other, so the temporaries of an
+element-wise chain (several of them per step) are the size of a piece, not of the model.
+One chain over GPT-2 small's 124M parameters held ~1.5 GB of temporaries in the
+session's arena for good.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 
 FLAT_KINDS = ("adam", "adamw", "sgd")
 ALIGN = 16  # elements: every tensor starts on a 64-byte boundary
+PIECE = 1 << 23  # elements (32 MiB of fp32) per update chain
 
 
 @dataclasses.dataclass
@@ -52,9 +59,12 @@ def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.
     return base
 
 
-def flatten_update(trainer: ORTTrainer, kinds: tuple[str, ...] = FLAT_KINDS) -> FlatUpdate | None:
+def flatten_update(
+    trainer: ORTTrainer, kinds: tuple[str, ...] = FLAT_KINDS, whole_groups: bool = False
+) -> FlatUpdate | None:
     """``kinds``: optimizers to flatten (the fused kernels also take LAMB, whose per-tensor
-    norms they compute over ``segments``)."""
+    norms they compute over ``segments``); ``whole_groups``: one pseudo-parameter per
+    group (the kernels' way) instead of pieces of at most ``PIECE`` elements."""
     spec = trainer.spec
     if spec.kind not in kinds or not trainer.grad_params:
         return None
@@ -83,16 +93,23 @@ def flatten_update(trainer: ORTTrainer, kinds: tuple[str, ...] = FLAT_KINDS) -> 
         start, stop = mine[0].offset, mine[-1].stop
         if any(b.offset < a.stop for a, b in itertools.pairwise(mine)):
             raise AssertionError("flat layout is not ordered by param group")
-        pseudo = f"flat.group{gi}"
-        groups.append(GroupSpec((pseudo,), group.nesterov, group.momentum, group.bias_correction))
-        pshapes[pseudo] = (stop - start,)
+        cuts = [*range(start, stop, stop - start if whole_groups else PIECE), stop]
+        pieces = [(f"flat.group{gi}" + (f".{k}" if len(cuts) > 2 else ""), a, b)
+                  for k, (a, b) in enumerate(itertools.pairwise(cuts))]  # fmt: skip
+        names = tuple(name for name, _, _ in pieces)
+        groups.append(GroupSpec(names, group.nesterov, group.momentum, group.bias_correction))
         bounds = [e.offset - start for e in mine] + [stop - start]
-        segments[pseudo] = [b - a for a, b in itertools.pairwise(bounds)]
-        params[pseudo] = flat_p[start:stop]
-        grads[pseudo] = flat_g[start:stop]
+        for name, a, b in pieces:
+            pshapes[name] = (b - a,)
+            params[name] = flat_p[a:b]
+            grads[name] = flat_g[a:b]
+            segments[name] = [b - a]
+        if len(pieces) == 1:  # the kernels' per-tensor segments
+            segments[names[0]] = [b - a for a, b in itertools.pairwise(bounds)]
         for s in spec.state_names(group):
             flat_s = torch.zeros(stop - start, device=trainer.device)
-            states[state_key(s, pseudo)] = flat_s
+            for name, a, b in pieces:
+                states[state_key(s, name)] = flat_s[a - start : b - start]
             for e in mine:
                 view = flat_s[e.offset - start : e.stop - start].view(e.shape)
                 old = trainer.opt_state.get(state_key(s, e.name))
