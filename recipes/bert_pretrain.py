@@ -269,9 +269,7 @@ def train(cfg: Config) -> dict[str, Any]:
         tokenizer_fingerprint=data.fingerprint(tokenizer),
         ppl_key="mlm_loss",
         header=[
-            f"corpus: {corpus.source}, {len(corpus.texts)} documents, "
-            f"{corpus.num_bytes / 1e6:.2f} MB",
-            f"tokenizer: {how} (fingerprint {data.fingerprint(tokenizer)})",
+            *data.describe(corpus, tokenizer, how),
             f"data: {sizes} for training; {n_eval} held-out batches at {cfg.seq_len}",
             f"model: {type(model).__name__} {cfg.layers}x{cfg.hidden}, {params:,} parameters; "
             f"{phase_text} per process ({env.world} process{'es' if env.world > 1 else ''}, "

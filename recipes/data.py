@@ -149,6 +149,14 @@ def load_corpus(
 
 
 # ----------------------------------------------------------------------------- tokenizer
+def describe(corpus: Corpus, tokenizer: Tokenizer, how: str) -> list[str]:
+    """The corpus and tokenizer lines of a recipe's header."""
+    return [
+        f"corpus: {corpus.source}, {len(corpus.texts)} documents, {corpus.num_bytes / 1e6:.2f} MB",
+        f"tokenizer: {how} (fingerprint {fingerprint(tokenizer)})",
+    ]
+
+
 def fingerprint(tokenizer: Tokenizer) -> str:
     """A short hash of the tokenizer's full serialization (vocabulary, merges, rules)."""
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]

@@ -149,9 +149,7 @@ def train(cfg: Config) -> dict[str, Any]:
         tokenizer_json=tokenizer.to_str(),
         tokenizer_fingerprint=data.fingerprint(tokenizer),
         header=[
-            f"corpus: {corpus.source}, {len(corpus.texts)} documents, "
-            f"{corpus.num_bytes / 1e6:.2f} MB",
-            f"tokenizer: {how} (fingerprint {data.fingerprint(tokenizer)})",
+            *data.describe(corpus, tokenizer, how),
             f"data: {len(train_seqs):,} training sequences of {cfg.seq_len} tokens; "
             f"{n_eval} held-out batches",
             f"model: GPT-2 {cfg.n_layer}x{cfg.n_embd}, {params:,} parameters; "

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from graph_passes.constant_value import constant_tensor
 from graph_passes.emitter import Emitter, static_shape
 
 
@@ -90,12 +91,7 @@ class GradContext:
     @staticmethod
     def const_ints(v: ir.Value | None) -> list[int] | None:
         """The value of a constant integer input (initializer or Constant node), else None."""
-        if v is None:
-            return None
-        t = v.const_value
-        if t is None and v.producer() is not None and v.producer().op_type == "Constant":
-            attr = v.producer().attributes.get("value")
-            t = attr.value if attr is not None else None
+        t = constant_tensor(v)
         if t is None:
             return None
         return [int(x) for x in np.asarray(t.numpy()).reshape(-1)]

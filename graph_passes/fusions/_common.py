@@ -8,6 +8,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from graph_passes.constant_value import constant_tensor
+
 MS_DOMAIN = "com.microsoft"
 STANDARD = ("", "ai.onnx")
 
@@ -21,12 +23,7 @@ def dims(v: ir.Value | None) -> tuple[int, ...] | None:
 
 def scalar(v: ir.Value | None) -> float | None:
     """The value of a one-element constant (initializer or Constant node), else None."""
-    if v is None:
-        return None
-    t = v.const_value
-    if t is None and v.producer() is not None and v.producer().op_type == "Constant":
-        attr = v.producer().attributes.get("value")
-        t = attr.value if attr is not None else None
+    t = constant_tensor(v)
     if t is None:
         return None
     arr = np.asarray(t.numpy())
