@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 FLAT_KINDS = ("adam", "adamw", "sgd")
 ALIGN = 16  # elements: every tensor starts on a 64-byte boundary
-PIECE = 1 << 23  # elements (32 MiB of fp32) per update chain
+PIECE = 1 << 18  # elements (1 MiB of fp32) per update chain: a chain's temporaries stay in cache
 
 
 @dataclasses.dataclass
