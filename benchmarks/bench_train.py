@@ -472,6 +472,40 @@ def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
+def _ab_table(
+    results: dict[str, dict[str, Any]],
+    a_key: str,
+    b_key: str,
+    a_name: str,
+    b_name: str,
+    speedup: str,
+    a_short: str,
+    b_short: str,
+    extra_heads: tuple[str, ...],
+    extra: Callable[[dict[str, Any], dict[str, Any]], tuple[Any, ...]],
+) -> list[str]:
+    """Backend ``a_key`` against ``b_key`` per workload: step times, speedup (a / b),
+    peak RSS and its ratio (b / a), plus ``extra`` columns; nothing where either is absent."""
+    rows = [(n, r[a_key], r[b_key]) for n, r in results.items() if a_key in r and b_key in r]
+    if not rows:
+        return []
+    heads = [f"{a_name} ms/step", f"{b_name} ms/step", speedup, f"{a_short} peak RSS MiB",
+             f"{b_short} peak RSS MiB", "RSS ratio", *extra_heads]  # fmt: skip
+    lines = ["", "| workload | " + " | ".join(heads) + " |", "|---" + "|---:" * len(heads) + "|"]
+    for name, a, b in rows:
+        cells = [
+            f"{a['median_step_s'] * 1e3:.1f}",
+            f"{b['median_step_s'] * 1e3:.1f}",
+            f"{a['median_step_s'] / b['median_step_s']:.2f}x",
+            f"{a['peak_rss_mib']:.0f}",
+            f"{b['peak_rss_mib']:.0f}",
+            f"{b['peak_rss_mib'] / a['peak_rss_mib']:.2f}",
+            *(str(x) for x in extra(a, b)),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _train_nodes(r: dict[str, Any]) -> int:
     """Nodes of the gradient graph after its last build pass."""
     train = [v for k, v in r.get("graph_nodes", {}).items() if k.startswith("train.")]
@@ -495,36 +529,14 @@ def report(
             f"| {e['peak_rss_mib']:.0f} | {o['peak_rss_mib']:.0f} "
             f"| {o['peak_rss_mib'] / e['peak_rss_mib']:.2f} |"
         )
-    if any("ortrain-nopasses" in r for r in results.values()):
-        lines += [
-            "",
-            "| workload | passes off ms/step | passes on ms/step | speedup from passes "
-            "| off peak RSS MiB | on peak RSS MiB | RSS ratio | nodes off | nodes on |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name, r in results.items():
-            a, o = r["ortrain-nopasses"], r["ortrain"]
-            lines.append(
-                f"| {name} | {a['median_step_s'] * 1e3:.1f} | {o['median_step_s'] * 1e3:.1f} "
-                f"| {a['median_step_s'] / o['median_step_s']:.2f}x | {a['peak_rss_mib']:.0f} "
-                f"| {o['peak_rss_mib']:.0f} | {o['peak_rss_mib'] / a['peak_rss_mib']:.2f} "
-                f"| {_train_nodes(a)} | {_train_nodes(o)} |"
-            )
-    if any("ortrain-fp16" in r for r in results.values()):
-        lines += [
-            "",
-            "| workload | ortrain fp32 ms/step | ortrain fp16 ms/step | fp16 speedup "
-            "| fp32 peak RSS MiB | fp16 peak RSS MiB | RSS ratio | fp16 skipped steps |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name, r in results.items():
-            a, h = r["ortrain"], r["ortrain-fp16"]
-            lines.append(
-                f"| {name} | {a['median_step_s'] * 1e3:.1f} | {h['median_step_s'] * 1e3:.1f} "
-                f"| {a['median_step_s'] / h['median_step_s']:.2f}x | {a['peak_rss_mib']:.0f} "
-                f"| {h['peak_rss_mib']:.0f} | {h['peak_rss_mib'] / a['peak_rss_mib']:.2f} "
-                f"| {h.get('skipped_steps', 0)} |"
-            )
+    lines += _ab_table(
+        results, "ortrain-nopasses", "ortrain", "passes off", "passes on", "speedup from passes",
+        "off", "on", ("nodes off", "nodes on"), lambda a, b: (_train_nodes(a), _train_nodes(b)),
+    )  # fmt: skip
+    lines += _ab_table(
+        results, "ortrain", "ortrain-fp16", "ortrain fp32", "ortrain fp16", "fp16 speedup",
+        "fp32", "fp16", ("fp16 skipped steps",), lambda a, b: (b.get("skipped_steps", 0),),
+    )  # fmt: skip
     lines += [
         "",
         "speedup = eager / ortrain median step time (>1: ortrain faster); "

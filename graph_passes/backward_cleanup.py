@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
-from graph_passes.fold_transpose_gemm import fold_transposes
+from graph_passes.fold_transpose_gemm import fold_transposes, replace_node
 from graph_passes.tags import is_backward
 
 FOLD_OUTPUT_LIMIT = 1024  # elements: larger constants stay computed (zeros, ones)
@@ -177,16 +177,7 @@ def merge_gradient_sums(model: ir.Model) -> int:
             name=f"{node.name}/merged",
             metadata_props=dict(node.metadata_props),
         )
-        out = node.outputs[0]
-        new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
-        graph.insert_before(node, new)
-        name = out.name
-        out.name = f"{name}__merged"
-        out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
-        new.outputs[0].name = name
-        graph.remove(node, safe=True)
-        for p in merged:
-            graph.remove(p, safe=True)
+        replace_node(graph, node, new, node, *merged)
         count += len(merged)
     return count
 

@@ -56,8 +56,9 @@ def _swaps_last_two(node: ir.Node) -> bool:
     return n >= 2 and perm == [*range(n - 2), n - 1, n - 2]
 
 
-def _replace(graph: ir.Graph, old: ir.Node, new: ir.Node, *remove: ir.Node) -> None:
-    """``new`` takes over ``old``'s output (name and uses); ``remove`` then go."""
+def replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node, *remove: ir.Node) -> None:
+    """``new`` (inserted before ``old``) takes over ``old``'s first output: its name, type,
+    uses and graph-output place; the ``remove`` nodes then go."""
     out = old.outputs[0]
     new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
     graph.insert_before(old, new)
@@ -73,6 +74,17 @@ def _single_use(v: ir.Value) -> bool:
     return len(v.uses()) == 1 and not v.is_graph_output()
 
 
+def _swapped_attributes(product: ir.Node) -> list[ir.Attr]:
+    """(A·B)^T = B^T·A^T: the flags of the product with its operands swapped."""
+    attrs = [
+        ir.AttrInt64("transA", 1 - _int(product, "transB")),
+        ir.AttrInt64("transB", 1 - _int(product, "transA")),
+    ]
+    if "alpha" in product.attributes:
+        attrs.append(product.attributes["alpha"])
+    return attrs
+
+
 def _fold_gemm_output(graph: ir.Graph, node: ir.Node) -> bool:
     """Case 1; ``node`` is the Transpose."""
     perm = node.attributes.get("perm")
@@ -84,21 +96,15 @@ def _fold_gemm_output(graph: ir.Graph, node: ir.Node) -> bool:
         return False
     if not _single_use(src):
         return False
-    attrs = [
-        ir.AttrInt64("transA", 1 - _int(gemm, "transB")),
-        ir.AttrInt64("transB", 1 - _int(gemm, "transA")),
-    ]
-    if "alpha" in gemm.attributes:
-        attrs.append(gemm.attributes["alpha"])
     new = ir.Node(
         "",
         "Gemm",
         [gemm.inputs[1], gemm.inputs[0]],
-        attributes=attrs,
+        attributes=_swapped_attributes(gemm),
         name=f"{gemm.name}/transposed",
         metadata_props=dict(gemm.metadata_props),
     )
-    _replace(graph, node, new, node, gemm)
+    replace_node(graph, node, new, node, gemm)
     return True
 
 
@@ -110,21 +116,15 @@ def _fold_product_output(graph: ir.Graph, node: ir.Node) -> bool:
         return False
     if _int(mm, "transBatchA") or _int(mm, "transBatchB"):
         return False
-    attrs = [
-        ir.AttrInt64("transA", 1 - _int(mm, "transB")),
-        ir.AttrInt64("transB", 1 - _int(mm, "transA")),
-    ]
-    if "alpha" in mm.attributes:
-        attrs.append(mm.attributes["alpha"])
     new = ir.Node(
         MS_DOMAIN,
         "FusedMatMul",
         [mm.inputs[1], mm.inputs[0]],
-        attributes=attrs,
+        attributes=_swapped_attributes(mm),
         name=f"{mm.name}/transposed",
         metadata_props=dict(mm.metadata_props),
     )
-    _replace(graph, node, new, node, mm)
+    replace_node(graph, node, new, node, mm)
     return True
 
 
@@ -155,7 +155,7 @@ def _fold_operands(graph: ir.Graph, node: ir.Node, scope: Scope) -> int:
                     metadata_props=dict(user.metadata_props),
                 )
                 new.replace_input_with(idx, src)
-                _replace(graph, user, new, user)
+                replace_node(graph, user, new, user)
             elif _int(user, "transBatchA") or _int(user, "transBatchB"):
                 continue
             else:
