@@ -11,6 +11,7 @@ left out with ``optimize=False``):
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
 4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``graph_passes.fusions``)
+    label_sparsity*    loss heads run on the labelled rows only (``label_rows`` given)
 5.  mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
 6.  loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
 7.  autodiff           minimal gradient graph, outputs ``grad:<param>``
@@ -35,6 +36,7 @@ from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.forward_cleanup import clean_forward
 from graph_passes.fusions import training_fusions
 from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.label_sparsity import shrink_label_rows
 from graph_passes.loss_scaling import scale_loss
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.mixed_precision import convert_to_mixed_precision
@@ -55,6 +57,8 @@ class TrainingBuild:
     recompute: RecomputePolicy = RecomputePolicy.NOTHING
     optimize: bool = True  # the optimization passes (* above); False: only what training needs
     fusions: tuple[str, ...] | None = None  # names from ``fusions.FUSIONS``; None: the default set
+    # loss node -> rows to keep (label_sparsity.py); empty: every row
+    label_rows: dict[str, int] = dataclasses.field(default_factory=dict)
     # Produced by the passes:
     diff_loss: str = ""  # the value autodiff starts from
     gradient: GradientGraphResult | None = None
@@ -69,6 +73,9 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     if build.optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("fuse_gelu", fuse_gelu)]
         passes += training_fusions(build.fusions).before_autodiff
+        if build.label_rows:
+            rows = build.label_rows
+            passes.append(Pass("label_sparsity", lambda m: shrink_label_rows(m, rows)))
     if build.mixed_precision is not None:
         precision = build.mixed_precision
         passes.append(Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, precision)))

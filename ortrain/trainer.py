@@ -21,6 +21,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
+from graph_passes.label_sparsity import LabelSite, find_label_sites, label_rows_bucket
 from graph_passes.loss_scaling import LOSS_SCALE_INPUT
 from graph_passes.memory_plan import MemoryReport, memory_report
 from graph_passes.optimizer import UpdateGraph, build_update_graph
@@ -147,6 +148,9 @@ class ORTTrainer:
         self._loss_scale = torch.ones((), dtype=torch.float32, device=dev)
         self._grads_finite = torch.ones((), dtype=torch.bool, device=dev)
         self._train: dict[tuple, _Compiled] = {}
+        # Per batch signature: the exported training forward (each label-row count
+        # builds from a copy of it) and its losses whose ignored rows can be dropped.
+        self._forwards: dict[tuple, tuple[ExportedForward, list[LabelSite]]] = {}
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
         self._fused: FusedUpdate | None = None  # the kernels run the update instead
@@ -226,13 +230,36 @@ class ORTTrainer:
         )
         return ex
 
-    def _build_train(self, batch: Mapping[str, Any]) -> _Compiled:
-        ex = self._export(batch, train=True)
-        model = ex.model
+    def _forward(self, sig: tuple, batch: Mapping[str, Any]) -> tuple[ExportedForward, list]:
+        if sig not in self._forwards:
+            ex = self._export(batch, train=True)
+            sites = find_label_sites(ex.model) if self.options.optimize_graph else []
+            self._forwards[sig] = ex, sites
+        return self._forwards[sig]
+
+    def _label_rows(self, sites: list[LabelSite], batch: Mapping[str, Any]) -> tuple:
+        """(loss node, rows to build) per label site: this batch's labelled rows, bucketed."""
+        rows = []
+        for site in sites:
+            labels = batch.get(site.input)
+            if isinstance(labels, torch.Tensor):
+                labelled = int(torch.count_nonzero(labels != site.ignore_index))
+                bucket = label_rows_bucket(labelled, site.rows)
+                if bucket < site.rows:
+                    rows.append((site.node, bucket))
+        return tuple(rows)
+
+    def _build_train(
+        self, batch: Mapping[str, Any], forward: ExportedForward, label_rows: tuple
+    ) -> _Compiled:
+        # The passes rewrite the model in place; the export is kept for other row counts.
+        model = ir.serde.deserialize_model(ir.serde.serialize_model(forward.model))
+        ex = dataclasses.replace(forward, model=model)
         inputs = {r.name for r in ex.io}
         build = TrainingBuild(
             loss=ex.output_names[0],
             wrt=[n for n in self.trainable if n in inputs],
+            label_rows=dict(label_rows),
             seed=self.options.seed,
             accumulate=self.options.grad_accumulation_steps > 1,
             mixed_precision=self.options.mixed_precision,
@@ -355,11 +382,17 @@ class ORTTrainer:
         self._update = sess
 
     def _compiled(self, batch: Mapping[str, Any], *, train: bool) -> _Compiled:
-        cache = self._train if train else self._eval
         sig = _signature(batch)
-        if sig not in cache:
-            cache[sig] = self._build_train(batch) if train else self._build_eval(batch)
-        return cache[sig]
+        if not train:
+            if sig not in self._eval:
+                self._eval[sig] = self._build_eval(batch)
+            return self._eval[sig]
+        forward, sites = self._forward(sig, batch)
+        label_rows = self._label_rows(sites, batch)
+        key = (sig, label_rows)
+        if key not in self._train:
+            self._train[key] = self._build_train(batch, forward, label_rows)
+        return self._train[key]
 
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
         ex = self._export(batch, train=False)
@@ -473,7 +506,8 @@ class ORTTrainer:
 
     @property
     def train_graphs(self) -> list[ir.Model]:
-        """The compiled gradient graphs, one per batch shape signature."""
+        """The compiled gradient graphs, one per batch shape signature (and label-row
+        count, see ``graph_passes/label_sparsity.py``)."""
         return [c.model for c in self._train.values()]
 
     def memory_report(self, top: int = 10) -> MemoryReport:

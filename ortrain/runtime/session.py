@@ -9,6 +9,7 @@ kernels, collectives) is ordered with it without host synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -70,6 +71,25 @@ def providers(
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
+# One CPU arena for all of ortrain's sessions (gradient graphs, update, eval), so that a
+# graph per label-row count (graph_passes/label_sparsity.py) does not keep an activation
+# arena of its own. Sessions opt in one by one: other sessions of the process are
+# unaffected.
+_arena: bool | None = None
+
+
+def _share_cpu_arena() -> bool:
+    global _arena
+    if _arena is None:
+        info = ort.OrtMemoryInfo(
+            "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+        )
+        with contextlib.suppress(Exception):  # one registered already: use that one
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _arena = True
+    return _arena
+
+
 def make_session(
     model: ir.Model,
     *,
@@ -91,13 +111,15 @@ def make_session(
     # A memory pattern planned on the first run is re-allocated on the second and the
     # first run's blocks are kept: ~25% more peak RSS and a slow second step.
     so.enable_mem_pattern = False
+    device = device or torch.device("cpu")
     # Two sessions (gradient, update) alternate every step; spinning idle threads of one
     # would steal the cores from the other.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads is not None:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    device = device or torch.device("cpu")
+    if device.type == "cpu" and _share_cpu_arena():
+        so.add_session_config_entry("session.use_env_allocators", "1")
     return ort.InferenceSession(
         data,
         so,
