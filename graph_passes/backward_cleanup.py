@@ -18,7 +18,12 @@ Cases, in order:
 4. Gradient sums: a Sum (or Add of two same-shaped values) of gradient contributions
    whose input is itself a single-use gradient Sum/Add of the same shape becomes one
    Sum over all the leaves (tied and multi-use values end with one Sum).
-5. Nodes left without readers are removed (gradient nodes only).
+5. Scatter into the sum: a gradient Sum one of whose terms is a single-use
+   ``ScatterElements(zeros, rows, updates, reduction="add")`` (an embedding's
+   gradient) scatters the updates into the sum of the other terms instead: no zeros
+   table, no extra full-size add. For GPT-2 small's tied 50257 x 768 embedding this
+   drops two 154 MB temporaries and ~100 ms per step.
+6. Nodes left without readers are removed (gradient nodes only).
 """
 
 from __future__ import annotations
@@ -182,8 +187,77 @@ def merge_gradient_sums(model: ir.Model) -> int:
     return count
 
 
+def _zeros(v: ir.Value | None) -> bool:
+    """``v`` is Expand(a constant 0, shape) or a constant of zeros."""
+    if v is None:
+        return False
+    p = v.producer()
+    if p is not None and p.op_type == "Expand" and p.domain in _STD:
+        v = p.inputs[0]
+    t = v.const_value if v is not None else None
+    return t is not None and not np.any(t.numpy())
+
+
+def _scatter_of_zeros(v: ir.Value, shape: ir.Shape | None) -> ir.Node | None:
+    p = v.producer()
+    ok = (
+        p is not None
+        and p.op_type == "ScatterElements"
+        and p.domain in _STD
+        and is_backward(p)
+        and p.attributes.get("reduction") is not None
+        and p.attributes["reduction"].value == "add"
+        and len(v.uses()) == 1
+        and not v.is_graph_output()
+        and v.shape == shape
+        and _zeros(p.inputs[0])
+    )
+    return p if ok else None
+
+
+def scatter_into_sums(model: ir.Model) -> int:
+    """Case 5; returns the number of zero tables dropped."""
+    graph = model.graph
+    count = 0
+    for node in list(graph):
+        if node.graph is None or not _is_sum(node) or len(node.inputs) < 2:
+            continue
+        out = node.outputs[0]
+        found = [
+            (i, p)
+            for i, v in enumerate(node.inputs)
+            if v is not None and (p := _scatter_of_zeros(v, out.shape)) is not None
+        ]
+        if not found:
+            continue
+        i, scatter = found[0]
+        rest = [v for j, v in enumerate(node.inputs) if j != i]
+        nodes: list[ir.Node] = []
+        base = rest[0]
+        if len(rest) > 1:
+            nodes.append(ir.Node("", "Sum", rest, name=f"{node.name}/rest",
+                                 metadata_props=dict(node.metadata_props)))  # fmt: skip
+            base = nodes[-1].outputs[0]
+            base.name, base.dtype, base.shape = f"{out.name}/rest", out.dtype, out.shape
+        nodes.append(
+            ir.Node(
+                "",
+                "ScatterElements",
+                [base, scatter.inputs[1], scatter.inputs[2]],
+                attributes=list(scatter.attributes.values()),
+                name=f"{scatter.name}/into_sum",
+                metadata_props=dict(node.metadata_props),
+            )
+        )
+        if len(nodes) > 1:
+            graph.insert_before(node, nodes[:-1])
+        replace_node(graph, node, nodes[-1], node)
+        count += 1
+    return count
+
+
 def remove_dead_gradient_nodes(model: ir.Model) -> int:
-    """Case 5."""
+    """Case 6."""
     graph = model.graph
     count = 0
     for node in reversed(list(graph)):
@@ -197,10 +271,11 @@ def remove_dead_gradient_nodes(model: ir.Model) -> int:
 
 
 def clean_backward(model: ir.Model) -> int:
-    """Cases 1-5 over the gradient nodes; returns the number of changes."""
+    """Cases 1-6 over the gradient nodes; returns the number of changes."""
     count = fold_constants(model)
     count += eliminate_common_subexpressions(model)
     count += fold_transposes(model, is_backward)
     count += merge_gradient_sums(model)
+    count += scatter_into_sums(model)
     count += remove_dead_gradient_nodes(model)
     return count

@@ -28,6 +28,8 @@ from graph_passes.backward_cleanup import (
     eliminate_common_subexpressions,
     fold_constants,
     merge_gradient_sums,
+    remove_dead_gradient_nodes,
+    scatter_into_sums,
 )
 from graph_passes.fold_transpose_gemm import fold_transposes
 from graph_passes.fusions import FUSIONS, training_fusions
@@ -403,6 +405,38 @@ def test_backward_sums_merge_into_one():
     model = _check_pass(build, merge_gradient_sums, 2)
     (node,) = model.graph
     assert node.op_type == "Sum" and [v.name for v in node.inputs] == ["a", "b", "c", "d"]
+
+
+def _embedding_grad_sum(table: str, terms: int) -> ir.Model:
+    """Sum(dense terms..., ScatterElements(table, rows, updates, add)): rows repeat."""
+    g = TinyGraph()
+    dense = [g.input(f"d{i}", (6, 4)) for i in range(terms)]
+    updates = g.input("u", (5, 4))
+    rows = g.const("rows", np.repeat(np.array([[1], [4], [1], [0], [4]]), 4, axis=1))
+    if table == "zeros":
+        zero, shape = g.const("zero", np.float32(0.0)), g.const("shape", np.array([6, 4]))
+        base = _grad(g.op("Expand", zero, shape, name="zeros", shape=(6, 4)))
+    else:
+        base = g.input("t", (6, 4))
+    scattered = _grad(g.op("ScatterElements", base, rows, updates, name="scatter", shape=(6, 4),
+                           axis=0, reduction="add"))  # fmt: skip
+    return g.model(_grad(g.op("Sum", *dense, scattered, name="sum", shape=(6, 4))))
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_embedding_gradient_scatters_into_the_sum(terms):
+    model = _check_pass(lambda: _embedding_grad_sum("zeros", terms), scatter_into_sums, 1)
+    remove_dead_gradient_nodes(model)
+    ops = _ops(model)
+    assert ops["ScatterElements"] == 1 and ops["Expand"] == 0
+    assert ops["Sum"] == (1 if terms == 2 else 0)
+    (scatter,) = (n for n in model.graph if n.op_type == "ScatterElements")
+    assert scatter.outputs[0] is model.graph.outputs[0]  # the gradient itself, no Sum after it
+
+
+def test_scatter_into_a_nonzero_table_is_left_alone():
+    model = _embedding_grad_sum("input", 1)
+    assert scatter_into_sums(model) == 0
 
 
 def test_clean_backward_leaves_forward_alone():
