@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import io
 import logging
 import os
 import pickle
+import select
+import signal
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -209,6 +213,9 @@ def _export_in_child(
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: export, send the graph (or the error), exit
+        # Nothing inherited may be finalized here: an ONNX Runtime session in uncollected
+        # garbage would join its thread pool's threads, which do not exist after a fork.
+        gc.freeze()
         os.close(read_fd)
         try:
             torch.set_num_threads(1)  # OpenMP's thread team does not survive a fork
@@ -222,10 +229,11 @@ def _export_in_child(
             f.write(payload)
         os._exit(0)
     os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as f:
-        payload = f.read()
+    payload = _read_all(read_fd, float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800")))
+    if payload is None:  # no answer in time: do not wait on a stuck child forever
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    if not payload:  # the child died (killed, crashed): export here instead
+    if not payload:  # the child died, hung or crashed: export here instead
         warnings.warn(
             f"ONNX export in a child process failed (wait status {status}); exporting in "
             "this process",
@@ -238,6 +246,21 @@ def _export_in_child(
     _, proto, roles, outs, keys = result
     model = ir.serde.deserialize_model(onnx.ModelProto.FromString(proto))
     return ExportedForward(model, roles, outs, keys)
+
+
+def _read_all(fd: int, timeout_s: float) -> bytes | None:
+    """Everything written to ``fd`` until EOF; None after ``timeout_s`` without EOF."""
+    chunks = []
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                return None
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
 
 
 def _export(

@@ -40,7 +40,7 @@ class TrainerOptions:
         None. "auto" (default): dynamic with fp16, none otherwise. With a loss scale,
         steps whose gradients overflow are skipped (see ``trainer.skipped_steps``).
     optimize_graph: run the optimization passes (constant folding, CSE, GELU / LayerNorm /
-        FusedMatMul / Gemm / BiasGelu fusions, backward cleanup; see
+        FusedMatMul / Gemm / BiasGelu fusions, label sparsity, backward cleanup; see
         ``graph_passes/training_pipeline.py``). False builds the plain gradient graph, to
         compare or to debug a pass.
     memory_plan: recompute cheap forward values (casts, reshapes, activations,
