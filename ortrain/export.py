@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import io
@@ -188,9 +189,8 @@ def export_forward(
     ``ORTRAIN_EXPORT_IN_PROCESS=1`` (or CUDA in use: no fork after CUDA init) exports here.
     """
     _warn_sdpa(module)
-    if _can_fork(module, batch):
-        return _export_in_child(module, batch, train, loss_fn, with_outputs)
-    return _export(module, batch, train, loss_fn, with_outputs)
+    export = functools.partial(_export, module, batch, train, loss_fn, with_outputs)
+    return _export_in_child(export) if _can_fork(module, batch) else export()
 
 
 def _can_fork(module: torch.nn.Module, batch: Mapping[str, Any]) -> bool:
@@ -203,13 +203,7 @@ def _can_fork(module: torch.nn.Module, batch: Mapping[str, Any]) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
-def _export_in_child(
-    module: torch.nn.Module,
-    batch: Mapping[str, Any],
-    train: bool,
-    loss_fn: LossFn | None,
-    with_outputs: bool,
-) -> ExportedForward:
+def _export_in_child(export: Callable[[], ExportedForward]) -> ExportedForward:
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: export, send the graph (or the error), exit
@@ -219,7 +213,7 @@ def _export_in_child(
         os.close(read_fd)
         try:
             torch.set_num_threads(1)  # OpenMP's thread team does not survive a fork
-            ex = _export(module, batch, train, loss_fn, with_outputs)
+            ex = export()
             proto = ir.serde.serialize_model(ex.model).SerializeToString()
             payload = pickle.dumps(("ok", proto, ex.io, ex.output_names, ex.output_keys))
         except BaseException as exc:  # everything goes back to the parent
@@ -239,7 +233,7 @@ def _export_in_child(
             "this process",
             stacklevel=3,
         )
-        return _export(module, batch, train, loss_fn, with_outputs)
+        return export()
     result = pickle.loads(payload)
     if result[0] == "error":
         raise ExportError(result[1])

@@ -75,19 +75,18 @@ def providers(
 # graph per label-row count (graph_passes/label_sparsity.py) does not keep an activation
 # arena of its own. Sessions opt in one by one: other sessions of the process are
 # unaffected.
-_arena: bool | None = None
+_arena_registered = False
 
 
-def _share_cpu_arena() -> bool:
-    global _arena
-    if _arena is None:
+def _register_cpu_arena() -> None:
+    global _arena_registered
+    if not _arena_registered:
         info = ort.OrtMemoryInfo(
             "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
         )
         with contextlib.suppress(Exception):  # one registered already: use that one
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-        _arena = True
-    return _arena
+        _arena_registered = True
 
 
 def make_session(
@@ -118,7 +117,8 @@ def make_session(
     if threads is not None:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    if device.type == "cpu" and _share_cpu_arena():
+    if device.type == "cpu":
+        _register_cpu_arena()
         so.add_session_config_entry("session.use_env_allocators", "1")
     return ort.InferenceSession(
         data,
