@@ -51,6 +51,8 @@ BACKENDS = (
     "torch",
     "ortrain",
     "ortrain-nopasses",  # optimize_graph=False, memory_plan=False: the plain gradient graph
+    "ortrain-graphupdate",  # update_engine="graph": the update ONNX graph, not torch's kernels
+    "torch-fused",  # eager with AdamW(fused=True): the kernels ortrain's CPU update runs
     "ortrain-fp16",
     "ortrain-bf16",  # CUDA only
     "ortrain-cudagraph",  # CUDA only: whole-session CUDA graph replay
@@ -211,6 +213,7 @@ def setup_ortrain(
     device: str = "cpu",
     cuda_graph: bool = False,
     passes: bool = True,
+    update_engine: str = "auto",
 ) -> Setup:
     import ortrain.trainer as trainer_mod
     from ortrain import ORTTrainer, TrainerOptions
@@ -233,6 +236,7 @@ def setup_ortrain(
         cuda_graph=cuda_graph,
         optimize_graph=passes,
         memory_plan=passes,
+        update_engine=update_engine,
     )
     trainer = ORTTrainer(model, opt, options)
 
@@ -327,7 +331,8 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     model = w.build(w, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    fused = args.backend == "torch-fused"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
     g = torch.Generator().manual_seed(args.seed + 1)
     batches = [w.make_batch(w, g) for _ in range(args.num_batches)]
     if args.backend.startswith("torch"):
@@ -338,7 +343,8 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         precision = {"ortrain-fp16": "fp16", "ortrain-bf16": "bf16"}.get(args.backend)
         graph = args.backend == "ortrain-cudagraph"
         passes = args.backend != "ortrain-nopasses"
-        s = setup_ortrain(model, opt, args.threads, precision, args.device, graph, passes)
+        engine = "graph" if args.backend == "ortrain-graphupdate" else "auto"
+        s = setup_ortrain(model, opt, args.threads, precision, args.device, graph, passes, engine)
     rss_setup = rss_bytes()
 
     # ---- step 0: first step (ortrain: export + compile + run)
@@ -532,6 +538,14 @@ def report(
     lines += _ab_table(
         results, "ortrain-nopasses", "ortrain", "passes off", "passes on", "speedup from passes",
         "off", "on", ("nodes off", "nodes on"), lambda a, b: (_train_nodes(a), _train_nodes(b)),
+    )  # fmt: skip
+    lines += _ab_table(
+        results, "ortrain-graphupdate", "ortrain", "update graph", "torch kernels",
+        "speedup from the update engine", "graph", "kernels", (), lambda a, b: (),
+    )  # fmt: skip
+    lines += _ab_table(
+        results, "torch-fused", "ortrain", "eager fused AdamW", "ortrain",
+        "speedup vs eager with fused=True", "eager", "ortrain", (), lambda a, b: (),
     )  # fmt: skip
     lines += _ab_table(
         results, "ortrain", "ortrain-fp16", "ortrain fp32", "ortrain fp16", "fp16 speedup",

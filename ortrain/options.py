@@ -19,7 +19,9 @@ class TrainerOptions:
         ``enable_cuda_graph``; static shapes, the batch is copied into fixed buffers).
     update_engine: what runs the optimizer update. "graph": the update ONNX graph;
         "kernels": the fused kernels of ``cuda_kernels/`` (AdamW/Adam/LAMB; build them with
-        CMake); "auto" (default): kernels on CUDA when built, the graph otherwise.
+        CMake); "torch": torch's fused Adam/AdamW kernels (``fused=True``'s) over flat
+        buffers; "auto" (default): on CUDA the kernels when built, on CPU torch's for
+        Adam/AdamW in a single process, the graph otherwise.
     grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
         so N micro-batches of size b train like one batch of size N*b.
     max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off.
@@ -75,9 +77,9 @@ class TrainerOptions:
             raise ValueError(
                 f"TrainerOptions.device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'"
             )
-        if self.update_engine not in ("auto", "graph", "kernels"):
+        if self.update_engine not in ("auto", "graph", "kernels", "torch"):
             raise ValueError(
-                "TrainerOptions.update_engine must be 'auto', 'graph' or 'kernels', got "
+                "TrainerOptions.update_engine must be 'auto', 'graph', 'kernels' or 'torch', got "
                 f"{self.update_engine!r}"
             )
         if self.cuda_graph and kind != "cuda":

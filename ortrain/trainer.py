@@ -31,7 +31,7 @@ from graph_passes.recompute import RecomputePolicy
 from graph_passes.training_pipeline import TrainingBuild, eval_passes, training_passes
 from ortrain import checkpoint
 from ortrain.distributed import Reducer, join_process_group
-from ortrain.errors import BatchError, NonFiniteLossError
+from ortrain.errors import BatchError, NonFiniteLossError, UnsupportedOptimizerError
 from ortrain.export import ExportedForward, LossFn, export_forward, normalize_batch
 from ortrain.loss_scaler import LossScaler
 from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
@@ -46,6 +46,7 @@ from ortrain.runtime.fused_update import (
     kernels_available,
 )
 from ortrain.runtime.session import BoundSession, check_device, make_session
+from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 
 
 @dataclasses.dataclass
@@ -153,7 +154,8 @@ class ORTTrainer:
         self._forwards: dict[tuple, tuple[ExportedForward, list[LabelSite]]] = {}
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
-        self._fused: FusedUpdate | None = None  # the kernels run the update instead
+        # the kernels (cuda_kernels/ or torch's) run the update instead of a graph
+        self._fused: FusedUpdate | TorchFusedUpdate | None = None
         self._update_graph: UpdateGraph | None = None
         self.grad_params: list[str] | None = None  # trainable params reached by the loss
         self.micro_step = 0
@@ -305,6 +307,12 @@ class ORTTrainer:
             self._eval.clear()
             self._fused = FusedUpdate(self, flat, flat.segments)
             return
+        if self._use_torch_kernels():
+            flat = flatten_update(self, TORCH_KINDS, whole_groups=True)
+            assert flat is not None
+            self._eval.clear()
+            self._fused = TorchFusedUpdate(self, flat)
+            return
         flat = flatten_update(self)
         if flat is not None:  # one update chain per param group (memory moved: rebuild evals)
             self._eval.clear()
@@ -333,10 +341,33 @@ class ORTTrainer:
         grads = {f"grad:{p}": t for p, t in grads.items()}
         self._bind_update(ug, params, grads, states)
 
+    def _use_torch_kernels(self) -> bool:
+        """Whether torch's fused Adam/AdamW kernels run the update: ``update_engine="torch"``,
+        or "auto" on CPU in a single process."""
+        engine = self.options.update_engine
+        if engine == "torch":
+            if self.spec.kind not in TORCH_KINDS:
+                raise UnsupportedOptimizerError(
+                    f"update_engine='torch' supports {', '.join(TORCH_KINDS)}, not "
+                    f"{self.spec.kind}; use update_engine='graph'"
+                )
+            if self._reducer is not None:
+                raise ValueError(
+                    "TrainerOptions.update_engine='torch' is single-process only; distributed "
+                    "training updates through the update graph (use 'graph' or 'auto')"
+                )
+            return True
+        return (
+            engine == "auto"
+            and self.device.type == "cpu"
+            and self.spec.kind in TORCH_KINDS
+            and self._reducer is None
+        )
+
     def _use_kernels(self) -> bool:
         """Whether the fused kernels run the update (``TrainerOptions.update_engine``)."""
         engine = self.options.update_engine
-        if engine == "graph" or (engine == "auto" and self.device.type != "cuda"):
+        if engine in ("graph", "torch") or (engine == "auto" and self.device.type != "cuda"):
             return False
         if engine == "auto":  # CUDA: the kernels when built and they cover the optimizer
             return self.spec.kind in KERNEL_KINDS and kernels_available(self.device)

@@ -143,12 +143,14 @@ def test_sgd_momentum_nesterov_weight_decay():
     _check(small_gpt2, opt, lm_batches(12, vocab=256))
 
 
-def test_plain_sgd_and_adam_l2():
+@pytest.mark.parametrize("engine", ["auto", "graph"])
+def test_plain_sgd_and_adam_l2(engine):
     _check(small_gpt2, lambda m: torch.optim.SGD(m.parameters(), lr=0.3), lm_batches(6, vocab=256))
     _check(
         small_gpt2,
         lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.05),
         lm_batches(6, vocab=256),
+        TrainerOptions(update_engine=engine),
     )
 
 
@@ -161,19 +163,22 @@ def test_lamb_matches_eager_lamb():
     _check(lambda: bert_mlm(hidden=64), opt, bert_batches(12))
 
 
-def test_gradient_clipping():
-    trainer = _check(
-        small_gpt2, adamw, lm_batches(8, vocab=256), TrainerOptions(max_grad_norm=0.05)
-    )
+# "auto" updates Adam/AdamW on CPU with torch's fused kernels; "graph" with the update graph.
+@pytest.mark.parametrize("engine", ["auto", "graph"])
+def test_gradient_clipping(engine):
+    options = TrainerOptions(max_grad_norm=0.05, update_engine=engine)
+    trainer = _check(small_gpt2, adamw, lm_batches(8, vocab=256), options)
     assert trainer.last_grad_norm > 0.05  # clipping was active, not a no-op
+    assert (trainer.update_graph is None) == (engine == "auto")
 
 
-def test_gradient_accumulation_micro_batches():
+@pytest.mark.parametrize("engine", ["auto", "graph"])
+def test_gradient_accumulation_micro_batches(engine):
     _check(
         small_gpt2,
         adamw,
         lm_batches(6, batch=4, vocab=256),
-        TrainerOptions(grad_accumulation_steps=2),
+        TrainerOptions(grad_accumulation_steps=2, update_engine=engine),
     )
 
 
@@ -244,7 +249,7 @@ def test_update_in_pieces_matches_eager(monkeypatch, which):
 
     monkeypatch.setattr(flat_update, "PIECE", 3001)
     if which == "adamw-clip":
-        make_opt, options = adamw, TrainerOptions(max_grad_norm=0.05)
+        make_opt, options = adamw, TrainerOptions(max_grad_norm=0.05, update_engine="graph")
     else:
         make_opt = lambda m: torch.optim.SGD(  # noqa: E731
             decay_groups(m, 1e-3), lr=0.3, momentum=0.9, nesterov=True

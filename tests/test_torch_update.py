@@ -1,0 +1,152 @@
+"""Adam/AdamW updates through torch's fused kernels (``update_engine="torch"``, the CPU
+default): equal to eager torch and to the update graph, element by element, with
+clipping, accumulation, loss scaling and overflow skips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ortrain import ORTTrainer, TrainerOptions, UnsupportedOptimizerError
+from ortrain.loss_scaler import DynamicLossScale
+from ortrain.optim import Lamb
+from ortrain.runtime.torch_update import TorchFusedUpdate
+from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
+from tests.test_parity import _check, drop_key_bias
+
+
+def adamw(m):
+    return torch.optim.AdamW(decay_groups(m, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
+
+
+def adam_l2(m):
+    return torch.optim.Adam(decay_groups(m, 0.05), lr=1e-3, betas=(0.8, 0.99), eps=1e-7)
+
+
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+def test_cpu_default_is_torch_fused_and_matches_eager(engine):
+    options = TrainerOptions(update_engine=engine, max_grad_norm=0.5)
+    trainer = _check(
+        lambda: gpt2(layers=2, hidden=64, vocab=256), adamw, lm_batches(8, vocab=256), options
+    )
+    assert isinstance(trainer._fused, TorchFusedUpdate) and trainer.update_graph is None
+    assert trainer.last_grad_norm > 0.5  # clipping was active
+    # The parameters are views of one flat buffer the kernels update in place.
+    bases = {p._base.data_ptr() for p in trainer.params.values() if p._base is not None}
+    assert len(bases) == 1
+
+
+def test_adam_l2_with_accumulation_on_bert():
+    options = TrainerOptions(update_engine="torch", grad_accumulation_steps=2)
+    _check(lambda: bert_mlm(vocab=256, hidden=64), adam_l2, bert_batches(6, vocab=256), options)
+
+
+@pytest.mark.parametrize("make_opt", [adamw, adam_l2], ids=["adamw", "adam"])
+def test_torch_update_equals_graph_update(make_opt):
+    base = gpt2(layers=1, hidden=64, vocab=128)
+    batches = lm_batches(5, vocab=128)
+    out = {}
+    for engine in ("graph", "torch"):
+        model = copy.deepcopy(base)
+        opts = TrainerOptions(update_engine=engine, max_grad_norm=1.0, loss_scale=256.0)
+        trainer = ORTTrainer(model, make_opt(model), opts)
+        losses = [trainer.train_step(**b).item() for b in batches]
+        out[engine] = losses, trainer
+    (lg, tg), (lt, tt) = out["graph"], out["torch"]
+    torch.testing.assert_close(torch.tensor(lt), torch.tensor(lg), rtol=1e-6, atol=0)
+    for name, p in tg.params.items():
+        # The key bias's true gradient is 0 (softmax ignores a per-row shift): what Adam
+        # makes of its rounding noise is left out, as in the eager parity tests.
+        q, p = drop_key_bias(name, tt.params[name], base), drop_key_bias(name, p, base)
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+    for key, s in tg.opt_state.items():  # moments: absolute error on the tensor's scale
+        scale = float(s.abs().max())
+        torch.testing.assert_close(tt.opt_state[key], s, rtol=1e-5, atol=1e-6 * scale)
+    assert tt.step == tg.step == 5
+    assert tt.last_grad_norm == pytest.approx(tg.last_grad_norm, rel=1e-5)
+
+
+def test_overflow_changes_nothing_bit_for_bit():
+    model = gpt2(layers=1, hidden=64, vocab=128)
+    opts = TrainerOptions(
+        update_engine="torch", loss_scale=DynamicLossScale(initial=2.0**100, window=2)
+    )
+    trainer = ORTTrainer(model, adamw(model), opts)
+    batches = lm_batches(4, vocab=128)
+    trainer.train_step(**batches[0])  # builds; overflows
+    before = {k: v.clone() for k, v in trainer.params.items()}
+    states = {k: v.clone() for k, v in trainer.opt_state.items()}
+    trainer.train_step(**batches[1])
+    assert trainer.skipped_steps == 2 and trainer.step == 0
+    assert trainer.loss_scale == 2.0**98
+    for k, v in trainer.params.items():
+        assert torch.equal(v, before[k])
+    for k, v in trainer.opt_state.items():
+        assert torch.equal(v, states[k])
+    # Once the scale is small enough the updates go through and are counted.
+    while trainer.step == 0:
+        trainer.train_step(**batches[2])
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.params.items())
+
+
+def test_non_transformer_regressor_with_frozen_layer():
+    """A model no issue names: an MLP regressor with a custom loss, one frozen layer and
+    two param groups (different betas), AdamW with clipping, against eager."""
+
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(12, 48)
+            self.norm = torch.nn.LayerNorm(48)
+            self.head = torch.nn.Linear(48, 3)
+
+        def forward(self, x):
+            return self.head(torch.nn.functional.gelu(self.norm(self.embed(x))))
+
+    def loss_fn(out, batch):
+        return torch.nn.functional.smooth_l1_loss(out, batch["y"])
+
+    def make_opt(m):
+        return torch.optim.AdamW(
+            [
+                {"params": m.norm.parameters(), "weight_decay": 0.0, "betas": (0.5, 0.9)},
+                {"params": m.head.parameters(), "lr": 3e-2},
+            ],
+            lr=1e-2,
+            weight_decay=0.1,
+        )
+
+    torch.manual_seed(0)
+    ref = Regressor()
+    ref.embed.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    opt_ref = make_opt(ref)
+    trainer = ORTTrainer(model, make_opt(model), TrainerOptions(max_grad_norm=0.3), loss_fn=loss_fn)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(8):
+        x, y = torch.randn(64, 12, generator=g), torch.randn(64, 3, generator=g)
+        opt_ref.zero_grad()
+        loss = loss_fn(ref(x), {"y": y})
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        opt_ref.step()
+        ours = trainer.train_step(x, y=y)
+        assert ours.item() == pytest.approx(loss.item(), rel=1e-5)
+        assert trainer.last_grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    assert isinstance(trainer._fused, TorchFusedUpdate)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_other_optimizers_keep_the_update_graph_and_torch_names_what_it_runs():
+    model = gpt2(layers=1, hidden=64, vocab=128)
+    trainer = ORTTrainer(model, Lamb(model.parameters(), lr=1e-3))
+    trainer.train_step(**lm_batches(1, vocab=128)[0])
+    assert trainer._fused is None and trainer.update_graph is not None  # auto: the graph
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(UnsupportedOptimizerError, match="update_engine='torch' supports adam"):
+        ORTTrainer(model, sgd, TrainerOptions(update_engine="torch")).train_step(
+            **lm_batches(1, vocab=128)[0]
+        )
