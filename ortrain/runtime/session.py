@@ -17,6 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
+from graph_passes.ort_order import order_for_ort
 from graph_passes.tags import RECOMPUTE_OF
 from ortrain.errors import DeviceError
 
@@ -100,6 +101,7 @@ def make_session(
 ) -> ort.InferenceSession:
     recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
     proto = ir.serde.serialize_model(model)
+    order_for_ort(proto.graph)
     data = proto.SerializeToString()
     if save_path is not None:
         with open(save_path, "wb") as f:
