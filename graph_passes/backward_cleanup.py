@@ -33,7 +33,7 @@ import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
 from graph_passes.fold_transpose_gemm import fold_transposes, replace_node
-from graph_passes.tags import RUN_INPUT_FIRST, is_backward
+from graph_passes.tags import is_backward
 
 FOLD_OUTPUT_LIMIT = 1024  # elements: larger constants stay computed (zeros, ones)
 RANDOM_OPS = frozenset(
@@ -246,8 +246,7 @@ def scatter_into_sums(model: ir.Model) -> int:
                 [base, scatter.inputs[1], scatter.inputs[2]],
                 attributes=list(scatter.attributes.values()),
                 name=f"{scatter.name}/into_sum",
-                # ONNX Runtime should finish the dense sum first (graph_passes/ort_order.py).
-                metadata_props={**node.metadata_props, RUN_INPUT_FIRST: "0"},
+                metadata_props=dict(node.metadata_props),
             )
         )
         if len(nodes) > 1:

@@ -10,8 +10,3 @@ RECOMPUTE_OF = "ortrain.recompute_of"  # on recomputed copies: the forward node 
 
 def is_backward(node: ir.Node) -> bool:
     return GRAD_OF in node.metadata_props
-
-
-# On a node whose input N (the value) ONNX Runtime should compute first among its inputs
-# (graph_passes/ort_order.py moves that input's producer next to the node when serialized).
-RUN_INPUT_FIRST = "ortrain.run_input_first"
