@@ -20,9 +20,9 @@ ONNX Runtime plans its own buffers, in its own node order, and lets Reshape and 
 alias their input; the figures here count every value of the graph as its own buffer in
 the graph's order: what the passes before ONNX Runtime control, in bytes of the real
 dtypes and shapes (an fp16 activation counts 2 bytes an element). ONNX Runtime's
-default order (a reverse DFS from the graph's leaves, higher node indices first) runs the
-whole input-gradient chain before any weight-gradient Gemm; ``ort_order.py`` moves a
-producer where that order would keep a large value alive through the whole backward.
+default order (a reverse DFS from the graph's leaves, higher node indices first) would run
+the whole input-gradient chain before any weight-gradient Gemm; ``ort_order.py`` orders
+the file it loads so that each weight gradient runs where the graph's order puts it.
 """
 
 from __future__ import annotations
