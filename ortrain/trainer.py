@@ -171,6 +171,8 @@ class ORTTrainer:
         if self.options.update_engine == "kernels":  # fail now, not at the first step
             self._use_kernels()
             kernels.library(self.device.type)
+        elif self.options.update_engine == "torch":
+            self._use_torch_kernels()
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:

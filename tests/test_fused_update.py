@@ -5,16 +5,14 @@ GPU the same path runs the CUDA library."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions, UnsupportedOptimizerError
-from ortrain.loss_scaler import DynamicLossScale
 from ortrain.optim import Lamb
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
 from tests.test_parity import _check
+from tests.update_engines import assert_engines_agree, assert_overflow_changes_nothing
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -47,38 +45,11 @@ def test_kernel_update_with_accumulation_on_bert():
 
 
 def test_kernel_update_equals_graph_update():
-    base = gpt2(layers=1, hidden=64, vocab=128)
-    batches = lm_batches(5, vocab=128)
-    out = {}
-    for engine in ("graph", "kernels"):
-        model = copy.deepcopy(base)
-        opts = TrainerOptions(update_engine=engine, max_grad_norm=1.0, loss_scale=256.0)
-        trainer = ORTTrainer(model, adamw(model), opts)
-        out[engine] = ([trainer.train_step(**b).item() for b in batches], trainer)
-    (lg, tg), (lk, tk) = out["graph"], out["kernels"]
-    torch.testing.assert_close(torch.tensor(lk), torch.tensor(lg), rtol=1e-6, atol=0)
-    for name, p in tg.params.items():
-        torch.testing.assert_close(tk.params[name], p, rtol=1e-5, atol=1e-7)
-    assert tk.step == tg.step == 5
+    assert_engines_agree("kernels", adamw)
 
 
 def test_kernel_update_skips_overflow_bit_identically():
-    model = gpt2(layers=1, hidden=64, vocab=128)
-    opts = TrainerOptions(
-        update_engine="kernels", loss_scale=DynamicLossScale(initial=2.0**100, window=2)
-    )
-    trainer = ORTTrainer(model, adamw(model), opts)
-    batches = lm_batches(3, vocab=128)
-    trainer.train_step(**batches[0])  # builds; overflows
-    before = {k: v.clone() for k, v in trainer.params.items()}
-    states = {k: v.clone() for k, v in trainer.opt_state.items()}
-    trainer.train_step(**batches[1])
-    assert trainer.skipped_steps == 2 and trainer.step == 0
-    assert trainer.loss_scale == 2.0**98
-    for k, v in trainer.params.items():
-        assert torch.equal(v, before[k])
-    for k, v in trainer.opt_state.items():
-        assert torch.equal(v, states[k])
+    assert_overflow_changes_nothing("kernels", adamw)
 
 
 def test_kernels_reject_sgd_clearly():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions, UnsupportedOptimizerError
-from ortrain.loss_scaler import DynamicLossScale
 from ortrain.optim import Lamb
 from ortrain.runtime.torch_update import TorchFusedUpdate
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
-from tests.test_parity import _check, drop_key_bias
+from tests.test_parity import _check
+from tests.update_engines import assert_engines_agree, assert_overflow_changes_nothing
 
 
 def adamw(m):
@@ -45,50 +45,11 @@ def test_adam_l2_with_accumulation_on_bert():
 
 @pytest.mark.parametrize("make_opt", [adamw, adam_l2], ids=["adamw", "adam"])
 def test_torch_update_equals_graph_update(make_opt):
-    base = gpt2(layers=1, hidden=64, vocab=128)
-    batches = lm_batches(5, vocab=128)
-    out = {}
-    for engine in ("graph", "torch"):
-        model = copy.deepcopy(base)
-        opts = TrainerOptions(update_engine=engine, max_grad_norm=1.0, loss_scale=256.0)
-        trainer = ORTTrainer(model, make_opt(model), opts)
-        losses = [trainer.train_step(**b).item() for b in batches]
-        out[engine] = losses, trainer
-    (lg, tg), (lt, tt) = out["graph"], out["torch"]
-    torch.testing.assert_close(torch.tensor(lt), torch.tensor(lg), rtol=1e-6, atol=0)
-    for name, p in tg.params.items():
-        # The key bias's true gradient is 0 (softmax ignores a per-row shift): what Adam
-        # makes of its rounding noise is left out, as in the eager parity tests.
-        q, p = drop_key_bias(name, tt.params[name], base), drop_key_bias(name, p, base)
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
-    for key, s in tg.opt_state.items():  # moments: absolute error on the tensor's scale
-        scale = float(s.abs().max())
-        torch.testing.assert_close(tt.opt_state[key], s, rtol=1e-5, atol=1e-6 * scale)
-    assert tt.step == tg.step == 5
-    assert tt.last_grad_norm == pytest.approx(tg.last_grad_norm, rel=1e-5)
+    assert_engines_agree("torch", make_opt)
 
 
 def test_overflow_changes_nothing_bit_for_bit():
-    model = gpt2(layers=1, hidden=64, vocab=128)
-    opts = TrainerOptions(
-        update_engine="torch", loss_scale=DynamicLossScale(initial=2.0**100, window=2)
-    )
-    trainer = ORTTrainer(model, adamw(model), opts)
-    batches = lm_batches(4, vocab=128)
-    trainer.train_step(**batches[0])  # builds; overflows
-    before = {k: v.clone() for k, v in trainer.params.items()}
-    states = {k: v.clone() for k, v in trainer.opt_state.items()}
-    trainer.train_step(**batches[1])
-    assert trainer.skipped_steps == 2 and trainer.step == 0
-    assert trainer.loss_scale == 2.0**98
-    for k, v in trainer.params.items():
-        assert torch.equal(v, before[k])
-    for k, v in trainer.opt_state.items():
-        assert torch.equal(v, states[k])
-    # Once the scale is small enough the updates go through and are counted.
-    while trainer.step == 0:
-        trainer.train_step(**batches[2])
-    assert any(not torch.equal(v, before[k]) for k, v in trainer.params.items())
+    assert_overflow_changes_nothing("torch", adamw)
 
 
 def test_non_transformer_regressor_with_frozen_layer():
@@ -147,6 +108,4 @@ def test_other_optimizers_keep_the_update_graph_and_torch_names_what_it_runs():
     assert trainer._fused is None and trainer.update_graph is not None  # auto: the graph
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(UnsupportedOptimizerError, match="update_engine='torch' supports adam"):
-        ORTTrainer(model, sgd, TrainerOptions(update_engine="torch")).train_step(
-            **lm_batches(1, vocab=128)[0]
-        )
+        ORTTrainer(model, sgd, TrainerOptions(update_engine="torch"))  # at construction

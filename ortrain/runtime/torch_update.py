@@ -46,7 +46,8 @@ class TorchFusedUpdate:
 
     def _norm_and_finite(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the unscaled gradient sums; sets ``found_inf`` (1.0 when any
-        element is NaN or infinite: the norm is then not finite)."""
+        element is NaN or infinite: the norm is then not finite). A finite gradient whose
+        squares overflow fp32 (elements beyond ~1e19) is treated as an overflow too."""
         norm = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
         )
