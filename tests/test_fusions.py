@@ -39,6 +39,7 @@ from graph_passes.fusions.matmul_add import fuse_matmul_add
 from graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
 from graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
 from graph_passes.pipeline import run_pipeline
+from graph_passes.sink_row_scale import sink_row_scales
 from graph_passes.tags import GRAD_OF
 from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.export import export_forward
@@ -448,6 +449,88 @@ def test_clean_backward_leaves_forward_alone():
     assert clean_backward(model) == 0 and _ops(model)["Tanh"] == 2
 
 
+# --- 1. hand-built graphs: a row scale moved off the wide operand ---------------------------
+
+# (operand index of the scaled value, transA, transB) -> shape of the other operand
+_ROW_SCALE_GEMMS = {
+    (0, 0, 0): (40, 3), (0, 0, 1): (3, 40), (0, 1, 0): (6, 3), (0, 1, 1): (3, 6),
+    (1, 0, 0): (3, 6), (1, 1, 0): (6, 3), (1, 0, 1): (3, 40), (1, 1, 1): (40, 3),
+}  # fmt: skip
+
+
+def _row_scaled(readers, *, scale_shape=(6, 1), width: int = 40, reader: str = "Gemm",
+                tag: bool = True, reshape: bool = True) -> ir.Model:  # fmt: skip
+    """Mul(Exp(x), c) [6, width] (through Reshapes to [2, 3, width] and back) read by Gemms."""
+    g = TinyGraph()
+    x = _grad(g.op("Exp", g.input("x", (6, width)), name="exp", shape=(6, width)))
+    c = g.input("c", scale_shape)
+    y = g.op("Mul", x, c, name="scale", shape=(6, width))
+    if tag:
+        _grad(y)
+    if reshape:
+        y3 = _grad(g.op("Reshape", y, g.const("s3", np.array([2, 3, width])), name="r3",
+                        shape=(2, 3, width)))  # fmt: skip
+        y = _grad(g.op("Reshape", y3, g.const("s2", np.array([6, width])), name="r2",
+                       shape=(6, width)))  # fmt: skip
+    outs = []
+    for k, (idx, ta, tb) in enumerate(readers):
+        other = g.input(f"w{k}", _ROW_SCALE_GEMMS[(idx, ta, tb)])
+        a_rows = other.shape[1] if idx == 1 and ta else other.shape[0]
+        rows = (width if ta else 6) if idx == 0 else a_rows
+        cols = (other.shape[0] if tb else other.shape[1]) if idx == 0 else (6 if tb else width)
+        ins = [y, other] if idx == 0 else [other, y]
+        if reader == "Gemm+C":
+            ins.append(g.input(f"bias{k}", (rows, cols)))
+        op = "ReduceSum" if reader == "ReduceSum" else "Gemm"
+        attrs = {} if op == "ReduceSum" else {"transA": ta, "transB": tb}
+        outs.append(_grad(g.op(op, *ins, name=f"gemm{k}", shape=(rows, cols), **attrs)))
+    return g.model(*outs)
+
+
+def _wide_muls(model: ir.Model, width: int = 40) -> int:
+    wide = [n for n in model.graph if n.op_type == "Mul" and n.outputs[0].shape is not None]
+    return sum(1 for n in wide if width in n.outputs[0].shape.dims)
+
+
+@pytest.mark.parametrize("case", list(_ROW_SCALE_GEMMS))
+def test_row_scale_moves_to_the_narrow_side(case):
+    model = _check_pass(lambda: _row_scaled([case]), sink_row_scales, 1)
+    ops = _ops(model)
+    assert _wide_muls(model) == 0 and ops["Mul"] == 1 and ops["Gemm"] == 1
+    (gemm,) = (n for n in model.graph if n.op_type == "Gemm")
+    assert [gemm.attributes[k].value for k in ("transA", "transB")] == list(case[1:])
+    assert all(n.metadata_props.get(GRAD_OF) for n in model.graph)  # still backward nodes
+
+
+def test_row_scale_of_the_cross_entropy_gradient_shape():
+    """Two readers, like the LM head's input and weight gradients."""
+    model = _check_pass(lambda: _row_scaled([(0, 0, 0), (0, 1, 0)]), sink_row_scales, 1)
+    assert _wide_muls(model) == 0 and _ops(model)["Mul"] == 2
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"reader": "ReduceSum"},  # a reader that is not a product
+        {"reader": "Gemm+C"},  # the scale would have to reach C too
+        {"scale_shape": (1, 40)},  # a per-column scale
+        {"scale_shape": (6, 40)},  # element-wise, not per row
+        {"tag": False},  # forward Mul
+    ],
+)
+def test_row_scale_left_alone(kw):
+    model = _row_scaled([(0, 1, 0)], **kw)
+    assert sink_row_scales(model) == 0
+
+
+def test_row_scale_kept_where_the_product_is_wider():
+    """Y [6, 2] x B [2, 40]: scaling the [6, 40] product would cost more than Y."""
+    g = TinyGraph()
+    y = g.op("Mul", g.input("x", (6, 2)), g.input("c", (6, 1)), name="scale", shape=(6, 2))
+    out = _grad(g.op("Gemm", _grad(y), g.input("b", (2, 40)), name="gemm", shape=(6, 40)))
+    assert sink_row_scales(g.model(out)) == 0
+
+
 # --- 2. exported models: loss and gradients before vs after each pass ------------------------
 
 
@@ -509,15 +592,18 @@ class _Exported:
         return dict(zip(outs, values, strict=True)), model, records
 
 
+VOCAB = 256  # wider than 2 x hidden, as in real LMs: the row scale moves off the logits
+
+
 @pytest.fixture(scope="module")
 def exported() -> dict[str, _Exported]:
     torch.manual_seed(0)
-    g = gpt2(layers=2, hidden=64, vocab=128)
-    b = bert_mlm(hidden=64, layers=2, vocab=128)
+    g = gpt2(layers=2, hidden=64, vocab=VOCAB)
+    b = bert_mlm(hidden=64, layers=2, vocab=VOCAB)
     m = _LayerNormMLP()
     return {
-        "gpt2": _Exported(g, lm_batches(1, batch=2, seq=16, vocab=128)[0]),
-        "bert": _Exported(b, bert_batches(1, batch=2, seq=16, vocab=128)[0]),
+        "gpt2": _Exported(g, lm_batches(1, batch=2, seq=16, vocab=VOCAB)[0]),
+        "bert": _Exported(b, bert_batches(1, batch=2, seq=16, vocab=VOCAB)[0]),
         "ln-mlp": _Exported(m, {"x": torch.randn(2, 5, 16), "y": torch.randn(2, 5, 16)}),
     }
 
@@ -530,6 +616,8 @@ ALONE = {
     ("bert", "fuse_matmul_add"): {"Gemm": 14, "MatMul": -14, "Add": -14},
     ("bert", "fuse_bias_gelu"): {"com.microsoft::BiasGelu": 3},
     ("bert", "fuse_skip_layer_norm"): {"com.microsoft::SkipLayerNormalization": 4},
+    ("gpt2", "sink_row_scale"): {"Mul": 1, "Reshape": -2},  # -1 + 2: dX's rows, H's rows
+    ("bert", "sink_row_scale"): {"Mul": 2, "Reshape": -2},  # also the decoder bias's Gemm
     ("ln-mlp", "fuse_layer_norm"): {"LayerNormalization": 2, "ReduceMean": -4},
     ("ln-mlp", "fuse_matmul_add"): {"Gemm": 2},
     ("ln-mlp", "fuse_bias_gelu"): {"com.microsoft::BiasGelu": 1},
@@ -596,7 +684,7 @@ def test_training_fusions_order():
     assert [p.name for p in plan.before_autodiff] == [
         "fuse_layer_norm", "fuse_matmul_transpose", "fuse_matmul_add", "fuse_bias_gelu",
     ]  # fmt: skip
-    assert [p.name for p in plan.after_autodiff] == ["clean_backward"]
+    assert [p.name for p in plan.after_autodiff] == ["clean_backward", "sink_row_scale"]
     everything = training_fusions(list(FUSIONS))  # pipeline order, whatever the order asked
     assert [p.name for p in everything.before_autodiff][-1] == "fuse_skip_layer_norm"
     passes = [p.name for p in training_passes(TrainingBuild("loss", []))]

@@ -21,6 +21,10 @@ Order before autodiff (after seed_dropout and fuse_gelu, before mixed_precision)
 Order after autodiff (after lower_cross_entropy, before accumulate / remove_unused):
 6. clean_backward         constant folding, dropout-safe CSE, Transpose folding and Sum
                           merging over the gradient nodes (within noise on both models)
+7. sink_row_scale         a per-row scale (the cross-entropy gradient's coefficient) moves
+                          off the [tokens x vocab] operand of the LM head's gradient Gemms
+                          onto their narrow side (gpt2-tiny gradient graph -1.9%,
+                          interleaved A/B)
 The proposed set (1-4, 6) ran the gradient graph 1.6-2.4% faster than without it on
 both workloads (A/A noise of the measurement: about ±1%).
 """
@@ -39,6 +43,7 @@ from graph_passes.fusions.matmul_add import fuse_matmul_add
 from graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
 from graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
 from graph_passes.pipeline import Pass
+from graph_passes.sink_row_scale import sink_row_scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,7 @@ FUSIONS: dict[str, Fusion] = {
         Fusion("fuse_bias_gelu", fuse_bias_gelu, True, True),
         Fusion("fuse_skip_layer_norm", fuse_skip_layer_norm, True, False),
         Fusion("clean_backward", clean_backward, False, True),
+        Fusion("sink_row_scale", sink_row_scales, False, True),
     )
 }
 

@@ -37,7 +37,9 @@ def _sample_coefficients(ctx: GradContext, labels_i: int, weights_i: int):
     return ctx.op("Mul", w, g)  # g is a scalar for mean/sum, per-sample for none
 
 
-def _add_at_labels(ctx: GradContext, base: ir.Value, labels: ir.Value, updates: ir.Value):
+def _add_at_labels(
+    ctx: GradContext, base: ir.Value, labels: ir.Value, updates: ir.Value, shape=None
+) -> ir.Value:
     """``base`` with ``updates`` added at each sample's label along the class axis (1).
 
     One ScatterElements instead of building a [N, C] one-hot (Equal, Cast, Sub): the
@@ -49,7 +51,7 @@ def _add_at_labels(ctx: GradContext, base: ir.Value, labels: ir.Value, updates: 
         bad = ctx.op("Equal", labels, ctx.const(int(ignore), labels.dtype))
         labels = ctx.op("Where", bad, ctx.const(0, labels.dtype), labels)
     idx = ctx.op("Unsqueeze", labels, ctx.ints([1]))
-    return ctx.op("ScatterElements", base, idx, updates, axis=1, reduction="add")
+    return ctx.op("ScatterElements", base, idx, updates, axis=1, reduction="add", shape=shape)
 
 
 @gradient("SoftmaxCrossEntropyLoss", nondiff_inputs=(1, 2), forward_outputs=2)
@@ -58,13 +60,15 @@ def softmax_cross_entropy(ctx: GradContext):
     # Output 1 (log_prob = scores - logsumexp(scores, 1)), when used: dlp - softmax * sum(dlp, 1).
     scores = ctx.I(0)
     shape = ctx.shape(scores)
-    prob = ctx.op("Exp", ctx.O(1))
+    prob = ctx.op("Exp", ctx.O(1), shape=shape)
     parts = []
     if ctx.GO(0) is not None:
-        coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]))
+        # shapes on the way: sink_row_scale.py moves the per-row coefficient off [N, C]
+        coef_shape = [shape[0], 1, *shape[2:]]
+        coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]), shape=coef_shape)
         idx_shape = [shape[0], 1, *shape[2:]]
         minus_one = ctx.op("Expand", ctx.scalar_like(-1.0, scores), ctx.ints(idx_shape))
-        diff = _add_at_labels(ctx, prob, ctx.I(1), minus_one)
+        diff = _add_at_labels(ctx, prob, ctx.I(1), minus_one, shape)
         parts.append(ctx.op("Mul", diff, coef, shape=shape))
     if ctx.GO(1) is not None:
         glp = ctx.GO(1)
