@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import onnx_ir as ir
 
 from graph_passes.autodiff.context import GradContext
@@ -38,7 +40,11 @@ def _sample_coefficients(ctx: GradContext, labels_i: int, weights_i: int):
 
 
 def _add_at_labels(
-    ctx: GradContext, base: ir.Value, labels: ir.Value, updates: ir.Value, shape=None
+    ctx: GradContext,
+    base: ir.Value,
+    labels: ir.Value,
+    updates: ir.Value,
+    shape: Sequence[int] | None = None,
 ) -> ir.Value:
     """``base`` with ``updates`` added at each sample's label along the class axis (1).
 
@@ -63,10 +69,9 @@ def softmax_cross_entropy(ctx: GradContext):
     prob = ctx.op("Exp", ctx.O(1), shape=shape)
     parts = []
     if ctx.GO(0) is not None:
-        # shapes on the way: sink_row_scale.py moves the per-row coefficient off [N, C]
-        coef_shape = [shape[0], 1, *shape[2:]]
-        coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]), shape=coef_shape)
+        # Shapes on the way: sink_row_scale.py moves the per-row coefficient off [N, C].
         idx_shape = [shape[0], 1, *shape[2:]]
+        coef = ctx.op("Unsqueeze", _sample_coefficients(ctx, 1, 2), ctx.ints([1]), shape=idx_shape)
         minus_one = ctx.op("Expand", ctx.scalar_like(-1.0, scores), ctx.ints(idx_shape))
         diff = _add_at_labels(ctx, prob, ctx.I(1), minus_one, shape)
         parts.append(ctx.op("Mul", diff, coef, shape=shape))
