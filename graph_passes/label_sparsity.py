@@ -24,13 +24,13 @@ left alone.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from graph_passes.emitter import Emitter
+from graph_passes.interface import LabelSite
 
 MS_DOMAIN = "com.microsoft"
 _STANDARD = ("", "ai.onnx")
@@ -40,26 +40,6 @@ _UNARY = frozenset(
 )
 _BINARY = frozenset({"Add", "Sub", "Mul", "Div", "BiasGelu"})
 _MAX_EXACT_ROWS = 1 << 24  # TopK keys are float32 row numbers
-
-
-@dataclasses.dataclass(frozen=True)
-class LabelSite:
-    """A loss whose ignored rows can be dropped: ``input`` holds its labels."""
-
-    node: str  # the SoftmaxCrossEntropyLoss node
-    input: str  # the graph input its labels are reshaped from
-    ignore_index: int
-    rows: int  # N
-
-
-def label_rows_bucket(labelled: int, rows: int) -> int:
-    """The row count to build for ``labelled`` labelled rows out of ``rows``.
-
-    Rounded up to a 16th of ``rows``, so that batches with slightly different label
-    counts share one graph (at most 16 graphs per batch shape).
-    """
-    step = max(1, -(-rows // 16))
-    return min(rows, max(step, -(-labelled // step) * step))
 
 
 def _dims(v: ir.Value | None) -> tuple[int, ...] | None:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from graph_passes.emitter import Emitter
-
-LOSS_SCALE_INPUT = "loss_scale"
+from graph_passes.interface import LOSS_SCALE_INPUT
 
 
 def scale_loss(model: ir.Model, loss: str) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graph_passes.optimizer.update_graph import state_key
+from graph_passes.interface import state_key
 from ortrain.errors import CheckpointError
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Errors a user of ortrain can meet; each message says what and where."""
 
-from graph_passes.autodiff.builder import GradientError
+from graph_passes.interface import GradientError
 
 
 class OrtrainError(RuntimeError):

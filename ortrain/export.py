@@ -12,25 +12,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 import inspect
 import io
 import logging
-import os
-import pickle
-import select
-import signal
-import time
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx
-import onnx_ir as ir
 import torch
 
 from ortrain.errors import ExportError
+from ortrain.forked import call_forked, can_fork
 from ortrain.roles import GraphIO, Role
+
+if TYPE_CHECKING:  # the training process does not import them (ortrain/build.py)
+    import onnx_ir as ir
 
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
 
@@ -41,6 +37,21 @@ class ExportedForward:
     io: list[GraphIO]  # graph inputs, in order, with roles
     output_names: list[str]  # graph outputs; the first is the loss
     output_keys: list[str]  # user-facing key of each output ("loss", "logits", ...)
+
+    def to_wire(self) -> tuple:
+        """Picklable form (the model as serialized ONNX)."""
+        import onnx_ir as ir
+
+        data = ir.serde.serialize_model(self.model).SerializeToString()
+        return data, self.io, self.output_names, self.output_keys
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> ExportedForward:
+        import onnx
+        import onnx_ir as ir
+
+        data, roles, outs, keys = wire
+        return cls(ir.serde.deserialize_model(onnx.ModelProto.FromString(data)), roles, outs, keys)
 
 
 def normalize_batch(
@@ -156,7 +167,7 @@ class _Functional(torch.nn.Module):
         return set(params)
 
 
-def _warn_sdpa(module: torch.nn.Module) -> None:
+def warn_sdpa(module: torch.nn.Module) -> None:
     cfg = getattr(module, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
         return
@@ -183,87 +194,30 @@ def export_forward(
 ) -> ExportedForward:
     """Export ``module`` on ``batch`` (a normalized name -> value mapping).
 
-    On Linux CPU the exporter runs in a forked child that sends the graph back: what
-    dynamo and the exporter leave behind (~60 MB for GPT-2 tiny, ~100 MB for GPT-2
-    small, never returned to the OS) then stays out of the training process.
-    ``ORTRAIN_EXPORT_IN_PROCESS=1`` (or CUDA in use: no fork after CUDA init) exports here.
+    On Linux CPU the exporter runs in a forked child that sends the graph back
+    (``ortrain/forked.py``): what dynamo and the exporter leave behind (~60 MB for GPT-2
+    tiny, ~100 MB for GPT-2 small, never returned to the OS) stays out of this process.
     """
-    _warn_sdpa(module)
-    export = functools.partial(_export, module, batch, train, loss_fn, with_outputs)
-    return _export_in_child(export) if _can_fork(module, batch) else export()
-
-
-def _can_fork(module: torch.nn.Module, batch: Mapping[str, Any]) -> bool:
-    if not hasattr(os, "fork") or os.environ.get("ORTRAIN_EXPORT_IN_PROCESS") == "1":
-        return False
-    if torch.cuda.is_initialized():
-        return False
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [v for v in batch.values() if isinstance(v, torch.Tensor)]
-    return all(t.device.type == "cpu" for t in tensors)
-
-
-def _export_in_child(export: Callable[[], ExportedForward]) -> ExportedForward:
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: export, send the graph (or the error), exit
-        # Nothing inherited may be finalized here: an ONNX Runtime session in uncollected
-        # garbage would join its thread pool's threads, which do not exist after a fork.
-        gc.freeze()
-        os.close(read_fd)
-        try:
-            torch.set_num_threads(1)  # OpenMP's thread team does not survive a fork
-            ex = export()
-            proto = ir.serde.serialize_model(ex.model).SerializeToString()
-            payload = pickle.dumps(("ok", proto, ex.io, ex.output_names, ex.output_keys))
-        except BaseException as exc:  # everything goes back to the parent
-            message = str(exc) if isinstance(exc, ExportError) else f"{type(exc).__name__}: {exc}"
-            payload = pickle.dumps(("error", message))
-        with os.fdopen(write_fd, "wb") as f:
-            f.write(payload)
-        os._exit(0)
-    os.close(write_fd)
-    payload = _read_all(read_fd, float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800")))
-    if payload is None:  # no answer in time: do not wait on a stuck child forever
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    if not payload:  # the child died, hung or crashed: export here instead
-        warnings.warn(
-            f"ONNX export in a child process failed (wait status {status}); exporting in "
-            "this process",
-            stacklevel=3,
-        )
+    warn_sdpa(module)
+    export = functools.partial(export_here, module, batch, train, loss_fn, with_outputs)
+    if not can_fork(_tensors(module, batch)):
         return export()
-    result = pickle.loads(payload)
-    if result[0] == "error":
-        raise ExportError(result[1])
-    _, proto, roles, outs, keys = result
-    model = ir.serde.deserialize_model(onnx.ModelProto.FromString(proto))
-    return ExportedForward(model, roles, outs, keys)
+    return ExportedForward.from_wire(call_forked(lambda: export().to_wire(), what="ONNX export"))
 
 
-def _read_all(fd: int, timeout_s: float) -> bytes | None:
-    """Everything written to ``fd`` until EOF; None after ``timeout_s`` without EOF."""
-    chunks = []
-    deadline = time.monotonic() + timeout_s
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([f], [], [], left)[0]:
-                return None
-            chunk = f.read(1 << 20)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+def _tensors(module: torch.nn.Module, batch: Mapping[str, Any]) -> list[torch.Tensor]:
+    tensors = [*module.parameters(), *module.buffers()]
+    return tensors + [v for v in batch.values() if isinstance(v, torch.Tensor)]
 
 
-def _export(
+def export_here(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
     train: bool,
     loss_fn: LossFn | None,
     with_outputs: bool,
 ) -> ExportedForward:
+    """The export itself, in this process."""
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}

@@ -11,28 +11,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import onnx_ir as ir
 import torch
 
-from graph_passes.label_sparsity import LabelSite, find_label_sites, label_rows_bucket
-from graph_passes.loss_scaling import LOSS_SCALE_INPUT
-from graph_passes.memory_plan import MemoryReport, memory_report
-from graph_passes.optimizer import UpdateGraph, build_update_graph
-from graph_passes.optimizer.update_graph import state_key
-from graph_passes.pipeline import Pass, run_pipeline
-from graph_passes.recompute import RecomputePolicy
-from graph_passes.training_pipeline import TrainingBuild, eval_passes, training_passes
+from graph_passes.interface import LOSS_SCALE_INPUT, state_key
 from ortrain import checkpoint
+from ortrain.build import (
+    BuildSettings,
+    BuiltGraph,
+    ForwardSource,
+    StageRecord,
+    build_eval,
+    build_train,
+    label_rows,
+)
 from ortrain.distributed import Reducer, join_process_group
 from ortrain.errors import BatchError, NonFiniteLossError, UnsupportedOptimizerError
-from ortrain.export import ExportedForward, LossFn, export_forward, normalize_batch
+from ortrain.export import LossFn, normalize_batch, warn_sdpa
+from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
 from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
@@ -48,15 +50,14 @@ from ortrain.runtime.fused_update import (
 from ortrain.runtime.session import BoundSession, check_device, make_session
 from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
-@dataclasses.dataclass
-class StageRecord:
-    graph: str
-    stage: str
-    seconds: float
-    nodes_before: int
-    nodes_after: int
-    op_delta: dict[str, int] = dataclasses.field(default_factory=dict)
+    from graph_passes.memory_plan import MemoryReport
+    from graph_passes.optimizer import UpdateGraph
+
+__all__ = ["ORTTrainer", "StageRecord", "StepOutputs"]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -64,12 +65,16 @@ class _Compiled:
     """One batch shape signature: its gradient (or eval) session and batch names."""
 
     session: BoundSession
-    model: ir.Model  # the graph the session runs (for inspection and tests)
+    graph: BuiltGraph  # what the session runs, serialized (for inspection and tests)
     batch_names: list[str]
     batch_dtypes: dict[str, torch.dtype]
     output_keys: list[str]
     # CUDA graphs replay fixed addresses: each batch is copied into these buffers.
     static_batch: dict[str, torch.Tensor] | None = None
+
+    @functools.cached_property
+    def model(self) -> ir.Model:
+        return self.graph.model()
 
 
 class StepOutputs(dict):
@@ -151,7 +156,7 @@ class ORTTrainer:
         self._train: dict[tuple, _Compiled] = {}
         # Per batch signature: the exported training forward (each label-row count
         # builds from a copy of it) and its losses whose ignored rows can be dropped.
-        self._forwards: dict[tuple, tuple[ExportedForward, list[LabelSite]]] = {}
+        self._forwards: dict[tuple, ForwardSource] = {}
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
         # the kernels (cuda_kernels/ or torch's) run the update instead of a graph
@@ -187,7 +192,9 @@ class ORTTrainer:
             yield
         caller.wait_stream(self._stream)
 
-    def _session(self, model: ir.Model, *, graph_capture: bool = False) -> BoundSession:
+    def _session(
+        self, model: ir.Model | BuiltGraph, *, graph_capture: bool = False
+    ) -> BoundSession:
         return BoundSession(
             make_session(
                 model,
@@ -201,82 +208,45 @@ class ORTTrainer:
     # ------------------------------------------------------------------ building
     def _save(self, model: ir.Model, name: str) -> None:
         if self._graph_dir is not None:
+            import onnx_ir as ir
+
             ir.save(model, self._graph_dir / f"{name}.onnx")
 
-    def _run_passes(self, graph: str, model: ir.Model, passes: list[Pass]) -> None:
-        first = len(self.build_log) + 1
-        done: list[str] = []
-
-        def save(name: str, m: ir.Model) -> None:  # files sort in pass order
-            done.append(name)
-            self._save(m, f"{graph}.{first + len(done) - 1:02d}.{name}")
-
-        for record in run_pipeline(model, passes, after_each=save):
-            self.build_log.append(
-                StageRecord(
-                    graph,
-                    record.name,
-                    record.seconds,
-                    record.nodes_before,
-                    record.nodes_after,
-                    record.op_delta,
-                )
-            )
-
-    def _export(self, batch: Mapping[str, Any], *, train: bool) -> ExportedForward:
-        t = time.perf_counter()
-        ex = export_forward(
-            self.module, batch, train=train, loss_fn=self.loss_fn, with_outputs=not train
-        )
-        n = len(ex.model.graph)
-        self.build_log.append(
-            StageRecord("train" if train else "eval", "export", time.perf_counter() - t, 0, n)
-        )
-        return ex
-
-    def _forward(self, sig: tuple, batch: Mapping[str, Any]) -> tuple[ExportedForward, list]:
-        if sig not in self._forwards:
-            ex = self._export(batch, train=True)
-            sites = find_label_sites(ex.model) if self.options.optimize_graph else []
-            self._forwards[sig] = ex, sites
-        return self._forwards[sig]
-
-    def _label_rows(self, sites: list[LabelSite], batch: Mapping[str, Any]) -> tuple:
-        """(loss node, rows to build) per label site: this batch's labelled rows, bucketed."""
-        rows = []
-        for site in sites:
-            labels = batch.get(site.input)
-            if isinstance(labels, torch.Tensor):
-                labelled = int(torch.count_nonzero(labels != site.ignore_index))
-                bucket = label_rows_bucket(labelled, site.rows)
-                if bucket < site.rows:
-                    rows.append((site.node, bucket))
-        return tuple(rows)
-
-    def _build_train(
-        self, batch: Mapping[str, Any], forward: ExportedForward, label_rows: tuple
-    ) -> _Compiled:
-        # The passes rewrite the model in place; the export is kept for other row counts.
-        model = ir.serde.deserialize_model(ir.serde.serialize_model(forward.model))
-        ex = dataclasses.replace(forward, model=model)
-        inputs = {r.name for r in ex.io}
-        build = TrainingBuild(
-            loss=ex.output_names[0],
-            wrt=[n for n in self.trainable if n in inputs],
-            label_rows=dict(label_rows),
+    def _settings(self) -> BuildSettings:
+        return BuildSettings(
+            trainable=tuple(self.trainable),
             seed=self.options.seed,
             accumulate=self.options.grad_accumulation_steps > 1,
             mixed_precision=self.options.mixed_precision,
             loss_scaling=self.scaler is not None,
             optimize=self.options.optimize_graph,
-            recompute=(
-                RecomputePolicy.CHEAP_OPS if self.options.memory_plan else RecomputePolicy.NOTHING
-            ),
+            memory_plan=self.options.memory_plan,
+            graph_dir=str(self._graph_dir) if self._graph_dir is not None else None,
         )
-        self._run_passes("train", model, training_passes(build))
-        result = build.gradient
-        assert result is not None
-        grad_params = sorted(result.grad_outputs, key=self.trainable.index)
+
+    def _run_build(self, job: Callable[[], T], batch: Mapping[str, Any]) -> T:
+        """``job`` in a forked child where possible (``ortrain/build.py``)."""
+        warn_sdpa(self.module)
+        tensors = [*self.params.values(), *self.buffers.values()]
+        tensors += [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        if can_fork(tensors):
+            return call_forked(job, what="building the ONNX graph")
+        return job()
+
+    def _build_train(self, sig: tuple, batch: Mapping[str, Any]) -> _Compiled:
+        job = functools.partial(
+            build_train,
+            self.module,
+            batch,
+            self.loss_fn,
+            self._settings(),
+            self._forwards.get(sig),
+            len(self.build_log) + 1,
+        )
+        forward, rows, built = self._run_build(job, batch)
+        self._forwards[sig] = forward
+        self.build_log.extend(built.log)
+        grad_params = sorted(built.grad_outputs, key=self.trainable.index)
         if self.grad_params is None:
             self.grad_params = grad_params
             self._build_update()
@@ -285,17 +255,19 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
-        session = self._session(model, graph_capture=True)
+        session = self._session(built, graph_capture=True)
         session.bind_inputs({**self.params, **self.buffers, LOSS_SCALE_INPUT: self._loss_scale})
         session.bind_inputs(
-            {acc: self.grads[out[len("grad:") :]] for acc, out in build.accumulators.items()}
+            {acc: self.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
         )
-        session.bind_outputs({ex.output_names[0]: self._loss})
-        session.bind_outputs({result.grad_outputs[p]: self.grads[p] for p in grad_params})
-        batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
+        session.bind_outputs({built.output_names[0]: self._loss})
+        session.bind_outputs({built.grad_outputs[p]: self.grads[p] for p in grad_params})
+        batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
-        return _Compiled(session, model, batch_names, dtypes, ex.output_keys, static)
+        compiled = _Compiled(session, built, batch_names, dtypes, built.output_keys, static)
+        self._train[(sig, rows)] = compiled
+        return compiled
 
     def _build_update(self) -> None:
         assert self.grad_params is not None
@@ -315,6 +287,8 @@ class ORTTrainer:
             self._eval.clear()
             self._fused = TorchFusedUpdate(self, flat)
             return
+        from graph_passes.optimizer import build_update_graph  # the graph libraries: only here
+
         flat = flatten_update(self)
         if flat is not None:  # one update chain per param group (memory moved: rebuild evals)
             self._eval.clear()
@@ -420,24 +394,26 @@ class ORTTrainer:
             if sig not in self._eval:
                 self._eval[sig] = self._build_eval(batch)
             return self._eval[sig]
-        forward, sites = self._forward(sig, batch)
-        label_rows = self._label_rows(sites, batch)
-        key = (sig, label_rows)
-        if key not in self._train:
-            self._train[key] = self._build_train(batch, forward, label_rows)
-        return self._train[key]
+        forward = self._forwards.get(sig)
+        if forward is not None:  # this signature's graphs differ in labelled rows only
+            compiled = self._train.get((sig, label_rows(forward.sites, batch)))
+            if compiled is not None:
+                return compiled
+        return self._build_train(sig, batch)
 
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
-        ex = self._export(batch, train=False)
-        passes = eval_passes(self.options.mixed_precision, self.options.optimize_graph)
-        self._run_passes("eval", ex.model, passes)
-        session = self._session(ex.model)
+        job = functools.partial(
+            build_eval, self.module, batch, self.loss_fn, self._settings(), len(self.build_log) + 1
+        )
+        built = self._run_build(job, batch)
+        self.build_log.extend(built.log)
+        session = self._session(built)
         session.bind_inputs({**self.params, **self.buffers})
-        for name in ex.output_names:
+        for name in built.output_names:
             session.bind_output_to_cpu(name)
-        batch_names = [r.name for r in ex.io if r.role is Role.BATCH]
+        batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
-        return _Compiled(session, ex.model, batch_names, dtypes, ex.output_keys)
+        return _Compiled(session, built, batch_names, dtypes, built.output_keys)
 
     # ------------------------------------------------------------------ running
     def _bind_batch(self, compiled: _Compiled, batch: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -548,6 +524,8 @@ class ORTTrainer:
         keeps from the forward; needs one ``train_step`` first."""
         if not self._train:
             raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
+        from graph_passes.memory_plan import memory_report
+
         return memory_report(self.train_graphs[0], top=top)
 
     @property

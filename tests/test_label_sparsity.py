@@ -13,7 +13,8 @@ import torch
 from onnx import TensorProto, helper
 
 from graph_passes.autodiff import build_gradient_graph
-from graph_passes.label_sparsity import find_label_sites, label_rows_bucket, shrink_label_rows
+from graph_passes.interface import label_rows_bucket
+from graph_passes.label_sparsity import find_label_sites, shrink_label_rows
 from ortrain import ORTTrainer, TrainerOptions
 from tests.conftest import bert_batches, bert_mlm
 
@@ -214,7 +215,7 @@ def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-    assert sorted(_rows(g, "LogSoftmax")[0] for g in trainer.train_graphs) == [4, 8, 12, 64]
+    assert sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs) == [4, 8, 12, 64]
 
 
 def test_bert_mlm_decoder_runs_on_the_masked_rows():
@@ -229,6 +230,6 @@ def test_bert_mlm_decoder_runs_on_the_masked_rows():
     assert labelled <= cap < 128
     shapes = [tuple(n.outputs[0].shape) for n in graph.graph if n.outputs[0].shape is not None]
     wide = [s for s in shapes if len(s) == 2 and s[1] == 1000 and s[0] != 1]
-    # Decoder GEMM, log-softmax and their gradients: only the gathered rows.
+    # Decoder GEMM, softmax and their gradients: only the gathered rows.
     assert len(wide) >= 3 and all(s[0] == cap for s in wide), wide
     assert _ops(graph)["TopK"] == 1

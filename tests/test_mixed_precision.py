@@ -9,6 +9,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
+from graph_passes.lower_cross_entropy import LOWERED_FROM
 from graph_passes.mixed_precision import FP32_OPS, LOW_OPS
 from graph_passes.pipeline import run_pipeline
 from graph_passes.training_pipeline import TrainingBuild, training_passes
@@ -47,7 +48,8 @@ def _assert_precision_lists(model: ir.Model, low: ir.DataType) -> dict[str, int]
             continue
         floats_in = [v for v in node.inputs if v is not None and v.dtype in (F32, low)]
         floats_out = [v for v in node.outputs if v.dtype in (F32, low)]
-        if node.op_type in FP32_OPS:
+        # Nodes a lowering emitted for an fp32 op (the loss) belong to that op's class.
+        if node.op_type in FP32_OPS or node.metadata_props.get(LOWERED_FROM) in FP32_OPS:
             assert all(v.dtype == F32 for v in floats_in + floats_out), (
                 f"{node.op_type} {node.name} must compute in fp32"
             )

@@ -83,35 +83,139 @@ def test_fuse_gelu_erf_forms(form):
     assert fuse_gelu(model) == 0  # nothing left to do: not modified
 
 
-def _sce_model(rank: int, with_log_prob: bool) -> ir.Model:
+def _sce_model(
+    rank: int,
+    with_log_prob: bool,
+    *,
+    log_prob_readers: tuple[str, ...] = (),
+    weights: bool = False,
+    ignore_index: int | None = -100,
+    reduction: str = "mean",
+    dtype: int = TensorProto.FLOAT,
+) -> ir.Model:
+    """SoftmaxCrossEntropyLoss; its log_prob a graph output (``with_log_prob``) and/or
+    read by ``log_prob_readers`` (unary ops, each output ``r<i>`` a graph output)."""
     shape = [6, 10] if rank == 2 else [6, 10, 3]
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    x = helper.make_tensor_value_info("x", dtype, shape)
     lab = helper.make_tensor_value_info("l", TensorProto.INT64, [shape[0], *shape[2:]])
-    outs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
+    inputs = [x, lab]
+    loss_shape = [] if reduction != "none" else [shape[0], *shape[2:]]
+    outs = [helper.make_tensor_value_info("loss", dtype, loss_shape)]
     names = ["loss"]
-    if with_log_prob:
-        outs.append(helper.make_tensor_value_info("lp", TensorProto.FLOAT, shape))
+    if with_log_prob or log_prob_readers:
         names.append("lp")
-    node = helper.make_node(
-        "SoftmaxCrossEntropyLoss", ["x", "l"], names, ignore_index=-100, reduction="mean"
-    )
-    return _model([node], [x, lab], outs)
+    if with_log_prob:
+        outs.append(helper.make_tensor_value_info("lp", dtype, shape))
+    if weights:
+        inputs.append(helper.make_tensor_value_info("w", dtype, [shape[1]]))
+    attrs = {"reduction": reduction}
+    if ignore_index is not None:
+        attrs["ignore_index"] = ignore_index
+    node = helper.make_node("SoftmaxCrossEntropyLoss", [v.name for v in inputs], names, **attrs)
+    nodes = [node]
+    for i, op in enumerate(log_prob_readers):
+        nodes.append(helper.make_node(op, ["lp"], [f"r{i}"]))
+        outs.append(helper.make_tensor_value_info(f"r{i}", dtype, shape))
+    return _model(nodes, inputs, outs)
 
 
-@pytest.mark.parametrize("with_log_prob", [True, False])
-def test_lower_cross_entropy_2d(with_log_prob):
-    model = _sce_model(2, with_log_prob)
-    rng = np.random.default_rng(1)
+def _sce_feeds(model: ir.Model, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, 6)
     labels[2] = -100
     feeds = {"x": rng.standard_normal((6, 10)).astype(np.float32), "l": labels}
+    if "w" in {v.name for v in model.graph.inputs}:
+        feeds["w"] = rng.uniform(0.5, 2.0, 10).astype(np.float32)
+    return feeds
+
+
+def _lowered_matches(model: ir.Model, feeds: dict) -> collections.Counter:
     before = _run(model, feeds)
+    names = [v.name for v in model.graph.outputs]
     assert lower_softmax_cross_entropy(model) == 1
-    assert _ops(model) == collections.Counter({"LogSoftmax": 1, "NegativeLogLikelihoodLoss": 1})
-    assert [v.name for v in model.graph.outputs] == ["loss", "lp"][: 1 + with_log_prob]
+    assert [v.name for v in model.graph.outputs] == names
     after = _run(model, feeds)
     for a, b in zip(after, before, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    return _ops(model)
+
+
+_SOFTMAX_FORM = {"Softmax": 1, "GatherElements": 1, "Max": 1, "Log": 1, "Unsqueeze": 1}
+_SOFTMAX_FORM.update(NegativeLogLikelihoodLoss=1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, None])
+def test_lower_cross_entropy_softmax_form(reduction, ignore_index):
+    """No log_prob reader: Softmax, the labelled entries gathered, NLL over them."""
+    model = _sce_model(2, False, ignore_index=ignore_index, reduction=reduction)
+    feeds = _sce_feeds(model)
+    if ignore_index is None:
+        feeds["l"][2] = 7
+    ops = _lowered_matches(model, feeds)
+    expected = {**_SOFTMAX_FORM, **({"Equal": 1, "Where": 2} if ignore_index else {"Sub": 1})}
+    assert ops == collections.Counter(expected)
+
+
+def test_lower_cross_entropy_exp_of_log_prob_reads_the_softmax():
+    """The gradient rule's Exp(log_prob) becomes the Softmax output: no [N, C] log-prob."""
+    model = _sce_model(2, False, log_prob_readers=("Exp", "Exp"))
+    ops = _lowered_matches(model, _sce_feeds(model))
+    assert ops["Exp"] == 0 and ops["LogSoftmax"] == 0 and ops["Softmax"] == 1
+    softmax = next(n for n in model.graph if n.op_type == "Softmax")
+    for out in model.graph.outputs[1:]:  # graph outputs keep their names through an Identity
+        assert out.producer().op_type == "Identity"
+        assert out.producer().inputs[0].producer() is softmax
+
+
+def test_lower_cross_entropy_backward_exp_reads_the_softmax():
+    """Exp(log_prob) inside the graph (the gradient rule's): its readers read the Softmax."""
+    model = _sce_model(2, False, log_prob_readers=("Exp",))
+    out = model.graph.outputs[1]
+    neg = ir.Node("", "Neg", [out.producer().outputs[0]], name="reader")
+    model.graph.append(neg)
+    neg.outputs[0].name, neg.outputs[0].dtype = "neg", ir.DataType.FLOAT
+    neg.outputs[0].shape = ir.Shape([6, 10])
+    model.graph.outputs[1] = neg.outputs[0]
+    ops = _lowered_matches(model, _sce_feeds(model))
+    assert ops["Exp"] == 0 and ops["Identity"] == 0
+    assert neg.inputs[0].producer().op_type == "Softmax"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(with_log_prob=True),  # log_prob is a graph output
+        dict(with_log_prob=False, log_prob_readers=("Exp", "Neg")),  # another reader
+        dict(with_log_prob=False, weights=True),  # class weights
+    ],
+    ids=["log_prob_output", "other_reader", "weights"],
+)
+def test_lower_cross_entropy_log_softmax_form(case):
+    model = _sce_model(2, **case)
+    ops = _lowered_matches(model, _sce_feeds(model))
+    assert ops["LogSoftmax"] == 1 and ops["NegativeLogLikelihoodLoss"] == 1
+    assert ops["Softmax"] == 0 and ops["SoftmaxCrossEntropyLoss"] == 0
+
+
+def test_lower_cross_entropy_half_scores_keep_log_softmax():
+    model = _sce_model(2, False, dtype=TensorProto.FLOAT16)
+    assert lower_softmax_cross_entropy(model) == 1
+    assert _ops(model)["LogSoftmax"] == 1 and _ops(model)["Softmax"] == 0
+
+
+def test_lower_cross_entropy_underflowing_probability_caps_the_row_loss():
+    """A logit gap past fp32's range: the row's loss is -log(tiny), not inf."""
+    model = _sce_model(2, False, reduction="none")
+    feeds = _sce_feeds(model)
+    feeds["x"][0] = 0.0
+    feeds["x"][0, (feeds["l"][0] + 1) % 10] = 200.0  # the label's probability is exp(-200)
+    before = _run(model, feeds)[0]
+    assert lower_softmax_cross_entropy(model) == 1
+    after = _run(model, feeds)[0]
+    np.testing.assert_allclose(before[0], 200.0, rtol=1e-6)
+    np.testing.assert_allclose(after[0], -np.log(np.finfo(np.float32).tiny), rtol=1e-6)
+    np.testing.assert_allclose(after[1:], before[1:], rtol=1e-6, atol=1e-6)
 
 
 def test_lower_cross_entropy_leaves_3d_alone():

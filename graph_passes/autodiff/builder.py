@@ -25,6 +25,7 @@ from graph_passes.autodiff.context import GradContext
 # Import for registration side effects.
 from graph_passes.autodiff.rules import register_all
 from graph_passes.emitter import Emitter, static_shape
+from graph_passes.interface import GradientError
 from graph_passes.tags import GRAD_OF
 
 register_all()
@@ -35,10 +36,6 @@ FLOAT_TYPES = {
     ir.DataType.BFLOAT16,
     ir.DataType.DOUBLE,
 }
-
-
-class GradientError(RuntimeError):
-    """An op on a gradient path cannot be differentiated."""
 
 
 def node_scope(node: ir.Node) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from graph_passes.emitter import Emitter
+from graph_passes.interface import state_key
 from graph_passes.optimizer import adam, clip, lamb, sgd
 from ortrain.optim.spec import OptimizerSpec
 from ortrain.roles import GraphIO, Role
@@ -37,10 +38,6 @@ class UpdateGraph:
     io: list[GraphIO]  # inputs, in order
     outputs: list[GraphIO]
     aliases: dict[str, str]  # output name -> input name whose buffer it overwrites
-
-
-def state_key(state: str, param: str) -> str:
-    return f"{state}:{param}"
 
 
 def _scalar(name: str) -> ir.Value:

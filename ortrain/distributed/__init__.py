@@ -40,15 +40,16 @@ class Reducer(Protocol):
 
 def join_process_group(trainer: ORTTrainer) -> Reducer | None:
     """The reducer for ``trainer.options`` over the default (or given) process group."""
-    from ortrain.distributed.comm import Comm
-    from ortrain.distributed.data_parallel import DataParallel
-    from ortrain.distributed.sharded_state import ShardedState
-
     options = trainer.options
     if not (dist.is_available() and dist.is_initialized()):
         if options.process_group is not None:
             raise ValueError("TrainerOptions.process_group is set but torch.distributed is not")
         return None
+    # Imported here: a single process does not load ZeRO's graph builders.
+    from ortrain.distributed.comm import Comm
+    from ortrain.distributed.data_parallel import DataParallel
+    from ortrain.distributed.sharded_state import ShardedState
+
     comm = Comm(options.process_group, options.dist_timeout)
     if comm.world_size == 1:
         return None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graph_passes.optimizer.update_graph import state_key
+from graph_passes.interface import state_key
 from ortrain.distributed.layout import FlatLayout
 from ortrain.optim.spec import GroupSpec, OptimizerSpec
 

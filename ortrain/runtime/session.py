@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from graph_passes.ort_order import order_for_ort
-from graph_passes.tags import RECOMPUTE_OF
+from ortrain.build import BuiltGraph
 from ortrain.errors import DeviceError
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 # Keep ONNX Runtime from deleting Dropout nodes: training graphs need live masks.
 DISABLED_OPTIMIZERS = ["EliminateDropout"]
@@ -90,8 +92,21 @@ def _register_cpu_arena() -> None:
         _arena_registered = True
 
 
+def _serialized(model: ir.Model) -> tuple[bytes, bool]:
+    """(the model ordered for ONNX Runtime, serialized; whether it has recomputed copies)."""
+    import onnx_ir as ir
+
+    from graph_passes.ort_order import order_for_ort
+    from graph_passes.tags import RECOMPUTE_OF
+
+    recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
+    proto = ir.serde.serialize_model(model)
+    order_for_ort(proto.graph)
+    return proto.SerializeToString(), recomputes
+
+
 def make_session(
-    model: ir.Model,
+    model: ir.Model | BuiltGraph,
     *,
     threads: int | None,
     save_path: str | None = None,
@@ -99,10 +114,10 @@ def make_session(
     stream: torch.cuda.Stream | None = None,
     cuda_graph: bool = False,
 ) -> ort.InferenceSession:
-    recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
-    proto = ir.serde.serialize_model(model)
-    order_for_ort(proto.graph)
-    data = proto.SerializeToString()
+    if isinstance(model, BuiltGraph):  # built apart (ortrain/build.py): ordered already
+        data, recomputes = model.ort_data, model.recomputes
+    else:
+        data, recomputes = _serialized(model)
     if save_path is not None:
         with open(save_path, "wb") as f:
             f.write(data)

@@ -1,0 +1,41 @@
+"""What the training process needs from the passes, without the graph libraries.
+
+``ORTTrainer`` builds its graphs in a forked child (``ortrain/build.py``) and never
+imports onnx, onnx_ir or onnxscript itself; the names and records it shares with the
+passes live here and the pass modules re-export them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+LOSS_SCALE_INPUT = "loss_scale"  # graph input the backward is seeded with (loss_scaling.py)
+
+
+class GradientError(RuntimeError):
+    """An op on a gradient path cannot be differentiated."""
+
+
+def state_key(state: str, param: str) -> str:
+    """Name of one optimizer state tensor of one parameter in the update graph."""
+    return f"{state}:{param}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSite:
+    """A loss whose ignored rows can be dropped: ``input`` holds its labels."""
+
+    node: str  # the SoftmaxCrossEntropyLoss node
+    input: str  # the graph input its labels are reshaped from
+    ignore_index: int
+    rows: int  # N
+
+
+def label_rows_bucket(labelled: int, rows: int) -> int:
+    """The row count to build for ``labelled`` labelled rows out of ``rows``.
+
+    Rounded up to a 16th of ``rows``, so that batches with slightly different label
+    counts share one graph (at most 16 graphs per batch shape).
+    """
+    step = max(1, -(-rows // 16))
+    return min(rows, max(step, -(-labelled // step) * step))

@@ -1,0 +1,217 @@
+"""A trainer's graph builds (export + passes) as jobs that return serialized graphs.
+
+``ORTTrainer`` runs each job in a forked child (``ortrain/forked.py``) where it can, so
+the training process never imports the pass libraries (onnxscript's rewriter and
+optimizer) or keeps what the export and the passes leave behind; it gets back bytes
+to load into ONNX Runtime, the graph's roles and the build log. Where it cannot fork
+(CUDA, ``ORTRAIN_BUILD_IN_PROCESS=1``) the same jobs run in process.
+
+The pass modules are imported inside the jobs for that reason: importing this module
+costs the training process nothing but the record types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graph_passes.interface import LabelSite, label_rows_bucket
+from ortrain.export import ExportedForward, LossFn, export_here
+from ortrain.roles import GraphIO
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+
+@dataclasses.dataclass
+class StageRecord:
+    graph: str
+    stage: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    op_delta: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildSettings:
+    """What the passes take from the trainer's options and optimizer."""
+
+    trainable: tuple[str, ...]  # parameter names in optimizer order
+    seed: int = 0
+    accumulate: bool = False
+    mixed_precision: str | None = None
+    loss_scaling: bool = False
+    optimize: bool = True
+    memory_plan: bool = True
+    graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
+
+
+@dataclasses.dataclass
+class ForwardSource:
+    """The exported training forward of one batch signature, kept to build the graph of
+    another labelled-row count (``graph_passes/label_sparsity.py``) without exporting."""
+
+    wire: tuple  # ExportedForward.to_wire()
+    sites: list[LabelSite]
+
+
+@dataclasses.dataclass
+class BuiltGraph:
+    """A built graph as the training process takes it."""
+
+    ort_data: bytes  # serialized, nodes in the order ONNX Runtime should run them
+    data: bytes  # serialized in the graph's own order (inspection, memory report)
+    recomputes: bool  # holds recomputed copies (ONNX Runtime's CSE must stay off)
+    io: list[GraphIO]
+    output_names: list[str]  # the loss first
+    output_keys: list[str]
+    grad_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> output
+    accumulators: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> grad
+    log: list[StageRecord] = dataclasses.field(default_factory=list)
+
+    def model(self) -> ir.Model:
+        import onnx
+        import onnx_ir as ir
+
+        return ir.serde.deserialize_model(onnx.ModelProto.FromString(self.data))
+
+
+def label_rows(sites: list[LabelSite], batch: Mapping[str, Any]) -> tuple:
+    """(loss node, rows to build) per label site: this batch's labelled rows, bucketed."""
+    rows = []
+    for site in sites:
+        labels = batch.get(site.input)
+        if isinstance(labels, torch.Tensor):
+            labelled = int(torch.count_nonzero(labels != site.ignore_index))
+            bucket = label_rows_bucket(labelled, site.rows)
+            if bucket < site.rows:
+                rows.append((site.node, bucket))
+    return tuple(rows)
+
+
+class _Log:
+    """The build log of one job; with a graph directory, the graph after each pass."""
+
+    def __init__(self, graph: str, settings: BuildSettings, first: int):
+        self.graph = graph
+        self.dir = Path(settings.graph_dir) if settings.graph_dir else None
+        self.next = first  # files are numbered in build order across the trainer's builds
+        self.records: list[StageRecord] = []
+
+    def export(
+        self, module: torch.nn.Module, batch: Mapping[str, Any], train: bool, loss_fn: LossFn | None
+    ) -> ExportedForward:
+        import time
+
+        t = time.perf_counter()
+        ex = export_here(module, batch, train, loss_fn, not train)
+        seconds = time.perf_counter() - t
+        self.records.append(StageRecord(self.graph, "export", seconds, 0, len(ex.model.graph)))
+        self.next += 1
+        return ex
+
+    def run(self, model: ir.Model, passes: list) -> None:
+        import onnx_ir as ir
+
+        from graph_passes.pipeline import run_pipeline
+
+        def save(name: str, m: ir.Model) -> None:
+            if self.dir is not None:
+                ir.save(m, self.dir / f"{self.graph}.{self.next:02d}.{name}.onnx")
+            self.next += 1
+
+        for r in run_pipeline(model, passes, after_each=save):
+            self.records.append(
+                StageRecord(
+                    self.graph, r.name, r.seconds, r.nodes_before, r.nodes_after, r.op_delta
+                )
+            )
+
+
+def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
+    import onnx_ir as ir
+
+    from graph_passes.ort_order import order_for_ort
+    from graph_passes.tags import RECOMPUTE_OF
+
+    proto = ir.serde.serialize_model(model)
+    data = proto.SerializeToString()
+    order_for_ort(proto.graph)
+    return BuiltGraph(
+        ort_data=proto.SerializeToString(),
+        data=data,
+        recomputes=any(RECOMPUTE_OF in n.metadata_props for n in model.graph),
+        io=ex.io,
+        output_names=ex.output_names,
+        output_keys=ex.output_keys,
+        log=log.records,
+        **extra,
+    )
+
+
+def build_train(
+    module: torch.nn.Module,
+    batch: Mapping[str, Any],
+    loss_fn: LossFn | None,
+    settings: BuildSettings,
+    forward: ForwardSource | None,
+    first: int,
+) -> tuple[ForwardSource, tuple, BuiltGraph]:
+    """The gradient graph of ``batch``'s signature and labelled-row count, exporting the
+    forward unless ``forward`` is given. Returns (forward, label rows, graph)."""
+    from graph_passes.label_sparsity import find_label_sites
+    from graph_passes.recompute import RecomputePolicy
+    from graph_passes.training_pipeline import TrainingBuild, training_passes
+
+    log = _Log("train", settings, first)
+    if forward is None:
+        ex = log.export(module, batch, True, loss_fn)
+        sites = find_label_sites(ex.model) if settings.optimize else []
+        forward = ForwardSource(ex.to_wire(), sites)
+    else:
+        ex = ExportedForward.from_wire(forward.wire)
+    rows = label_rows(forward.sites, batch)
+    model = ex.model  # from_wire / a fresh export: the passes may rewrite it in place
+    inputs = {r.name for r in ex.io}
+    build = TrainingBuild(
+        loss=ex.output_names[0],
+        wrt=[n for n in settings.trainable if n in inputs],
+        label_rows=dict(rows),
+        seed=settings.seed,
+        accumulate=settings.accumulate,
+        mixed_precision=settings.mixed_precision,
+        loss_scaling=settings.loss_scaling,
+        optimize=settings.optimize,
+        recompute=RecomputePolicy.CHEAP_OPS if settings.memory_plan else RecomputePolicy.NOTHING,
+    )
+    log.run(model, training_passes(build))
+    assert build.gradient is not None
+    graph = _built(
+        model,
+        ex,
+        log,
+        grad_outputs=dict(build.gradient.grad_outputs),
+        accumulators=dict(build.accumulators),
+    )
+    return forward, rows, graph
+
+
+def build_eval(
+    module: torch.nn.Module,
+    batch: Mapping[str, Any],
+    loss_fn: LossFn | None,
+    settings: BuildSettings,
+    first: int,
+) -> BuiltGraph:
+    """The evaluation graph of ``batch``'s signature (loss and the model's outputs)."""
+    from graph_passes.training_pipeline import eval_passes
+
+    log = _Log("eval", settings, first)
+    ex = log.export(module, batch, False, loss_fn)
+    log.run(ex.model, eval_passes(settings.mixed_precision, settings.optimize))
+    return _built(ex.model, ex, log)

@@ -1,0 +1,117 @@
+"""Build jobs in a forked child (ortrain/forked.py): results, errors, warnings, fallbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from ortrain.forked import call_forked, can_fork
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+
+
+def test_result_comes_back_from_the_child():
+    parent = os.getpid()
+    pid, value = call_forked(lambda: (os.getpid(), [1, 2, 3]), what="test job")
+    assert pid != parent and value == [1, 2, 3]
+
+
+class _Custom(Exception):
+    pass
+
+
+class _Unpicklable(Exception):
+    def __init__(self, text: str, handle: object):
+        super().__init__(text)
+        self.handle = handle
+
+    def __reduce__(self):
+        raise TypeError("no pickling")
+
+
+def _raise(exc: BaseException):
+    def job():
+        raise exc
+
+    return job
+
+
+def test_errors_keep_their_type_and_carry_the_child_traceback():
+    with pytest.raises(_Custom, match="bad shape") as info:
+        call_forked(_raise(_Custom("bad shape")), what="test job")
+    assert any("in ortrain's build process" in n for n in info.value.__notes__)
+    with pytest.raises(RuntimeError, match="_Unpicklable: cannot send"):
+        call_forked(_raise(_Unpicklable("cannot send", object())), what="test job")
+
+
+def test_unpicklable_result_is_an_error_not_a_hang():
+    with pytest.raises(RuntimeError, match="not picklable"):
+        call_forked(lambda: lambda: None, what="test job")
+
+
+def test_child_warnings_are_reissued_here():
+    def job() -> int:
+        warnings.warn("from the child", UserWarning, stacklevel=1)
+        return 7
+
+    with pytest.warns(UserWarning, match="from the child"):
+        assert call_forked(job, what="test job") == 7
+
+
+def test_a_child_that_dies_falls_back_to_this_process():
+    parent = os.getpid()
+
+    def job() -> int:
+        if os.getpid() != parent:
+            os._exit(3)  # the child dies without answering
+        return os.getpid()
+
+    with pytest.warns(UserWarning, match="test job in a child process failed"):
+        assert call_forked(job, what="test job") == parent
+
+
+def test_can_fork_respects_the_switches(monkeypatch):
+    import torch
+
+    assert can_fork([torch.zeros(2)])
+    assert not can_fork([torch.zeros(2, device="meta")])
+    monkeypatch.setenv("ORTRAIN_BUILD_IN_PROCESS", "1")
+    assert not can_fork([torch.zeros(2)])
+
+
+_TRAIN_AND_EVAL = """
+import sys, torch
+from ortrain import ORTTrainer
+from tests.conftest import gpt2, lm_batches
+
+model = gpt2(layers=1, hidden=32, vocab=64)
+trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+batch = lm_batches(1, vocab=64, batch=2, seq=8)[0]
+with torch.no_grad():
+    eager = model(**batch).loss.item()  # dropout is off in these models
+loss = trainer.train_step(**batch).item()
+out = trainer.eval_step(**batch)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("onnx", "onnx_ir", "onnxscript"))
+print("LOSS", eager, loss, float(out.loss))
+print("HEAVY", ",".join(heavy) or "-")
+"""
+
+
+def test_training_process_never_imports_the_graph_libraries():
+    # Export and every pass run in the child: the process that trains loads only the
+    # ONNX Runtime session and the small interface module (tens of MB less resident).
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_IN_PROCESS")}
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_AND_EVAL], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    eager, train_loss, eval_loss = map(float, lines["LOSS"].split())
+    assert train_loss == pytest.approx(eager, rel=1e-5)
+    assert eval_loss < train_loss  # evaluated after one AdamW step on the same batch
+    assert lines["HEAVY"] == "-", lines["HEAVY"]
