@@ -50,6 +50,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_train import WORKLOADS  # noqa: E402
+from benchmarks.hardware import cpu_description  # noqa: E402
 
 BACKENDS = ("torch", "ortrain-noplan", "ortrain")  # ortrain = memory plan on
 
@@ -279,7 +280,7 @@ def main() -> None:
     print()
     print("\n".join(lines))
     print(
-        f"\ntorch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} threads, "
+        f"\ntorch {torch.__version__}, {cpu_description()}, {args.threads} threads, "
         f"{math.ceil(time.perf_counter() - t_start)} s"
     )
     print("command: PYTHONPATH=. python benchmarks/bench_memory.py " + shlex.join(sys.argv[1:]))

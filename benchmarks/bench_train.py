@@ -46,6 +46,9 @@ from typing import Any
 import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hardware import cpu_description
+
 Batch = dict[str, torch.Tensor]
 BACKENDS = (
     "torch",
@@ -625,7 +628,7 @@ def report(
     lines += [
         "",
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, python "
-        f"{platform.python_version()}, {os.cpu_count()} CPUs; total wall time {wall_s:.0f} s",
+        f"{platform.python_version()}; {cpu_description()}; total wall time {wall_s:.0f} s",
         f"code under test: commit {src['commit']}"
         + (f" + uncommitted changes in {', '.join(src['dirty'])}" if src["dirty"] else ""),
         f"command: {command}",

@@ -207,6 +207,13 @@ def inferred_sizes(model: ir.Model) -> dict[str, int]:
     return sizes
 
 
+def planned_peak_bytes(model: ir.Model, *, alignment: int = 64) -> int:
+    """The plan's arena size for ``model``'s graph in node order (``memory_report``'s
+    ``planned_peak_bytes`` without the rest of the report)."""
+    lts, _ = _liveness(model.graph, inferred_sizes(model))
+    return plan_offsets(lts, alignment=alignment).peak_bytes
+
+
 # ----------------------------------------------------------------------- report
 @dataclasses.dataclass(frozen=True)
 class KeptValue:

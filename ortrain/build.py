@@ -73,6 +73,8 @@ class BuiltGraph:
     grad_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> output
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> grad
     log: list[StageRecord] = dataclasses.field(default_factory=list)
+    # graph_passes/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
+    planned_peak_bytes: int = 0
 
     def model(self) -> ir.Model:
         import onnx
@@ -136,6 +138,7 @@ class _Log:
 def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
     import onnx_ir as ir
 
+    from graph_passes.memory_plan import planned_peak_bytes
     from graph_passes.ort_order import order_for_ort
     from graph_passes.tags import RECOMPUTE_OF
 
@@ -150,6 +153,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
         output_names=ex.output_names,
         output_keys=ex.output_keys,
         log=log.records,
+        planned_peak_bytes=planned_peak_bytes(model),
         **extra,
     )
 

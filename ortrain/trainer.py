@@ -47,7 +47,12 @@ from ortrain.runtime.fused_update import (
     check_supported,
     kernels_available,
 )
-from ortrain.runtime.session import BoundSession, check_device, make_session
+from ortrain.runtime.session import (
+    BoundSession,
+    check_device,
+    make_session,
+    register_cpu_arena,
+)
 from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 
 if TYPE_CHECKING:
@@ -247,6 +252,8 @@ class ORTTrainer:
         self._forwards[sig] = forward
         self.build_log.extend(built.log)
         grad_params = sorted(built.grad_outputs, key=self.trainable.index)
+        if self.device.type == "cpu":  # sized by this graph, before the update's session
+            register_cpu_arena(built.planned_peak_bytes)
         if self.grad_params is None:
             self.grad_params = grad_params
             self._build_update()

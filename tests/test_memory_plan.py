@@ -24,6 +24,7 @@ from graph_passes.memory_plan import (
     live_peak_bytes,
     memory_report,
     plan_offsets,
+    planned_peak_bytes,
 )
 from graph_passes.pipeline import run_pipeline
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
@@ -182,6 +183,7 @@ def test_lifetimes_of_a_hand_built_graph():
 def test_memory_report_counts_bytes_kept_for_backward():
     report = memory_report(_toy())
     assert report.planned_peak_bytes == report.live_peak_bytes == 512 + 256 + 128 + 4
+    assert planned_peak_bytes(_toy()) == report.planned_peak_bytes
     assert report.naive_bytes == 1412 and report.num_values == 6
     assert (report.kept_count, report.kept_bytes) == (2, 384)
     assert [(k.name, k.nbytes, k.op_type) for k in report.largest_kept] == [
@@ -358,6 +360,7 @@ def test_recompute_on_gpt2_training_graph_is_exact_and_keeps_fewer_bytes():
     # (562_948 before the embedding gradients scattered straight into the gradient sum;
     # 586_500 before the loss was lowered to Softmax, which frees the log-probabilities)
     assert (before.planned_peak_bytes, after.planned_peak_bytes) == (578_308, 561_668)
+    assert (planned_peak_bytes(off), planned_peak_bytes(on)) == (578_308, 561_668)
 
     feeds = {n: p.detach().numpy() for n, p in params.items()}
     feeds.update({k: v.numpy() for k, v in batch.items()})
@@ -368,3 +371,34 @@ def test_recompute_on_gpt2_training_graph_is_exact_and_keeps_fewer_bytes():
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a, b)
     assert torch.isfinite(torch.from_numpy(ref[0]))
+
+
+# ----------------------------------------------------------------------- the arena
+@pytest.mark.parametrize(("vocab", "batch", "seq"), [(4096, 4, 64), (128, 2, 16)])
+def test_arena_first_region_is_the_planned_peak(monkeypatch, vocab, batch, seq):
+    """The shared CPU arena is created once, its first region half the gradient graph's
+    planned peak rounded up to MiB (ONNX Runtime's 1 MiB default below that)."""
+    from ortrain import ORTTrainer, TrainerOptions
+    from ortrain.runtime import session as session_mod
+
+    made = []
+    monkeypatch.setattr(session_mod, "_arena_registered", False)
+    monkeypatch.setattr(
+        session_mod.ort, "create_and_register_allocator", lambda info, cfg: made.append(cfg)
+    )
+    module = gpt2(layers=1, hidden=64, vocab=vocab)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    trainer = ORTTrainer(module, opt, TrainerOptions(update_engine="graph"))
+    for b in lm_batches(2, batch=batch, seq=seq, vocab=vocab):
+        assert torch.isfinite(trainer.train_step(**b))
+    trainer.eval_step(**b)  # a later session: no second arena
+    planned = trainer.memory_report().planned_peak_bytes
+    (compiled,) = trainer._train.values()
+    assert compiled.graph.planned_peak_bytes == planned
+    assert len(made) == 1
+    mib = 1 << 20
+    if planned > 2 * mib:
+        assert planned > 4 * mib  # the [tokens x vocab] logits alone are 4 MiB
+        assert made[0].initial_chunk_size_bytes == -(-planned // (2 * mib)) * mib
+    else:
+        assert made[0].initial_chunk_size_bytes == -1  # ONNX Runtime's default

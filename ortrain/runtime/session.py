@@ -78,18 +78,37 @@ def providers(
 # graph per label-row count (graph_passes/label_sparsity.py) does not keep an activation
 # arena of its own. Sessions opt in one by one: other sessions of the process are
 # unaffected.
+#
+# Its first region is half the planned activation peak of the first graph that asks (the
+# gradient graph: memory_plan.planned_peak_bytes). ONNX Runtime's BFC arena starts at
+# 1 MiB and adds regions of twice the size: a run spreads over a dozen regions, and a
+# large tensor that fits in none of their free chunks (GPT-2 small's 98 MiB logits)
+# opens a new one. Regions of p/2, p, 2p hold a run that needs p in the first two
+# (GPT-2 small batch 2 x 256: steady peak RSS 2908 -> 2759 MiB; tiny GPT-2/BERT within
+# +-6 MiB at batch 8..152). A first region of the whole peak was worse: the run spilled
+# into a doubled 2p region (BERT-tiny batch 128: +900 MiB). Pages are touched only when
+# used, so the regions cost address space before they cost memory.
 _arena_registered = False
+_MIB = 1 << 20
 
 
-def _register_cpu_arena() -> None:
+def register_cpu_arena(planned_peak_bytes: int = 0) -> None:
+    """Create the shared CPU arena, its first region half ``planned_peak_bytes`` (rounded
+    up to MiB; ONNX Runtime's default, 1 MiB, when that is smaller). Later calls do
+    nothing."""
     global _arena_registered
-    if not _arena_registered:
-        info = ort.OrtMemoryInfo(
-            "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
-        )
-        with contextlib.suppress(Exception):  # one registered already: use that one
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-        _arena_registered = True
+    if _arena_registered:
+        return
+    cfg: dict[str, int] = {}
+    first = -(-planned_peak_bytes // (2 * _MIB)) * _MIB
+    if first > _MIB:
+        cfg["initial_chunk_size_bytes"] = first
+    info = ort.OrtMemoryInfo(
+        "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+    )
+    with contextlib.suppress(Exception):  # one registered already: use that one
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(cfg))
+    _arena_registered = True
 
 
 def _serialized(model: ir.Model) -> tuple[bytes, bool]:
@@ -114,8 +133,10 @@ def make_session(
     stream: torch.cuda.Stream | None = None,
     cuda_graph: bool = False,
 ) -> ort.InferenceSession:
+    arena_bytes = 0
     if isinstance(model, BuiltGraph):  # built apart (ortrain/build.py): ordered already
         data, recomputes = model.ort_data, model.recomputes
+        arena_bytes = model.planned_peak_bytes
     else:
         data, recomputes = _serialized(model)
     if save_path is not None:
@@ -135,7 +156,7 @@ def make_session(
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     if device.type == "cpu":
-        _register_cpu_arena()
+        register_cpu_arena(arena_bytes)
         so.add_session_config_entry("session.use_env_allocators", "1")
     return ort.InferenceSession(
         data,
