@@ -106,7 +106,11 @@ def ort_runner(p: Product, a: np.ndarray, b: np.ndarray, threads: int) -> Callab
     binding.bind_cpu_input("B", b)
     out = np.empty((p.m, p.n), np.float32)
     binding.bind_output("Y", "cpu", 0, np.float32, [p.m, p.n], out.ctypes.data)
-    return lambda: sess.run_with_iobinding(binding)
+
+    def run(bound: tuple = (a, b, out)) -> None:  # bound by pointer: keep them alive
+        sess.run_with_iobinding(binding)
+
+    return run
 
 
 def torch_runner(p: Product, a: np.ndarray, b: np.ndarray) -> Callable[[], None]:
