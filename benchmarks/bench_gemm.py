@@ -6,11 +6,15 @@ can show. This runs the products of the benchmark workloads' training steps the 
 ortrain's graphs spell them (``Gemm`` with its trans flags, ``FusedMatMul`` for the LM
 head's logits) and the same products in torch (``a @ b`` on transposed views), each in
 turn in every round (so drift hits both alike), on ``--threads`` threads each.
+``--sequential`` runs all of one backend's rounds before the other's instead: torch's
+OpenMP threads keep spinning for a while after each product and slow an ONNX Runtime run
+that follows at once, so the alternating figures are a little low for ONNX Runtime.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_gemm.py
     PYTHONPATH=. python benchmarks/bench_gemm.py --workloads gpt2-small --rounds 9
+    PYTHONPATH=. python benchmarks/bench_gemm.py --sequential
 """
 
 from __future__ import annotations
@@ -120,20 +124,23 @@ def torch_runner(p: Product, a: np.ndarray, b: np.ndarray) -> Callable[[], None]
     return lambda: torch.matmul(ta, tb, out=out)
 
 
-def measure(p: Product, rounds: int, threads: int) -> tuple[float, float]:
-    """Median GFLOP/s of (ONNX Runtime, torch) over ``rounds`` alternating runs."""
+def measure(p: Product, rounds: int, threads: int, sequential: bool) -> tuple[float, float]:
+    """Median GFLOP/s of (ONNX Runtime, torch) over ``rounds`` runs each, alternating
+    (or one backend's runs back to back, then the other's)."""
     rng = np.random.default_rng(0)
     sa, sb = p.shapes()
     a = rng.standard_normal(sa, dtype=np.float32)
     b = rng.standard_normal(sb, dtype=np.float32)
     runners = [ort_runner(p, a, b, threads), torch_runner(p, a, b)]
     times: list[list[float]] = [[], []]
-    for r in range(rounds + 1):
-        for i, run in enumerate(runners):
-            t = time.perf_counter()
-            run()
-            if r:  # the first round warms up
-                times[i].append(time.perf_counter() - t)
+    order = [(r, i) for r in range(rounds + 1) for i in range(2)]
+    if sequential:
+        order.sort(key=lambda ri: ri[1])
+    for r, i in order:
+        t = time.perf_counter()
+        runners[i]()
+        if r:  # the first round warms up
+            times[i].append(time.perf_counter() - t)
     ort_s, torch_s = (statistics.median(t) for t in times)
     return p.gflop / ort_s, p.gflop / torch_s
 
@@ -143,6 +150,7 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sequential", action="store_true", help="each backend's runs in a row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [("reference", Product("2048^3", 2048, 2048, 2048))]
@@ -154,7 +162,7 @@ def main() -> None:
         "|---|---|---|---|---:|---:|---:|",
     ]
     for name, p in rows:
-        ort_rate, torch_rate = measure(p, args.rounds, args.threads)
+        ort_rate, torch_rate = measure(p, args.rounds, args.threads, args.sequential)
         flags = f"{p.op}" + (" transA" if p.trans_a else "") + (" transB" if p.trans_b else "")
         lines.append(
             f"| {name} | {p.what} | {p.m} x {p.k} x {p.n} | {flags} | {ort_rate:.0f} | "
@@ -165,7 +173,8 @@ def main() -> None:
     print("\n".join(lines))
     print(
         f"\nonnxruntime {ort.__version__}, torch {torch.__version__}; {cpu_description()}; "
-        f"{args.threads} threads, median of {args.rounds} alternating runs"
+        f"{args.threads} threads, median of {args.rounds} "
+        + ("runs in a row per backend" if args.sequential else "alternating runs")
     )
     print("command: PYTHONPATH=. python benchmarks/bench_gemm.py " + shlex.join(sys.argv[1:]))
 
