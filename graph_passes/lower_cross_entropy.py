@@ -11,7 +11,7 @@ Two forms:
 1. softmax form, when the log-probabilities are read only by ``Exp`` nodes (the
    gradient rule's; or by nothing, as in evaluation), there are no class weights and the
    scores are fp32/fp64: ``prob = Softmax(scores)`` replaces those ``Exp`` outputs and
-   the loss reads the labelled entries only, ``NLL(Log(max(prob[i, t_i], tiny)))``.
+   the loss reads the labelled entries only, ``-Log(max(prob[i, t_i], tiny))``.
    No [N, C] log-probabilities are made: ONNX Runtime runs Softmax in place over the
    scores (LogSoftmax too, but its ``Exp`` in the backward is not in place), so the
    backward starts with one [N, C] buffer fewer alive (32 MiB for gpt2-tiny's batch of
@@ -19,8 +19,14 @@ Two forms:
    9.2 + 1.4 ms there). ``tiny`` (the smallest normal float) caps one row's loss at 87.3
    (fp32) where its probability underflows, i.e. a logit gap beyond ~87; the gradient
    (``prob - onehot``) is exact either way.
-2. LogSoftmax form otherwise: ``LogSoftmax`` + ``NegativeLogLikelihoodLoss`` (weights,
-   ignore_index and reduction kept); its ``log_prob`` output is the LogSoftmax output.
+2. LogSoftmax form otherwise: ``LogSoftmax``, then the labelled entries gathered (class
+   weights, ignore_index and reduction kept); its ``log_prob`` output is the LogSoftmax
+   output.
+
+Both forms weight and reduce the picked entries with stock ops (Where, Mul, ReduceSum,
+Div), not ``NegativeLogLikelihoodLoss``: ONNX Runtime's CUDA execution provider has no
+kernel for it, so it ran on the CPU (a device-to-host copy per step) and kept the
+session from being captured as a CUDA graph.
 
 Scores of rank > 2 (class axis not last) are left alone.
 """
@@ -88,22 +94,11 @@ def _lower_to_softmax(graph: ir.Graph, node: ir.Node) -> None:
     assert scores.dtype is not None and labels.dtype is not None
     e = Emitter(graph, node.name, metadata=_lowered_metadata(node))
     prob = e.op("Softmax", scores, axis=1, shape=list(scores.shape.dims))
-    ignore = node.attributes.get("ignore_index")
-    rows = list(labels.shape.dims) if labels.shape is not None else None
-    if ignore is not None:
-        # Ignored rows gather at class 0 and keep their label, so NLL still skips them.
-        ignored = e.op("Equal", labels, e.const(int(ignore.value), labels.dtype))
-        zero = e.const(0, labels.dtype)
-        index = e.op("Where", ignored, zero, labels, shape=rows)
-        target = e.op("Where", ignored, labels, zero, shape=rows)
-    else:
-        index = labels
-        target = e.op("Sub", labels, labels, shape=rows)  # zeros of the labels' shape
+    index, ignored = _gather_index(e, node, labels)
     picked = e.op("GatherElements", prob, e.op("Unsqueeze", index, e.ints([1])), axis=1)
     tiny = e.const(np.finfo(scores.dtype.numpy()).tiny, scores.dtype)
     log_picked = e.op("Log", e.op("Max", picked, tiny))
-    attrs = {k: a.value for k, a in node.attributes.items() if k in ("ignore_index", "reduction")}
-    loss = e.op("NegativeLogLikelihoodLoss", log_picked, target, **attrs)
+    loss = _weighted_nll(e, node, log_picked, ignored, None, _rows(labels))
     exps = [user for user, _ in node.outputs[1].uses()] if len(node.outputs) > 1 else []
     # An Exp output that is a graph output keeps its own name (through an Identity).
     named = {id(u): e.op("Identity", prob) for u in exps if u.outputs[0] in graph.outputs}
@@ -119,29 +114,72 @@ def _lower_to_softmax(graph: ir.Graph, node: ir.Node) -> None:
 
 
 def _lower_to_log_softmax(graph: ir.Graph, node: ir.Node) -> None:
-    scores = node.inputs[0]
-    lsm = ir.Node(
-        "",
-        "LogSoftmax",
-        [scores],
-        attributes=[ir.AttrInt64("axis", 1)],
-        name=f"{node.name}/log_softmax",
-        metadata_props=_lowered_metadata(node),
-    )
-    attrs = [a for k, a in node.attributes.items() if k in ("ignore_index", "reduction")]
-    nll = ir.Node(
-        "",
-        "NegativeLogLikelihoodLoss",
-        [lsm.outputs[0], *node.inputs[1:]],
-        attributes=attrs,
-        name=f"{node.name}/nll",
-        metadata_props=_lowered_metadata(node),
-    )
-    lsm.outputs[0].dtype, lsm.outputs[0].shape = scores.dtype, scores.shape
-    graph.insert_before(node, [lsm, nll])
-    _replace(node.outputs[0], nll.outputs[0])
+    scores, labels = node.inputs[0], node.inputs[1]
+    weights = node.inputs[2] if len(node.inputs) > 2 else None
+    e = Emitter(graph, node.name, metadata=_lowered_metadata(node))
+    log_prob = e.op("LogSoftmax", scores, axis=1, name_hint="log_softmax")
+    log_prob.dtype, log_prob.shape = scores.dtype, scores.shape
+    index, ignored = _gather_index(e, node, labels)
+    log_picked = e.op("GatherElements", log_prob, e.op("Unsqueeze", index, e.ints([1])), axis=1)
+    weight = e.op("Gather", weights, index, axis=0) if weights is not None else None
+    loss = _weighted_nll(e, node, log_picked, ignored, weight, _rows(labels))
+    e.flush_before(node)
+    _replace(node.outputs[0], loss)
     if len(node.outputs) > 1:
-        _replace(node.outputs[1], lsm.outputs[0])
+        _replace(node.outputs[1], log_prob)
     else:
-        lsm.outputs[0].name = f"{node.name}/log_prob"
+        log_prob.name = f"{node.name}/log_prob"
     graph.remove(node, safe=True)
+
+
+def _rows(labels: ir.Value) -> list | None:
+    return list(labels.shape.dims) if labels.shape is not None else None
+
+
+def _gather_index(e: Emitter, node: ir.Node, labels: ir.Value) -> tuple[ir.Value, ir.Value | None]:
+    """The class index each row gathers (ignored rows gather class 0) and the ignored-row
+    mask (None without ignore_index)."""
+    ignore = node.attributes.get("ignore_index")
+    if ignore is None:
+        return labels, None
+    assert labels.dtype is not None
+    rows = _rows(labels)
+    ignored = e.op("Equal", labels, e.const(int(ignore.value), labels.dtype), shape=rows)
+    index = e.op("Where", ignored, e.const(0, labels.dtype), labels, shape=rows)
+    return index, ignored
+
+
+def _weighted_nll(
+    e: Emitter,
+    node: ir.Node,
+    log_picked: ir.Value,
+    ignored: ir.Value | None,
+    weight: ir.Value | None,
+    rows: list | None,
+) -> ir.Value:
+    """NegativeLogLikelihoodLoss over the picked log-probabilities ``[N, 1]``: ignored rows
+    count 0 (and weigh 0 in the mean), ``weight`` is each row's class weight."""
+    dtype = node.inputs[0].dtype
+    assert dtype is not None
+    reduction = node.attributes.get("reduction")
+    reduction = reduction.value if reduction is not None else "mean"
+    loss = e.op("Neg", e.op("Squeeze", log_picked, e.ints([1]), shape=rows), shape=rows)
+    zero = e.const(0, dtype)
+    if ignored is not None:  # Where, not a product: a -inf log-probability stays out
+        loss = e.op("Where", ignored, zero, loss, shape=rows)
+        if weight is not None:
+            weight = e.op("Where", ignored, zero, weight, shape=rows)
+        elif reduction == "mean":
+            weight = e.op("Cast", e.op("Not", ignored, shape=rows), to=int(dtype), shape=rows)
+            total = e.op("ReduceSum", loss, keepdims=0, shape=[])
+            return e.op("Div", total, e.op("ReduceSum", weight, keepdims=0, shape=[]), shape=[])
+    if weight is not None:
+        loss = e.op("Mul", loss, weight, shape=rows)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return e.op("ReduceSum", loss, keepdims=0, shape=[])
+    if weight is None:
+        return e.op("ReduceMean", loss, keepdims=0, shape=[])
+    total = e.op("ReduceSum", loss, keepdims=0, shape=[])
+    return e.op("Div", total, e.op("ReduceSum", weight, keepdims=0, shape=[]), shape=[])

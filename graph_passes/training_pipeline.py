@@ -9,6 +9,7 @@ left out with ``optimize=False``):
 
 1.  seed_dropout       each Dropout gets its own seed (before anything could merge two)
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
+    pad_as_concat*     integer Pads (the labels') as Concat: CUDA has no integer Pad
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
 4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``graph_passes.fusions``)
     label_sparsity*    loss heads run on the labelled rows only (``label_rows`` given)
@@ -40,6 +41,7 @@ from graph_passes.label_sparsity import shrink_label_rows
 from graph_passes.loss_scaling import scale_loss
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.mixed_precision import convert_to_mixed_precision
+from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
 
@@ -71,8 +73,8 @@ class TrainingBuild:
 def training_passes(build: TrainingBuild) -> list[Pass]:
     passes = [Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed))]
     if build.optimize:
-        passes += [Pass("clean_forward", clean_forward), Pass("fuse_gelu", fuse_gelu)]
-        passes += training_fusions(build.fusions).before_autodiff
+        passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
+        passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions(build.fusions).before_autodiff]
         if build.label_rows:
             rows = build.label_rows
             passes.append(Pass("label_sparsity", lambda m: shrink_label_rows(m, rows)))
@@ -114,8 +116,8 @@ def eval_passes(mixed_precision: str | None, optimize: bool = True) -> list[Pass
     """Evaluation graphs: the same precision and forward passes as training, no gradients."""
     passes = [Pass("seed_dropout", lambda m: seed_dropouts(m, 0))]
     if optimize:
-        passes += [Pass("clean_forward", clean_forward), Pass("fuse_gelu", fuse_gelu)]
-        passes += training_fusions().before_autodiff
+        passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
+        passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions().before_autodiff]
     if mixed_precision is not None:
         passes.append(
             Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, mixed_precision))

@@ -225,6 +225,11 @@ def export_here(
     clash = set(tensors) & (set(params) | set(buffers))
     if clash:
         raise ExportError(f"batch input names clash with parameter names: {sorted(clash)}")
+    # The trace needs the batch where the module is (a trainer on CUDA passes the host batch
+    # it will copy per step; only shapes and dtypes matter here).
+    device = next((t.device for t in [*params.values(), *buffers.values()]), None)
+    if device is not None:
+        tensors = {k: v.to(device) for k, v in tensors.items()}
     pnames, bnames, keys = list(params), list(buffers), list(tensors)
     wrapper = _Functional(module, pnames, bnames, keys, consts, loss_fn, with_outputs)
     flat = (

@@ -59,6 +59,10 @@ def _child(job: Callable[[], T], write_fd: int) -> None:
     # garbage would join its thread pool's threads, which do not exist after a fork.
     gc.freeze()
     torch.set_num_threads(1)  # OpenMP's thread team does not survive a fork
+    # Jobs run on CPU tensors only (can_fork), but torch.export saves and restores the CUDA
+    # RNG state whenever CUDA is available; after the parent asked torch for the device
+    # count (torch.cuda.is_available()), CUDA cannot start in a forked child.
+    torch.cuda.is_available = lambda: False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -488,7 +488,7 @@ def test_gpu_lamb_matches_cpu_reference(gpu_kernels, grad_dtype):
     grads = _grads(n, 3, grad_dtype)
 
     def run(device):
-        p = p0.to(device)
+        p = p0.clone().to(device)  # the CPU run must not update p0 in place
         m, v = torch.zeros_like(p), torch.zeros_like(p)
         half = torch.empty(n, dtype=torch.bfloat16, device=device)
         offs = kernels.segment_offsets(lengths, device)

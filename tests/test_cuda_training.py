@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.runtime.session import DeviceError, cuda_available
+from ortrain.runtime.session import DeviceError, cuda_available, providers
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
 
 needs_cuda = pytest.mark.skipif(
@@ -32,6 +32,22 @@ def test_device_option_is_validated():
     with pytest.raises(ValueError, match="cuda_graph"):
         TrainerOptions(cuda_graph=True)
     assert TrainerOptions(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_cuda_provider_follows_torchs_tf32_setting(precision):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        (name, options), cpu = providers(torch.device("cuda:1"))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert (name, cpu, options["device_id"]) == (
+        "CUDAExecutionProvider",
+        "CPUExecutionProvider",
+        "1",
+    )
+    assert options["use_tf32"] == ("0" if precision == "highest" else "1")
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the error raised where CUDA is missing")

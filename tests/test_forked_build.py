@@ -20,6 +20,25 @@ def test_result_comes_back_from_the_child():
     assert pid != parent and value == [1, 2, 3]
 
 
+_CHILD_CUDA = """
+import torch
+from ortrain.forked import call_forked
+torch.cuda.is_available()  # the device count: on a GPU machine this poisons forks
+print(call_forked(torch.cuda.is_available, what="test job"), torch.cuda.is_available.__module__)
+"""
+
+
+def test_the_child_sees_no_cuda_so_export_does_not_start_it():
+    """torch.export saves the CUDA RNG state when CUDA is available; in a child forked
+    after the parent asked for the device count that raised (seen on an H100 machine).
+    A fresh interpreter: CUDA must not be started yet (then builds run in process)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD_CUDA], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "torch.cuda"]  # the parent's function untouched
+
+
 class _Custom(Exception):
     pass
 
@@ -77,7 +96,8 @@ def test_a_child_that_dies_falls_back_to_this_process():
 def test_can_fork_respects_the_switches(monkeypatch):
     import torch
 
-    assert can_fork([torch.zeros(2)])
+    # once this process started CUDA (GPU tests before this one) jobs run in process
+    assert can_fork([torch.zeros(2)]) == (not torch.cuda.is_initialized())
     assert not can_fork([torch.zeros(2, device="meta")])
     monkeypatch.setenv("ORTRAIN_BUILD_IN_PROCESS", "1")
     assert not can_fork([torch.zeros(2)])

@@ -141,20 +141,49 @@ def _lowered_matches(model: ir.Model, feeds: dict) -> collections.Counter:
 
 
 _SOFTMAX_FORM = {"Softmax": 1, "GatherElements": 1, "Max": 1, "Log": 1, "Unsqueeze": 1}
-_SOFTMAX_FORM.update(NegativeLogLikelihoodLoss=1)
+_SOFTMAX_FORM.update(Squeeze=1, Neg=1)
+# The NLL of the picked entries in stock ops, per (ignore_index given, reduction).
+_NLL_OPS = {
+    (True, "mean"): {"Equal": 1, "Where": 2, "Not": 1, "Cast": 1, "ReduceSum": 2, "Div": 1},
+    (True, "sum"): {"Equal": 1, "Where": 2, "ReduceSum": 1},
+    (True, "none"): {"Equal": 1, "Where": 2},
+    (False, "mean"): {"ReduceMean": 1},
+    (False, "sum"): {"ReduceSum": 1},
+    (False, "none"): {},
+}
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore_index", [-100, None])
 def test_lower_cross_entropy_softmax_form(reduction, ignore_index):
-    """No log_prob reader: Softmax, the labelled entries gathered, NLL over them."""
+    """No log_prob reader: Softmax, the labelled entries gathered, their NLL in stock ops
+    (no NegativeLogLikelihoodLoss: ONNX Runtime's CUDA provider has no kernel for it)."""
     model = _sce_model(2, False, ignore_index=ignore_index, reduction=reduction)
     feeds = _sce_feeds(model)
     if ignore_index is None:
         feeds["l"][2] = 7
     ops = _lowered_matches(model, feeds)
-    expected = {**_SOFTMAX_FORM, **({"Equal": 1, "Where": 2} if ignore_index else {"Sub": 1})}
+    expected = {**_SOFTMAX_FORM, **_NLL_OPS[ignore_index is not None, reduction]}
     assert ops == collections.Counter(expected)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_lower_cross_entropy_class_weights(reduction):
+    """Class weights: each row weighs its label's weight; ignored rows weigh 0 in the mean."""
+    model = _sce_model(2, False, weights=True, reduction=reduction)
+    ops = _lowered_matches(model, _sce_feeds(model))
+    assert ops["Gather"] == 1 and ops["LogSoftmax"] == 1 and ops["NegativeLogLikelihoodLoss"] == 0
+    assert ops["Mul"] == 1 and ops["Where"] == 3  # index, loss, weight
+
+
+def test_lower_cross_entropy_all_rows_ignored_is_nan_like_onnx():
+    model = _sce_model(2, False, reduction="mean")
+    feeds = _sce_feeds(model)
+    feeds["l"][:] = -100
+    before = _run(model, feeds)[0]
+    assert lower_softmax_cross_entropy(model) == 1
+    after = _run(model, feeds)[0]
+    assert np.isnan(before) and np.isnan(after)
 
 
 def test_lower_cross_entropy_exp_of_log_prob_reads_the_softmax():
@@ -194,7 +223,8 @@ def test_lower_cross_entropy_backward_exp_reads_the_softmax():
 def test_lower_cross_entropy_log_softmax_form(case):
     model = _sce_model(2, **case)
     ops = _lowered_matches(model, _sce_feeds(model))
-    assert ops["LogSoftmax"] == 1 and ops["NegativeLogLikelihoodLoss"] == 1
+    assert ops["LogSoftmax"] == 1 and ops["GatherElements"] == 1
+    assert ops["NegativeLogLikelihoodLoss"] == 0
     assert ops["Softmax"] == 0 and ops["SoftmaxCrossEntropyLoss"] == 0
 
 
@@ -361,3 +391,77 @@ def test_clean_forward_refuses_unseeded_dropout():
     model = _model([helper.make_node("Dropout", ["x"], ["y"], name="drop0")], [x], [y])
     with pytest.raises(ValueError, match=r"drop0.*seed_dropouts"):
         clean_forward(model)
+
+
+# --------------------------------------------------------------------------- pad_as_concat
+def _pad_model(dtype, shape, pads, value=None, axes=None, mode=None) -> ir.Model:
+    x = helper.make_tensor_value_info("x", dtype, shape)
+    y = helper.make_tensor_value_info("y", dtype, None)
+    inits = [helper.make_tensor("pads", TensorProto.INT64, [len(pads)], pads)]
+    names = ["x", "pads"]
+    if value is not None or axes is not None:
+        names.append("value" if value is not None else "")
+        if value is not None:
+            inits.append(helper.make_tensor("value", dtype, [], [value]))
+    if axes is not None:
+        names.append("axes")
+        inits.append(helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes))
+    attrs = {"mode": mode} if mode else {}
+    g = helper.make_graph([helper.make_node("Pad", names, ["y"], **attrs)], "g", [x], [y], inits)
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    proto.ir_version = 10
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.mark.parametrize(
+    "dtype, pads, value, axes, concats",
+    [
+        (TensorProto.INT64, [0, 0, 0, 1], -100, None, 1),  # GPT-2's labels: one column after
+        (TensorProto.INT64, [1, 2, 3, 0], 7, None, 2),  # both axes, before and after
+        (TensorProto.INT32, [2, 1], None, [-1], 1),  # axes input, default value 0
+        (TensorProto.BOOL, [1, 0, 0, 0], None, None, 1),
+    ],
+)
+def test_pad_as_concat_rewrites_integer_pads(dtype, pads, value, axes, concats):
+    from graph_passes.pad_as_concat import pad_as_concat
+
+    model = _pad_model(dtype, [3, 4], pads, value, axes)
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    feeds = {"x": np.random.default_rng(0).integers(0, 9, (3, 4)).astype(np_dtype)}
+    before = _run(model, feeds)[0]
+    assert pad_as_concat(model) == 1
+    assert _ops(model) == collections.Counter(Concat=concats)
+    assert model.graph.outputs[0].name == "y"
+    assert list(model.graph.outputs[0].shape.dims) == list(before.shape)
+    after = _run(model, feeds)[0]
+    assert after.dtype == before.dtype and np.array_equal(after, before)
+
+
+@pytest.mark.parametrize(
+    "dtype, pads, mode",
+    [
+        (TensorProto.FLOAT, [0, 0, 0, 1], None),  # CUDA has a float Pad
+        (TensorProto.INT64, [0, 0, 0, -1], None),  # cropping
+        (TensorProto.INT64, [0, 0, 0, 1], "edge"),
+    ],
+)
+def test_pad_as_concat_leaves_other_pads(dtype, pads, mode):
+    from graph_passes.pad_as_concat import pad_as_concat
+
+    model = _pad_model(dtype, [3, 4], pads, mode=mode)
+    assert pad_as_concat(model) == 0
+    assert _ops(model) == collections.Counter(Pad=1)
+
+
+def test_gpt2_training_graph_has_no_pad():
+    """GPT-2's int64 label Pad would run on the CPU under ONNX Runtime's CUDA provider."""
+    from ortrain import ORTTrainer, TrainerOptions
+    from tests.conftest import lm_batches
+
+    model = gpt2(layers=1, hidden=32, vocab=64)
+    ex = export_forward(model, lm_batches(1, vocab=64, batch=2, seq=8)[0], train=True)
+    assert _ops(ex.model)["Pad"] == 1
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    trainer.train_step(**lm_batches(1, vocab=64, batch=2, seq=8)[0])
+    record = next(r for r in trainer.build_log if r.stage == "pad_as_concat")
+    assert record.op_delta == {"Pad": -1, "Concat": 1}

@@ -10,6 +10,8 @@ kernels, collectives) is ordered with it without host synchronisation.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -59,6 +61,21 @@ def check_device(device: torch.device) -> None:
         )
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise DeviceError(f"device {device}: only {torch.cuda.device_count()} CUDA devices")
+    _preload_cuda_libraries()
+
+
+@functools.cache
+def _preload_cuda_libraries() -> None:
+    # onnxruntime-gpu finds CUDA/cuDNN through the loader's path; pip-installed ones (the
+    # nvidia-* wheels torch brings) are not on it. preload_dlls loads them by path (torch
+    # imported first: its copies are reused).
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is None:
+        return
+    try:
+        preload(msvc=False)
+    except Exception as e:  # the session's own load then reports what is missing
+        warnings.warn(f"onnxruntime.preload_dlls failed: {e}", RuntimeWarning, stacklevel=3)
 
 
 def providers(
@@ -67,6 +84,9 @@ def providers(
     if device.type == "cpu":
         return ["CPUExecutionProvider"]
     options: dict[str, str] = {"device_id": str(device.index or 0)}
+    # ONNX Runtime's CUDA provider runs fp32 GEMMs in TF32 unless told otherwise; torch
+    # does not by default. Follow torch's setting so that fp32 means the same in both.
+    options["use_tf32"] = "0" if torch.get_float32_matmul_precision() == "highest" else "1"
     if stream is not None:  # torch's default stream is 0, which ORT reads as "none"
         options["user_compute_stream"] = str(stream.cuda_stream)
     if cuda_graph:
