@@ -50,6 +50,81 @@ def test_cuda_provider_follows_torchs_tf32_setting(precision):
     assert options["use_tf32"] == ("0" if precision == "highest" else "1")
 
 
+def _pad_relu_model():
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.INT64, [2, 3])
+    f = helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 3])
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in [("y", 7), ("r", 1)]]
+    pads = helper.make_tensor("pads", TensorProto.INT64, [4], [0, 0, 0, 1])
+    nodes = [
+        helper.make_node("Pad", ["x", "pads"], ["y"], name="label_pad"),
+        helper.make_node("Relu", ["f"], ["r"], name="relu"),
+    ]
+    proto = helper.make_model(
+        helper.make_graph(nodes, "g", [x, f], outs, [pads]),
+        opset_imports=[helper.make_opsetid("", 20)],
+    )
+    proto.ir_version = 10
+    return ir.serde.deserialize_model(proto)
+
+
+def test_nodes_not_on_a_provider_are_named():
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from ortrain.runtime.session import _RECORD_ASSIGNMENT, nodes_not_on
+
+    so = ort.SessionOptions()
+    so.add_session_config_entry(_RECORD_ASSIGNMENT, "1")
+    data = ir.serde.serialize_model(_pad_relu_model()).SerializeToString()
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    off = nodes_not_on(sess, "CUDAExecutionProvider")
+    assert sorted(off) == [("Pad", "label_pad"), ("Relu", "relu")]
+    assert nodes_not_on(sess, "CPUExecutionProvider") == []
+
+
+def _fake_cuda_sessions(monkeypatch) -> list[bool]:
+    """ort.InferenceSession as on a GPU where no node has a CUDA kernel: graph capture
+    fails as ONNX Runtime 1.31 fails it; otherwise a CPU session."""
+    import onnxruntime as ort
+
+    real, captures = ort.InferenceSession, []
+
+    def fake(data, so, providers, disabled_optimizers):
+        name, options = providers[0]
+        assert name == "CUDAExecutionProvider"
+        captures.append(options.get("enable_cuda_graph") == "1")
+        if captures[-1]:
+            raise RuntimeError(
+                "[ONNXRuntimeError] : 1 : FAIL : This session cannot use the graph capture "
+                "feature as requested by the user  as all compute graph nodes have not been "
+                "partitioned to the CUDAExecutionProvider"
+            )
+        return real(data, so, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(ort, "InferenceSession", fake)
+    return captures
+
+
+def test_cuda_graph_failure_names_the_nodes_on_the_cpu(monkeypatch):
+    from ortrain.runtime.session import make_session
+
+    captures = _fake_cuda_sessions(monkeypatch)
+    with pytest.raises(DeviceError, match=r"cuda_graph=True.*2 node\(s\).*Pad 'label_pad'"):
+        make_session(_pad_relu_model(), threads=1, device=torch.device("cuda"), cuda_graph=True)
+    assert captures == [True, False]  # the second, plain session only to name the nodes
+
+
+def test_nodes_on_the_cpu_under_cuda_are_warned_about(monkeypatch):
+    from ortrain.runtime.session import make_session
+
+    _fake_cuda_sessions(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"2 node\(s\) \((Pad|Relu) .*run on the CPU"):
+        make_session(_pad_relu_model(), threads=1, device=torch.device("cuda"))
+
+
 @pytest.mark.skipif(cuda_available(), reason="checks the error raised where CUDA is missing")
 def test_cuda_without_a_gpu_build_fails_clearly():
     model = gpt2(layers=1, hidden=64, vocab=128)

@@ -178,12 +178,63 @@ def make_session(
     if device.type == "cpu":
         register_cpu_arena(arena_bytes)
         so.add_session_config_entry("session.use_env_allocators", "1")
-    return ort.InferenceSession(
-        data,
-        so,
-        providers=providers(device, stream, cuda_graph),
-        disabled_optimizers=DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else []),
-    )
+    else:
+        so.add_session_config_entry(_RECORD_ASSIGNMENT, "1")
+    disabled = DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else [])
+
+    def new(capture: bool) -> ort.InferenceSession:
+        return ort.InferenceSession(
+            data, so, providers=providers(device, stream, capture), disabled_optimizers=disabled
+        )
+
+    if device.type == "cpu":
+        return new(False)
+    try:
+        session = new(cuda_graph)
+    except Exception as exc:
+        if not cuda_graph or "graph capture" not in str(exc):
+            raise
+        off = nodes_not_on(new(False), _CUDA)
+        raise DeviceError(
+            "cuda_graph=True: ONNX Runtime captures a CUDA graph only when every node runs "
+            f"on CUDA, and {_describe(off) or 'some nodes'} run on the CPU (its CUDA provider "
+            "has no kernel for them); train with cuda_graph=False"
+        ) from exc
+    off = nodes_not_on(session, _CUDA)
+    if off:
+        warnings.warn(
+            f"{_describe(off)} run on the CPU under ONNX Runtime's CUDA provider (no CUDA "
+            "kernel): each step copies their inputs between the GPU and the host",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return session
+
+
+_CUDA = "CUDAExecutionProvider"
+_RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
+
+
+def nodes_not_on(session: ort.InferenceSession, provider: str) -> list[tuple[str, str]]:
+    """(op type, node name) of the nodes ONNX Runtime assigned to a provider other than
+    ``provider`` (sessions created with ``session.record_ep_graph_assignment_info``);
+    empty where this onnxruntime cannot say (older than 1.31)."""
+    get = getattr(session, "get_provider_graph_assignment_info", None)
+    if get is None:
+        return []
+    try:
+        subgraphs = get()
+    except Exception:  # recording off, or not implemented by this build
+        return []
+    return [
+        (n.op_type, n.name) for sg in subgraphs if sg.ep_name != provider for n in sg.get_nodes()
+    ]
+
+
+def _describe(nodes: list[tuple[str, str]], limit: int = 5) -> str:
+    shown = ", ".join(f"{op} '{name}'" for op, name in nodes[:limit])
+    more = f" and {len(nodes) - limit} more" if len(nodes) > limit else ""
+    return f"{len(nodes)} node(s) ({shown}{more})" if nodes else ""
 
 
 def _where(t: torch.Tensor) -> tuple[str, int]:
