@@ -668,7 +668,16 @@ def test_all_optimization_passes_keep_loss_and_gradients(exported, model_name):
     assert "clean_forward" not in plain_records and "fuse_gelu" not in plain_records
     _assert_same(optimized, plain, f"{model_name} optimize_graph")
     assert len(model.graph) < len(plain_model.graph)
-    assert {"clean_forward", "fuse_gelu", "clean_backward"} <= records.keys()
+    assert {"clean_forward", "pad_as_concat", "fuse_gelu", "clean_backward"} <= records.keys()
+
+
+@pytest.mark.parametrize("model_name, padded", [("gpt2", True), ("bert", False)])
+def test_pad_as_concat_in_the_training_build(exported, model_name, padded):
+    """GPT-2's loss pads its int64 labels (no CUDA kernel): one Concat instead; BERT has
+    no Pad. Loss and gradients: test_all_optimization_passes_keep_loss_and_gradients."""
+    _, model, records = exported[model_name].run(None, optimize=True)
+    assert records["pad_as_concat"].op_delta == ({"Pad": -1, "Concat": 1} if padded else {})
+    assert not any(n.op_type == "Pad" for n in model.graph)
 
 
 # --- 3. structure after the proposed pipeline ----------------------------------------------
