@@ -24,7 +24,9 @@ _CHILD_CUDA = """
 import torch
 from ortrain.forked import call_forked
 torch.cuda.is_available()  # the device count: on a GPU machine this poisons forks
-print(call_forked(torch.cuda.is_available, what="test job"), torch.cuda.is_available.__module__)
+child = call_forked(lambda: (torch.cuda.is_available(), torch.cuda.is_available.__module__),
+                    what="test job")
+print(*child, torch.cuda.is_available.__module__)
 """
 
 
@@ -36,7 +38,9 @@ def test_the_child_sees_no_cuda_so_export_does_not_start_it():
         [sys.executable, "-c", _CHILD_CUDA], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "torch.cuda"]  # the parent's function untouched
+    # the child's is_available is ortrain's (False even on a GPU machine); the parent's is
+    # untouched
+    assert out.stdout.split() == ["False", "ortrain.forked", "torch.cuda"]
 
 
 class _Custom(Exception):
