@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds
 
-DISABLED_OPTIMIZERS = ["EliminateDropout"]  # as ortrain.runtime.session
+from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED, serialize_for_ort
 
 
 # --------------------------------------------------------------------------- inputs
@@ -116,12 +116,15 @@ def random_feeds(
 
 
 # --------------------------------------------------------------------------- profiling
-def load_graph(path: Path, remove_unused: bool) -> tuple[bytes, int]:
-    """The serialized graph and its node count."""
+def load_graph(path: Path, remove_unused: bool) -> tuple[bytes, int, bool]:
+    """The graph serialized as ortrain hands it to ONNX Runtime (node order included: it
+    decides which buffers ONNX Runtime reuses in place), its node count, and whether it
+    has recomputed copies (ONNX Runtime's CSE then stays off, as in ortrain)."""
     model = ir.load(path)
     if remove_unused:
         ir.passes.common.RemoveUnusedNodesPass()(model)
-    return ir.serde.serialize_model(model).SerializeToString(), len(model.graph)
+    data, recomputes = serialize_for_ort(model)
+    return data, len(model.graph), recomputes
 
 
 def profile(
@@ -134,6 +137,7 @@ def profile(
     int_high: int,
     seed: int,
     prefix: str,
+    recomputes: bool = False,
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the graph ``warmup_runs + runs`` times under the profiler.
 
@@ -144,10 +148,13 @@ def profile(
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    so.enable_mem_pattern = False  # ortrain's session settings (runtime/session.py)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.enable_profiling = True
     so.profile_file_prefix = prefix
+    disabled = DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else [])
     sess = ort.InferenceSession(
-        data, so, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+        data, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
     )
     feeds = random_feeds(sess, known, int_high, seed)
     for _ in range(warmup_runs):
@@ -297,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         # The trainer runs RemoveUnusedNodesPass on the gradient graph after saving it.
         remove = not args.no_remove_unused and path.name.startswith("train.")
-        data, n_nodes = load_graph(path, remove)
+        data, n_nodes, recomputes = load_graph(path, remove)
         if expected is not None and n_nodes != expected:
             print(
                 f"WARNING: {path.name} has {n_nodes} nodes, the trainer's session graph "
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             int_high=args.int_high,
             seed=args.seed,
             prefix=str(Path(tmp) / "ort_profile"),
+            recomputes=recomputes,
         )
     agg = aggregate(events, args.warmup_runs)
     agg["other_cpus"] = others

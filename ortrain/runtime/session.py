@@ -131,7 +131,7 @@ def register_cpu_arena(planned_peak_bytes: int = 0) -> None:
     _arena_registered = True
 
 
-def _serialized(model: ir.Model) -> tuple[bytes, bool]:
+def serialize_for_ort(model: ir.Model) -> tuple[bytes, bool]:
     """(the model ordered for ONNX Runtime, serialized; whether it has recomputed copies)."""
     import onnx_ir as ir
 
@@ -158,7 +158,7 @@ def make_session(
         data, recomputes = model.ort_data, model.recomputes
         arena_bytes = model.planned_peak_bytes
     else:
-        data, recomputes = _serialized(model)
+        data, recomputes = serialize_for_ort(model)
     if save_path is not None:
         with open(save_path, "wb") as f:
             f.write(data)
