@@ -6,6 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
+case "$what" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
