@@ -6,6 +6,8 @@ import onnx_ir as ir
 
 GRAD_OF = "ortrain.grad_of"  # on backward nodes: the forward node they differentiate
 RECOMPUTE_OF = "ortrain.recompute_of"  # on recomputed copies: the forward node copied
+# on an embedding's Gather: the row whose gradient is 0 (torch's ``padding_idx``)
+PADDING_IDX = "ortrain.padding_idx"
 
 
 def is_backward(node: ir.Node) -> bool:

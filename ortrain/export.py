@@ -23,6 +23,7 @@ import torch
 
 from ortrain.errors import ExportError
 from ortrain.forked import call_forked, can_fork
+from ortrain.padding_rows import tag_padding_rows
 from ortrain.roles import GraphIO, Role
 
 if TYPE_CHECKING:  # the training process does not import them (ortrain/build.py)
@@ -210,6 +211,21 @@ def _tensors(module: torch.nn.Module, batch: Mapping[str, Any]) -> list[torch.Te
     return tensors + [v for v in batch.values() if isinstance(v, torch.Tensor)]
 
 
+def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy for every batch tensor passed again under another name.
+
+    The exporter makes one graph input of one tensor object: with ``input_ids=ids,
+    labels=ids`` (the usual causal-LM call) the graph would read ``labels`` for both, and a
+    later batch with other labels would be fed to the embedding too.
+    """
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        out[k] = v.clone() if id(v) in seen else v
+        seen.add(id(v))
+    return out
+
+
 def export_here(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
@@ -230,6 +246,7 @@ def export_here(
     device = next((t.device for t in [*params.values(), *buffers.values()]), None)
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
+    tensors = _unaliased(tensors)
     pnames, bnames, keys = list(params), list(buffers), list(tensors)
     wrapper = _Functional(module, pnames, bnames, keys, consts, loss_fn, with_outputs)
     flat = (
@@ -260,6 +277,7 @@ def export_here(
         module.train(was_training)
     model = program.model
     model.graph.name = type(module).__name__
+    tag_padding_rows(model, module)
     graph_inputs = {v.name: v for v in model.graph.inputs}
     roles: list[GraphIO] = []
     for name in pnames:

@@ -145,6 +145,7 @@ class Spec:
     direct_loss: bool = False  # output 0 is already the scalar loss: use it as is
     ref_sees_ort: bool = False  # ``ref`` gets the ONNX Runtime outputs (Dropout's mask)
     threads: int = 1  # intra-op threads for the gradient run (races show only with > 1)
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # the node's tags
 
     @property
     def wrt(self) -> list[int]:
@@ -193,6 +194,7 @@ def _forward_graph(spec: Spec, arrays: list[np.ndarray | None], out_types=None):
         attributes=ir.convenience.convert_attributes(spec.attrs),
         num_outputs=spec.outputs,
         name="node_under_test",
+        metadata_props=dict(spec.metadata),
     )
     for k, o in enumerate(node.outputs):
         o.name = f"out{k}"

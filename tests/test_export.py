@@ -130,3 +130,52 @@ def test_child_export_finalizes_nothing_it_inherited(tmp_path):
     assert "exported" in proc.stdout, proc.stderr[-2000:]
     parent = proc.stdout.split()[-1]
     assert marker.read_text().split() == [parent]  # once, by the parent only
+
+
+def test_embedding_padding_idx_is_tagged_on_its_gather():
+    """BERT's word embedding has padding_idx = pad_token_id (0); the position and token-type
+    embeddings have none. The Gather gradient rule reads the tag."""
+    from graph_passes.tags import PADDING_IDX
+
+    model = bert_mlm()
+    ex = export_forward(model, bert_batches(1)[0], train=True)
+    tags = {
+        n.inputs[0].name: n.metadata_props.get(PADDING_IDX)
+        for n in ex.model.graph
+        if n.op_type == "Gather" and n.inputs[0] is not None and n.inputs[0].name.endswith("weight")
+    }
+    assert tags == {
+        "bert.embeddings.word_embeddings.weight": "0",
+        "bert.embeddings.position_embeddings.weight": None,
+        "bert.embeddings.token_type_embeddings.weight": None,
+    }
+
+
+def test_pad_row_of_an_embedding_gets_no_gradient():
+    """Left padding with the pad token's row in the loss (a causal LM predicting the first
+    real token from the last pad): eager leaves the padding_idx row out of the gradient."""
+    import copy
+
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from ortrain import ORTTrainer
+
+    torch.manual_seed(0)
+    ref = OPTForCausalLM(OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64,
+        max_position_embeddings=16, word_embed_proj_dim=32, attn_implementation="eager",
+        pad_token_id=1, dropout=0.0, tie_word_embeddings=False,
+    ))  # fmt: skip
+    model = copy.deepcopy(ref)
+    ids = torch.randint(2, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    ids[0, :4] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    ref(**batch).loss.backward()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer.train_step(**batch)
+    name = "model.decoder.embed_tokens.weight"
+    ref_grad = dict(ref.named_parameters())[name].grad
+    assert not ref_grad[1].any() and ref_grad[2:].abs().sum() > 0
+    torch.testing.assert_close(trainer.grads[name], ref_grad, rtol=1e-4, atol=1e-6)

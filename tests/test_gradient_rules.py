@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from graph_passes.autodiff import GradientError, build_gradient_graph, registry
 from graph_passes.emitter import MS_DOMAIN
+from graph_passes.tags import PADDING_IDX
 from tests.gradcheck import (
     Const,
     Fixed,
@@ -373,6 +374,10 @@ SPECS: list[Spec] = [
          lambda w, i: w[i]),
     case("Gather-axis0-neg-indices", "Gather", [X(5, 4), Index((6,), -5, 5)],
          lambda w, i: w[i]),
+    # torch's padding_idx (ortrain/padding_rows.py tags the export's Gather): row 3 gets
+    # no gradient however often it is looked up.
+    case("Gather-axis0-padding-idx", "Gather", [X(6, 4), Fixed([[3, 1, 3], [0, 3, 5]])],
+         lambda w, i: F.embedding(i, w, padding_idx=3), metadata={PADDING_IDX: "3"}),
     case("Gather-axis0-scalar-input", "Gather", [X(5, 4), Index((), 0, 5)], lambda w, i: w[i]),
     case("Gather-axis1-scalar-const", "Gather", [X(3, 5, 4), Const(2)], lambda x, i: x[:, 2],
          attrs={"axis": 1}),

@@ -265,3 +265,22 @@ def test_save_graphs_dir_writes_one_file_per_pass_in_order(tmp_path):
     last = ir.load(tmp_path / files[-1])
     assert len(last.graph) == len(trainer.train_graphs[0].graph)
     assert (tmp_path / "update.onnx").exists()
+
+
+def test_one_tensor_passed_as_two_inputs_stays_two_graph_inputs():
+    """``input_ids=ids, labels=ids`` on the first step, other labels later: the exporter
+    made one graph input of the one tensor, and later steps fed the labels to the
+    embedding too (loss 4.621 instead of 4.570 on this model before the fix)."""
+    ref = tiny()
+    model = copy.deepcopy(ref)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
+    other = torch.randint(0, 128, (2, 16), generator=g)
+    for labels in (ids, other, ids):
+        expected = ref(input_ids=ids, labels=labels).loss.item()
+        got = trainer.train_step(input_ids=ids, labels=labels).item()
+        assert got == pytest.approx(expected, rel=1e-5)
+    graph_inputs = {v.name for v in trainer.train_graphs[0].graph.inputs}
+    assert {"input_ids", "labels"} <= graph_inputs
+    assert len(trainer.train_graphs) == 1

@@ -6,6 +6,7 @@ import numpy as np
 
 from graph_passes.autodiff.context import GradContext
 from graph_passes.autodiff.registry import gradient
+from graph_passes.tags import PADDING_IDX
 
 
 def _reshape_back(ctx: GradContext):
@@ -115,17 +116,22 @@ def pad(ctx: GradContext):
     return {0: ctx.op("Pad", ctx.GO(0), neg, *extra, shape=ctx.shape(ctx.I(0)))}
 
 
-def _scatter_add_rows(ctx: GradContext, table_shape, indices, updates):
+def _scatter_add_rows(ctx: GradContext, table_shape, indices, updates, skip_row: int = -1):
     """zeros(table_shape) with ``updates`` added at rows ``indices``.
 
     ScatterElements(add) with the row index broadcast over each row, not ScatterND(add):
     ONNX Runtime's CPU ScatterND loses updates to repeated indices when it runs on more
     than one thread (onnxruntime#18048), and embedding rows repeat all the time.
+    ``skip_row >= 0``: that row gets no updates (an embedding's ``padding_idx``).
     """
     rows = int(np.prod(ctx.shape(indices), dtype=np.int64))
     rest = list(table_shape[1:])
     flat_updates = ctx.reshape(updates, [rows, *rest])
     column = ctx.reshape(indices, [rows] + [1] * len(rest))
+    if skip_row >= 0:
+        pad = ctx.op("Equal", column, ctx.const(skip_row, column.dtype))
+        zero = ctx.scalar_like(0.0, flat_updates)
+        flat_updates = ctx.op("Where", pad, zero, flat_updates, shape=[rows, *rest])
     expanded = ctx.op("Expand", column, ctx.ints([rows, *rest]), shape=[rows, *rest])
     zeros = ctx.zeros(table_shape, updates.dtype)
     return ctx.op(
@@ -155,7 +161,9 @@ def gather(ctx: GradContext):
         g = ctx.op("Unsqueeze", g, ctx.ints([axis]), shape=[*g_shape[:axis], 1, *g_shape[axis:]])
         q = 1
     if axis == 0:
-        return {0: _scatter_add_rows(ctx, shape, idx, g)}
+        # Negative indices count from the end; torch's padding_idx is never negative.
+        skip = int(ctx.node.metadata_props.get(PADDING_IDX, -1))
+        return {0: _scatter_add_rows(ctx, shape, idx, g, skip_row=skip)}
     # Move the gathered axis to the front, scatter rows, move it back.
     g_rank = rank - 1 + q
     idx_dims = list(range(axis, axis + q))
