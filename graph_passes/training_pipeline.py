@@ -8,6 +8,7 @@ Order (forward passes first, then autodiff, then backward passes; * = optimizati
 left out with ``optimize=False``):
 
 1.  seed_dropout       each Dropout gets its own seed (before anything could merge two)
+    masked_attention_rows  fully masked attention rows give 0, as torch's SDPA (export fix)
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
     pad_as_concat*     integer Pads (the labels') as Concat: CUDA has no integer Pad
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
@@ -40,6 +41,7 @@ from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.label_sparsity import shrink_label_rows
 from graph_passes.loss_scaling import scale_loss
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
+from graph_passes.masked_attention_rows import fix_masked_attention_rows
 from graph_passes.mixed_precision import convert_to_mixed_precision
 from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
@@ -71,7 +73,10 @@ class TrainingBuild:
 
 
 def training_passes(build: TrainingBuild) -> list[Pass]:
-    passes = [Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed))]
+    passes = [
+        Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed)),
+        Pass("masked_attention_rows", fix_masked_attention_rows),
+    ]
     if build.optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
         passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions(build.fusions).before_autodiff]
@@ -114,7 +119,10 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
 
 def eval_passes(mixed_precision: str | None, optimize: bool = True) -> list[Pass]:
     """Evaluation graphs: the same precision and forward passes as training, no gradients."""
-    passes = [Pass("seed_dropout", lambda m: seed_dropouts(m, 0))]
+    passes = [
+        Pass("seed_dropout", lambda m: seed_dropouts(m, 0)),
+        Pass("masked_attention_rows", fix_masked_attention_rows),
+    ]
     if optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
         passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions().before_autodiff]

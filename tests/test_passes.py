@@ -467,3 +467,81 @@ def test_gpt2_training_graph_has_no_pad():
     trainer.train_step(**lm_batches(1, vocab=64, batch=2, seq=8)[0])
     record = next(r for r in trainer.build_log if r.stage == "pad_as_concat")
     assert record.op_delta == {"Pad": -1, "Concat": 1}
+
+
+# --------------------------------------------------------------------- masked_attention_rows
+def _sdpa_probs_model(lowest: float, keep: float = 0.0, dtype=TensorProto.FLOAT) -> ir.Model:
+    """torch.onnx's SDPA with a boolean mask: Where(mask, 0, lowest) + scores, Softmax,
+    then the NaN guard Where(IsNaN(p), 0, p)."""
+    shape = [2, 3, 4, 5]
+    nodes = [
+        helper.make_node("Where", ["mask", "keep", "lowest"], ["bias"]),
+        helper.make_node("Add", ["scores", "bias"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+        helper.make_node("IsNaN", ["p"], ["nan"]),
+        helper.make_node("Where", ["nan", "zero", "p"], ["y"]),
+    ]
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    inits = [
+        helper.make_tensor("keep", dtype, [], [keep]),
+        helper.make_tensor("lowest", dtype, [], [np.asarray(lowest, np_dtype).item()]),
+        helper.make_tensor("zero", dtype, [], [0.0]),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "sdpa",
+        [
+            helper.make_tensor_value_info("scores", dtype, shape),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 1, 4, 5]),
+        ],
+        [helper.make_tensor_value_info("y", dtype, shape)],
+        inits,
+    )
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    proto.ir_version = 10
+    return ir.serde.deserialize_model(proto)
+
+
+def _sdpa_feeds(np_dtype=np.float32) -> dict:
+    rng = np.random.default_rng(0)
+    mask = rng.random((2, 1, 4, 5)) < 0.6
+    mask[0, 0, 1] = False  # fully masked query rows
+    mask[1, 0, 3] = False
+    mask[1, 0, 0] = True
+    return {"scores": rng.standard_normal((2, 3, 4, 5)).astype(np_dtype), "mask": mask}
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_masked_attention_rows_give_zero_like_torch_sdpa(dtype):
+    from graph_passes.masked_attention_rows import fix_masked_attention_rows
+
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    model = _sdpa_probs_model(float(np.finfo(np_dtype).min), dtype=dtype)
+    feeds = _sdpa_feeds(np_dtype)
+    scores, mask = torch.from_numpy(feeds["scores"]).float(), torch.from_numpy(feeds["mask"])
+    # torch's SDPA weights: softmax over the kept keys, 0 in rows with none kept.
+    expected = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    before = _run(model, feeds)[0]
+    # The exported graph attends to every key in those rows (the bug the pass fixes):
+    # uniformly in float32, where the bias swamps the scores.
+    np.testing.assert_allclose(before[0, :, 1].astype(np.float32).sum(-1), 1.0, rtol=1e-3)
+    if dtype == TensorProto.FLOAT:
+        np.testing.assert_allclose(before[0, :, 1], 0.2, rtol=1e-6)
+    assert fix_masked_attention_rows(model) == 1
+    ops = _ops(model)
+    assert ops["IsNaN"] == 0 and ops["ReduceMax"] == 1 and ops["Less"] == 1
+    after = _run(model, feeds)[0]
+    tol = 1e-6 if dtype == TensorProto.FLOAT else 1e-3
+    np.testing.assert_allclose(after.astype(np.float32), expected.numpy(), rtol=tol, atol=tol)
+    assert not after[0, :, 1].any() and not after[1, :, 3].any()
+
+
+@pytest.mark.parametrize("lowest, keep", [(-1e4, 0.0), (float(np.finfo(np.float32).min), 1.0)])
+def test_masked_attention_rows_leave_other_masks(lowest, keep):
+    """A finite bias that does not swamp the scores, or a non-zero 'keep' value, is not
+    torch.onnx's boolean SDPA mask: the guard stays."""
+    from graph_passes.masked_attention_rows import fix_masked_attention_rows
+
+    model = _sdpa_probs_model(lowest, keep)
+    assert fix_masked_attention_rows(model) == 0
+    assert _ops(model)["IsNaN"] == 1
