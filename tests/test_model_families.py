@@ -1,0 +1,197 @@
+"""Transformer families beyond GPT-2 and BERT, trained through ortrain against eager.
+
+Encoders (RoBERTa, DistilBERT, ALBERT, ELECTRA, DeBERTa-v2), decoders (GPT-Neo with local
+attention, OPT, Llama/Qwen2 with grouped-query attention, RMSNorm and rotary embeddings,
+Phi, GPT-J, BLOOM with ALiBi, GPTBigCode with multi-query attention) and encoder-decoders
+(T5 with relative position buckets, BART), each tiny, with padded batches. Per model:
+the first step's gradients element-wise against ``torch.autograd``, the losses of three
+AdamW steps, and ``eval_step``'s logits after them against eager's eval forward.
+
+Decoders with ``attn_implementation="sdpa"`` (HF's default) get left-padded batches:
+torch's SDPA gives zeros for the pad rows, whose keys are all masked, and the last pad
+row's prediction of the first real token is in the loss (``masked_attention_rows.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from ortrain import ORTTrainer, TrainerOptions
+
+V, H, L, HEADS, S, B = 320, 64, 2, 4, 24, 4
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5  # atol scaled by the tensor's largest reference value
+# plus a floor scaled by the largest gradient of the model: softmax is shift invariant, so
+# an attention key bias (without rotary embeddings) has an exact gradient of zero and both
+# implementations return float32 noise there (see test_parity.drop_key_bias).
+NOISE_FLOOR = 1e-6
+LOSS_RTOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model: str  # transformers class names
+    config: str
+    batch: str  # "mlm" | "right" | "left" (padding side of a causal LM) | "seq2seq"
+    kwargs: dict
+    attn: str | None = "eager"  # None: the config takes no attn_implementation
+
+    def build(self) -> torch.nn.Module:
+        import transformers
+
+        from tests.conftest import _quiet_transformers
+
+        _quiet_transformers()
+        kw = dict(self.kwargs, vocab_size=V)
+        if self.attn is not None:
+            kw["attn_implementation"] = self.attn
+        torch.manual_seed(0)
+        return getattr(transformers, self.model)(getattr(transformers, self.config)(**kw))
+
+
+ENCODER = dict(
+    hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, intermediate_size=4 * H,
+    max_position_embeddings=S + 4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)  # fmt: skip
+DECODER = dict(
+    hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, max_position_embeddings=S
+)
+FACTORIZED = dict(ENCODER, embedding_size=32)  # ALBERT, ELECTRA: a smaller embedding
+GQA = dict(DECODER, num_key_value_heads=2, intermediate_size=3 * H)
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+SEQ2SEQ = dict(
+    d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=HEADS,
+    decoder_attention_heads=HEADS, encoder_ffn_dim=4 * H, decoder_ffn_dim=4 * H,
+    max_position_embeddings=S, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+)  # fmt: skip
+
+FAMILIES = {
+    "roberta": Family("RobertaForMaskedLM", "RobertaConfig", "mlm", ENCODER),
+    "distilbert": Family(
+        "DistilBertForMaskedLM", "DistilBertConfig", "mlm",
+        dict(dim=H, n_layers=L, n_heads=HEADS, hidden_dim=4 * H, dropout=0.0,
+             attention_dropout=0.0, max_position_embeddings=S),
+        attn=None,
+    ),
+    "albert": Family("AlbertForMaskedLM", "AlbertConfig", "mlm", FACTORIZED),
+    "electra": Family("ElectraForMaskedLM", "ElectraConfig", "mlm", FACTORIZED),
+    "deberta-v2": Family("DebertaV2ForMaskedLM", "DebertaV2Config", "mlm", ENCODER, attn=None),
+    "gpt-neo": Family(
+        "GPTNeoForCausalLM", "GPTNeoConfig", "right",
+        dict(hidden_size=H, num_layers=L, num_heads=HEADS, max_position_embeddings=S,
+             attention_types=[[["global", "local"], 1]], window_size=8, embed_dropout=0.0,
+             attention_dropout=0.0, resid_dropout=0.0),
+    ),
+    "opt": Family(
+        "OPTForCausalLM", "OPTConfig", "left",
+        dict(DECODER, ffn_dim=4 * H, word_embed_proj_dim=H, dropout=0.0, attention_dropout=0.0),
+        attn="sdpa",
+    ),
+    "llama": Family("LlamaForCausalLM", "LlamaConfig", "left", GQA, attn="sdpa"),
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", "right", GQA),
+    "phi": Family(
+        "PhiForCausalLM", "PhiConfig", "left",
+        dict(DECODER, intermediate_size=4 * H, resid_pdrop=0.0, embd_pdrop=0.0),
+        attn="sdpa",
+    ),
+    "gpt-j": Family(
+        "GPTJForCausalLM", "GPTJConfig", "right",
+        dict(n_embd=H, n_layer=L, n_head=HEADS, rotary_dim=8, n_positions=S, **NO_DROPOUT),
+    ),
+    "bloom": Family(
+        "BloomForCausalLM", "BloomConfig", "right",
+        dict(hidden_size=H, n_layer=L, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0),
+    ),
+    "gpt-bigcode": Family(
+        "GPTBigCodeForCausalLM", "GPTBigCodeConfig", "right",
+        dict(n_embd=H, n_layer=L, n_head=HEADS, n_positions=S, multi_query=True, **NO_DROPOUT),
+    ),
+    "t5": Family(
+        "T5ForConditionalGeneration", "T5Config", "seq2seq",
+        dict(d_model=H, d_kv=16, d_ff=4 * H, num_layers=L, num_heads=HEADS, dropout_rate=0.0,
+             decoder_start_token_id=0, pad_token_id=0),
+    ),
+    "bart": Family("BartForConditionalGeneration", "BartConfig", "seq2seq", SEQ2SEQ),
+}  # fmt: skip
+
+
+def _batch(kind: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(5, V, (B, S), generator=g)
+    mask = torch.ones_like(ids)
+    pad = [0, 3, 7, 0]  # per-row padding length; rows 0 and 3 unpadded
+    for row, n in enumerate(pad):
+        if n:
+            if kind == "left":
+                mask[row, :n] = 0
+            else:
+                mask[row, -n:] = 0
+    ids = ids.masked_fill(mask == 0, 1)
+    if kind == "mlm":
+        labels = torch.full_like(ids, -100)
+        chosen = (torch.rand(B, S, generator=g) < 0.3) & (mask == 1)
+        labels[chosen] = ids[chosen]
+    elif kind == "seq2seq":
+        labels = torch.randint(5, V, (B, S // 2), generator=g)
+        labels[2, -3:] = -100
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_like_eager(family: str) -> None:
+    kind = FAMILIES[family].batch
+    ref = FAMILIES[family].build()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    batches = [_batch(kind, g) for _ in range(3)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    trainer = ORTTrainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01), TrainerOptions()
+    )
+    losses_ref, losses = [], []
+    for step, batch in enumerate(batches):
+        opt_ref.zero_grad()
+        loss = ref(**batch).loss
+        loss.backward()
+        losses_ref.append(loss.item())
+        losses.append(trainer.train_step(**batch).item())
+        if step == 0:
+            _assert_gradients(ref, trainer)
+        opt_ref.step()
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
+    )
+    # The eval graph against eager's eval forward on ortrain's own weights.
+    trainer.sync_to_module().eval()
+    with torch.no_grad():
+        logits_ref = model(**batches[-1]).logits
+    logits = trainer.eval_step(**batches[-1])["logits"]
+    _assert_close_scaled(logits, logits_ref, "eval logits")
+    if kind == "left":
+        record = next(r for r in trainer.build_log if r.stage == "masked_attention_rows")
+        assert record.op_delta.get("IsNaN") == -L and record.op_delta.get("ReduceMax") == L
+
+
+def _assert_gradients(ref: torch.nn.Module, trainer: ORTTrainer) -> None:
+    scale = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    compared = 0
+    for name, p in ref.named_parameters():
+        got = trainer.grads.get(name)
+        if p.grad is None:
+            assert got is None or not got.any(), f"{name}: eager has no gradient"
+            continue
+        assert got is not None, f"{name}: ortrain computed no gradient"
+        _assert_close_scaled(got, p.grad, name, floor=NOISE_FLOOR * scale)
+        compared += 1
+    assert compared >= 10
+
+
+def _assert_close_scaled(
+    got: torch.Tensor, ref: torch.Tensor, what: str, floor: float = 0.0
+) -> None:
+    atol = GRAD_ATOL * ref.abs().max().item() + floor
+    torch.testing.assert_close(got, ref, rtol=GRAD_RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
