@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     opt.add_argument("-o", "--output", required=True, help="where to write the optimized model")
     opt.add_argument("--level", choices=["basic", "extended"], default="extended")
     opt.add_argument("--report", help="write the per-pass table as JSON here")
+    opt.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="size of a symbolic input dimension in the output check (default 2; repeatable)",
+    )
     bt = sub.add_parser("build-training", help="build training artifacts from an ONNX model")
     bt.add_argument("input", help="forward ONNX model with a scalar loss output")
     bt.add_argument("--loss", required=True, help="name of the loss output")
@@ -76,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from ortrain.optimize import OptimizeError, optimize_file, summary
 
         try:
-            records = optimize_file(args.input, args.output, level=args.level, report=args.report)
+            dims = _parse_dims(args.dim)
+            records = optimize_file(
+                args.input, args.output, level=args.level, report=args.report, dims=dims
+            )
         except OptimizeError as exc:
             print(f"ortrain optimize: error: {exc}", file=sys.stderr)
             return 1
@@ -94,6 +104,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--steps must be at least 2")
         run(args.steps, args.batch, args.seq, compare=not args.no_compare)
     return 0
+
+
+def _parse_dims(specs: list[str]) -> dict[str, int]:
+    from ortrain.optimize import OptimizeError
+
+    dims = {}
+    for spec in specs:
+        name, sep, size = spec.partition("=")
+        if not sep or not name or not size.isdigit() or int(size) < 1:
+            raise OptimizeError(f"--dim {spec!r}: expected NAME=SIZE with SIZE >= 1")
+        dims[name] = int(size)
+    return dims
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ Levels:
   BiasGelu, residual Add + LayerNormalization into SkipLayerNormalization.
 
 After the pipeline the optimized and the original model run on the same random inputs;
-a mismatch re-runs the passes one by one to name the pass to blame.
+a mismatch re-runs the passes one by one to name the pass to blame. Symbolic dimensions
+(dynamic batch and sequence axes) stay symbolic in the output; the check runs them at
+``DEFAULT_DIM`` or at the sizes given by name (``--dim seq=128``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -96,25 +98,48 @@ def _session(model: ir.Model) -> ort.InferenceSession:
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def random_feeds(sess: ort.InferenceSession, seed: int = 0, int_high: int = 2) -> dict:
-    """Random inputs: N(0,1) floats; integers in [0, int_high) (valid indices/masks)."""
+DEFAULT_DIM = 2  # size of a symbolic dimension in the check unless --dim names it
+
+
+def symbolic_dims(sess: ort.InferenceSession) -> list[str]:
+    """Names of the inputs' symbolic dimensions, in order of appearance."""
+    names: list[str] = []
+    for i in sess.get_inputs():
+        names += [d for d in i.shape if isinstance(d, str) and d not in names]
+    return names
+
+
+def random_feeds(
+    sess: ort.InferenceSession,
+    seed: int = 0,
+    int_high: int = 2,
+    dims: Mapping[str, int] | None = None,
+) -> dict:
+    """Random inputs: N(0,1) floats; integers in [0, int_high) (valid indices/masks).
+
+    A symbolic dimension takes its size from ``dims`` (by name), else ``DEFAULT_DIM``;
+    inputs that share a name share the size.
+    """
+    dims = dict(dims or {})
+    unknown = sorted(set(dims) - set(symbolic_dims(sess)))
+    if unknown:
+        raise OptimizeError(
+            f"no input has a dimension named {', '.join(map(repr, unknown))}; the symbolic "
+            f"dimensions are {symbolic_dims(sess) or 'none'}"
+        )
     rng = np.random.default_rng(seed)
     feeds = {}
     for i in sess.get_inputs():
-        if any(not isinstance(d, int) for d in i.shape):
-            raise OptimizeError(
-                f"input '{i.name}' has a symbolic shape {i.shape}; "
-                "give static shapes to check the outputs"
-            )
+        shape = [d if isinstance(d, int) else dims.get(d, DEFAULT_DIM) for d in i.shape]
         dtype = _NP.get(i.type)
         if dtype is None:
             raise OptimizeError(f"input '{i.name}' has unsupported type {i.type}")
         if np.issubdtype(dtype, np.floating):
-            feeds[i.name] = rng.standard_normal(i.shape).astype(dtype)
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype is np.bool_:
-            feeds[i.name] = rng.integers(0, 2, i.shape).astype(bool)
+            feeds[i.name] = rng.integers(0, 2, shape).astype(bool)
         else:
-            feeds[i.name] = rng.integers(0, int_high, i.shape).astype(dtype)
+            feeds[i.name] = rng.integers(0, int_high, shape).astype(dtype)
     return feeds
 
 
@@ -139,16 +164,24 @@ def optimize_file(
     report: str | Path | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-5,
+    dims: Mapping[str, int] | None = None,
 ) -> list[PassRecord]:
     original = load(src)
     model = load(src)
     try:
-        feeds = random_feeds(_session(original))
-    except OptimizeError:
-        raise
+        sess = _session(original)
     except Exception as exc:
         raise OptimizeError(
             f"{src}: ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}"
+        ) from exc
+    feeds = random_feeds(sess, dims=dims)
+    try:
+        sess.run(None, feeds)
+    except Exception as exc:
+        sizes = {d: dict(dims or {}).get(d, DEFAULT_DIM) for d in symbolic_dims(sess)}
+        raise OptimizeError(
+            f"{src}: ONNX Runtime cannot run the model on random inputs with symbolic "
+            f"dimensions {sizes} (set them with --dim NAME=SIZE): {str(exc).splitlines()[0]}"
         ) from exc
     pipeline = passes(level)
     records = run_pipeline(model, pipeline)

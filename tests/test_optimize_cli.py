@@ -97,3 +97,83 @@ def test_optimize_invalid_model(tmp_path):
     src = tmp_path / "invalid.onnx"
     onnx.save(bad, str(src))
     assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx")]) == 1
+
+
+@pytest.fixture(scope="module")
+def dynamic_gpt2_onnx(tmp_path_factory) -> Path:
+    """GPT-2 exported as users export it: batch and sequence axes symbolic."""
+    from tests.conftest import gpt2
+
+    path = tmp_path_factory.mktemp("optimize") / "gpt2_dynamic.onnx"
+    model = gpt2(layers=2, hidden=64, vocab=128).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    ids = torch.randint(0, 128, (2, 16))
+    axes = {0: "batch", 1: "seq"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Logits(),
+            (ids, torch.ones_like(ids)),
+            str(path),
+            dynamo=True,
+            input_names=["input_ids", "attention_mask"],
+            output_names=["logits"],
+            dynamic_shapes=(axes, axes),
+        )
+    return path
+
+
+def _dims(path: Path) -> list[list]:
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    return [
+        [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.input, *graph.output]
+    ]
+
+
+def test_optimize_keeps_symbolic_dims(dynamic_gpt2_onnx, tmp_path, capsys):
+    out = tmp_path / "opt.onnx"
+    args = ["optimize", str(dynamic_gpt2_onnx), "-o", str(out), "--dim", "seq=24"]
+    assert main(args) == 0
+    assert "outputs match" in capsys.readouterr().out
+    dims = _dims(out)
+    assert dims == _dims(dynamic_gpt2_onnx) and isinstance(dims[0][0], str)
+    before, after = _ops(dynamic_gpt2_onnx), _ops(out)
+    assert sum(after.values()) < sum(before.values()) and after["Gelu"] + after["FastGelu"] == 2
+    # The optimized model runs at sizes the check did not use, like the original.
+    rng = np.random.default_rng(4)
+    for batch, seq in [(1, 7), (3, 40)]:
+        feeds = {
+            "input_ids": rng.integers(0, 128, (batch, seq)),
+            "attention_mask": np.ones((batch, seq), dtype=np.int64),
+        }
+        ref = ort.InferenceSession(str(dynamic_gpt2_onnx)).run(None, feeds)[0]
+        got = ort.InferenceSession(str(out)).run(None, feeds)[0]
+        assert got.shape == (batch, seq, 128)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dim, expected",
+    [
+        ("sq=16", "no input has a dimension named 'sq'"),
+        ("seq=x", "expected NAME=SIZE"),
+        ("seq=0", "expected NAME=SIZE"),
+    ],
+)
+def test_optimize_bad_dim_gives_one_line_error(dynamic_gpt2_onnx, tmp_path, dim, expected, capsys):
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(dynamic_gpt2_onnx), "-o", str(out), "--dim", dim]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
+    assert not out.exists()
