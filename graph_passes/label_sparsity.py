@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 from graph_passes.emitter import Emitter
 from graph_passes.interface import LabelSite

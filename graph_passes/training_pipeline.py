@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph

@@ -48,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     bt.add_argument("--lr", type=float, default=1e-3)
     bt.add_argument("--weight-decay", type=float, default=None)
     bt.add_argument("--max-grad-norm", type=float, default=None)
+    bt.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="size of a symbolic input dimension (the training graph is static; repeatable)",
+    )
+    bt.add_argument(
+        "--no-optimize", action="store_true", help="plain gradient graph, no optimization passes"
+    )
     bt.add_argument("-o", "--output", required=True, help="artifact directory")
     rec = sub.add_parser(
         "recipe",
@@ -57,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("flags", nargs=argparse.REMAINDER, help="the recipe's own flags")
     args = parser.parse_args(argv)
     if args.command == "build-training":
-        from ortrain.offline import ArtifactError, build_training
+        from ortrain.errors import OrtrainError
+        from ortrain.offline import build_training
 
         hyper = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
         try:
@@ -70,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                 lr=args.lr,
                 hyper=hyper,
                 max_grad_norm=args.max_grad_norm,
+                dims=_parse_dims(args.dim),
+                optimize=not args.no_optimize,
             )
-        except ArtifactError as exc:
+        except OrtrainError as exc:
             print(f"ortrain build-training: error: {exc}", file=sys.stderr)
             return 1
         print(

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 import torch
 
-from graph_passes.autodiff import build_gradient_graph
+from graph_passes.forward_cleanup import clean_forward
+from graph_passes.interface import GradientError
 from graph_passes.optimizer import build_update_graph
 from graph_passes.optimizer.update_graph import state_key
+from graph_passes.pipeline import run_pipeline
+from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.errors import OrtrainError
 from ortrain.optim.spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
 from ortrain.runtime.session import BoundSession, make_session
@@ -50,8 +54,15 @@ def build_training(
     lr: float = 1e-3,
     hyper: dict[str, float] | None = None,
     max_grad_norm: float | None = None,
+    dims: Mapping[str, int] | None = None,
+    optimize: bool = True,
 ) -> dict[str, Any]:
-    """Write the training artifacts for ``src``; returns the manifest."""
+    """Write the training artifacts for ``src``; returns the manifest.
+
+    The training graph has static shapes: symbolic input dimensions (a dynamic batch or
+    sequence axis) take their sizes from ``dims`` by name. ``optimize`` runs the
+    trainer's optimization passes (folding, fusions, backward cleanup) around autodiff.
+    """
     src, out = Path(src), Path(out_dir)
     if not src.is_file():
         raise ArtifactError(f"{src}: no such file")
@@ -83,8 +94,14 @@ def build_training(
     for v in list(graph.outputs):
         if v.name != loss:
             graph.outputs.remove(v)
-    result = build_gradient_graph(model, loss, trainable)
-    ir.passes.common.RemoveUnusedNodesPass()(model)
+    fix_input_dims(model, dims or {}, set(floats))
+    build = TrainingBuild(loss=loss, wrt=trainable, optimize=optimize)
+    try:
+        run_pipeline(model, training_passes(build))
+    except (GradientError, ValueError) as exc:
+        raise ArtifactError(f"{src.name}: cannot build its gradient graph: {exc}") from exc
+    result = build.gradient
+    assert result is not None
     grads = [n for n in trainable if n in result.grad_outputs]
     spec = OptimizerSpec(optimizer, (GroupSpec(tuple(grads), momentum=True),))
     shapes = {n: tuple(state[n].shape) for n in grads}
@@ -100,6 +117,9 @@ def build_training(
         "parameters": grads,
         "frozen": [n for n in floats if n not in grads],
         "batch": [v.name for v in graph.inputs if v.name not in floats],
+        "batch_shapes": {
+            v.name: [int(d) for d in v.shape.dims] for v in graph.inputs if v.name not in floats
+        },
         "grad_outputs": {n: result.grad_outputs[n] for n in grads},
         "optimizer": {
             "kind": optimizer,
@@ -111,6 +131,41 @@ def build_training(
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def fix_input_dims(model: ir.Model, dims: Mapping[str, int], weights: set[str]) -> None:
+    """Give every symbolic dimension of the batch inputs its size from ``dims``; the
+    shapes inside the graph are then inferred again by the forward passes."""
+    symbolic = []
+    for v in model.graph.inputs:
+        if v.name in weights or v.shape is None:
+            continue
+        symbolic += [d.value for d in v.shape.dims if isinstance(d, ir.SymbolicDim)]
+    names = list(dict.fromkeys(str(d) for d in symbolic))
+    unknown = sorted(set(dims) - set(names))
+    if unknown:
+        raise ArtifactError(
+            f"no input has a dimension named {', '.join(map(repr, unknown))}; the symbolic "
+            f"dimensions are {names or 'none'}"
+        )
+    missing = [n for n in names if n not in dims]
+    if missing:
+        raise ArtifactError(
+            f"the inputs have symbolic dimensions {missing}: the training graph has static "
+            f"shapes, give their sizes with --dim NAME=SIZE (e.g. --dim {missing[0]}=8)"
+        )
+    if not names:
+        return
+    for v in model.graph.inputs:
+        if v.name not in weights and v.shape is not None:
+            v.shape = ir.Shape(
+                [dims[str(d.value)] if isinstance(d, ir.SymbolicDim) else d for d in v.shape.dims]
+            )
+    for node in model.graph:  # stale symbolic shapes would override the inferred ones
+        for out in node.outputs:
+            out.shape = None
+    # Shapes computed from Shape ops (the exporter's Reshape targets) fold to constants.
+    clean_forward(model)
 
 
 @dataclasses.dataclass
@@ -165,8 +220,14 @@ class TrainingSession:
         if missing:
             raise ArtifactError(f"batch is missing inputs {missing}")
         keep = []
+        shapes = self.manifest.get("batch_shapes", {})
         for name in self.manifest["batch"]:
             t = torch.as_tensor(batch[name]).contiguous()
+            if name in shapes and list(t.shape) != shapes[name]:
+                raise ArtifactError(
+                    f"batch input {name!r}: shape {list(t.shape)}, the training graph was built "
+                    f"for {shapes[name]} (rebuild with other --dim sizes)"
+                )
             keep.append(t)
             self._grad.bind_batch(name, t)
         self._grad.run()

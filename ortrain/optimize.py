@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 import onnxruntime as ort
 from onnxscript.rewriter.ort_fusions import bias_gelu, fused_matmul_rule_sets, skip_normalization
 

@@ -119,3 +119,107 @@ def test_build_training_errors(exported, tmp_path, capsys):
     )
     with pytest.raises(ArtifactError, match="manifest"):
         TrainingSession.load(tmp_path / "empty")
+
+
+@pytest.fixture(scope="module")
+def dynamic_gpt2(tmp_path_factory):
+    """GPT-2 with its loss, exported with dynamic batch and sequence axes (``optimize=False``:
+    torch.onnx's optimizer would merge equal initializers, e.g. a fresh model's zero biases,
+    into one tensor, and fold the tied LM head's transpose into a separate copy)."""
+    from tests.conftest import gpt2
+
+    model = gpt2(layers=2, hidden=64, vocab=128)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, labels):
+            return self.m(input_ids, labels=labels, use_cache=False).loss
+
+    ids = torch.randint(0, 128, (2, 16))
+    axes = {0: "batch", 1: "seq"}
+    path = tmp_path_factory.mktemp("offline") / "gpt2_loss.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            WithLoss(), (ids, ids.clone()), str(path), dynamo=True, optimize=False,
+            input_names=["input_ids", "labels"], output_names=["loss"],
+            dynamic_shapes=(axes, axes),
+        )  # fmt: skip
+    return model, path
+
+
+def _build(path, out, *extra: str) -> int:
+    args = ["build-training", str(path), "--loss", "loss", "--trainable-from-initializers"]
+    return main([*args, "--weight-decay", "0.0", "-o", str(out), *extra])
+
+
+def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path):
+    import collections
+
+    import onnx
+
+    model, path = dynamic_gpt2
+    ref = copy.deepcopy(model)
+    out = tmp_path / "artifacts"
+    assert _build(path, out, "--dim", "batch=4", "--dim", "seq=24") == 0
+    session = TrainingSession.load(out)
+    assert session.manifest["batch_shapes"] == {"input_ids": [4, 24], "labels": [4, 24]}
+    # Every parameter (the tied embedding once, under either name), none of the exporter's
+    # constants.
+    trained = session.manifest["parameters"]
+    names = {f"m.{n}" for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert len(trained) == len(list(model.parameters())) and set(trained) <= names
+    ops = collections.Counter(n.op_type for n in onnx.load(str(out / "gradient.onnx")).graph.node)
+    assert ops["Gelu"] + ops["FastGelu"] == 2 and ops["Tanh"] == 0
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (4, 24), generator=g)
+        opt.zero_grad()
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        assert session.train_step(input_ids=ids, labels=ids) == pytest.approx(loss.item(), rel=1e-5)
+    with pytest.raises(ArtifactError, match=r"'input_ids': shape \[4, 16\].*\[4, 24\]"):
+        session.train_step(input_ids=ids[:, :16], labels=ids[:, :16])
+
+
+def test_build_training_no_optimize_builds_the_plain_graph(dynamic_gpt2, tmp_path):
+    import collections
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import onnx
+
+    _, path = dynamic_gpt2
+    out = tmp_path / "plain"
+    # A fresh process, as from the shell (it once failed there on a module not yet imported).
+    args = ["build-training", str(path), "--loss", "loss", "--trainable-from-initializers"]
+    args += ["--dim", "batch=2", "--dim", "seq=8", "--no-optimize", "-o", str(out)]
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "ortrain.cli", *args], capture_output=True, text=True, cwd=root
+    )
+    assert proc.returncode == 0, proc.stderr
+    ops = collections.Counter(n.op_type for n in onnx.load(str(out / "gradient.onnx")).graph.node)
+    assert ops["Gelu"] == ops["FastGelu"] == 0 and ops["Tanh"] == 2
+
+
+@pytest.mark.parametrize(
+    "dims, expected",
+    [
+        ((), "symbolic dimensions ['batch', 'seq']"),
+        (("--dim", "batch=2"), "symbolic dimensions ['seq']"),
+        (("--dim", "batch=2", "--dim", "sq=8"), "no input has a dimension named 'sq'"),
+    ],
+)
+def test_build_training_symbolic_dims_errors(dynamic_gpt2, tmp_path, capsys, dims, expected):
+    _, path = dynamic_gpt2
+    assert _build(path, tmp_path / "a", *dims) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
+    assert not (tmp_path / "a").exists()
