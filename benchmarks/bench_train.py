@@ -136,6 +136,27 @@ def _bert_mlm(layers: int, hidden: int, heads: int, positions: int) -> Callable:
     return build
 
 
+def _llama(layers: int, hidden: int, heads: int, kv_heads: int, positions: int) -> Callable:
+    def build(w: Workload, dropout: float) -> torch.nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=w.vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            intermediate_size=hidden * 8 // 3 // 16 * 16,
+            max_position_embeddings=positions,
+            attention_dropout=dropout,
+            bos_token_id=0,
+            eos_token_id=0,
+        )  # HF's default attention (sdpa), RMSNorm, rotary embeddings, SiLU-gated MLP
+        return LlamaForCausalLM(cfg)
+
+    return build
+
+
 def _mlm_batch(w: Workload, g: torch.Generator) -> Batch:
     b, s = w.batch, w.seq
     ids = torch.randint(1, w.vocab, (b, s), generator=g)
@@ -160,6 +181,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gpt2-tiny", 8, 128, 8192, _gpt2(4, 256, 4, 128), _lm_batch),
         Workload("bert-tiny", 8, 128, 8192, _bert_mlm(4, 256, 4, 128), _mlm_batch),
         Workload("gpt2-small", 2, 256, 50257, _gpt2(12, 768, 12, 1024), _lm_batch, default=False),
+        # Beyond the models: a Llama of gpt2-tiny's size (grouped-query attention)
+        Workload("llama-tiny", 8, 128, 8192, _llama(4, 256, 4, 2, 128), _lm_batch, default=False),
         # GPU workloads (the CUDA issue's benchmark): BERT-base seq 128, GPT-2 small seq 512
         Workload(
             "bert-base", 32, 128, 30522, _bert_mlm(12, 768, 12, 512), _mlm_batch, default=False

@@ -5,7 +5,9 @@ Levels:
   constant folding (onnxscript optimizer, named size limits), CSE, dead-code removal,
   GELU fusion, lowering of 2-D SoftmaxCrossEntropyLoss.
 - extended: basic + onnxscript's ORT fusions: Transpose into FusedMatMul, Add+Gelu into
-  BiasGelu, residual Add + LayerNormalization into SkipLayerNormalization.
+  BiasGelu, RMSNorm chains (Llama, T5...) into SimplifiedLayerNormalization, residual Add +
+  LayerNormalization / RMSNorm into SkipLayerNormalization /
+  SkipSimplifiedLayerNormalization.
 
 After the pipeline the optimized and the original model run on the same random inputs;
 a mismatch re-runs the passes one by one to name the pass to blame. Symbolic dimensions
@@ -24,7 +26,12 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxruntime as ort
-from onnxscript.rewriter.ort_fusions import bias_gelu, fused_matmul_rule_sets, skip_normalization
+from onnxscript.rewriter.ort_fusions import (
+    bias_gelu,
+    fused_matmul_rule_sets,
+    rms_normalization,
+    skip_normalization,
+)
 
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.forward_cleanup import clean_forward
@@ -60,6 +67,8 @@ def passes(level: str) -> list[Pass]:
             lambda m: fused_matmul_rule_sets.fused_matmul_rule_sets().apply_to_model(m),
         ),
         Pass("fuse_bias_gelu", bias_gelu.fuse_bias_gelu),
+        Pass("fuse_rms_norm", rms_normalization.fuse_rms_normalization),
+        Pass("fuse_skip_rms_norm", skip_normalization.fuse_skip_rms_normalization),
         Pass("fuse_skip_layer_norm", skip_normalization.fuse_skip_layer_normalization),
         Pass("remove_unused_final", ir.passes.common.RemoveUnusedNodesPass()),
     ]

@@ -21,7 +21,10 @@ import torch
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-_FX_EMBEDDING = re.compile(r"aten\.embedding\.default\]\(args = \(%[\w.]+, %[\w.]+, (-?\d+)")
+# aten.embedding(weight, indices, padding_idx=-1, ...): positional, or a keyword.
+_FX_EMBEDDING = re.compile(
+    r"aten\.embedding\.default\]\((?:args = \(%[\w.]+, %[\w.]+, (-?\d+)|.*padding_idx: (-?\d+))"
+)
 
 
 def tag_padding_rows(model: ir.Model, module: torch.nn.Module) -> int:
@@ -44,7 +47,7 @@ def tag_padding_rows(model: ir.Model, module: torch.nn.Module) -> int:
         fx = node.metadata_props.get("pkg.torch.onnx.fx_node")
         if fx is not None:
             match = _FX_EMBEDDING.search(fx)
-            idx = int(match.group(1)) if match else -1
+            idx = int(match.group(1) or match.group(2)) if match else -1
         else:
             weight, idx = by_scope.get(node_scope(node).removeprefix("module."), (None, -1))
             idx = idx if weight == node.inputs[0].name else -1

@@ -179,3 +179,38 @@ def test_pad_row_of_an_embedding_gets_no_gradient():
     ref_grad = dict(ref.named_parameters())[name].grad
     assert not ref_grad[1].any() and ref_grad[2:].abs().sum() > 0
     torch.testing.assert_close(trainer.grads[name], ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fx, scopes, expected",
+    [
+        ("call_function[target=torch.ops.aten.embedding.default](args = (%w, %i, 2), kwargs = {})",
+         None, "2"),
+        ("call_function[target=torch.ops.aten.embedding.default](args = (%w, %i), "
+         "kwargs = {padding_idx: 3})", None, "3"),
+        ("call_function[target=torch.ops.aten.embedding.default](args = (%w, %i), kwargs = {})",
+         None, None),
+        ("call_function[target=torch.ops.aten.index.Tensor](args = (%w, [%i]), kwargs = {})",
+         None, None),
+        # No FX record: the nn.Embedding named by the node's scope (padding_idx=1 below).
+        (None, "['', 'module', 'module.emb', 'embedding']", "1"),
+        (None, "['', 'module', 'module.other', 'embedding']", None),
+    ],
+)  # fmt: skip
+def test_padding_idx_from_fx_record_or_module_scope(fx, scopes, expected):
+    from graph_passes.tags import PADDING_IDX
+    from ortrain.padding_rows import tag_padding_rows
+
+    module = torch.nn.Module()
+    module.emb = torch.nn.Embedding(5, 3, padding_idx=1)
+    w = ir.Value(name="emb.weight", shape=ir.Shape([5, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    i = ir.Value(name="ids", shape=ir.Shape([4]), type=ir.TensorType(ir.DataType.INT64))
+    meta = {}
+    if fx is not None:
+        meta["pkg.torch.onnx.fx_node"] = fx
+    if scopes is not None:
+        meta["pkg.torch.onnx.name_scopes"] = scopes
+    node = ir.Node("", "Gather", [w, i], metadata_props=meta)
+    graph = ir.Graph([w, i], node.outputs, nodes=[node], opset_imports={"": 20})
+    assert tag_padding_rows(ir.Model(graph, ir_version=10), module) == (expected is not None)
+    assert node.metadata_props.get(PADDING_IDX) == expected

@@ -177,3 +177,43 @@ def test_optimize_bad_dim_gives_one_line_error(dynamic_gpt2_onnx, tmp_path, dim,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0]
     assert not out.exists()
+
+
+def test_optimize_llama_fuses_rms_norms(tmp_path, capsys):
+    """Llama's RMSNorm chains (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul) become
+    SimplifiedLayerNormalization, and the residual Add before one SkipSimplified..."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids, use_cache=False).logits
+
+    src, out = tmp_path / "llama.onnx", tmp_path / "llama.opt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Logits(), (torch.randint(0, 96, (2, 8)),), str(src), dynamo=True,
+            input_names=["input_ids"], dynamic_shapes=({0: "batch", 1: "seq"},),
+        )  # fmt: skip
+    assert main(["optimize", str(src), "-o", str(out), "--dim", "seq=12"]) == 0
+    before, after = _ops(src), _ops(out)
+    # 2 layers x 2 norms + the final one; the second norm of each layer and the final one
+    # follow a residual Add.
+    assert before["Sqrt"] == 5 and after["Sqrt"] == 0 and after["Pow"] == 0
+    assert after["SimplifiedLayerNormalization"] + after["SkipSimplifiedLayerNormalization"] == 5
+    assert after["SkipSimplifiedLayerNormalization"] >= 2
+    ids = np.random.default_rng(2).integers(0, 96, (3, 20))
+    ref = ort.InferenceSession(str(src)).run(None, {"input_ids": ids})[0]
+    got = ort.InferenceSession(str(out)).run(None, {"input_ids": ids})[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
