@@ -13,6 +13,7 @@ left out with ``optimize=False``):
     pad_as_concat*     integer Pads (the labels') as Concat: CUDA has no integer Pad
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
 4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``graph_passes.fusions``)
+    pow_as_mul*        Pow(x, 2 or 3) as products (after the fusions whose patterns read Pow)
     label_sparsity*    loss heads run on the labelled rows only (``label_rows`` given)
 5.  mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
 6.  loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
@@ -46,6 +47,7 @@ from graph_passes.masked_attention_rows import fix_masked_attention_rows
 from graph_passes.mixed_precision import convert_to_mixed_precision
 from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
+from graph_passes.pow_as_mul import pow_as_mul
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
 
 
@@ -81,6 +83,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     if build.optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
         passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions(build.fusions).before_autodiff]
+        passes.append(Pass("pow_as_mul", pow_as_mul))
         if build.label_rows:
             rows = build.label_rows
             passes.append(Pass("label_sparsity", lambda m: shrink_label_rows(m, rows)))
@@ -127,6 +130,7 @@ def eval_passes(mixed_precision: str | None, optimize: bool = True) -> list[Pass
     if optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
         passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions().before_autodiff]
+        passes.append(Pass("pow_as_mul", pow_as_mul))
     if mixed_precision is not None:
         passes.append(
             Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, mixed_precision))

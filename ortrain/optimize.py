@@ -8,6 +8,7 @@ Levels:
   BiasGelu, RMSNorm chains (Llama, T5...) into SimplifiedLayerNormalization, residual Add +
   LayerNormalization / RMSNorm into SkipLayerNormalization /
   SkipSimplifiedLayerNormalization.
+Both end with ``Pow(x, 2 or 3)`` written as products (ONNX Runtime's CPU Pow is slow).
 
 After the pipeline the optimized and the original model run on the same random inputs;
 a mismatch re-runs the passes one by one to name the pass to blame. Symbolic dimensions
@@ -38,6 +39,7 @@ from graph_passes.forward_cleanup import clean_forward
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.pipeline import Pass, PassRecord, format_table, run_pipeline
+from graph_passes.pow_as_mul import pow_as_mul
 from ortrain.errors import OrtrainError
 
 
@@ -57,7 +59,7 @@ def passes(level: str) -> list[Pass]:
         Pass("lower_cross_entropy", lower_softmax_cross_entropy),
     ]
     if level == "basic":
-        return basic
+        return [*basic, Pass("pow_as_mul", pow_as_mul)]
     if level != "extended":
         raise OptimizeError(f"unknown level {level!r}: use basic or extended")
     return [
@@ -70,6 +72,7 @@ def passes(level: str) -> list[Pass]:
         Pass("fuse_rms_norm", rms_normalization.fuse_rms_normalization),
         Pass("fuse_skip_rms_norm", skip_normalization.fuse_skip_rms_normalization),
         Pass("fuse_skip_layer_norm", skip_normalization.fuse_skip_layer_normalization),
+        Pass("pow_as_mul", pow_as_mul),  # after the fusions whose patterns read Pow
         Pass("remove_unused_final", ir.passes.common.RemoveUnusedNodesPass()),
     ]
 

@@ -545,3 +545,52 @@ def test_masked_attention_rows_leave_other_masks(lowest, keep):
     model = _sdpa_probs_model(lowest, keep)
     assert fix_masked_attention_rows(model) == 0
     assert _ops(model)["IsNaN"] == 1
+
+
+# ------------------------------------------------------------------------------ pow_as_mul
+def _pow_model(exponent: float, x_shape, e_shape=(), dtype=TensorProto.FLOAT) -> ir.Model:
+    e_dtype = TensorProto.FLOAT if isinstance(exponent, float) else TensorProto.INT64
+    inits = [helper.make_tensor("e", e_dtype, list(e_shape), [exponent])]
+    g = helper.make_graph(
+        [helper.make_node("Pow", ["x", "e"], ["y"]), helper.make_node("Neg", ["y"], ["z"])],
+        "pow",
+        [helper.make_tensor_value_info("x", dtype, list(x_shape))],
+        [helper.make_tensor_value_info("z", dtype, None)],
+        inits,
+    )
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    proto.ir_version = 10
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.mark.parametrize("exponent, muls", [(2.0, 1), (3.0, 2), (2, 1)])
+def test_pow_as_mul_rewrites_squares_and_cubes(exponent, muls):
+    from graph_passes.pow_as_mul import pow_as_mul
+
+    model = _pow_model(exponent, [3, 5])
+    feeds = {"x": np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)}
+    before = _run(model, feeds)[0]
+    assert pow_as_mul(model) == 1
+    assert _ops(model) == collections.Counter(Mul=muls, Neg=1)
+    after = _run(model, feeds)[0]
+    if exponent == 3.0:  # two roundings instead of one
+        np.testing.assert_allclose(after, before, rtol=2e-7, atol=0)
+    else:
+        assert np.array_equal(after, before)
+
+
+@pytest.mark.parametrize(
+    "exponent, x_shape, e_shape, dtype",
+    [
+        (2.5, [3, 5], (), TensorProto.FLOAT),  # not a small integer power
+        (0.5, [3, 5], (), TensorProto.FLOAT),  # sqrt differs from pow at -0 and -inf
+        (2.0, [], (1,), TensorProto.FLOAT),  # the exponent broadcasts a scalar x to [1]
+        (2, [3, 5], (), TensorProto.INT64),  # integer base
+    ],
+)
+def test_pow_as_mul_leaves_other_pows(exponent, x_shape, e_shape, dtype):
+    from graph_passes.pow_as_mul import pow_as_mul
+
+    model = _pow_model(exponent, x_shape, e_shape, dtype)
+    assert pow_as_mul(model) == 0
+    assert _ops(model)["Pow"] == 1
