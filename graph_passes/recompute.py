@@ -10,7 +10,12 @@ last forward reader. Which ops count as cheap is a named policy (JAX
 - ``RecomputePolicy.CHEAP_VIEWS``: Cast, CastLike, Reshape, Flatten, Squeeze, Unsqueeze,
   Identity, Transpose, Expand: layout/dtype changes, O(bytes) to redo.
 - ``RecomputePolicy.CHEAP_OPS``: CHEAP_VIEWS plus element-wise activations (Gelu, Relu,
-  LeakyRelu, Elu, Sigmoid, Tanh, Erf, Softplus) and LayerNormalization, also O(bytes).
+  LeakyRelu, Elu, Sigmoid, Tanh, Erf, Softplus), element-wise arithmetic (Mul, Add, Sub,
+  Div, Neg, Sqrt, Reciprocal) and LayerNormalization, also O(bytes). The arithmetic
+  matters for Llama-style blocks: the SiLU-gated MLP (``x * sigmoid(x) * up``) and RMSNorm
+  (``x * 1/rms * w``) are products of values the backward keeps anyway (llama-tiny:
+  planned peak 173 -> 132 MB, peak RSS 689 -> 658 MiB, gradient graph 170-174 ms either
+  way; GPT-2 and BERT tiny: no new copies, their LayerNorm/GELU blocks are fused ops).
   Under ONNX Runtime this is where memory is won: it makes a Reshape's output an alias
   of its input and folds a weight's Transpose into its Gemms anyway, so CHEAP_VIEWS
   moves bytes only on paper (GPT-2/BERT tiny: peak RSS unchanged), while CHEAP_OPS
@@ -66,6 +71,7 @@ _VIEWS = frozenset(
         "Expand",
     }
 )
+_ARITHMETIC = frozenset({"Mul", "Add", "Sub", "Div", "Neg", "Sqrt", "Reciprocal"})
 _ACTIVATIONS = frozenset({"Gelu", "Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Erf", "Softplus"})
 
 
@@ -74,7 +80,7 @@ class RecomputePolicy(enum.Enum):
 
     NOTHING = frozenset()
     CHEAP_VIEWS = _VIEWS
-    CHEAP_OPS = _VIEWS | _ACTIVATIONS | {"LayerNormalization"}
+    CHEAP_OPS = _VIEWS | _ACTIVATIONS | _ARITHMETIC | {"LayerNormalization"}
 
     def allows(self, node: ir.Node) -> bool:
         return node.domain in ("", "ai.onnx") and node.op_type in self.value

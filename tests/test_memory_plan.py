@@ -292,7 +292,8 @@ def test_recompute_clones_chains_and_keeps_what_saves_nothing():
 
 def test_cheap_ops_recompute_layer_norm_output_but_not_its_statistics():
     nodes = [
-        helper.make_node("Add", ["x", "x"], ["res"], name="res"),
+        # Abs: outside every policy (an Add of graph inputs would be recomputed too).
+        helper.make_node("Abs", ["x"], ["res"], name="res"),
         helper.make_node("LayerNormalization", ["res", "g", "b"], ["y", "mean", "rstd"], name="ln"),
         helper.make_node("Relu", ["y"], ["out"], name="fwd"),
         helper.make_node("Mul", ["res", "mean"], ["d0"], name="g_ln"),
@@ -405,3 +406,45 @@ def test_arena_first_region_is_the_planned_peak(monkeypatch, vocab, batch, seq, 
         assert made[0].initial_chunk_size_bytes == -(-planned // (2 * mib)) * mib
     else:
         assert made[0].initial_chunk_size_bytes == -1  # ONNX Runtime's default
+
+
+def test_recompute_on_llama_redoes_the_gated_mlp_and_rms_norm_products():
+    """Llama's SiLU-gated MLP (Sigmoid, x*sigmoid(x), *up) and RMSNorm (x * 1/rms * w)
+    are element-wise products of values the backward keeps anyway (the projections, the
+    residual stream): CHEAP_OPS redoes them instead of keeping their outputs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    layers = 2
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=160, max_position_embeddings=32,
+    )  # fmt: skip
+    module = LlamaForCausalLM(cfg)
+    batch = lm_batches(1, batch=2, seq=16, vocab=128)[0]
+    ex = export_forward(module, batch, train=True)
+    params = dict(module.named_parameters())
+    inputs = {v.name for v in ex.model.graph.inputs}
+
+    def build(policy: RecomputePolicy) -> ir.Model:
+        model = ir.serde.deserialize_model(ir.serde.serialize_model(ex.model))
+        b = TrainingBuild(
+            loss=ex.output_names[0], wrt=[n for n in params if n in inputs], recompute=policy
+        )
+        run_pipeline(model, training_passes(b))
+        return model
+
+    off, on = build(RecomputePolicy.NOTHING), build(RecomputePolicy.CHEAP_OPS)
+    copies = collections.Counter(n.op_type for n in on.graph if RECOMPUTE_OF in n.metadata_props)
+    assert copies["Sigmoid"] == layers  # the SiLU gate of each MLP
+    assert copies["Mul"] >= 3 * layers  # silu = x*sigmoid(x), silu*up, the norms' products
+    before, after = memory_report(off), memory_report(on)
+    assert after.kept_bytes < 0.75 * before.kept_bytes
+    assert after.planned_peak_bytes < before.planned_peak_bytes
+
+    feeds = {n: p.detach().numpy() for n, p in params.items()}
+    feeds.update({n: b.numpy() for n, b in module.named_buffers()})  # rotary inv_freq
+    feeds.update({k: v.numpy() for k, v in batch.items()})
+    feeds = {v.name: feeds[v.name] for v in off.graph.inputs}
+    for a, b in zip(_session(off).run(None, feeds), _session(on).run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
