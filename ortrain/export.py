@@ -168,21 +168,42 @@ class _Functional(torch.nn.Module):
         return set(params)
 
 
-def warn_sdpa(module: torch.nn.Module) -> None:
+def _attention_dropout(module: torch.nn.Module) -> float:
+    """The attention-probability dropout of an HF model using ``sdpa`` attention, else 0."""
     cfg = getattr(module, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
-        return
-    p = max(
+        return 0.0
+    return max(
         float(getattr(cfg, name, 0.0) or 0.0)
         for name in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
     )
-    if p > 0:
+
+
+def warn_sdpa(module: torch.nn.Module) -> None:
+    """Warn when the attention dropout of an sdpa model would be lost in the export: the
+    exporter drops SDPA's dropout, and the model cannot switch to eager attention."""
+    p = _attention_dropout(module)
+    if p > 0 and not hasattr(module, "set_attn_implementation"):
         warnings.warn(
             f"{type(module).__name__} uses attn_implementation='sdpa': its attention-probability "
             f"dropout (p={p}) is lost in ONNX export. Build the model with "
             "attn_implementation='eager' to keep it.",
             stacklevel=3,
         )
+
+
+@contextlib.contextmanager
+def _eager_attention_for_dropout(module: torch.nn.Module, train: bool):
+    """Export a training graph of an sdpa model with attention dropout through HF's eager
+    attention (same math, and its dropout is exported), then switch back."""
+    switch = train and _attention_dropout(module) > 0 and hasattr(module, "set_attn_implementation")
+    if switch:
+        module.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            module.set_attn_implementation("sdpa")
 
 
 def export_forward(
@@ -258,7 +279,11 @@ def export_here(
     module.train(train)
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(sink),
+            _eager_attention_for_dropout(module, train),
+        ):
             warnings.simplefilter("ignore")
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)
             program = torch.onnx.export(

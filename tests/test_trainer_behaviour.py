@@ -284,3 +284,35 @@ def test_one_tensor_passed_as_two_inputs_stays_two_graph_inputs():
     graph_inputs = {v.name for v in trainer.train_graphs[0].graph.inputs}
     assert {"input_ids", "labels"} <= graph_inputs
     assert len(trainer.train_graphs) == 1
+
+
+def test_sdpa_attention_dropout_is_trained_through_eager_attention():
+    """HF's default: sdpa attention with attention dropout 0.1. The exporter drops SDPA's
+    dropout, so the training export runs through HF's eager attention (same math) and
+    keeps it: one Dropout per layer more than the hidden-state dropouts. Eval keeps sdpa."""
+    import warnings
+
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    layers = 2
+    cfg = BertConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    model = BertForMaskedLM(cfg)
+    assert model.config._attn_implementation == "sdpa"
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = bert_batches(1, batch=2, seq=16)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "attention dropout is lost" warning
+        trainer.train_step(**batch)
+    dropouts = [n for n in trainer.train_graphs[0].graph if n.op_type == "Dropout"]
+    # embeddings + per layer: attention probabilities, attention output, FFN output
+    assert len(dropouts) == 1 + 3 * layers
+    assert model.config._attn_implementation == "sdpa"
+    out = trainer.eval_step(**batch)
+    trainer.sync_to_module().eval()
+    with torch.no_grad():
+        ref = model(**batch)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
