@@ -96,6 +96,11 @@ def find_loss(outputs: Any) -> torch.Tensor:
         return outputs["loss"]
     if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
         return outputs[0]
+    if hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs):
+        raise ExportError(
+            f"the model returned loss=None ({type(outputs).__name__}): pass the targets in the "
+            "batch (labels=... for HF models) or loss_fn=(outputs, batch) -> loss to ORTTrainer"
+        )
     raise ExportError(
         f"cannot find a loss in the model output of type {type(outputs).__name__}: return a "
         "loss tensor, a tuple whose first item is the loss, an object with .loss, or pass "
@@ -232,6 +237,17 @@ def _tensors(module: torch.nn.Module, batch: Mapping[str, Any]) -> list[torch.Te
     return tensors + [v for v in batch.values() if isinstance(v, torch.Tensor)]
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of ``exc``'s cause/context chain."""
+    seen = {id(exc)}
+    while True:
+        nxt = exc.__cause__ or exc.__context__
+        if nxt is None or id(nxt) in seen:
+            return exc
+        seen.add(id(nxt))
+        exc = nxt
+
+
 def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy for every batch tensor passed again under another name.
 
@@ -295,8 +311,14 @@ def export_here(
                 input_names=pnames + bnames + keys,
             )
     except Exception as exc:
+        root = _root_cause(exc)
+        if isinstance(root, ExportError):  # ours, raised inside the trace (e.g. no loss)
+            raise ExportError(str(root)) from exc
+        # The exporter wraps the model's own error in pages of advice: name the cause.
+        first = str(root).strip().splitlines()[0] if str(root).strip() else ""
         raise ExportError(
-            f"torch.onnx.export failed for {type(module).__name__}: {type(exc).__name__}: {exc}"
+            f"torch.onnx.export failed for {type(module).__name__}: "
+            f"{type(root).__name__}: {first}"
         ) from exc
     finally:
         module.train(was_training)

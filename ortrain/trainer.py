@@ -464,7 +464,22 @@ class ORTTrainer:
                 g.zero_()
         if self.scaler is not None:
             self._loss_scale.fill_(self.scaler.scale)
-        compiled.session.run()
+        try:
+            compiled.session.run()
+        except Exception as exc:
+            # A partial run may have written into the gradients: the window starts again
+            # (its first micro-step zeroes them); parameters and optimizer state are untouched.
+            self.micro_step = 0
+            shapes = ", ".join(
+                f"{k}: {list(v.shape)} {v.dtype}".replace("torch.", "")
+                for k, v in batch.items()
+                if isinstance(v, torch.Tensor)
+            )
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BatchError(
+                f"the training graph failed on this batch ({shapes}); no update was applied: "
+                f"{first}"
+            ) from exc
         del keep
         loss = self._loss.clone()
         if self.options.check_finite and not math.isfinite(float(loss)):

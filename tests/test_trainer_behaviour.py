@@ -316,3 +316,45 @@ def test_sdpa_attention_dropout_is_trained_through_eager_attention():
     with torch.no_grad():
         ref = model(**batch)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_export_errors_name_their_cause_in_one_line():
+    """No labels: the HF model returns loss=None; float ids: the model's own error, not
+    the exporter's pages of advice around it."""
+    from ortrain.errors import ExportError
+
+    model = tiny()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(ExportError, match=r"loss=None.*labels=") as no_loss:
+        trainer.train_step(input_ids=ids)
+    with pytest.raises(ExportError, match=r"RuntimeError: .*'indices'.*float32") as float_ids:
+        trainer.train_step(input_ids=ids.float(), labels=ids)
+    for err in (no_loss, float_ids):
+        assert "\n" not in str(err.value)
+
+
+def test_failing_run_applies_nothing_and_the_next_window_starts_clean():
+    """An out-of-range token id fails inside ONNX Runtime in the second micro-step of an
+    accumulation window: a BatchError names the batch, parameters stay, and the partial
+    gradient sums are dropped (the next window equals eager's)."""
+    ref = tiny()
+    model = copy.deepcopy(ref)
+    opts = TrainerOptions(grad_accumulation_steps=2)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), opts)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    good = lm_batches(3, batch=2, seq=8, vocab=128)
+    bad = {"input_ids": good[1]["input_ids"] + 128, "labels": good[1]["labels"]}
+    trainer.train_step(**good[0])
+    with pytest.raises(BatchError, match=r"input_ids: \[2, 8\] int64.*no update.*Gather"):
+        trainer.train_step(**bad)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for batch in good[1:]:
+        (ref(**batch).loss / 2).backward()
+        trainer.train_step(**batch)
+    opt_ref.step()
+    trainer.sync_to_module()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
