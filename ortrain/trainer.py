@@ -470,16 +470,7 @@ class ORTTrainer:
             # A partial run may have written into the gradients: the window starts again
             # (its first micro-step zeroes them); parameters and optimizer state are untouched.
             self.micro_step = 0
-            shapes = ", ".join(
-                f"{k}: {list(v.shape)} {v.dtype}".replace("torch.", "")
-                for k, v in batch.items()
-                if isinstance(v, torch.Tensor)
-            )
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BatchError(
-                f"the training graph failed on this batch ({shapes}); no update was applied: "
-                f"{first}"
-            ) from exc
+            raise _run_failed("training", batch, exc) from exc
         del keep
         loss = self._loss.clone()
         if self.options.check_finite and not math.isfinite(float(loss)):
@@ -566,7 +557,10 @@ class ORTTrainer:
         with self._on_stream():
             compiled = self._compiled(batch, train=False)
             keep = self._bind_batch(compiled, batch)
-            compiled.session.run()
+            try:
+                compiled.session.run()
+            except Exception as exc:
+                raise _run_failed("eval", batch, exc) from exc
             del keep
         values = compiled.session.binding.get_outputs()
         return StepOutputs(
@@ -606,3 +600,16 @@ class ORTTrainer:
         if self._reducer is not None:
             return self._reducer.load_checkpoint(self, path)
         checkpoint.load(self, path)
+
+
+def _run_failed(graph: str, batch: Mapping[str, Any], exc: Exception) -> BatchError:
+    """ONNX Runtime's error with the batch it failed on (its message names the node)."""
+    shapes = ", ".join(
+        f"{k}: {list(v.shape)} {v.dtype}".replace("torch.", "")
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor)
+    )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return BatchError(
+        f"the {graph} graph failed on this batch ({shapes}); no update was applied: {first}"
+    )

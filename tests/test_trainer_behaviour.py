@@ -350,6 +350,8 @@ def test_failing_run_applies_nothing_and_the_next_window_starts_clean():
         trainer.train_step(**bad)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+    with pytest.raises(BatchError, match=r"the eval graph failed.*Gather"):
+        trainer.eval_step(**bad)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     for batch in good[1:]:
         (ref(**batch).loss / 2).backward()
