@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -248,8 +249,11 @@ class ORTTrainer:
             self._forwards.get(sig),
             len(self.build_log) + 1,
         )
+        new_shape = sig not in self._forwards
         forward, rows, built = self._run_build(job, batch)
         self._forwards[sig] = forward
+        if new_shape:
+            _warn_many_shapes(len(self._forwards), batch)
         self.build_log.extend(built.log)
         grad_params = sorted(built.grad_outputs, key=self.trainable.index)
         if self.device.type == "cpu":  # sized by this graph, before the update's session
@@ -612,4 +616,23 @@ def _run_failed(graph: str, batch: Mapping[str, Any], exc: Exception) -> BatchEr
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return BatchError(
         f"the {graph} graph failed on this batch ({shapes}); no update was applied: {first}"
+    )
+
+
+SHAPES_WARNING_AT = 4  # then at every doubling
+
+
+def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
+    """Each batch shape exports and builds its own graph: say so when shapes keep coming."""
+    if count < SHAPES_WARNING_AT or count & (count - 1):
+        return
+    shapes = ", ".join(
+        f"{k}: {list(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor)
+    )
+    warnings.warn(
+        f"ortrain has built training graphs for {count} batch shapes (latest: {shapes}); "
+        "each new shape is exported and compiled again and keeps its own session. Pad "
+        "batches to a few lengths, e.g. DataCollatorWithPadding(tokenizer, "
+        "pad_to_multiple_of=64) or padding='max_length'.",
+        stacklevel=4,
     )

@@ -360,3 +360,21 @@ def test_failing_run_applies_nothing_and_the_next_window_starts_clean():
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_many_batch_shapes_warn_once_per_doubling():
+    import warnings
+
+    model = tiny()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    warned = []
+    for seq in (8, 9, 10, 11, 12, 8, 11):  # 5 shapes, two seen again
+        ids = torch.randint(0, 128, (2, seq), generator=g)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            trainer.train_step(input_ids=ids, labels=ids)
+        warned.append([str(x.message) for x in w if "batch shapes" in str(x.message)])
+    assert [len(w) for w in warned] == [0, 0, 0, 1, 0, 0, 0]
+    assert "4 batch shapes" in warned[3][0] and "input_ids: [2, 11]" in warned[3][0]
+    assert "pad_to_multiple_of" in warned[3][0]
