@@ -71,6 +71,7 @@ _VIEWS = frozenset(
         "Expand",
     }
 )
+_NORMS = frozenset({"LayerNormalization", "SimplifiedLayerNormalization"})
 _ARITHMETIC = frozenset({"Mul", "Add", "Sub", "Div", "Neg", "Sqrt", "Reciprocal"})
 _ACTIVATIONS = frozenset({"Gelu", "Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Erf", "Softplus"})
 
@@ -80,7 +81,7 @@ class RecomputePolicy(enum.Enum):
 
     NOTHING = frozenset()
     CHEAP_VIEWS = _VIEWS
-    CHEAP_OPS = _VIEWS | _ACTIVATIONS | _ARITHMETIC | {"LayerNormalization"}
+    CHEAP_OPS = _VIEWS | _ACTIVATIONS | _ARITHMETIC | _NORMS
 
     def allows(self, node: ir.Node) -> bool:
         return node.domain in ("", "ai.onnx") and node.op_type in self.value

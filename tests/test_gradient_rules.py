@@ -414,6 +414,13 @@ SPECS: list[Spec] = [
          attrs={"axis": -1}),
     case("LogSoftmax-axis1", "LogSoftmax", [X(2, 3, 4)], lambda x: torch.log_softmax(x, 1),
          attrs={"axis": 1}),
+    # ONNX Runtime's RMSNorm (the fused form of Llama's / T5's norm), ONNX domain.
+    case("RMSNorm-axis-1", "SimplifiedLayerNormalization", [X(2, 3, 8), X(8)],
+         lambda x, w: F.rms_norm(x, (8,), w, 1e-6), attrs={"axis": -1, "epsilon": 1e-6}),
+    case("RMSNorm-axis-2", "SimplifiedLayerNormalization", [X(2, 3, 8), X(3, 8)],
+         lambda x, w: F.rms_norm(x, (3, 8), w, 1e-5), attrs={"axis": -2, "epsilon": 1e-5}),
+    case("RMSNorm-scale-frozen", "SimplifiedLayerNormalization", [X(4, 6), X(6, grad=False)],
+         lambda x, w: F.rms_norm(x, (6,), w, 1e-6), attrs={"epsilon": 1e-6}),
     case("LayerNorm-axis-1", "LayerNormalization", [X(2, 3, 8), X(8), X(8)],
          lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-5),
          attrs={"axis": -1, "epsilon": 1e-5}),

@@ -14,12 +14,14 @@ row's prediction of the first real token is in the loss (``masked_attention_rows
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 
 import pytest
 import torch
 
+from graph_passes.tags import is_backward
 from ortrain import ORTTrainer, TrainerOptions
 
 V, H, L, HEADS, S, B = 320, 64, 2, 4, 24, 4
@@ -38,6 +40,7 @@ class Family:
     batch: str  # "mlm" | "right" | "left" (padding side of a causal LM) | "seq2seq"
     kwargs: dict
     attn: str | None = "eager"  # None: the config takes no attn_implementation
+    rms_norms: int = 0  # RMSNorm chains fused into SimplifiedLayerNormalization
 
     def build(self) -> torch.nn.Module:
         import transformers
@@ -60,6 +63,7 @@ DECODER = dict(
     hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, max_position_embeddings=S
 )
 FACTORIZED = dict(ENCODER, embedding_size=32)  # ALBERT, ELECTRA: a smaller embedding
+RMS = 2 * L + 1  # a decoder's RMSNorms: 2 per block and the final one
 GQA = dict(DECODER, num_key_value_heads=2, intermediate_size=3 * H)
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 SEQ2SEQ = dict(
@@ -90,8 +94,8 @@ FAMILIES = {
         dict(DECODER, ffn_dim=4 * H, word_embed_proj_dim=H, dropout=0.0, attention_dropout=0.0),
         attn="sdpa",
     ),
-    "llama": Family("LlamaForCausalLM", "LlamaConfig", "left", GQA, attn="sdpa"),
-    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", "right", GQA),
+    "llama": Family("LlamaForCausalLM", "LlamaConfig", "left", GQA, attn="sdpa", rms_norms=RMS),
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", "right", GQA, rms_norms=RMS),
     "phi": Family(
         "PhiForCausalLM", "PhiConfig", "left",
         dict(DECODER, intermediate_size=4 * H, resid_pdrop=0.0, embd_pdrop=0.0),
@@ -113,6 +117,7 @@ FAMILIES = {
         "T5ForConditionalGeneration", "T5Config", "seq2seq",
         dict(d_model=H, d_kv=16, d_ff=4 * H, num_layers=L, num_heads=HEADS, dropout_rate=0.0,
              decoder_start_token_id=0, pad_token_id=0),
+        rms_norms=(2 * L + 1) + (3 * L + 1),  # encoder: 2 per block, decoder: 3; final norms
     ),
     "bart": Family("BartForConditionalGeneration", "BartConfig", "seq2seq", SEQ2SEQ),
 }  # fmt: skip
@@ -171,8 +176,14 @@ def test_family_trains_like_eager(family: str) -> None:
         logits_ref = model(**batches[-1]).logits
     logits = trainer.eval_step(**batches[-1])["logits"]
     _assert_close_scaled(logits, logits_ref, "eval logits")
-    # Squares (RMSNorm, T5's norm) and cubes (tanh-GELU left unfused) run as products.
-    assert not [n for n in trainer.train_graphs[0].graph if n.op_type == "Pow"]
+    # Squares (RMSNorm, T5's norm) and cubes (tanh-GELU left unfused) run as products;
+    # RMSNorm chains are one SimplifiedLayerNormalization each, none left decomposed.
+    graph = trainer.train_graphs[0].graph
+    forward = collections.Counter(n.op_type for n in graph if not is_backward(n))
+    assert forward["Pow"] == 0
+    assert forward["SimplifiedLayerNormalization"] == FAMILIES[family].rms_norms
+    if FAMILIES[family].rms_norms:
+        assert forward["ReduceMean"] == forward["Sqrt"] == forward["Reciprocal"] == 0
     if kind == "left":
         record = next(r for r in trainer.build_log if r.stage == "masked_attention_rows")
         assert record.op_delta.get("IsNaN") == -L and record.op_delta.get("ReduceMax") == L

@@ -125,7 +125,8 @@ def _extra_output_type(node: ir.Node, k: int) -> tuple[ir.DataType, ir.Shape | N
     x = node.inputs[0]
     if node.op_type == "Dropout":
         return ir.DataType.BOOL, x.shape
-    if node.op_type == "LayerNormalization":
+    if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
+        # statistics (mean, 1/std; RMSNorm: 1/rms) over the axes from ``axis`` on, kept 1
         stash = node.attributes.get("stash_type")
         dtype = ir.DataType(stash.value if stash is not None else 1)
         if x.shape is None:

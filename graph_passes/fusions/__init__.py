@@ -9,6 +9,8 @@ the gradient nodes) and whether it is proposed for the default training pipeline
 Order before autodiff (after seed_dropout and fuse_gelu, before mixed_precision):
 1. fuse_layer_norm        decomposed LayerNorm chains → LayerNormalization (no-op on the
                           HF exports; a hand-written-LayerNorm model: -7% gradient graph)
+   fuse_rms_norm          RMSNorm chains (Llama, Qwen2, T5...) → SimplifiedLayerNormalization
+                          (llama-tiny gradient graph: see rms_norm.py)
 2. fuse_matmul_transpose  Transpose / scalar scale → FusedMatMul transA/transB/alpha
 3. fuse_matmul_add        MatMul(+FusedMatMul) + bias Add → Gemm (after 2: reads transB)
 4. fuse_bias_gelu         bias Add + Gelu → BiasGelu / FastGelu (after 3: a Gemm takes
@@ -41,6 +43,7 @@ from graph_passes.fusions.bias_gelu import fuse_bias_gelu
 from graph_passes.fusions.layer_norm import fuse_layer_norm
 from graph_passes.fusions.matmul_add import fuse_matmul_add
 from graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
+from graph_passes.fusions.rms_norm import fuse_rms_norm
 from graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
 from graph_passes.pipeline import Pass
 from graph_passes.sink_row_scale import sink_row_scales
@@ -58,6 +61,7 @@ FUSIONS: dict[str, Fusion] = {
     f.name: f
     for f in (
         Fusion("fuse_layer_norm", fuse_layer_norm, True, True),
+        Fusion("fuse_rms_norm", fuse_rms_norm, True, True),
         Fusion("fuse_matmul_transpose", fuse_matmul_transpose, True, True),
         Fusion("fuse_matmul_add", fuse_matmul_add, True, True),
         Fusion("fuse_bias_gelu", fuse_bias_gelu, True, True),

@@ -88,3 +88,29 @@ def skip_layer_norm(ctx: GradContext):
             if ctx.has_input(i) and ctx.needs(i):
                 out[i] = ctx.sum_to(ds, shape, ctx.shape(ctx.I(i)))
     return out
+
+
+@gradient("SimplifiedLayerNormalization", forward_outputs=2)
+def simplified_layer_norm(ctx: GradContext):
+    # ONNX Runtime's RMSNorm (ONNX domain): y = x * r * scale, r = 1/sqrt(mean(x^2) + eps)
+    # over the axes from ``axis`` on; output 1 is r. With xhat = x * r, dxhat = dy * scale:
+    # dx = r * (dxhat - xhat * mean(dxhat * xhat)), dscale = sum(dy * xhat).
+    if ctx.GO(1) is not None:
+        raise NotImplementedError("SimplifiedLayerNormalization with its 1/rms output read")
+    x, scale, g = ctx.I(0), ctx.I(1), ctx.GO(0)
+    shape = ctx.shape(x)
+    axis = int(ctx.attr("axis", -1)) % len(shape)
+    r = ctx.O(1)
+    if r.dtype != x.dtype:  # stashed in fp32 for half inputs
+        r = ctx.cast_like(r, x)
+    xhat = ctx.op("Mul", x, r, shape=shape)
+    out = {}
+    if ctx.needs(0):
+        dxhat = ctx.op("Mul", g, scale, shape=shape)
+        axes = ctx.ints(list(range(axis, len(shape))))
+        m = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat, shape=shape), axes, keepdims=1)
+        inner = ctx.op("Sub", dxhat, ctx.op("Mul", xhat, m, shape=shape), shape=shape)
+        out[0] = ctx.op("Mul", inner, r, shape=shape)
+    if ctx.needs(1):
+        out[1] = ctx.sum_to(ctx.op("Mul", g, xhat, shape=shape), shape, ctx.shape(scale))
+    return out
