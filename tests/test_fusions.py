@@ -691,7 +691,8 @@ def _proposed():
 def test_training_fusions_order():
     plan = training_fusions()
     assert [p.name for p in plan.before_autodiff] == [
-        "fuse_layer_norm", "fuse_matmul_transpose", "fuse_matmul_add", "fuse_bias_gelu",
+        "fuse_layer_norm", "fuse_rms_norm", "fuse_matmul_transpose", "fuse_matmul_add",
+        "fuse_bias_gelu",
     ]  # fmt: skip
     assert [p.name for p in plan.after_autodiff] == ["clean_backward", "sink_row_scale"]
     everything = training_fusions(list(FUSIONS))  # pipeline order, whatever the order asked
@@ -699,6 +700,7 @@ def test_training_fusions_order():
     passes = [p.name for p in training_passes(TrainingBuild("loss", []))]
     assert passes.index("fuse_gelu") < passes.index("fuse_layer_norm")
     assert passes.index("fuse_bias_gelu") < passes.index("autodiff")
+    assert passes.index("fuse_rms_norm") < passes.index("pow_as_mul")  # its pattern reads Pow
     assert passes.index("lower_cross_entropy") < passes.index("clean_backward")
     with pytest.raises(ValueError, match="unknown fusions"):
         training_fusions(["fuse_everything"])

@@ -10,7 +10,7 @@ Order before autodiff (after seed_dropout and fuse_gelu, before mixed_precision)
 1. fuse_layer_norm        decomposed LayerNorm chains → LayerNormalization (no-op on the
                           HF exports; a hand-written-LayerNorm model: -7% gradient graph)
    fuse_rms_norm          RMSNorm chains (Llama, Qwen2, T5...) → SimplifiedLayerNormalization
-                          (llama-tiny gradient graph: see rms_norm.py)
+                          (no-op on GPT-2/BERT; llama-tiny gradient graph -2%, rms_norm.py)
 2. fuse_matmul_transpose  Transpose / scalar scale → FusedMatMul transA/transB/alpha
 3. fuse_matmul_add        MatMul(+FusedMatMul) + bias Add → Gemm (after 2: reads transB)
 4. fuse_bias_gelu         bias Add + Gelu → BiasGelu / FastGelu (after 3: a Gemm takes
