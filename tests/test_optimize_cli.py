@@ -217,3 +217,25 @@ def test_optimize_llama_fuses_rms_norms(tmp_path, capsys):
     ref = ort.InferenceSession(str(src)).run(None, {"input_ids": ids})[0]
     got = ort.InferenceSession(str(out)).run(None, {"input_ids": ids})[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_optimize_blames_a_pass_that_leaves_an_unloadable_model(bert_onnx, tmp_path, monkeypatch):
+    """A pass whose output ONNX Runtime rejects (here: a Gemm fed a rank-3 input, as a
+    rewrite bug would leave it) is named, and nothing is written."""
+    import onnx_ir as ir
+
+    from ortrain import optimize
+    from ortrain.optimize import OptimizeError
+
+    def break_a_matmul(model: ir.Model) -> None:
+        node = next(n for n in model.graph if n.op_type == "MatMul" and len(n.inputs[0].shape) == 3)
+        node.op_type = "Gemm"
+
+    real = optimize.passes
+    monkeypatch.setattr(
+        optimize, "passes", lambda level: [*real(level), optimize.Pass("broken", break_a_matmul)]
+    )
+    out = tmp_path / "o.onnx"
+    with pytest.raises(OptimizeError, match=r"after pass 'broken': ONNX Runtime cannot run"):
+        optimize.optimize_file(bert_onnx, out)
+    assert not out.exists()
