@@ -52,3 +52,10 @@ __all__ = [
     "RankFailureError",
     "UnsupportedOptimizerError",
 ]
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (ONNX Runtime and the exporter write
+    pages), or its type name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

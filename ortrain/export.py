@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ortrain.errors import ExportError
+from ortrain.errors import ExportError, first_line
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
 from ortrain.roles import GraphIO, Role
@@ -203,7 +203,15 @@ def _eager_attention_for_dropout(module: torch.nn.Module, train: bool):
     attention (same math, and its dropout is exported), then switch back."""
     switch = train and _attention_dropout(module) > 0 and hasattr(module, "set_attn_implementation")
     if switch:
-        module.set_attn_implementation("eager")
+        try:
+            module.set_attn_implementation("eager")
+        except (ValueError, ImportError) as exc:  # a model without eager attention
+            switch = False
+            warnings.warn(
+                f"{type(module).__name__}: attention-probability dropout is lost in ONNX "
+                f"export (sdpa, and no eager attention: {first_line(exc)})",
+                stacklevel=4,
+            )
     try:
         yield
     finally:
@@ -315,10 +323,9 @@ def export_here(
         if isinstance(root, ExportError):  # ours, raised inside the trace (e.g. no loss)
             raise ExportError(str(root)) from exc
         # The exporter wraps the model's own error in pages of advice: name the cause.
-        first = str(root).strip().splitlines()[0] if str(root).strip() else ""
         raise ExportError(
             f"torch.onnx.export failed for {type(module).__name__}: "
-            f"{type(root).__name__}: {first}"
+            f"{type(root).__name__}: {first_line(root)}"
         ) from exc
     finally:
         module.train(was_training)

@@ -40,7 +40,7 @@ from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.pipeline import Pass, PassRecord, format_table, run_pipeline
 from graph_passes.pow_as_mul import pow_as_mul
-from ortrain.errors import OrtrainError
+from ortrain.errors import OrtrainError, first_line
 
 
 class OptimizeError(OrtrainError):
@@ -161,8 +161,7 @@ def _outputs_match(a: ir.Model, b: ir.Model, feeds: dict, rtol: float, atol: flo
     try:
         rb = _session(b).run(None, feeds)
     except Exception as exc:  # a pass left a model ONNX Runtime rejects
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"ONNX Runtime cannot run the optimized model: {first}"
+        return f"ONNX Runtime cannot run the optimized model: {first_line(exc)}"
     names = [v.name for v in a.graph.outputs]
     for name, x, y in zip(names, ra, rb, strict=True):
         if x.shape != y.shape:
@@ -189,7 +188,7 @@ def optimize_file(
         sess = _session(original)
     except Exception as exc:
         raise OptimizeError(
-            f"{src}: ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}"
+            f"{src}: ONNX Runtime cannot load the model: {first_line(exc)}"
         ) from exc
     feeds = random_feeds(sess, dims=dims)
     try:
@@ -198,7 +197,7 @@ def optimize_file(
         sizes = {d: dict(dims or {}).get(d, DEFAULT_DIM) for d in symbolic_dims(sess)}
         raise OptimizeError(
             f"{src}: ONNX Runtime cannot run the model on random inputs with symbolic "
-            f"dimensions {sizes} (set them with --dim NAME=SIZE): {str(exc).splitlines()[0]}"
+            f"dimensions {sizes} (set them with --dim NAME=SIZE): {first_line(exc)}"
         ) from exc
     pipeline = passes(level)
     records = run_pipeline(model, pipeline)

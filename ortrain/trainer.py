@@ -33,7 +33,12 @@ from ortrain.build import (
     label_rows,
 )
 from ortrain.distributed import Reducer, join_process_group
-from ortrain.errors import BatchError, NonFiniteLossError, UnsupportedOptimizerError
+from ortrain.errors import (
+    BatchError,
+    NonFiniteLossError,
+    UnsupportedOptimizerError,
+    first_line,
+)
 from ortrain.export import LossFn, normalize_batch, warn_sdpa
 from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
@@ -613,9 +618,9 @@ def _run_failed(graph: str, batch: Mapping[str, Any], exc: Exception) -> BatchEr
         for k, v in batch.items()
         if isinstance(v, torch.Tensor)
     )
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return BatchError(
-        f"the {graph} graph failed on this batch ({shapes}); no update was applied: {first}"
+        f"the {graph} graph failed on this batch ({shapes}); no update was applied: "
+        f"{first_line(exc)}"
     )
 
 
