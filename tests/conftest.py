@@ -154,3 +154,33 @@ def cpu_kernels(cpu_lib_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORTRAIN_KERNELS_DIR", str(cpu_lib_dir))
 
 
+
+
+class _Call(torch.nn.Module):
+    """``call(model, **inputs)`` as a module with positional inputs, for torch.onnx.export."""
+
+    def __init__(self, model: torch.nn.Module, call, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.call, self.names = model, call, names
+
+    def forward(self, *args):
+        return self.call(self.model, **dict(zip(self.names, args)))
+
+
+def export_dynamic(model, call, inputs: dict, path: Path, output: str, optimize: bool = True):
+    """Export ``call(model, **inputs)`` as users export a model: each input's first two
+    axes symbolic, named ``batch`` and ``seq``; returns ``path``."""
+    axes = {0: "batch", 1: "seq"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _Call(model, call, list(inputs)),
+            tuple(inputs.values()),
+            str(path),
+            dynamo=True,
+            optimize=optimize,
+            input_names=list(inputs),
+            output_names=[output],
+            dynamic_shapes=(tuple(axes for _ in inputs),),  # one entry: forward(*args)
+        )
+    return path

@@ -126,28 +126,19 @@ def dynamic_gpt2(tmp_path_factory):
     """GPT-2 with its loss, exported with dynamic batch and sequence axes (``optimize=False``:
     torch.onnx's optimizer would merge equal initializers, e.g. a fresh model's zero biases,
     into one tensor, and fold the tied LM head's transpose into a separate copy)."""
-    from tests.conftest import gpt2
+    from tests.conftest import export_dynamic, gpt2
 
     model = gpt2(layers=2, hidden=64, vocab=128)
-
-    class WithLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, labels):
-            return self.m(input_ids, labels=labels, use_cache=False).loss
-
     ids = torch.randint(0, 128, (2, 16))
-    axes = {0: "batch", 1: "seq"}
     path = tmp_path_factory.mktemp("offline") / "gpt2_loss.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            WithLoss(), (ids, ids.clone()), str(path), dynamo=True, optimize=False,
-            input_names=["input_ids", "labels"], output_names=["loss"],
-            dynamic_shapes=(axes, axes),
-        )  # fmt: skip
+    export_dynamic(
+        model,
+        lambda m, **b: m(**b, use_cache=False).loss,
+        {"input_ids": ids, "labels": ids.clone()},
+        path,
+        "loss",
+        optimize=False,
+    )
     return model, path
 
 
@@ -170,7 +161,7 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path):
     # Every parameter (the tied embedding once, under either name), none of the exporter's
     # constants.
     trained = session.manifest["parameters"]
-    names = {f"m.{n}" for n, _ in model.named_parameters(remove_duplicate=False)}
+    names = {f"model.{n}" for n, _ in model.named_parameters(remove_duplicate=False)}
     assert len(trained) == len(list(model.parameters())) and set(trained) <= names
     ops = collections.Counter(n.op_type for n in onnx.load(str(out / "gradient.onnx")).graph.node)
     assert ops["Gelu"] + ops["FastGelu"] == 2 and ops["Tanh"] == 0

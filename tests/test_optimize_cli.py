@@ -102,33 +102,18 @@ def test_optimize_invalid_model(tmp_path):
 @pytest.fixture(scope="module")
 def dynamic_gpt2_onnx(tmp_path_factory) -> Path:
     """GPT-2 exported as users export it: batch and sequence axes symbolic."""
-    from tests.conftest import gpt2
+    from tests.conftest import export_dynamic, gpt2
 
     path = tmp_path_factory.mktemp("optimize") / "gpt2_dynamic.onnx"
     model = gpt2(layers=2, hidden=64, vocab=128).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
-
     ids = torch.randint(0, 128, (2, 16))
-    axes = {0: "batch", 1: "seq"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Logits(),
-            (ids, torch.ones_like(ids)),
-            str(path),
-            dynamo=True,
-            input_names=["input_ids", "attention_mask"],
-            output_names=["logits"],
-            dynamic_shapes=(axes, axes),
-        )
-    return path
+    return export_dynamic(
+        model,
+        lambda m, **b: m(**b, use_cache=False).logits,
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        path,
+        "logits",
+    )
 
 
 def _dims(path: Path) -> list[list]:
@@ -184,6 +169,8 @@ def test_optimize_llama_fuses_rms_norms(tmp_path, capsys):
     SimplifiedLayerNormalization, and the residual Add before one SkipSimplified..."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tests.conftest import export_dynamic
+
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -191,21 +178,9 @@ def test_optimize_llama_fuses_rms_norms(tmp_path, capsys):
     )  # fmt: skip
     model = LlamaForCausalLM(cfg).eval()
 
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids, use_cache=False).logits
-
     src, out = tmp_path / "llama.onnx", tmp_path / "llama.opt.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Logits(), (torch.randint(0, 96, (2, 8)),), str(src), dynamo=True,
-            input_names=["input_ids"], dynamic_shapes=({0: "batch", 1: "seq"},),
-        )  # fmt: skip
+    call = lambda m, **b: m(**b, use_cache=False).logits  # noqa: E731
+    export_dynamic(model, call, {"input_ids": torch.randint(0, 96, (2, 8))}, src, "logits")
     assert main(["optimize", str(src), "-o", str(out), "--dim", "seq=12"]) == 0
     before, after = _ops(src), _ops(out)
     # 2 layers x 2 norms + the final one; the second norm of each layer and the final one
