@@ -298,7 +298,7 @@ class ORTTrainer:
             self._fused = FusedUpdate(self, flat, flat.segments)
             return
         if self._use_torch_kernels():
-            flat = flatten_update(self, TORCH_KINDS, whole_groups=True)
+            flat = flatten_update(self, TORCH_KINDS, whole_groups=True, move_params=False)
             assert flat is not None
             self._eval.clear()
             self._fused = TorchFusedUpdate(self, flat)

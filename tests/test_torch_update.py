@@ -33,9 +33,30 @@ def test_cpu_default_is_torch_fused_and_matches_eager(engine):
     )
     assert isinstance(trainer._fused, TorchFusedUpdate) and trainer.update_graph is None
     assert trainer.last_grad_norm > 0.5  # clipping was active
-    # The parameters are views of one flat buffer the kernels update in place.
-    bases = {p._base.data_ptr() for p in trainer.params.values() if p._base is not None}
-    assert len(bases) == 1
+    # Gradients are views of one flat buffer, each moment of one per param group; the
+    # kernels take the parameters where they are.
+    grad_bases = {g._base.data_ptr() for g in trainer.grads.values() if g._base is not None}
+    state_bases = {s._base.data_ptr() for s in trainer.opt_state.values() if s._base is not None}
+    assert len(grad_bases) == 1 and len(trainer.grads) == len(trainer.params)
+    groups = len(trainer.optimizer.param_groups)
+    assert len(state_bases) == 2 * groups and len(trainer.opt_state) == 2 * len(trainer.params)
+
+
+def test_parameters_stay_where_the_module_has_them():
+    """The torch engine updates the module's own parameter tensors: no second copy of the
+    model (which would leave the old storage to the allocator), and references a user
+    took to ``param.data`` before training see the trained values."""
+    model = gpt2(layers=2, hidden=64, vocab=256)
+    before = {n: p.data for n, p in model.named_parameters()}
+    ptrs = {n: t.data_ptr() for n, t in before.items()}
+    trainer = ORTTrainer(model, adamw(model))
+    initial = {n: t.clone() for n, t in before.items()}
+    for batch in lm_batches(2, vocab=256):
+        trainer.train_step(**batch)
+    assert isinstance(trainer._fused, TorchFusedUpdate)
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == ptrs[n] == trainer.params[n].data_ptr(), n
+        assert not torch.equal(before[n], initial[n]), f"{n} was not updated in place"
 
 
 def test_adam_l2_with_accumulation_on_bert():

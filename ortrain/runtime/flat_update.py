@@ -5,7 +5,8 @@ nodes per parameter tensor (hundreds of small kernels): the trained parameters, 
 gradients and the optimizer state are laid out group by group in flat buffers, and the
 update graph sees one pseudo-parameter per group. Parameters stay views of the flat
 buffer (the module's ``.data`` is re-homed there), so the gradient graph, checkpoints
-and ``state_dict`` keep working per tensor. LAMB needs per-tensor norms: not flattened.
+and ``state_dict`` keep working per tensor; torch's fused kernels take lists of tensors,
+so for them the parameters are not moved (``move_params=False``). LAMB needs per-tensor norms: not flattened.
 
 For the update graph a group is cut into pieces of at most ``PIECE`` elements, one
 chain each: ONNX Runtime runs the chains one after the other, so the temporaries of an
@@ -43,6 +44,8 @@ class FlatUpdate:
     states: dict[str, torch.Tensor]  # state_key(state, pseudo-parameter) -> flat slice
     # pseudo-parameter -> lengths of its tensors' segments (each with its alignment padding)
     segments: dict[str, list[int]]
+    # pseudo-parameter -> names of its parameter tensors, in layout order
+    members: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.Tensor | None:
@@ -60,11 +63,17 @@ def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.
 
 
 def flatten_update(
-    trainer: ORTTrainer, kinds: tuple[str, ...] = FLAT_KINDS, whole_groups: bool = False
+    trainer: ORTTrainer,
+    kinds: tuple[str, ...] = FLAT_KINDS,
+    whole_groups: bool = False,
+    move_params: bool = True,
 ) -> FlatUpdate | None:
     """``kinds``: optimizers to flatten (the fused kernels also take LAMB, whose per-tensor
     norms they compute over ``segments``); ``whole_groups``: one pseudo-parameter per
-    group (the kernels' way) instead of pieces of at most ``PIECE`` elements."""
+    group (the kernels' way) instead of pieces of at most ``PIECE`` elements;
+    ``move_params=False``: the parameters stay where they are (only gradients and state
+    are flat; ``params`` is then empty and ``members`` lists each group's tensors) for an
+    engine that takes lists of tensors."""
     spec = trainer.spec
     if spec.kind not in kinds or not trainer.grad_params:
         return None
@@ -74,17 +83,18 @@ def flatten_update(
     if flat_g is None:
         flat_g = torch.zeros(layout.numel, device=trainer.device)
         trainer.grads.update(layout.views(flat_g))
-    flat_p = torch.zeros(layout.numel, device=trainer.device)
-    modules = dict(trainer.module.named_parameters())
-    # Views are made with grad mode on: views made under no_grad may not be written in
-    # place later (users do write parameters in place).
-    for name, view in layout.views(flat_p).items():
-        with torch.no_grad():
-            view.copy_(trainer.params[name])
-        modules[name].data = view
-        trainer.params[name] = view
+    if move_params:
+        flat_p = torch.zeros(layout.numel, device=trainer.device)
+        modules = dict(trainer.module.named_parameters())
+        # Views are made with grad mode on: views made under no_grad may not be written in
+        # place later (users do write parameters in place).
+        for name, view in layout.views(flat_p).items():
+            with torch.no_grad():
+                view.copy_(trainer.params[name])
+            modules[name].data = view
+            trainer.params[name] = view
     entries = {e.name: e for e in layout.entries}
-    groups, pshapes, params, grads, states, segments = [], {}, {}, {}, {}, {}
+    groups, pshapes, params, grads, states, segments, members = [], {}, {}, {}, {}, {}, {}
     for gi, group in enumerate(spec.groups):
         mine = [entries[p] for p in group.params if p in entries]
         if not mine:
@@ -101,9 +111,11 @@ def flatten_update(
         bounds = [e.offset - start for e in mine] + [stop - start]
         for name, a, b in pieces:
             pshapes[name] = (b - a,)
-            params[name] = flat_p[a:b]
+            if move_params:
+                params[name] = flat_p[a:b]
             grads[name] = flat_g[a:b]
             segments[name] = [b - a]
+            members[name] = [e.name for e in mine if a <= e.offset < b]
         if len(pieces) == 1:  # the kernels' per-tensor segments
             segments[names[0]] = [b - a for a, b in itertools.pairwise(bounds)]
         for s in spec.state_names(group):
@@ -118,5 +130,5 @@ def flatten_update(
                         view.copy_(old)
                 trainer.opt_state[state_key(s, e.name)] = view
     return FlatUpdate(
-        OptimizerSpec(spec.kind, tuple(groups)), pshapes, params, grads, states, segments
+        OptimizerSpec(spec.kind, tuple(groups)), pshapes, params, grads, states, segments, members
     )
