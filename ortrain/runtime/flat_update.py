@@ -6,7 +6,8 @@ gradients and the optimizer state are laid out group by group in flat buffers, a
 update graph sees one pseudo-parameter per group. Parameters stay views of the flat
 buffer (the module's ``.data`` is re-homed there), so the gradient graph, checkpoints
 and ``state_dict`` keep working per tensor; torch's fused kernels take lists of tensors,
-so for them the parameters are not moved (``move_params=False``). LAMB needs per-tensor norms: not flattened.
+so for them the parameters are not moved (``move_params=False``). LAMB needs per-tensor
+norms: not flattened.
 
 For the update graph a group is cut into pieces of at most ``PIECE`` elements, one
 chain each: ONNX Runtime runs the chains one after the other, so the temporaries of an
