@@ -271,6 +271,21 @@ def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_no_running_stats(module: torch.nn.Module) -> None:
+    """BatchNorm in training mode updates its running statistics in place; the training
+    graph takes buffers as read-only inputs (torch.export fails on the update with an
+    unrelated-looking AssertionError), so name the layer instead."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training:
+            if m.track_running_stats:
+                raise ExportError(
+                    f"{type(m).__name__} '{name or type(module).__name__}' updates its running "
+                    "statistics in training mode: ortrain's training graph does not write "
+                    "buffers (and has no BatchNormalization gradient), so BatchNorm layers "
+                    "cannot be trained with ortrain yet; LayerNorm can"
+                )
+
+
 def export_here(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
@@ -302,6 +317,12 @@ def export_here(
     was_training = module.training
     module.train(train)
     sink = io.StringIO()
+    if train:
+        try:
+            _check_no_running_stats(module)
+        except ExportError:
+            module.train(was_training)
+            raise
     try:
         with (
             warnings.catch_warnings(),

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from ortrain import ORTTrainer
 from ortrain.errors import ExportError
 from ortrain.export import export_forward
 from tests.conftest import bert_batches, bert_mlm
@@ -73,6 +74,35 @@ class _NoScalarLoss(torch.nn.Module):
 def test_child_export_errors_reach_the_caller():
     with pytest.raises(ExportError, match="the loss must be a scalar"):
         export_forward(_NoScalarLoss(), {"x": torch.randn(2, 4)}, train=True)
+
+
+class _BatchNormNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.lin(x)).relu()
+        return torch.nn.functional.cross_entropy(self.head(h), y)
+
+
+def test_batch_norm_in_training_is_named_and_nothing_changes():
+    """torch.export fails on BatchNorm's in-place running-statistics update with an
+    AssertionError about compiled_fn; the trainer names the layer, leaves the module's
+    mode and weights alone, and an eval graph (no update) still builds."""
+    model = _BatchNormNet().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = torch.randn(16, 6), torch.randint(0, 2, (16,))
+    with pytest.raises(ExportError, match=r"BatchNorm1d 'norm' updates its running statistics"):
+        trainer.train_step(x, y)
+    assert not model.training and not model.norm.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    out = trainer.eval_step(x, y)
+    torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=1e-6)
 
 
 _GARBAGE_SESSION = """
