@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -269,6 +270,57 @@ def _quick_gelu(alpha: float):
 # --- the table -----------------------------------------------------------------------------
 
 # fmt: off
+def _conv_ref(nd: int, stride=1, padding=0, dilation=1, groups=1) -> Callable:
+    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+
+    def ref(x, w, b=None):
+        return fn(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+    return ref
+
+
+def _same_upper_ref(x, w):
+    # ONNX SAME_UPPER for a 2-D conv of stride 2: total pad (out - 1) * 2 + k - in, the odd
+    # one at the end (F.pad's order: last axis first).
+    k, size = w.shape[-1], x.shape[-1]
+    out = -(-size // 2)
+    total = max(0, (out - 1) * 2 + k - size)
+    lo, hi = total // 2, total - total // 2
+    return F.conv2d(F.pad(x, (lo, hi, lo, hi)), w, stride=2)
+
+
+def _convs() -> list[Spec]:
+    """Conv: strides that leave trailing inputs unread, dilation, asymmetric pads, groups
+    (and depthwise), 1-D / 3-D, no bias, a frozen input (a ViT's pixels), auto_pad."""
+    return [
+        case("Conv2d", "Conv", [X(2, 3, 7, 6), X(4, 3, 3, 3), X(4)], _conv_ref(2, padding=1),
+             attrs={"pads": [1, 1, 1, 1]}),
+        case("Conv2d-stride2-unread-tail", "Conv", [X(2, 3, 8, 7), X(5, 3, 3, 2), X(5)],
+             _conv_ref(2, stride=2), attrs={"strides": [2, 2]}),
+        case("Conv2d-dilation-stride", "Conv", [X(1, 2, 11, 9), X(3, 2, 3, 3)],
+             _conv_ref(2, stride=(2, 1), padding=(2, 1), dilation=(2, 3)),
+             attrs={"strides": [2, 1], "dilations": [2, 3], "pads": [2, 1, 2, 1]}),
+        case("Conv2d-asymmetric-pads", "Conv", [X(2, 2, 5, 5), X(3, 2, 2, 2), X(3)],
+             lambda x, w, b: F.conv2d(F.pad(x, (0, 1, 1, 0)), w, b),
+             attrs={"pads": [1, 0, 0, 1]}),
+        case("Conv2d-groups", "Conv", [X(2, 6, 6, 5), X(4, 3, 3, 3), X(4)],
+             _conv_ref(2, stride=2, padding=1, groups=2),
+             attrs={"strides": [2, 2], "pads": [1, 1, 1, 1], "group": 2}),
+        case("Conv2d-depthwise", "Conv", [X(2, 4, 6, 6), X(4, 1, 3, 3)],
+             _conv_ref(2, padding=1, groups=4), attrs={"pads": [1, 1, 1, 1], "group": 4}),
+        case("Conv2d-patch-embedding-frozen-pixels", "Conv",
+             [X(2, 3, 8, 8, grad=False), X(6, 3, 4, 4), X(6)], _conv_ref(2, stride=4),
+             attrs={"strides": [4, 4]}),
+        case("Conv2d-auto-pad-same-upper", "Conv", [X(1, 2, 7, 7), X(3, 2, 4, 4)],
+             _same_upper_ref, attrs={"strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+        case("Conv1d", "Conv", [X(3, 4, 9), X(6, 4, 3), X(6)],
+             _conv_ref(1, stride=2, padding=1), attrs={"strides": [2], "pads": [1, 1]}),
+        case("Conv3d", "Conv", [X(1, 2, 4, 5, 4), X(3, 2, 2, 3, 2), X(3)],
+             _conv_ref(3, stride=(1, 2, 1), padding=(1, 0, 1)),
+             attrs={"strides": [1, 2, 1], "pads": [1, 0, 1, 1, 0, 1]}),
+    ]  # fmt: skip
+
+
 SPECS: list[Spec] = [
     # Element-wise binary (numpy broadcasting) and n-ary.
     *_binary(),
@@ -461,6 +513,7 @@ SPECS: list[Spec] = [
     case("QuickGelu-alpha", "QuickGelu", [X(2, 3, 8)], _quick_gelu(0.5), domain=MS_DOMAIN,
          attrs={"alpha": 0.5}),
     *_skip_layer_norm(),
+    *_convs(),
     # Losses (direct_loss for mean/sum: the op's output is the loss itself).
     *_losses(),
 ]

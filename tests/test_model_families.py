@@ -249,3 +249,74 @@ def test_lora_fine_tuning_trains_only_the_adapters() -> None:
     trained = dict(ref.named_parameters())
     for name in adapters:
         _assert_close_scaled(dict(model.named_parameters())[name], trained[name].detach(), name)
+
+
+# Convolutional stems: ViT's patch embedding (Conv2d, stride = kernel = patch) and
+# Whisper's two Conv1d (the second with stride 2) before transformer layers.
+CONV_FAMILIES = {
+    "vit": (
+        "ViTForImageClassification", "ViTConfig",
+        dict(image_size=16, patch_size=4, num_channels=3, hidden_size=H, num_hidden_layers=L,
+             num_attention_heads=HEADS, intermediate_size=4 * H, num_labels=5,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        lambda g: dict(pixel_values=torch.randn(B, 3, 16, 16, generator=g),
+                       labels=torch.randint(0, 5, (B,), generator=g)),
+        1,  # Conv nodes in the forward
+    ),
+    "whisper": (
+        "WhisperForConditionalGeneration", "WhisperConfig",
+        dict(vocab_size=V, num_mel_bins=8, d_model=H, encoder_layers=L, decoder_layers=L,
+             encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+             encoder_ffn_dim=4 * H, decoder_ffn_dim=4 * H, max_source_positions=8,
+             max_target_positions=S, dropout=0.0, attention_dropout=0.0,
+             activation_dropout=0.0, attn_implementation="eager", pad_token_id=1,
+             bos_token_id=2, eos_token_id=3, decoder_start_token_id=2),
+        lambda g: dict(input_features=torch.randn(B, 8, 16, generator=g),
+                       labels=torch.randint(5, V, (B, 7), generator=g)),
+        2,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(CONV_FAMILIES))
+def test_conv_family_trains_like_eager(family: str) -> None:
+    """Gradients through Conv (graph_passes/autodiff/rules/conv.py) inside real models:
+    first-step gradients element-wise, three AdamW losses, eval logits; the input
+    gradient of a conv runs as ConvTranspose only where the conv's input is trained
+    (not ViT's pixels or Whisper's features: only Whisper's second conv)."""
+    import transformers
+
+    from tests.conftest import _quiet_transformers
+
+    _quiet_transformers()
+    model_cls, config_cls, kwargs, make_batch, convs = CONV_FAMILIES[family]
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    batches = [make_batch(g) for _ in range(3)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    losses_ref, losses = [], []
+    for step, batch in enumerate(batches):
+        opt_ref.zero_grad()
+        loss = ref(**batch).loss
+        loss.backward()
+        losses_ref.append(loss.item())
+        losses.append(trainer.train_step(**batch).item())
+        if step == 0:
+            _assert_gradients(ref, trainer)
+        opt_ref.step()
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
+    )
+    trainer.sync_to_module().eval()
+    with torch.no_grad():
+        logits_ref = model(**batches[-1]).logits
+    _assert_close_scaled(trainer.eval_step(**batches[-1])["logits"], logits_ref, "eval logits")
+    graph = trainer.train_graphs[0].graph
+    forward = collections.Counter(n.op_type for n in graph if not is_backward(n))
+    backward = collections.Counter(n.op_type for n in graph if is_backward(n))
+    assert forward["Conv"] == convs
+    assert backward["ConvTranspose"] == convs - 1
+    assert backward["Conv"] == convs  # one weight-gradient correlation per conv
