@@ -149,10 +149,26 @@ def _batch(kind: str, g: torch.Generator) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_like_eager(family: str) -> None:
     kind = FAMILIES[family].batch
-    ref = FAMILIES[family].build()
-    model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
-    batches = [_batch(kind, g) for _ in range(3)]
+    trainer = _trains_like_eager(FAMILIES[family].build(), [_batch(kind, g) for _ in range(3)])
+    # Squares (RMSNorm, T5's norm) and cubes (tanh-GELU left unfused) run as products;
+    # RMSNorm chains are one SimplifiedLayerNormalization each, none left decomposed.
+    graph = trainer.train_graphs[0].graph
+    forward = collections.Counter(n.op_type for n in graph if not is_backward(n))
+    assert forward["Pow"] == 0
+    assert forward["SimplifiedLayerNormalization"] == FAMILIES[family].rms_norms
+    if FAMILIES[family].rms_norms:
+        assert forward["ReduceMean"] == forward["Sqrt"] == forward["Reciprocal"] == 0
+    if kind == "left":
+        record = next(r for r in trainer.build_log if r.stage == "masked_attention_rows")
+        assert record.op_delta.get("IsNaN") == -L and record.op_delta.get("ReduceMax") == L
+
+
+def _trains_like_eager(ref: torch.nn.Module, batches: list[dict]) -> ORTTrainer:
+    """AdamW steps on ``ref`` (eager) and on a copy through ortrain: the first step's
+    gradients element-wise, every loss, then the eval graph against eager's eval forward
+    on ortrain's own weights."""
+    model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     trainer = ORTTrainer(
         model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01), TrainerOptions()
@@ -170,23 +186,11 @@ def test_family_trains_like_eager(family: str) -> None:
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
     )
-    # The eval graph against eager's eval forward on ortrain's own weights.
     trainer.sync_to_module().eval()
     with torch.no_grad():
         logits_ref = model(**batches[-1]).logits
-    logits = trainer.eval_step(**batches[-1])["logits"]
-    _assert_close_scaled(logits, logits_ref, "eval logits")
-    # Squares (RMSNorm, T5's norm) and cubes (tanh-GELU left unfused) run as products;
-    # RMSNorm chains are one SimplifiedLayerNormalization each, none left decomposed.
-    graph = trainer.train_graphs[0].graph
-    forward = collections.Counter(n.op_type for n in graph if not is_backward(n))
-    assert forward["Pow"] == 0
-    assert forward["SimplifiedLayerNormalization"] == FAMILIES[family].rms_norms
-    if FAMILIES[family].rms_norms:
-        assert forward["ReduceMean"] == forward["Sqrt"] == forward["Reciprocal"] == 0
-    if kind == "left":
-        record = next(r for r in trainer.build_log if r.stage == "masked_attention_rows")
-        assert record.op_delta.get("IsNaN") == -L and record.op_delta.get("ReduceMax") == L
+    _assert_close_scaled(trainer.eval_step(**batches[-1])["logits"], logits_ref, "eval logits")
+    return trainer
 
 
 def _assert_gradients(ref: torch.nn.Module, trainer: ORTTrainer, minimum: int = 10) -> None:
@@ -292,28 +296,8 @@ def test_conv_family_trains_like_eager(family: str) -> None:
     model_cls, config_cls, kwargs, make_batch, convs = CONV_FAMILIES[family]
     torch.manual_seed(0)
     ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
-    model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
-    batches = [make_batch(g) for _ in range(3)]
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
-    losses_ref, losses = [], []
-    for step, batch in enumerate(batches):
-        opt_ref.zero_grad()
-        loss = ref(**batch).loss
-        loss.backward()
-        losses_ref.append(loss.item())
-        losses.append(trainer.train_step(**batch).item())
-        if step == 0:
-            _assert_gradients(ref, trainer)
-        opt_ref.step()
-    torch.testing.assert_close(
-        torch.tensor(losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
-    )
-    trainer.sync_to_module().eval()
-    with torch.no_grad():
-        logits_ref = model(**batches[-1]).logits
-    _assert_close_scaled(trainer.eval_step(**batches[-1])["logits"], logits_ref, "eval logits")
+    trainer = _trains_like_eager(ref, [make_batch(g) for _ in range(3)])
     graph = trainer.train_graphs[0].graph
     forward = collections.Counter(n.op_type for n in graph if not is_backward(n))
     backward = collections.Counter(n.op_type for n in graph if is_backward(n))
