@@ -164,10 +164,92 @@ def test_family_trains_like_eager(family: str) -> None:
         assert record.op_delta.get("IsNaN") == -L and record.op_delta.get("ReduceMax") == L
 
 
-def _trains_like_eager(ref: torch.nn.Module, batches: list[dict]) -> ORTTrainer:
+# Task heads on top of the encoders and decoders above: each with the loss transformers
+# picks for it (cross-entropy over classes or tokens, MSE for one label, BCE-with-logits
+# for multi-label, two cross-entropies for span starts and ends, GPT-2's pooling at each
+# row's last non-pad token).
+def _bert_head(model: str, **config) -> torch.nn.Module:
+    import transformers
+
+    from tests.conftest import _quiet_transformers
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    return getattr(transformers, model)(transformers.BertConfig(vocab_size=V, **ENCODER, **config))
+
+
+def _gpt2_classifier() -> torch.nn.Module:
+    import transformers
+
+    from tests.conftest import _quiet_transformers
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=V, n_embd=H, n_layer=L, n_head=HEADS, n_positions=S, num_labels=3,
+        pad_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2ForSequenceClassification(config)
+
+
+def _head_batch(labels: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = _batch("right", g)
+    del batch["labels"]
+    if labels == "class":
+        batch["labels"] = torch.randint(0, 3, (B,), generator=g)
+    elif labels == "score":
+        batch["labels"] = torch.randn(B, generator=g)
+    elif labels == "multi":
+        batch["labels"] = (torch.rand(B, 4, generator=g) < 0.5).float()
+    elif labels == "token":
+        batch["labels"] = torch.randint(0, 5, (B, S), generator=g).masked_fill(
+            batch["attention_mask"] == 0, -100
+        )
+    elif labels == "span":
+        batch["start_positions"] = torch.randint(0, S // 2, (B,), generator=g)
+        batch["end_positions"] = batch["start_positions"] + 3
+    elif labels == "choice":  # B rows as B // 2 questions of 2 choices
+        batch = {k: v.view(B // 2, 2, S) for k, v in batch.items()}
+        batch["labels"] = torch.randint(0, 2, (B // 2,), generator=g)
+    return batch
+
+
+SEQ_CLS = "BertForSequenceClassification"
+TASK_HEADS = {
+    "bert-sequence-classification": (lambda: _bert_head(SEQ_CLS, num_labels=3), "class"),
+    "bert-regression": (lambda: _bert_head(SEQ_CLS, num_labels=1), "score"),
+    "bert-multi-label": (
+        lambda: _bert_head(SEQ_CLS, num_labels=4, problem_type="multi_label_classification"),
+        "multi",
+    ),
+    "bert-token-classification": (
+        lambda: _bert_head("BertForTokenClassification", num_labels=5),
+        "token",
+    ),
+    "bert-question-answering": (lambda: _bert_head("BertForQuestionAnswering"), "span"),
+    "bert-multiple-choice": (lambda: _bert_head("BertForMultipleChoice"), "choice"),
+    "gpt2-sequence-classification": (_gpt2_classifier, "class"),
+}
+HEAD_PREFIXES = ("classifier.", "qa_outputs.", "score.")
+
+
+@pytest.mark.parametrize("head", list(TASK_HEADS))
+def test_task_head_trains_like_eager(head: str) -> None:
+    build, labels = TASK_HEADS[head]
+    g = torch.Generator().manual_seed(1)
+    outputs = ("start_logits", "end_logits") if labels == "span" else ("logits",)
+    trainer = _trains_like_eager(build(), [_head_batch(labels, g) for _ in range(3)], outputs)
+    # The head's own parameters got gradients (not only the encoder's).
+    head_params = [n for n in trainer.grads if n.startswith(HEAD_PREFIXES)]
+    assert head_params and all(trainer.grads[n].abs().sum() > 0 for n in head_params)
+
+
+def _trains_like_eager(
+    ref: torch.nn.Module, batches: list[dict], outputs: tuple[str, ...] = ("logits",)
+) -> ORTTrainer:
     """AdamW steps on ``ref`` (eager) and on a copy through ortrain: the first step's
-    gradients element-wise, every loss, then the eval graph against eager's eval forward
-    on ortrain's own weights."""
+    gradients element-wise, every loss, then the eval graph's ``outputs`` against eager's
+    eval forward on ortrain's own weights."""
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     trainer = ORTTrainer(
@@ -188,8 +270,10 @@ def _trains_like_eager(ref: torch.nn.Module, batches: list[dict]) -> ORTTrainer:
     )
     trainer.sync_to_module().eval()
     with torch.no_grad():
-        logits_ref = model(**batches[-1]).logits
-    _assert_close_scaled(trainer.eval_step(**batches[-1])["logits"], logits_ref, "eval logits")
+        out_ref = model(**batches[-1])
+    out = trainer.eval_step(**batches[-1])
+    for key in outputs:
+        _assert_close_scaled(out[key], out_ref[key], f"eval {key}")
     return trainer
 
 
