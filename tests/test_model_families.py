@@ -168,30 +168,6 @@ def test_family_trains_like_eager(family: str) -> None:
 # picks for it (cross-entropy over classes or tokens, MSE for one label, BCE-with-logits
 # for multi-label, two cross-entropies for span starts and ends, GPT-2's pooling at each
 # row's last non-pad token).
-def _bert_head(model: str, **config) -> torch.nn.Module:
-    import transformers
-
-    from tests.conftest import _quiet_transformers
-
-    _quiet_transformers()
-    torch.manual_seed(0)
-    return getattr(transformers, model)(transformers.BertConfig(vocab_size=V, **ENCODER, **config))
-
-
-def _gpt2_classifier() -> torch.nn.Module:
-    import transformers
-
-    from tests.conftest import _quiet_transformers
-
-    _quiet_transformers()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=V, n_embd=H, n_layer=L, n_head=HEADS, n_positions=S, num_labels=3,
-        pad_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    return transformers.GPT2ForSequenceClassification(config)
-
-
 def _head_batch(labels: str, g: torch.Generator) -> dict[str, torch.Tensor]:
     batch = _batch("right", g)
     del batch["labels"]
@@ -214,31 +190,47 @@ def _head_batch(labels: str, g: torch.Generator) -> dict[str, torch.Tensor]:
     return batch
 
 
-SEQ_CLS = "BertForSequenceClassification"
-TASK_HEADS = {
-    "bert-sequence-classification": (lambda: _bert_head(SEQ_CLS, num_labels=3), "class"),
-    "bert-regression": (lambda: _bert_head(SEQ_CLS, num_labels=1), "score"),
+GPT2_CLS = dict(
+    n_embd=H, n_layer=L, n_head=HEADS, n_positions=S, num_labels=3, pad_token_id=1, **NO_DROPOUT
+)
+TASK_HEADS = {  # (model, the labels its batch carries)
+    "bert-sequence-classification": (
+        Family("BertForSequenceClassification", "BertConfig", "right", dict(ENCODER, num_labels=3)),
+        "class",
+    ),
+    "bert-regression": (
+        Family("BertForSequenceClassification", "BertConfig", "right", dict(ENCODER, num_labels=1)),
+        "score",
+    ),
     "bert-multi-label": (
-        lambda: _bert_head(SEQ_CLS, num_labels=4, problem_type="multi_label_classification"),
+        Family("BertForSequenceClassification", "BertConfig", "right",
+               dict(ENCODER, num_labels=4, problem_type="multi_label_classification")),
         "multi",
     ),
     "bert-token-classification": (
-        lambda: _bert_head("BertForTokenClassification", num_labels=5),
+        Family("BertForTokenClassification", "BertConfig", "right", dict(ENCODER, num_labels=5)),
         "token",
     ),
-    "bert-question-answering": (lambda: _bert_head("BertForQuestionAnswering"), "span"),
-    "bert-multiple-choice": (lambda: _bert_head("BertForMultipleChoice"), "choice"),
-    "gpt2-sequence-classification": (_gpt2_classifier, "class"),
-}
+    "bert-question-answering": (
+        Family("BertForQuestionAnswering", "BertConfig", "right", ENCODER), "span"
+    ),
+    "bert-multiple-choice": (
+        Family("BertForMultipleChoice", "BertConfig", "right", ENCODER), "choice"
+    ),
+    "gpt2-sequence-classification": (
+        Family("GPT2ForSequenceClassification", "GPT2Config", "right", GPT2_CLS), "class"
+    ),
+}  # fmt: skip
 HEAD_PREFIXES = ("classifier.", "qa_outputs.", "score.")
 
 
 @pytest.mark.parametrize("head", list(TASK_HEADS))
 def test_task_head_trains_like_eager(head: str) -> None:
-    build, labels = TASK_HEADS[head]
+    family, labels = TASK_HEADS[head]
     g = torch.Generator().manual_seed(1)
     outputs = ("start_logits", "end_logits") if labels == "span" else ("logits",)
-    trainer = _trains_like_eager(build(), [_head_batch(labels, g) for _ in range(3)], outputs)
+    batches = [_head_batch(labels, g) for _ in range(3)]
+    trainer = _trains_like_eager(family.build(), batches, outputs)
     # The head's own parameters got gradients (not only the encoder's).
     head_params = [n for n in trainer.grads if n.startswith(HEAD_PREFIXES)]
     assert head_params and all(trainer.grads[n].abs().sum() > 0 for n in head_params)
