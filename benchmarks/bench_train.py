@@ -55,6 +55,7 @@ BACKENDS = (
     "ortrain",
     "ortrain-nopasses",  # optimize_graph=False, memory_plan=False: the plain gradient graph
     "ortrain-graphupdate",  # update_engine="graph": the update ONNX graph, not torch's kernels
+    "ortrain-mlas",  # cpu_gemm="onnxruntime": ONNX Runtime's GEMMs, not the BLAS custom op
     "torch-fused",  # eager with AdamW(fused=True): the kernels ortrain's CPU update runs
     "ortrain-fp16",
     "ortrain-bf16",  # CUDA only
@@ -240,6 +241,7 @@ def setup_ortrain(
     cuda_graph: bool = False,
     passes: bool = True,
     update_engine: str = "auto",
+    cpu_gemm: str = "auto",
 ) -> Setup:
     import ortrain.trainer as trainer_mod
     from ortrain import ORTTrainer, TrainerOptions
@@ -263,6 +265,7 @@ def setup_ortrain(
         optimize_graph=passes,
         memory_plan=passes,
         update_engine=update_engine,
+        cpu_gemm=cpu_gemm,
     )
     trainer = ORTTrainer(model, opt, options)
 
@@ -370,7 +373,10 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         graph = args.backend == "ortrain-cudagraph"
         passes = args.backend != "ortrain-nopasses"
         engine = "graph" if args.backend == "ortrain-graphupdate" else "auto"
-        s = setup_ortrain(model, opt, args.threads, precision, args.device, graph, passes, engine)
+        gemm = "onnxruntime" if args.backend == "ortrain-mlas" else "auto"
+        s = setup_ortrain(
+            model, opt, args.threads, precision, args.device, graph, passes, engine, gemm
+        )
     rss_setup = rss_bytes()
 
     # ---- step 0: first step (ortrain: export + compile + run)
@@ -568,6 +574,10 @@ def report(
     lines += _ab_table(
         results, "ortrain-graphupdate", "ortrain", "update graph", "torch kernels",
         "speedup from the update engine", "graph", "kernels", (), lambda a, b: (),
+    )  # fmt: skip
+    lines += _ab_table(
+        results, "ortrain-mlas", "ortrain", "ONNX Runtime GEMMs", "BLAS GEMM op",
+        "speedup from the BLAS op", "MLAS", "BLAS", (), lambda a, b: (),
     )  # fmt: skip
     lines += _ab_table(
         results, "torch-fused", "ortrain", "eager fused AdamW", "ortrain",

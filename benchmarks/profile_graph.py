@@ -39,6 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds
 
+from graph_passes.interface import BLAS_DOMAIN
+from ortrain.runtime import blas_ops
 from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED, serialize_for_ort
 
 
@@ -48,7 +50,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def workload_graph(
-    name: str, graph: str, save_dir: Path, threads: int, seed: int
+    name: str, graph: str, save_dir: Path, threads: int, seed: int, cpu_gemm: str = "auto"
 ) -> tuple[Path, dict[str, np.ndarray], int]:
     """Run one train step of workload ``name``.
 
@@ -63,7 +65,9 @@ def workload_graph(
     model = w.build(w, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     trainer = ORTTrainer(
-        model, opt, TrainerOptions(intra_op_threads=threads, save_graphs_dir=save_dir)
+        model,
+        opt,
+        TrainerOptions(intra_op_threads=threads, save_graphs_dir=save_dir, cpu_gemm=cpu_gemm),
     )
     batch = w.make_batch(w, torch.Generator().manual_seed(seed + 1))
     trainer.train_step(**batch)
@@ -152,6 +156,8 @@ def profile(
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.enable_profiling = True
     so.profile_file_prefix = prefix
+    if BLAS_DOMAIN.encode() in data:  # ortrain.blas.Gemm nodes (graph_passes/blas_gemm.py)
+        so.register_custom_ops_library(str(blas_ops.library_path()))
     disabled = DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else [])
     sess = ort.InferenceSession(
         data, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
@@ -279,6 +285,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph", choices=["train", "update"], default="train")
     p.add_argument("--save-dir", type=Path, help="keep the trainer's saved graphs here")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--cpu-gemm", choices=["auto", "blas", "onnxruntime"], default="auto",
+        help="TrainerOptions.cpu_gemm of the workload's trainer",
+    )  # fmt: skip
     p.add_argument("--runs", type=int, default=5, help="measured runs")
     p.add_argument("--warmup-runs", type=int, default=2, help="runs left out of the aggregate")
     p.add_argument("--top", type=int, default=15, help="op types to list")
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             save_dir = args.save_dir or Path(tmp) / "graphs"
             path, known, expected = workload_graph(
-                args.workload, args.graph, save_dir, args.threads, args.seed
+                args.workload, args.graph, save_dir, args.threads, args.seed, args.cpu_gemm
             )
         # The trainer runs RemoveUnusedNodesPass on the gradient graph after saving it.
         remove = not args.no_remove_unused and path.name.startswith("train.")

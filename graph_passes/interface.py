@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 LOSS_SCALE_INPUT = "loss_scale"  # graph input the backward is seeded with (loss_scaling.py)
+BLAS_DOMAIN = "ortrain.blas"  # the BLAS GEMM custom op's domain (blas_gemm.py)
 
 
 class GradientError(RuntimeError):

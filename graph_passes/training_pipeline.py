@@ -24,6 +24,8 @@ left out with ``optimize=False``):
 11. recompute          cheap forward values the backward reads are made again there
                        (``RecomputePolicy``; NOTHING = off)
 12. remove_unused      forward values nothing reads any more
+13. blas_gemm          fp32 products on the BLAS custom op (``blas_gemm=True``: CPU
+                       sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import onnx_ir.passes.common
 
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
+from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.forward_cleanup import clean_forward
@@ -66,6 +69,7 @@ class TrainingBuild:
     fusions: tuple[str, ...] | None = None  # names from ``fusions.FUSIONS``; None: the default set
     # loss node -> rows to keep (label_sparsity.py); empty: every row
     label_rows: dict[str, int] = dataclasses.field(default_factory=dict)
+    blas_gemm: bool = False  # fp32 products -> ortrain.blas.Gemm (blas_gemm.py)
     # Produced by the passes:
     diff_loss: str = ""  # the value autodiff starts from
     gradient: GradientGraphResult | None = None
@@ -118,10 +122,14 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         policy = build.recompute
         passes.append(Pass("recompute", lambda m: recompute_cheap_values(m, policy)))
     passes.append(Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()))
+    if build.blas_gemm:
+        passes.append(Pass("blas_gemm", lower_gemm_to_blas))
     return passes
 
 
-def eval_passes(mixed_precision: str | None, optimize: bool = True) -> list[Pass]:
+def eval_passes(
+    mixed_precision: str | None, optimize: bool = True, blas_gemm: bool = False
+) -> list[Pass]:
     """Evaluation graphs: the same precision and forward passes as training, no gradients."""
     passes = [
         Pass("seed_dropout", lambda m: seed_dropouts(m, 0)),
@@ -137,4 +145,6 @@ def eval_passes(mixed_precision: str | None, optimize: bool = True) -> list[Pass
         )
     if optimize:
         passes.append(Pass("lower_cross_entropy", lower_softmax_cross_entropy))
+    if blas_gemm:
+        passes.append(Pass("blas_gemm", lower_gemm_to_blas))
     return passes

@@ -49,6 +49,7 @@ class BuildSettings:
     optimize: bool = True
     memory_plan: bool = True
     graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
+    blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/blas_gemm.py)
 
 
 @dataclasses.dataclass
@@ -75,6 +76,7 @@ class BuiltGraph:
     log: list[StageRecord] = dataclasses.field(default_factory=list)
     # graph_passes/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
     planned_peak_bytes: int = 0
+    blas_gemm: bool = False  # has ortrain.blas.Gemm nodes: the session needs that library
 
     def model(self) -> ir.Model:
         import onnx
@@ -138,6 +140,7 @@ class _Log:
 def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
     import onnx_ir as ir
 
+    from graph_passes.blas_gemm import BLAS_DOMAIN
     from graph_passes.memory_plan import planned_peak_bytes
     from graph_passes.ort_order import order_for_ort
     from graph_passes.tags import RECOMPUTE_OF
@@ -154,6 +157,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
         output_keys=ex.output_keys,
         log=log.records,
         planned_peak_bytes=planned_peak_bytes(model),
+        blas_gemm=BLAS_DOMAIN in model.opset_imports,
         **extra,
     )
 
@@ -192,6 +196,7 @@ def build_train(
         loss_scaling=settings.loss_scaling,
         optimize=settings.optimize,
         recompute=RecomputePolicy.CHEAP_OPS if settings.memory_plan else RecomputePolicy.NOTHING,
+        blas_gemm=settings.blas_gemm,
     )
     log.run(model, training_passes(build))
     assert build.gradient is not None
@@ -217,5 +222,5 @@ def build_eval(
 
     log = _Log("eval", settings, first)
     ex = log.export(module, batch, False, loss_fn)
-    log.run(ex.model, eval_passes(settings.mixed_precision, settings.optimize))
+    log.run(ex.model, eval_passes(settings.mixed_precision, settings.optimize, settings.blas_gemm))
     return _built(ex.model, ex, log)

@@ -48,6 +48,11 @@ class TrainerOptions:
     memory_plan: recompute cheap forward values (casts, reshapes, activations,
         LayerNorm) in the backward instead of keeping them alive from the forward
         (``RecomputePolicy.CHEAP_OPS``); ``trainer.memory_report()`` shows what is kept.
+    cpu_gemm: what runs the fp32 matrix products of CPU graphs. "onnxruntime": ONNX
+        Runtime's own (MLAS); "blas": ``ortrain.blas.Gemm``, a custom op calling the BLAS
+        torch loaded (MKL on x86), compiled on first use with the system C compiler
+        (``ortrain/runtime/blas_ops.py``); "auto" (default): "blas" on Intel CPUs when
+        torch has MKL and the op builds, MLAS elsewhere (MLAS is the faster one on AMD).
     """
 
     device: str = "cpu"
@@ -66,6 +71,7 @@ class TrainerOptions:
     loss_scale: str | float | DynamicLossScale | None = "auto"
     optimize_graph: bool = True
     memory_plan: bool = True
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         kind, _, index = self.device.partition(":")
@@ -113,6 +119,11 @@ class TrainerOptions:
             )
         if isinstance(ls, (int, float)) and not (ls > 0 and ls != float("inf")):
             raise ValueError(f"TrainerOptions.loss_scale must be a finite value > 0, got {ls}")
+        if self.cpu_gemm not in ("auto", "blas", "onnxruntime"):
+            raise ValueError(
+                "TrainerOptions.cpu_gemm must be 'auto', 'blas' or 'onnxruntime', got "
+                f"{self.cpu_gemm!r}"
+            )
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise ValueError(
                 f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}"

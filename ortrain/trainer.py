@@ -46,6 +46,7 @@ from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.roles import Role
 from ortrain.runtime import kernels
+from ortrain.runtime.blas_ops import use_blas_gemm
 from ortrain.runtime.flat_update import flatten_update
 from ortrain.runtime.fused_update import (
     KERNEL_KINDS,
@@ -131,6 +132,9 @@ class ORTTrainer:
         self.loss_fn = loss_fn
         self.device = torch.device(self.options.device)
         check_device(self.device)
+        # fp32 products on the BLAS custom op (graph_passes/blas_gemm.py): decided (and the
+        # op built) once, before any build
+        self._blas_gemm = use_blas_gemm(self.options.cpu_gemm, self.device.type)
         # CUDA: the module lives on the device; ONNX Runtime runs on a stream of ours
         # (torch's default stream cannot be handed to it) that train_step makes current.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -233,6 +237,7 @@ class ORTTrainer:
             optimize=self.options.optimize_graph,
             memory_plan=self.options.memory_plan,
             graph_dir=str(self._graph_dir) if self._graph_dir is not None else None,
+            blas_gemm=self._blas_gemm,
         )
 
     def _run_build(self, job: Callable[[], T], batch: Mapping[str, Any]) -> T:

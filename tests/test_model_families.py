@@ -237,16 +237,18 @@ def test_task_head_trains_like_eager(head: str) -> None:
 
 
 def _trains_like_eager(
-    ref: torch.nn.Module, batches: list[dict], outputs: tuple[str, ...] = ("logits",)
+    ref: torch.nn.Module,
+    batches: list[dict],
+    outputs: tuple[str, ...] = ("logits",),
+    options: TrainerOptions | None = None,
 ) -> ORTTrainer:
     """AdamW steps on ``ref`` (eager) and on a copy through ortrain: the first step's
     gradients element-wise, every loss, then the eval graph's ``outputs`` against eager's
     eval forward on ortrain's own weights."""
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    trainer = ORTTrainer(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01), TrainerOptions()
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    trainer = ORTTrainer(model, opt, options or TrainerOptions())
     losses_ref, losses = [], []
     for step, batch in enumerate(batches):
         opt_ref.zero_grad()

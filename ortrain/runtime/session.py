@@ -19,8 +19,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from graph_passes.interface import BLAS_DOMAIN
 from ortrain.build import BuiltGraph
 from ortrain.errors import DeviceError
+from ortrain.runtime import blas_ops
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -156,9 +158,10 @@ def make_session(
     arena_bytes = 0
     if isinstance(model, BuiltGraph):  # built apart (ortrain/build.py): ordered already
         data, recomputes = model.ort_data, model.recomputes
-        arena_bytes = model.planned_peak_bytes
+        arena_bytes, blas = model.planned_peak_bytes, model.blas_gemm
     else:
         data, recomputes = serialize_for_ort(model)
+        blas = BLAS_DOMAIN in model.opset_imports
     if save_path is not None:
         with open(save_path, "wb") as f:
             f.write(data)
@@ -175,6 +178,8 @@ def make_session(
     if threads is not None:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    if blas:  # ortrain.blas.Gemm nodes (graph_passes/blas_gemm.py)
+        so.register_custom_ops_library(str(blas_ops.library_path()))
     if device.type == "cpu":
         register_cpu_arena(arena_bytes)
         so.add_session_config_entry("session.use_env_allocators", "1")
