@@ -221,10 +221,14 @@ def test_cpu_gemm_choices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unbuildable_op_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("ORTRAIN_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(blas_ops.shutil, "which", lambda name: None)
     blas_ops.library_path.cache_clear()
     try:
+        monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+        with pytest.raises(blas_ops.BlasLibraryError, match=r"cpu_gemm='blas': `false .*` failed"):
+            blas_ops.use_blas_gemm("blas")
+        assert not list(tmp_path.glob("*.so"))  # nothing half-written left behind
+        monkeypatch.delenv("CC")
+        monkeypatch.setattr(blas_ops.shutil, "which", lambda name: None)
         with pytest.raises(blas_ops.BlasLibraryError, match="cpu_gemm='blas': no C compiler"):
             blas_ops.use_blas_gemm("blas")
         monkeypatch.setattr(blas_ops, "_intel_cpu", lambda: True)

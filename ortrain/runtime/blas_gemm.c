@@ -22,6 +22,7 @@
  * API-16 table and every runtime >= 1.16 serves it (GetApi(16)).
  */
 #include <limits.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -138,11 +139,14 @@ typedef struct {
   int64_t trans_a, trans_b;
 } Kernel;
 
-static OrtStatus* error(const OrtApi* api, int code, const char* fmt, long long a, long long b,
-                        long long c, long long d) {
+/* An ORT_INVALID_ARGUMENT status with a printf-formatted message. */
+static OrtStatus* invalid(const OrtApi* api, const char* fmt, ...) {
   char msg[384];
-  snprintf(msg, sizeof msg, fmt, a, b, c, d);
-  return API_FN(api, I_CreateStatus, CreateStatusFn)(code, msg);
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(msg, sizeof msg, fmt, args);
+  va_end(args);
+  return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
 }
 
 /* dims of a tensor (up to 8) and its element type; NULL on success */
@@ -152,9 +156,9 @@ static OrtStatus* shape_of(const OrtApi* api, const OrtValue* v, int64_t* dims, 
   OrtStatus* st = API_FN(api, I_GetTensorTypeAndShape, GetTensorTypeAndShapeFn)(v, &info);
   if (st) return st;
   st = API_FN(api, I_GetDimensionsCount, GetDimensionsCountFn)(info, rank);
-  if (!st && *rank > 8) st = error(api, ORT_INVALID_ARGUMENT,
-                                   "ortrain.blas.Gemm: rank %lld > 8%.0lld%.0lld%.0lld",
-                                   (long long)*rank, 0, 0, 0);
+  if (!st && *rank > 8) st = invalid(api,
+                                   "ortrain.blas.Gemm: rank %lld > 8",
+                                   (long long)*rank);
   if (!st) st = API_FN(api, I_GetDimensions, GetDimensionsFn)(info, dims, *rank);
   if (!st) st = API_FN(api, I_GetTensorElementType, GetTensorElementTypeFn)(info, elem);
   API_FN(api, I_ReleaseTensorTypeAndShapeInfo, ReleaseTensorInfoFn)(info);
@@ -210,16 +214,16 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if ((st = shape_of(api, in[1], db, &rb, &eb))) return st;
   if (in[2] && (st = shape_of(api, in[2], dc, &rc, &ec))) return st;
   if (ea != ELEM_FLOAT || eb != ELEM_FLOAT || ec != ELEM_FLOAT)
-    return error(api, ORT_INVALID_ARGUMENT,
-                 "ortrain.blas.Gemm: inputs must be float32, got element types A=%lld B=%lld C=%lld%.0lld",
-                 ea, eb, ec, 0);
+    return invalid(api,
+                 "ortrain.blas.Gemm: inputs must be float32, got element types A=%lld B=%lld C=%lld",
+                 (long long)ea, (long long)eb, (long long)ec);
   if (rb != 2)
-    return error(api, ORT_INVALID_ARGUMENT, "ortrain.blas.Gemm: B must be 2-D, got rank %lld%.0lld%.0lld%.0lld",
-                 (long long)rb, 0, 0, 0);
+    return invalid(api, "ortrain.blas.Gemm: B must be 2-D, got rank %lld",
+                 (long long)rb);
   if (ra < 1 || (k->trans_a && ra != 2))
-    return error(api, ORT_INVALID_ARGUMENT,
-                 "ortrain.blas.Gemm: A must be 2-D with transA=1 (rank >= 1 otherwise), got rank %lld (transA=%lld)%.0lld%.0lld",
-                 (long long)ra, (long long)k->trans_a, 0, 0);
+    return invalid(api,
+                 "ortrain.blas.Gemm: A must be 2-D with transA=1 (rank >= 1 otherwise), got rank %lld (transA=%lld)",
+                 (long long)ra, (long long)k->trans_a);
   int64_t kk = k->trans_a ? da[0] : da[ra - 1];
   int64_t m = 1;
   if (k->trans_a) m = da[1];
@@ -227,22 +231,22 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t kb = k->trans_b ? db[1] : db[0];
   int64_t n = k->trans_b ? db[0] : db[1];
   if (kb != kk)
-    return error(api, ORT_INVALID_ARGUMENT,
+    return invalid(api,
                  "ortrain.blas.Gemm: inner dimensions differ: op(A) is [%lld, %lld], op(B) is [%lld, %lld]",
-                 m, kk, kb, n);
+                 (long long)m, (long long)kk, (long long)kb, (long long)n);
   if (m > INT_MAX || n > INT_MAX || kk > INT_MAX)
-    return error(api, ORT_INVALID_ARGUMENT,
+    return invalid(api,
                  "ortrain.blas.Gemm: [%lld, %lld] x [%lld, %lld] exceeds the BLAS's 32-bit sizes",
-                 m, kk, kk, n);
+                 (long long)m, (long long)kk, (long long)kk, (long long)n);
   int64_t cn = 1;
   for (size_t i = 0; i < rc; ++i) cn *= dc[i];
   int c_full = in[2] && cn == m * n && (rc < 1 || dc[rc - 1] == n || m == 1);
   int c_row = in[2] && !c_full && cn == n && (rc < 1 || dc[rc - 1] == n);
   int c_one = in[2] && !c_full && !c_row && cn == 1;
   if (in[2] && !c_full && !c_row && !c_one)
-    return error(api, ORT_INVALID_ARGUMENT,
-                 "ortrain.blas.Gemm: C has %lld elements; expected %lld (Y's), %lld (a row) or 1%.0lld",
-                 cn, m * n, n, 0);
+    return invalid(api,
+                 "ortrain.blas.Gemm: C has %lld elements; expected %lld (Y's), %lld (a row) or 1",
+                 (long long)cn, (long long)(m * n), (long long)n);
 
   int64_t dy[8];
   size_t ry = 0;

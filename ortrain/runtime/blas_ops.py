@@ -81,9 +81,8 @@ def library_path() -> Path:
             cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
-                raise BlasLibraryError(
-                    f"`{' '.join(cmd)}` failed: {done.stderr.strip().splitlines()[-1:]}"
-                )
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise BlasLibraryError(f"`{' '.join(cmd)}` failed: {last}")
             os.replace(out, path)  # atomic: a concurrent build leaves one whole file
     lib = ctypes.CDLL(str(path))
     if lib.ortrain_blas_abi_version() != ABI_VERSION:
