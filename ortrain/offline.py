@@ -21,6 +21,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import torch
 
+from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.forward_cleanup import clean_forward
 from graph_passes.interface import GradientError
 from graph_passes.optimizer import build_update_graph
@@ -29,6 +30,7 @@ from graph_passes.pipeline import run_pipeline
 from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.errors import OrtrainError
 from ortrain.optim.spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
+from ortrain.runtime.blas_ops import use_blas_gemm
 from ortrain.runtime.session import BoundSession, make_session
 
 MANIFEST = "manifest.json"
@@ -180,7 +182,11 @@ class TrainingSession:
     _scalars: dict[str, torch.Tensor]
 
     @classmethod
-    def load(cls, directory: str | Path, *, threads: int | None = None) -> TrainingSession:
+    def load(
+        cls, directory: str | Path, *, threads: int | None = None, cpu_gemm: str = "auto"
+    ) -> TrainingSession:
+        """``cpu_gemm`` as ``TrainerOptions.cpu_gemm``: the artifacts keep standard ops and
+        the large products move to the BLAS GEMM op here, in memory, where it is chosen."""
         d = Path(directory)
         if not (d / MANIFEST).is_file():
             raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
@@ -200,7 +206,10 @@ class TrainingSession:
         if manifest["max_grad_norm"] is not None:
             scalars["max_grad_norm"] = torch.tensor(float(manifest["max_grad_norm"]))
         loss = torch.zeros(())
-        grad_sess = BoundSession(make_session(ir.load(d / "gradient.onnx"), threads=threads))
+        gradient = ir.load(d / "gradient.onnx")
+        if use_blas_gemm(cpu_gemm):
+            lower_gemm_to_blas(gradient)
+        grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})
         grad_sess.bind_outputs({manifest["grad_outputs"][n]: grads[n] for n in names})

@@ -147,16 +147,32 @@ def _build(path, out, *extra: str) -> int:
     return main([*args, "--weight-decay", "0.0", "-o", str(out), *extra])
 
 
-def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path):
+@pytest.mark.parametrize("cpu_gemm", ["onnxruntime", "blas"])
+def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_gemm, monkeypatch):
+    """cpu_gemm="blas": every product of the loaded gradient graph on the BLAS op."""
     import collections
 
     import onnx
+
+    from graph_passes import blas_gemm
+    from ortrain import offline
+    from ortrain.runtime import blas_ops
 
     model, path = dynamic_gpt2
     ref = copy.deepcopy(model)
     out = tmp_path / "artifacts"
     assert _build(path, out, "--dim", "batch=4", "--dim", "seq=24") == 0
-    session = TrainingSession.load(out)
+    if cpu_gemm == "blas":
+        try:
+            blas_ops.library_path()
+        except blas_ops.BlasLibraryError as exc:
+            pytest.skip(f"the BLAS GEMM op cannot be built here: {exc}")
+        monkeypatch.setattr(blas_gemm, "MIN_FLOPS", 0.0)
+    moved: list[int] = []
+    lower = offline.lower_gemm_to_blas
+    monkeypatch.setattr(offline, "lower_gemm_to_blas", lambda m: moved.append(lower(m)))
+    session = TrainingSession.load(out, cpu_gemm=cpu_gemm)
+    assert moved[0] >= 8 if cpu_gemm == "blas" else moved == []
     assert session.manifest["batch_shapes"] == {"input_ids": [4, 24], "labels": [4, 24]}
     # Every parameter (the tied embedding once, under either name), none of the exporter's
     # constants.
