@@ -303,14 +303,29 @@ static int op_input_characteristic(const OrtCustomOp* op, size_t i) {
 static int op_output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
 static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
+/* The API-1 entry point; never called: with version >= 16 ONNX Runtime calls KernelComputeV2. */
 static void kernel_compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
 
 static OrtCustomOp g_gemm_op = {
-    API_VERSION,      kernel_create,   op_name,          op_provider,
-    op_type,          op_input_count,  op_type,          op_output_count,
-    kernel_compute_v1, kernel_destroy, op_input_characteristic, op_output_characteristic,
-    op_memory_type,   op_zero,         op_zero,          op_zero,
-    op_zero,          kernel_create_v2, kernel_compute,
+    .version = API_VERSION,
+    .CreateKernel = kernel_create,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = op_type,
+    .GetInputTypeCount = op_input_count,
+    .GetOutputType = op_type,
+    .GetOutputTypeCount = op_output_count,
+    .KernelCompute = kernel_compute_v1,
+    .KernelDestroy = kernel_destroy,
+    .GetInputCharacteristic = op_input_characteristic,
+    .GetOutputCharacteristic = op_output_characteristic,
+    .GetInputMemoryType = op_memory_type,
+    .GetVariadicInputMinArity = op_zero,
+    .GetVariadicInputHomogeneity = op_zero,
+    .GetVariadicOutputMinArity = op_zero,
+    .GetVariadicOutputHomogeneity = op_zero,
+    .CreateKernelV2 = kernel_create_v2,
+    .KernelComputeV2 = kernel_compute,
 };
 
 /* The entry point ONNX Runtime's register_custom_ops_library looks up. */
