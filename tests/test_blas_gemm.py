@@ -228,6 +228,11 @@ def test_unbuildable_op_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path)
             blas_ops.use_blas_gemm("blas")
         assert not list(tmp_path.glob("*.so"))  # nothing half-written left behind
         monkeypatch.delenv("CC")
+        not_a_folder = tmp_path / "file"
+        not_a_folder.write_text("")
+        monkeypatch.setenv("ORTRAIN_CACHE_DIR", str(not_a_folder))
+        with pytest.raises(blas_ops.BlasLibraryError, match="cpu_gemm='blas': cannot build"):
+            blas_ops.use_blas_gemm("blas")
         monkeypatch.setattr(blas_ops.shutil, "which", lambda name: None)
         with pytest.raises(blas_ops.BlasLibraryError, match="cpu_gemm='blas': no C compiler"):
             blas_ops.use_blas_gemm("blas")

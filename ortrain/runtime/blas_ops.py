@@ -75,15 +75,10 @@ def library_path() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + cc.encode()).hexdigest()[:16]
     path = cache_dir() / f"libortrain_blas-{key}.so"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            out = Path(tmp) / path.name
-            cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                raise BlasLibraryError(f"`{' '.join(cmd)}` failed: {last}")
-            os.replace(out, path)  # atomic: a concurrent build leaves one whole file
+        try:
+            _compile(cc, path)
+        except OSError as exc:  # an unwritable cache folder, a compiler that cannot run
+            raise BlasLibraryError(f"cannot build {path}: {exc}") from None
     lib = ctypes.CDLL(str(path))
     if lib.ortrain_blas_abi_version() != ABI_VERSION:
         raise BlasLibraryError(
@@ -92,6 +87,18 @@ def library_path() -> Path:
     lib.ortrain_blas_set_sgemm.argtypes = [ctypes.c_void_p]
     lib.ortrain_blas_set_sgemm(sgemm)
     return path
+
+
+def _compile(cc: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise BlasLibraryError(f"`{' '.join(cmd)}` failed: {last}")
+        os.replace(out, path)  # atomic: a concurrent build leaves one whole file
 
 
 def _intel_cpu() -> bool:
