@@ -13,6 +13,7 @@ call and then compete for the cores with ONNX Runtime's threads on the ops that 
 On a 2-core Intel VM, gpt2-tiny's gradient graph ran 175.6 ms with MLAS, 176.9 ms with
 every product on the BLAS, 157.5 ms with only its LM head's (4.3 GFLOP each); GPT-2
 small's (all >= 1.2 GFLOP) 1672 -> 1395 ms (``benchmarks/profile_graph.py --cpu-gemm``).
+In the training loop the two gpt2-tiny choices measured alike (``benchmarks/HISTORY.md``).
 
 Cases rewritten (every operand and the result float32, the right operand 2-D, static
 shapes):

@@ -58,9 +58,13 @@ def _torch_sgemm() -> int:
         if not path.is_file():
             continue
         try:
-            return ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value or 0
+            address = ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
         except (OSError, AttributeError) as exc:
             errors.append(f"{path}: {exc}")
+            continue
+        if address:
+            return address
+        errors.append(f"{path}: sgemm_ resolves to a null address")
     raise BlasLibraryError(
         f"torch's CPU library exports no sgemm_ ({'; '.join(errors) or f'none in {lib_dir}'})"
     )
@@ -85,7 +89,8 @@ def library_path() -> Path:
             f"{path} has ABI {lib.ortrain_blas_abi_version()}, not {ABI_VERSION}"
         )
     lib.ortrain_blas_set_sgemm.argtypes = [ctypes.c_void_p]
-    lib.ortrain_blas_set_sgemm(sgemm)
+    if lib.ortrain_blas_set_sgemm(sgemm) != 0:
+        raise BlasLibraryError(f"{path} refused the sgemm address {sgemm:#x}")
     return path
 
 
