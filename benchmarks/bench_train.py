@@ -56,6 +56,7 @@ BACKENDS = (
     "ortrain-nopasses",  # optimize_graph=False, memory_plan=False: the plain gradient graph
     "ortrain-graphupdate",  # update_engine="graph": the update ONNX graph, not torch's kernels
     "ortrain-mlas",  # cpu_gemm="onnxruntime": ONNX Runtime's GEMMs, not the BLAS custom op
+    "ortrain-stdgrad",  # cpu_kernels="onnxruntime": backwards as standard ops, not fused
     "torch-fused",  # eager with AdamW(fused=True): the kernels ortrain's CPU update runs
     "ortrain-fp16",
     "ortrain-bf16",  # CUDA only
@@ -242,6 +243,7 @@ def setup_ortrain(
     passes: bool = True,
     update_engine: str = "auto",
     cpu_gemm: str = "auto",
+    cpu_kernels: str = "auto",
 ) -> Setup:
     import ortrain.trainer as trainer_mod
     from ortrain import ORTTrainer, TrainerOptions
@@ -266,6 +268,7 @@ def setup_ortrain(
         memory_plan=passes,
         update_engine=update_engine,
         cpu_gemm=cpu_gemm,
+        cpu_kernels=cpu_kernels,
     )
     trainer = ORTTrainer(model, opt, options)
 
@@ -374,8 +377,9 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         passes = args.backend != "ortrain-nopasses"
         engine = "graph" if args.backend == "ortrain-graphupdate" else "auto"
         gemm = "onnxruntime" if args.backend == "ortrain-mlas" else "auto"
+        kernels = "onnxruntime" if args.backend == "ortrain-stdgrad" else "auto"
         s = setup_ortrain(
-            model, opt, args.threads, precision, args.device, graph, passes, engine, gemm
+            model, opt, args.threads, precision, args.device, graph, passes, engine, gemm, kernels
         )
     rss_setup = rss_bytes()
 
@@ -578,6 +582,10 @@ def report(
     lines += _ab_table(
         results, "ortrain-mlas", "ortrain", "ONNX Runtime GEMMs", "BLAS GEMM op",
         "speedup from the BLAS op", "MLAS", "BLAS", (), lambda a, b: (),
+    )  # fmt: skip
+    lines += _ab_table(
+        results, "ortrain-stdgrad", "ortrain", "standard-op backwards", "fused CPU kernels",
+        "speedup from the kernels", "std", "fused", (), lambda a, b: (),
     )  # fmt: skip
     lines += _ab_table(
         results, "torch-fused", "ortrain", "eager fused AdamW", "ortrain",

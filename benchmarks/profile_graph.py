@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds
 
-from graph_passes.interface import BLAS_DOMAIN
-from ortrain.runtime import blas_ops
+from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
+from ortrain.runtime import cpu_ops
 from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED, serialize_for_ort
 
 
@@ -157,7 +157,9 @@ def profile(
     so.enable_profiling = True
     so.profile_file_prefix = prefix
     if BLAS_DOMAIN.encode() in data:  # ortrain.blas.Gemm nodes (graph_passes/blas_gemm.py)
-        so.register_custom_ops_library(str(blas_ops.library_path()))
+        so.register_custom_ops_library(str(cpu_ops.blas_library_path()))
+    elif CPU_DOMAIN.encode() in data:  # ortrain.cpu fused backward kernels
+        so.register_custom_ops_library(str(cpu_ops.library_path()))
     disabled = DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else [])
     sess = ort.InferenceSession(
         data, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled

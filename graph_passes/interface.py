@@ -11,6 +11,7 @@ import dataclasses
 
 LOSS_SCALE_INPUT = "loss_scale"  # graph input the backward is seeded with (loss_scaling.py)
 BLAS_DOMAIN = "ortrain.blas"  # the BLAS GEMM custom op's domain (blas_gemm.py)
+CPU_DOMAIN = "ortrain.cpu"  # fused CPU backward kernels (ortrain/runtime/grad_kernels.c)
 
 
 class GradientError(RuntimeError):

@@ -17,7 +17,8 @@ left out with ``optimize=False``):
     label_sparsity*    loss heads run on the labelled rows only (``label_rows`` given)
 5.  mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
 6.  loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
-7.  autodiff           minimal gradient graph, outputs ``grad:<param>``
+7.  autodiff           minimal gradient graph, outputs ``grad:<param>`` (``cpu_kernels=True``:
+                       GELU, LayerNorm and Softmax backwards as fused ``ortrain.cpu`` ops)
 8.  fold_transpose_gemm* / lower_cross_entropy*   backward and loss kernels
 9.  clean_backward*    folding, CSE, Transpose folding, merged gradient Sums
 10. accumulate         ``grad = acc + micro-grad`` bound in place
@@ -26,6 +27,8 @@ left out with ``optimize=False``):
 12. remove_unused      forward values nothing reads any more
 13. blas_gemm          fp32 products on the BLAS custom op (``blas_gemm=True``: CPU
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
+14. scatter_rows       embedding gradients' row scatter-adds on ortrain's CPU kernel
+                       (``cpu_kernels=True``; a kernel choice too)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
 from graph_passes.pow_as_mul import pow_as_mul
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
+from graph_passes.scatter_rows import lower_scatter_add_rows
 
 
 @dataclasses.dataclass
@@ -70,6 +74,7 @@ class TrainingBuild:
     # loss node -> rows to keep (label_sparsity.py); empty: every row
     label_rows: dict[str, int] = dataclasses.field(default_factory=dict)
     blas_gemm: bool = False  # fp32 products -> ortrain.blas.Gemm (blas_gemm.py)
+    cpu_kernels: bool = False  # rules may emit fused ortrain.cpu backward kernels (CPU)
     # Produced by the passes:
     diff_loss: str = ""  # the value autodiff starts from
     gradient: GradientGraphResult | None = None
@@ -102,7 +107,9 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         passes.append(Pass("loss_scaling", _scale))
 
     def _autodiff(m: ir.Model) -> None:
-        build.gradient = build_gradient_graph(m, build.diff_loss, build.wrt)
+        build.gradient = build_gradient_graph(
+            m, build.diff_loss, build.wrt, cpu_kernels=build.cpu_kernels
+        )
 
     passes.append(Pass("autodiff", _autodiff))
     if build.optimize:
@@ -124,6 +131,8 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     passes.append(Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()))
     if build.blas_gemm:
         passes.append(Pass("blas_gemm", lower_gemm_to_blas))
+    if build.cpu_kernels:
+        passes.append(Pass("scatter_rows", lower_scatter_add_rows))
     return passes
 
 

@@ -50,6 +50,7 @@ class BuildSettings:
     memory_plan: bool = True
     graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
     blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/blas_gemm.py)
+    cpu_kernels: bool = False  # fused ortrain.cpu backward kernels (rules emit them)
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class BuiltGraph:
     # graph_passes/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
     planned_peak_bytes: int = 0
     blas_gemm: bool = False  # has ortrain.blas.Gemm nodes: the session needs that library
+    cpu_kernels: bool = False  # has ortrain.cpu nodes: the session needs the library too
 
     def model(self) -> ir.Model:
         import onnx
@@ -140,7 +142,7 @@ class _Log:
 def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
     import onnx_ir as ir
 
-    from graph_passes.blas_gemm import BLAS_DOMAIN
+    from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
     from graph_passes.memory_plan import planned_peak_bytes
     from graph_passes.ort_order import order_for_ort
     from graph_passes.tags import RECOMPUTE_OF
@@ -158,6 +160,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
         log=log.records,
         planned_peak_bytes=planned_peak_bytes(model),
         blas_gemm=BLAS_DOMAIN in model.opset_imports,
+        cpu_kernels=CPU_DOMAIN in model.opset_imports,
         **extra,
     )
 
@@ -197,6 +200,7 @@ def build_train(
         optimize=settings.optimize,
         recompute=RecomputePolicy.CHEAP_OPS if settings.memory_plan else RecomputePolicy.NOTHING,
         blas_gemm=settings.blas_gemm,
+        cpu_kernels=settings.cpu_kernels,
     )
     log.run(model, training_passes(build))
     assert build.gradient is not None

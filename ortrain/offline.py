@@ -27,10 +27,11 @@ from graph_passes.interface import GradientError
 from graph_passes.optimizer import build_update_graph
 from graph_passes.optimizer.update_graph import state_key
 from graph_passes.pipeline import run_pipeline
+from graph_passes.scatter_rows import lower_scatter_add_rows
 from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.errors import OrtrainError
 from ortrain.optim.spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
-from ortrain.runtime.blas_ops import use_blas_gemm
+from ortrain.runtime.cpu_ops import use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
 
 MANIFEST = "manifest.json"
@@ -183,10 +184,18 @@ class TrainingSession:
 
     @classmethod
     def load(
-        cls, directory: str | Path, *, threads: int | None = None, cpu_gemm: str = "auto"
+        cls,
+        directory: str | Path,
+        *,
+        threads: int | None = None,
+        cpu_gemm: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> TrainingSession:
-        """``cpu_gemm`` as ``TrainerOptions.cpu_gemm``: the artifacts keep standard ops and
-        the large products move to the BLAS GEMM op here, in memory, where it is chosen."""
+        """``cpu_gemm`` / ``cpu_kernels`` as in ``TrainerOptions``: the artifacts keep
+        standard ops; the large products move to the BLAS GEMM op and the embedding
+        gradients to ``ortrain.cpu.ScatterAddRows`` here, in memory, where they are chosen
+        (the fused GELU / LayerNorm / Softmax backwards are emitted by the gradient rules,
+        so artifacts built offline keep those as standard ops)."""
         d = Path(directory)
         if not (d / MANIFEST).is_file():
             raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
@@ -209,6 +218,8 @@ class TrainingSession:
         gradient = ir.load(d / "gradient.onnx")
         if use_blas_gemm(cpu_gemm):
             lower_gemm_to_blas(gradient)
+        if use_grad_kernels(cpu_kernels):
+            lower_scatter_add_rows(gradient)
         grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})

@@ -47,8 +47,6 @@ class OptimizeError(OrtrainError):
     """An input that cannot be optimized, or a pass that changed the outputs."""
 
 
-
-
 def passes(level: str) -> list[Pass]:
     basic = [
         Pass("seed_dropouts", lambda m: seed_dropouts(m, 0)),

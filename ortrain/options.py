@@ -51,8 +51,14 @@ class TrainerOptions:
     cpu_gemm: what runs the fp32 matrix products of CPU graphs. "onnxruntime": ONNX
         Runtime's own (MLAS); "blas": ``ortrain.blas.Gemm``, a custom op calling the BLAS
         torch loaded (MKL on x86), compiled on first use with the system C compiler
-        (``ortrain/runtime/blas_ops.py``); "auto" (default): "blas" on Intel CPUs when
+        (``ortrain/runtime/cpu_ops.py``); "auto" (default): "blas" on Intel CPUs when
         torch has MKL and the op builds, MLAS elsewhere (MLAS is the faster one on AMD).
+    cpu_kernels: what runs the fp32 GELU, LayerNorm and Softmax backwards of CPU graphs.
+        "ortrain": fused kernels of ortrain's CPU op library (``ortrain.cpu`` domain,
+        ``ortrain/runtime/grad_kernels.c``, built on first use like ``cpu_gemm``'s op);
+        "onnxruntime": chains of standard ONNX ops (stock onnxruntime has no training
+        kernels); "auto" (default): "ortrain" when the library builds, with a warning
+        and standard ops otherwise.
     """
 
     device: str = "cpu"
@@ -72,6 +78,7 @@ class TrainerOptions:
     optimize_graph: bool = True
     memory_plan: bool = True
     cpu_gemm: str = "auto"
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         kind, _, index = self.device.partition(":")
@@ -123,6 +130,11 @@ class TrainerOptions:
             raise ValueError(
                 "TrainerOptions.cpu_gemm must be 'auto', 'blas' or 'onnxruntime', got "
                 f"{self.cpu_gemm!r}"
+            )
+        if self.cpu_kernels not in ("auto", "ortrain", "onnxruntime"):
+            raise ValueError(
+                "TrainerOptions.cpu_kernels must be 'auto', 'ortrain' or 'onnxruntime', got "
+                f"{self.cpu_kernels!r}"
             )
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise ValueError(

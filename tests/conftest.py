@@ -154,8 +154,6 @@ def cpu_kernels(cpu_lib_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORTRAIN_KERNELS_DIR", str(cpu_lib_dir))
 
 
-
-
 class _Call(torch.nn.Module):
     """``call(model, **inputs)`` as a module with positional inputs, for torch.onnx.export."""
 

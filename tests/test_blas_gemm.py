@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 from graph_passes import blas_gemm
 from graph_passes.blas_gemm import BLAS_DOMAIN, lower_gemm_to_blas
 from ortrain import TrainerOptions
-from ortrain.runtime import blas_ops
+from ortrain.runtime import cpu_ops
 from tests.test_model_families import FAMILIES, NO_DROPOUT, Family, _batch, _trains_like_eager
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -32,11 +32,11 @@ def _library() -> str:
     """The built op. Skips only where a prerequisite is missing (no C compiler, no sgemm in
     torch's library); a compile or load failure of the op itself fails the test."""
     try:
-        blas_ops._compiler()
-        blas_ops._torch_sgemm()
-    except blas_ops.BlasLibraryError as exc:
+        cpu_ops._compiler()
+        cpu_ops._torch_sgemm()
+    except cpu_ops.CpuOpsLibraryError as exc:
         pytest.skip(f"the BLAS GEMM op cannot be built here: {exc}")
-    return str(blas_ops.library_path())
+    return str(cpu_ops.blas_library_path())
 
 
 # --------------------------------------------------------------------------- the pass
@@ -217,32 +217,32 @@ def test_onnxruntime_choice_leaves_the_graph_alone() -> None:
 def test_cpu_gemm_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="cpu_gemm must be 'auto', 'blas' or 'onnxruntime'"):
         TrainerOptions(cpu_gemm="mkl")
-    assert not blas_ops.use_blas_gemm("onnxruntime")
-    assert not blas_ops.use_blas_gemm("blas", device_type="cuda")
-    monkeypatch.setattr(blas_ops, "_intel_cpu", lambda: False)
-    assert not blas_ops.use_blas_gemm("auto")  # MLAS is the faster one on AMD
+    assert not cpu_ops.use_blas_gemm("onnxruntime")
+    assert not cpu_ops.use_blas_gemm("blas", device_type="cuda")
+    monkeypatch.setattr(cpu_ops, "_intel_cpu", lambda: False)
+    assert not cpu_ops.use_blas_gemm("auto")  # MLAS is the faster one on AMD
 
 
 def test_unbuildable_op_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("ORTRAIN_CACHE_DIR", str(tmp_path))
-    blas_ops.library_path.cache_clear()
+    cpu_ops.cache_clear()
     try:
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails
-        with pytest.raises(blas_ops.BlasLibraryError, match=r"cpu_gemm='blas': `false .*` failed"):
-            blas_ops.use_blas_gemm("blas")
+        with pytest.raises(cpu_ops.CpuOpsLibraryError, match=r"cpu_gemm='blas': `false .*` failed"):
+            cpu_ops.use_blas_gemm("blas")
         assert not list(tmp_path.glob("*.so"))  # nothing half-written left behind
         monkeypatch.delenv("CC")
         not_a_folder = tmp_path / "file"
         not_a_folder.write_text("")
         monkeypatch.setenv("ORTRAIN_CACHE_DIR", str(not_a_folder))
-        with pytest.raises(blas_ops.BlasLibraryError, match="cpu_gemm='blas': cannot build"):
-            blas_ops.use_blas_gemm("blas")
-        monkeypatch.setattr(blas_ops.shutil, "which", lambda name: None)
-        with pytest.raises(blas_ops.BlasLibraryError, match="cpu_gemm='blas': no C compiler"):
-            blas_ops.use_blas_gemm("blas")
-        monkeypatch.setattr(blas_ops, "_intel_cpu", lambda: True)
+        with pytest.raises(cpu_ops.CpuOpsLibraryError, match="cpu_gemm='blas': cannot build"):
+            cpu_ops.use_blas_gemm("blas")
+        monkeypatch.setattr(cpu_ops.shutil, "which", lambda name: None)
+        with pytest.raises(cpu_ops.CpuOpsLibraryError, match="cpu_gemm='blas': no C compiler"):
+            cpu_ops.use_blas_gemm("blas")
+        monkeypatch.setattr(cpu_ops, "_intel_cpu", lambda: True)
         monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
         with pytest.warns(RuntimeWarning, match="products run on ONNX Runtime's MLAS"):
-            assert not blas_ops.use_blas_gemm("auto")
+            assert not cpu_ops.use_blas_gemm("auto")
     finally:
-        blas_ops.library_path.cache_clear()
+        cpu_ops.cache_clear()

@@ -269,6 +269,7 @@ def _quick_gelu(alpha: float):
 
 # --- the table -----------------------------------------------------------------------------
 
+
 # fmt: off
 def _conv_ref(nd: int, stride=1, padding=0, dilation=1, groups=1) -> Callable:
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]

@@ -156,7 +156,7 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
 
     from graph_passes import blas_gemm
     from ortrain import offline
-    from ortrain.runtime import blas_ops
+    from ortrain.runtime import cpu_ops
 
     model, path = dynamic_gpt2
     ref = copy.deepcopy(model)
@@ -164,9 +164,9 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
     assert _build(path, out, "--dim", "batch=4", "--dim", "seq=24") == 0
     if cpu_gemm == "blas":
         try:  # a missing prerequisite skips; the op failing to build fails below
-            blas_ops._compiler()
-            blas_ops._torch_sgemm()
-        except blas_ops.BlasLibraryError as exc:
+            cpu_ops._compiler()
+            cpu_ops._torch_sgemm()
+        except cpu_ops.CpuOpsLibraryError as exc:
             pytest.skip(f"the BLAS GEMM op cannot be built here: {exc}")
         monkeypatch.setattr(blas_gemm, "MIN_FLOPS", 0.0)
     moved: list[int] = []

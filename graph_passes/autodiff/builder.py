@@ -148,12 +148,14 @@ def build_gradient_graph(
     wrt: Sequence[str],
     *,
     loss_grad: ir.Value | None = None,
+    cpu_kernels: bool = False,
 ) -> GradientGraphResult:
     """Add the minimal backward graph of ``loss`` w.r.t. the inputs ``wrt`` to ``model``.
 
     The model is changed in place: gradient outputs named ``grad:<input>`` are appended.
     ``loss_grad`` (a graph input, e.g. the loss scale) seeds the backward pass; the
-    default seed is 1.
+    default seed is 1. ``cpu_kernels``: rules may emit ortrain's fused CPU backward kernels
+    (``ortrain.cpu`` domain, ``ortrain/runtime/grad_kernels.c``) for fp32 values.
     """
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
@@ -263,7 +265,7 @@ def build_gradient_graph(
             GRAD_OF: node.name,
             "namespace": node.metadata_props.get("namespace", ""),
         }
-        ctx = GradContext(node, em, gos, want)
+        ctx = GradContext(node, em, gos, want, cpu_kernels=cpu_kernels)
         try:
             result = reg.fn(ctx)
         except GradientError:

@@ -9,6 +9,7 @@ import onnx_ir as ir
 
 from graph_passes.constant_value import constant_tensor
 from graph_passes.emitter import Emitter, static_shape
+from graph_passes.interface import CPU_DOMAIN
 
 
 class GradContext:
@@ -24,11 +25,25 @@ class GradContext:
         emitter: Emitter,
         output_grads: Sequence[ir.Value | None],
         needed: frozenset[int],
+        *,
+        cpu_kernels: bool = False,
     ):
         self.node = node
         self.em = emitter
         self._go = list(output_grads)
         self.needed = needed
+        self.cpu_kernels = cpu_kernels
+
+    def kernel_for(self, *values: ir.Value) -> bool:
+        """Whether to emit an ``ortrain.cpu`` fused backward kernel over ``values``: the
+        build has the library (a CPU session) and they are all fp32 (its only type)."""
+        return self.cpu_kernels and all(v.dtype == ir.DataType.FLOAT for v in values)
+
+    def kernel(self, op_type: str, *inputs: ir.Value, like: ir.Value) -> ir.Value:
+        """One fused kernel node whose (first) output has ``like``'s dtype and shape."""
+        return self.op(
+            op_type, *inputs, domain=CPU_DOMAIN, dtype=like.dtype, shape=self.shape(like)
+        )
 
     # --- forward values and gradients -------------------------------------------------
     def I(self, i: int) -> ir.Value:

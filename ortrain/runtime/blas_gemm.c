@@ -15,105 +15,13 @@
  *
  * The product runs on the calling thread with the BLAS's own threading (torch's OpenMP
  * team, torch.get_num_threads() threads), not on ONNX Runtime's intra-op threads.
- *
- * No ONNX Runtime header ships in its Python wheel, so the few pieces of its C ABI used
- * here are declared below: the OrtApi function table is append-only, an entry's index
- * never moves between releases (onnxruntime_c_api.h); the indices are those of the
- * API-16 table and every runtime >= 1.16 serves it (GetApi(16)).
+ * The ONNX Runtime ABI it uses is declared in ort_abi.h; cpu_ops.c registers it.
  */
 #include <limits.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------ ONNX Runtime C ABI */
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtApi OrtApi;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtValue OrtValue;
-typedef struct OrtTensorTypeAndShapeInfo OrtTensorInfo;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-
-typedef struct OrtApiBase {
-  const OrtApi* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)(void);
-} OrtApiBase;
-
-enum { API_VERSION = 16 };           /* CreateKernelV2 / KernelComputeV2 */
-enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { ELEM_FLOAT = 1 };             /* ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT */
-enum { REQUIRED = 0, OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic */
-
-/* Indices into the OrtApi table (one function pointer each). */
-enum {
-  I_CreateStatus = 0,
-  I_CreateCustomOpDomain = 26,
-  I_CustomOpDomain_Add = 27,
-  I_AddCustomOpDomain = 28,
-  I_GetTensorMutableData = 51,
-  I_GetTensorElementType = 60,
-  I_GetDimensionsCount = 61,
-  I_GetDimensions = 62,
-  I_GetTensorTypeAndShape = 65,
-  I_KernelInfoGetAttribute_float = 85,
-  I_KernelInfoGetAttribute_int64 = 86,
-  I_KernelContext_GetInputCount = 88,
-  I_KernelContext_GetInput = 90,
-  I_KernelContext_GetOutput = 91,
-  I_ReleaseStatus = 93,
-  I_ReleaseTensorTypeAndShapeInfo = 99,
-};
-
-typedef void (*AnyFn)(void);
-#define API_FN(api, index, type) ((type)(((const AnyFn*)(api))[index]))
-
-typedef OrtStatus* (*CreateStatusFn)(int code, const char* msg);
-typedef OrtStatus* (*CreateCustomOpDomainFn)(const char* domain, OrtCustomOpDomain** out);
-typedef OrtStatus* (*CustomOpDomainAddFn)(OrtCustomOpDomain* domain, const void* op);
-typedef OrtStatus* (*AddCustomOpDomainFn)(OrtSessionOptions* options, OrtCustomOpDomain* domain);
-typedef OrtStatus* (*GetTensorMutableDataFn)(OrtValue* value, void** out);
-typedef OrtStatus* (*GetTensorElementTypeFn)(const OrtTensorInfo* info, int* out);
-typedef OrtStatus* (*GetDimensionsCountFn)(const OrtTensorInfo* info, size_t* out);
-typedef OrtStatus* (*GetDimensionsFn)(const OrtTensorInfo* info, int64_t* dims, size_t n);
-typedef OrtStatus* (*GetTensorTypeAndShapeFn)(const OrtValue* value, OrtTensorInfo** out);
-typedef OrtStatus* (*GetAttrFloatFn)(const OrtKernelInfo* info, const char* name, float* out);
-typedef OrtStatus* (*GetAttrInt64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
-typedef OrtStatus* (*GetInputCountFn)(const OrtKernelContext* ctx, size_t* out);
-typedef OrtStatus* (*GetInputFn)(const OrtKernelContext* ctx, size_t index, const OrtValue** out);
-typedef OrtStatus* (*GetOutputFn)(OrtKernelContext* ctx, size_t index, const int64_t* dims,
-                                  size_t n, OrtValue** out);
-typedef void (*ReleaseStatusFn)(OrtStatus* status);
-typedef void (*ReleaseTensorInfoFn)(OrtTensorInfo* info);
-
-/* OrtCustomOp up to the API-16 fields: ONNX Runtime reads no field past those of the
- * version the op declares. */
-typedef struct OrtCustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(const struct OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info);
-  const char* (*GetName)(const struct OrtCustomOp* op);
-  const char* (*GetExecutionProviderType)(const struct OrtCustomOp* op);
-  int (*GetInputType)(const struct OrtCustomOp* op, size_t index);
-  size_t (*GetInputTypeCount)(const struct OrtCustomOp* op);
-  int (*GetOutputType)(const struct OrtCustomOp* op, size_t index);
-  size_t (*GetOutputTypeCount)(const struct OrtCustomOp* op);
-  void (*KernelCompute)(void* kernel, OrtKernelContext* context);
-  void (*KernelDestroy)(void* kernel);
-  int (*GetInputCharacteristic)(const struct OrtCustomOp* op, size_t index);
-  int (*GetOutputCharacteristic)(const struct OrtCustomOp* op, size_t index);
-  int (*GetInputMemoryType)(const struct OrtCustomOp* op, size_t index);
-  int (*GetVariadicInputMinArity)(const struct OrtCustomOp* op);
-  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp* op);
-  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp* op);
-  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp* op);
-  OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp* op, const OrtApi* api,
-                               const OrtKernelInfo* info, void** kernel);
-  OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* context);
-} OrtCustomOp;
+#include "ort_abi.h"
 
 /* ------------------------------------------------------------------ the BLAS side */
 typedef void (*SgemmFn)(const char* transa, const char* transb, const int* m, const int* n,
@@ -130,7 +38,6 @@ int ortrain_blas_set_sgemm(void* sgemm) {
   return 0;
 }
 
-int ortrain_blas_abi_version(void) { return 1; }
 
 /* --------------------------------------------------------------------- the kernel */
 typedef struct {
@@ -138,32 +45,6 @@ typedef struct {
   float alpha, beta;
   int64_t trans_a, trans_b;
 } Kernel;
-
-/* An ORT_INVALID_ARGUMENT status with a printf-formatted message. */
-static OrtStatus* invalid(const OrtApi* api, const char* fmt, ...) {
-  char msg[384];
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(msg, sizeof msg, fmt, args);
-  va_end(args);
-  return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_INVALID_ARGUMENT, msg);
-}
-
-/* dims of a tensor (up to 8) and its element type; NULL on success */
-static OrtStatus* shape_of(const OrtApi* api, const OrtValue* v, int64_t* dims, size_t* rank,
-                           int* elem) {
-  OrtTensorInfo* info = NULL;
-  OrtStatus* st = API_FN(api, I_GetTensorTypeAndShape, GetTensorTypeAndShapeFn)(v, &info);
-  if (st) return st;
-  st = API_FN(api, I_GetDimensionsCount, GetDimensionsCountFn)(info, rank);
-  if (!st && *rank > 8) st = invalid(api,
-                                   "ortrain.blas.Gemm: rank %lld > 8",
-                                   (long long)*rank);
-  if (!st) st = API_FN(api, I_GetDimensions, GetDimensionsFn)(info, dims, *rank);
-  if (!st) st = API_FN(api, I_GetTensorElementType, GetTensorElementTypeFn)(info, elem);
-  API_FN(api, I_ReleaseTensorTypeAndShapeInfo, ReleaseTensorInfoFn)(info);
-  return st;
-}
 
 static void* kernel_create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
   (void)op;
@@ -210,18 +91,18 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t da[8], db[8], dc[8];
   size_t ra = 0, rb = 0, rc = 0;
   int ea = 0, eb = 0, ec = ELEM_FLOAT;
-  if ((st = shape_of(api, in[0], da, &ra, &ea))) return st;
-  if ((st = shape_of(api, in[1], db, &rb, &eb))) return st;
-  if (in[2] && (st = shape_of(api, in[2], dc, &rc, &ec))) return st;
+  if ((st = ort_shape_of(api, in[0], da, &ra, &ea))) return st;
+  if ((st = ort_shape_of(api, in[1], db, &rb, &eb))) return st;
+  if (in[2] && (st = ort_shape_of(api, in[2], dc, &rc, &ec))) return st;
   if (ea != ELEM_FLOAT || eb != ELEM_FLOAT || ec != ELEM_FLOAT)
-    return invalid(api,
+    return ort_invalid(api,
                  "ortrain.blas.Gemm: inputs must be float32, got element types A=%lld B=%lld C=%lld",
                  (long long)ea, (long long)eb, (long long)ec);
   if (rb != 2)
-    return invalid(api, "ortrain.blas.Gemm: B must be 2-D, got rank %lld",
+    return ort_invalid(api, "ortrain.blas.Gemm: B must be 2-D, got rank %lld",
                  (long long)rb);
   if (ra < 1 || (k->trans_a && ra != 2))
-    return invalid(api,
+    return ort_invalid(api,
                  "ortrain.blas.Gemm: A must be 2-D with transA=1 (rank >= 1 otherwise), got rank %lld (transA=%lld)",
                  (long long)ra, (long long)k->trans_a);
   int64_t kk = k->trans_a ? da[0] : da[ra - 1];
@@ -231,11 +112,11 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t kb = k->trans_b ? db[1] : db[0];
   int64_t n = k->trans_b ? db[0] : db[1];
   if (kb != kk)
-    return invalid(api,
+    return ort_invalid(api,
                  "ortrain.blas.Gemm: inner dimensions differ: op(A) is [%lld, %lld], op(B) is [%lld, %lld]",
                  (long long)m, (long long)kk, (long long)kb, (long long)n);
   if (m > INT_MAX || n > INT_MAX || kk > INT_MAX)
-    return invalid(api,
+    return ort_invalid(api,
                  "ortrain.blas.Gemm: [%lld, %lld] x [%lld, %lld] exceeds the BLAS's 32-bit sizes",
                  (long long)m, (long long)kk, (long long)kk, (long long)n);
   int64_t cn = 1;
@@ -244,7 +125,7 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   int c_row = in[2] && !c_full && cn == n && (rc < 1 || dc[rc - 1] == n);
   int c_one = in[2] && !c_full && !c_row && cn == 1;
   if (in[2] && !c_full && !c_row && !c_one)
-    return invalid(api,
+    return ort_invalid(api,
                  "ortrain.blas.Gemm: C has %lld elements; expected %lld (Y's), %lld (a row) or 1",
                  (long long)cn, (long long)(m * n), (long long)n);
 
@@ -306,7 +187,7 @@ static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
 /* The API-1 entry point; never called: with version >= 16 ONNX Runtime calls KernelComputeV2. */
 static void kernel_compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
 
-static OrtCustomOp g_gemm_op = {
+static const OrtCustomOp g_gemm_op = {
     .version = API_VERSION,
     .CreateKernel = kernel_create,
     .GetName = op_name,
@@ -328,17 +209,5 @@ static OrtCustomOp g_gemm_op = {
     .KernelComputeV2 = kernel_compute,
 };
 
-/* The entry point ONNX Runtime's register_custom_ops_library looks up. */
-OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  const OrtApi* api = base->GetApi(API_VERSION);
-  if (api == NULL) return NULL; /* cannot even report: this runtime predates API 16 */
-  if (g_sgemm == NULL)
-    return API_FN(api, I_CreateStatus, CreateStatusFn)(
-        ORT_FAIL, "ortrain.blas: no sgemm set: load the library through ortrain.runtime.blas_ops");
-  OrtCustomOpDomain* domain = NULL;
-  OrtStatus* st = API_FN(api, I_CreateCustomOpDomain, CreateCustomOpDomainFn)("ortrain.blas", &domain);
-  if (!st) st = API_FN(api, I_CustomOpDomain_Add, CustomOpDomainAddFn)(domain, &g_gemm_op);
-  if (!st) st = API_FN(api, I_AddCustomOpDomain, AddCustomOpDomainFn)(options, domain);
-  /* the domain must outlive every session that uses it: it is never released */
-  return st;
-}
+const OrtCustomOp* ortrain_gemm_op(void) { return &g_gemm_op; }
+int ortrain_have_sgemm(void) { return g_sgemm != NULL; }

@@ -19,10 +19,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from graph_passes.interface import BLAS_DOMAIN
+from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain.build import BuiltGraph
 from ortrain.errors import DeviceError
-from ortrain.runtime import blas_ops
+from ortrain.runtime import cpu_ops
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -158,10 +158,11 @@ def make_session(
     arena_bytes = 0
     if isinstance(model, BuiltGraph):  # built apart (ortrain/build.py): ordered already
         data, recomputes = model.ort_data, model.recomputes
-        arena_bytes, blas = model.planned_peak_bytes, model.blas_gemm
+        arena_bytes, blas, kernels = model.planned_peak_bytes, model.blas_gemm, model.cpu_kernels
     else:
         data, recomputes = serialize_for_ort(model)
         blas = BLAS_DOMAIN in model.opset_imports
+        kernels = CPU_DOMAIN in model.opset_imports
     if save_path is not None:
         with open(save_path, "wb") as f:
             f.write(data)
@@ -179,7 +180,9 @@ def make_session(
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     if blas:  # ortrain.blas.Gemm nodes (graph_passes/blas_gemm.py)
-        so.register_custom_ops_library(str(blas_ops.library_path()))
+        so.register_custom_ops_library(str(cpu_ops.blas_library_path()))
+    elif kernels:  # ortrain.cpu fused backward kernels (rules/nn.py)
+        so.register_custom_ops_library(str(cpu_ops.library_path()))
     if device.type == "cpu":
         register_cpu_arena(arena_bytes)
         so.add_session_config_entry("session.use_env_allocators", "1")

@@ -2,7 +2,8 @@
 
 Stock onnxruntime ships these forward kernels but none of their training kernels
 (BiasGeluGrad, FastGeluGrad, SkipLayerNormalizationGrad), so each backward is spelled in
-standard ONNX ops with the math of the standard op it fuses (rules/nn.py). FusedMatMul
+standard ONNX ops with the math of the standard op it fuses (rules/nn.py), or as
+ortrain's fused CPU kernels where the build has them. FusedMatMul
 lives with MatMul and Gemm in rules/matmul.py.
 """
 
@@ -12,11 +13,7 @@ import onnx_ir as ir
 
 from graph_passes.autodiff.context import GradContext
 from graph_passes.autodiff.registry import gradient
-from graph_passes.autodiff.rules.nn import (
-    gelu_erf_derivative,
-    gelu_tanh_derivative,
-    layer_norm_backward,
-)
+from graph_passes.autodiff.rules.nn import gelu_grad, layer_norm_backward
 from graph_passes.emitter import MS_DOMAIN
 
 
@@ -35,21 +32,20 @@ def _input_and_bias(ctx: GradContext, d: ir.Value) -> dict[int, ir.Value]:
 @gradient("Gelu", domain=MS_DOMAIN)
 def gelu(ctx: GradContext):
     # y = x * Phi(x) (erf form): dx = dy * (Phi(x) + x * phi(x))
-    return {0: ctx.op("Mul", ctx.GO(0), gelu_erf_derivative(ctx, ctx.I(0)))}
+    return {0: gelu_grad(ctx, ctx.GO(0), ctx.I(0), ctx.O(0), tanh=False)}
 
 
 @gradient("BiasGelu", domain=MS_DOMAIN)
 def bias_gelu(ctx: GradContext):
     # y = gelu(x + b) (erf form), b over the last axis: d(x + b) = dy * gelu'(x + b)
-    d = ctx.op("Mul", ctx.GO(0), gelu_erf_derivative(ctx, _biased(ctx)))
+    d = gelu_grad(ctx, ctx.GO(0), _biased(ctx), ctx.O(0), tanh=False)
     return _input_and_bias(ctx, d)
 
 
 @gradient("FastGelu", domain=MS_DOMAIN)
 def fast_gelu(ctx: GradContext):
     # y = gelu_tanh(x [+ b]) = 0.5 t (1 + tanh(sqrt(2/pi) (t + 0.044715 t^3))), t = x [+ b]
-    t = _biased(ctx)
-    d = ctx.op("Mul", ctx.GO(0), gelu_tanh_derivative(ctx, t, ctx.O(0)))
+    d = gelu_grad(ctx, ctx.GO(0), _biased(ctx), ctx.O(0), tanh=True)
     return _input_and_bias(ctx, d)
 
 

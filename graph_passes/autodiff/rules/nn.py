@@ -1,7 +1,9 @@
 """Neural-net ops: Softmax family, LayerNormalization, GELU, Dropout.
 
 Stock onnxruntime has no training kernels (SoftmaxGrad, LayerNormalizationGrad,
-GeluGrad, DropoutGrad), so each backward is spelled in standard ONNX ops.
+GeluGrad, DropoutGrad), so each backward is spelled in standard ONNX ops; CPU builds
+with ortrain's kernel library emit its fused fp32 kernels instead (``ctx.kernel_for``:
+``ortrain/runtime/grad_kernels.c``, held to these spellings by tests/test_grad_kernels.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import onnx_ir as ir
 
 from graph_passes.autodiff.context import GradContext
 from graph_passes.autodiff.registry import gradient
+from graph_passes.interface import CPU_DOMAIN
 
 
 @gradient("Softmax", opsets=(13, None))
@@ -19,6 +22,8 @@ def softmax(ctx: GradContext):
     # dx = y * (dy - sum(dy * y, axis))
     y, g = ctx.O(0), ctx.GO(0)
     axis = int(ctx.attr("axis", -1))
+    if axis % ctx.rank(y) == ctx.rank(y) - 1 and ctx.kernel_for(g, y):
+        return {0: ctx.kernel("SoftmaxGrad", g, y, like=y)}
     s = ctx.op("ReduceSum", ctx.op("Mul", g, y), ctx.ints([axis]), keepdims=1)
     return {0: ctx.op("Mul", y, ctx.op("Sub", g, s))}
 
@@ -67,6 +72,15 @@ def layer_norm_backward(
     shape = ctx.shape(x)
     rank = len(shape)
     axis %= rank
+    if (
+        g is not None
+        and "x" in want
+        and g_mean is None
+        and g_rstd is None
+        and axis == rank - 1
+        and ctx.kernel_for(g, x, scale, mean, rstd)
+    ):
+        return _layer_norm_kernel(ctx, x, scale, bias, mean, rstd, g, want)
     norm_axes = ctx.ints(list(range(axis, rank)))
     if mean.dtype != x.dtype:  # stats are stashed in fp32 for half inputs
         mean, rstd = ctx.cast_like(mean, x), ctx.cast_like(rstd, x)
@@ -102,6 +116,39 @@ def layer_norm_backward(
     if g is not None and bias is not None and "bias" in want:
         out["bias"] = ctx.sum_to(g, shape, ctx.shape(bias))
     return out
+
+
+def _layer_norm_kernel(
+    ctx: GradContext,
+    x: ir.Value,
+    scale: ir.Value,
+    bias: ir.Value | None,
+    mean: ir.Value,
+    rstd: ir.Value,
+    g: ir.Value,
+    want: set[str],
+) -> dict[str, ir.Value]:
+    """layer_norm_backward over the last axis as one ``ortrain.cpu.LayerNormGrad``."""
+    shape, cols = ctx.shape(x), ctx.shape(x)[-1]
+    dx, dscale, dbias = ctx.op_multi(
+        "LayerNormGrad", g, x, scale, mean, rstd, domain=CPU_DOMAIN, num_outputs=3
+    )
+    for v, s in ((dx, shape), (dscale, (cols,)), (dbias, (cols,))):
+        v.dtype, v.shape = x.dtype, ir.Shape(list(s))
+    out = {"x": dx}
+    if "scale" in want:
+        out["scale"] = ctx.reshape(dscale, ctx.shape(scale))
+    if bias is not None and "bias" in want:
+        out["bias"] = ctx.reshape(dbias, ctx.shape(bias))
+    return out
+
+
+def gelu_grad(ctx: GradContext, dy: ir.Value, x: ir.Value, y: ir.Value, tanh: bool) -> ir.Value:
+    """dL/dx of y = gelu(x) (tanh approximation or erf form) given dy = dL/dy."""
+    if ctx.kernel_for(dy, x):
+        return ctx.kernel("FastGeluGrad" if tanh else "GeluGrad", dy, x, like=x)
+    d = gelu_tanh_derivative(ctx, x, y) if tanh else gelu_erf_derivative(ctx, x)
+    return ctx.op("Mul", dy, d)
 
 
 def gelu_erf_derivative(ctx: GradContext, x: ir.Value) -> ir.Value:
@@ -140,10 +187,8 @@ def gelu_tanh_derivative(ctx: GradContext, x: ir.Value, y: ir.Value) -> ir.Value
 
 @gradient("Gelu", opsets=(20, None))
 def gelu(ctx: GradContext):
-    x = ctx.I(0)
-    approx = ctx.attr("approximate", "none")
-    d = gelu_tanh_derivative(ctx, x, ctx.O(0)) if approx == "tanh" else gelu_erf_derivative(ctx, x)
-    return {0: ctx.op("Mul", ctx.GO(0), d)}
+    tanh = ctx.attr("approximate", "none") == "tanh"
+    return {0: gelu_grad(ctx, ctx.GO(0), ctx.I(0), ctx.O(0), tanh)}
 
 
 @gradient("Dropout", nondiff_inputs=(1, 2), opsets=(12, None), forward_outputs=2)

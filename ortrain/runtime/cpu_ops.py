@@ -1,0 +1,204 @@
+"""ortrain's CPU custom-op library: compiled on first use, registered on CPU sessions.
+
+One shared library from the C files beside this module (``ort_abi.h`` declares the ONNX
+Runtime ABI they use), with two op domains:
+
+- ``ortrain.cpu``: fused fp32 backward kernels (``grad_kernels.c``: GeluGrad,
+  FastGeluGrad, SoftmaxGrad, LayerNormGrad) that the gradient rules emit for CPU builds
+  (``use_grad_kernels``, ``TrainerOptions.cpu_kernels``);
+- ``ortrain.blas``: ``Gemm`` on the BLAS sgemm torch's CPU library exports (MKL in x86
+  wheels; ``blas_gemm.c``): no second BLAS is loaded, and the products run on the same
+  OpenMP threads, at the same rates, as eager torch's. Registered only once torch's
+  ``sgemm_`` was handed over (``blas_library_path``).
+
+The library is compiled with the system C compiler (``-O3 -march=native``, or ``-O3`` if
+the compiler refuses that) into ``$ORTRAIN_CACHE_DIR`` (default ``~/.cache/ortrain``),
+once per source, compiler and CPU (the file name carries a hash of all three), the way
+torch's C++ extensions build on first use.
+
+``use_blas_gemm(choice)`` resolves ``TrainerOptions.cpu_gemm``: "auto" takes the BLAS op
+on Intel CPUs when torch was built with MKL (on AMD EPYC, MLAS measured faster than
+MKL: DESIGN.md), "blas" takes it wherever it can be built (and fails with the reason
+otherwise), "onnxruntime" never.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from ortrain.errors import OrtrainError
+
+_HERE = Path(__file__).resolve().parent
+SOURCES = tuple(_HERE / n for n in ("cpu_ops.c", "grad_kernels.c", "blas_gemm.c"))
+HEADERS = (_HERE / "ort_abi.h",)
+ABI_VERSION = 2  # cpu_ops.c: ortrain_cpu_ops_abi_version
+CHOICES = ("auto", "blas", "onnxruntime")
+KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")
+
+
+class CpuOpsLibraryError(OrtrainError):
+    """ortrain's CPU custom-op library cannot be built, or has no sgemm to call."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ORTRAIN_CACHE_DIR") or Path.home() / ".cache" / "ortrain")
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise CpuOpsLibraryError("no C compiler (cc, gcc or clang on PATH, or $CC) to build it with")
+
+
+def _torch_sgemm() -> int:
+    """The address of torch's exported ``sgemm_``."""
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    errors = []
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / name
+        if not path.is_file():
+            continue
+        try:
+            address = ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
+        except (OSError, AttributeError) as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        if address:
+            return address
+        errors.append(f"{path}: sgemm_ resolves to a null address")
+    raise CpuOpsLibraryError(
+        f"torch's CPU library exports no sgemm_ ({'; '.join(errors) or f'none in {lib_dir}'})"
+    )
+
+
+def _cpu_identity() -> bytes:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            keep = ("model name", "flags", "Features", "CPU part")
+            return "".join(sorted({ln for ln in f if ln.startswith(keep)})).encode()
+    except OSError:
+        return platform.machine().encode() + platform.processor().encode()
+
+
+@functools.cache
+def _library() -> tuple[Path, ctypes.CDLL]:
+    cc = _compiler()
+    digest = hashlib.sha256(cc.encode() + _cpu_identity())
+    for f in SOURCES + HEADERS:
+        digest.update(f.read_bytes())
+    path = cache_dir() / f"libortrain_cpu_ops-{digest.hexdigest()[:16]}.so"
+    if not path.is_file():
+        try:
+            _compile(cc, path)
+        except OSError as exc:  # an unwritable cache folder, a compiler that cannot run
+            raise CpuOpsLibraryError(f"cannot build {path}: {exc}") from None
+    lib = ctypes.CDLL(str(path))
+    if lib.ortrain_cpu_ops_abi_version() != ABI_VERSION:
+        raise CpuOpsLibraryError(
+            f"{path} has ABI {lib.ortrain_cpu_ops_abi_version()}, not {ABI_VERSION}"
+        )
+    return path, lib
+
+
+def library_path() -> Path:
+    """The built library, ready for ``register_custom_ops_library`` (built once per
+    process). Raises ``CpuOpsLibraryError`` with the reason."""
+    return _library()[0]
+
+
+@functools.cache
+def blas_library_path() -> Path:
+    """``library_path()``, with torch's sgemm handed over so that the library registers
+    ``ortrain.blas.Gemm`` too."""
+    sgemm = _torch_sgemm()
+    path, lib = _library()
+    lib.ortrain_blas_set_sgemm.argtypes = [ctypes.c_void_p]
+    if lib.ortrain_blas_set_sgemm(sgemm) != 0:
+        raise CpuOpsLibraryError(f"{path} refused the sgemm address {sgemm:#x}")
+    return path
+
+
+def cache_clear() -> None:
+    """Forget the built library (tests: a changed cache folder or compiler)."""
+    _library.cache_clear()
+    blas_library_path.cache_clear()
+
+
+def _compile(cc: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        base = [cc, "-O3", "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES), "-lm"]
+        # -march=native: the kernels' loops vectorize for this CPU's widest units
+        done = subprocess.run([*base[:2], "-march=native", *base[2:]], capture_output=True)
+        if done.returncode != 0:
+            done = subprocess.run(base, capture_output=True, text=True)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise CpuOpsLibraryError(f"`{' '.join(base)}` failed: {last}")
+        os.replace(out, path)  # atomic: a concurrent build leaves one whole file
+
+
+def _intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
+def use_blas_gemm(choice: str, device_type: str = "cpu") -> bool:
+    """Whether CPU graphs should run their fp32 products on ``ortrain.blas.Gemm``."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu_gemm={choice!r}: use one of {', '.join(CHOICES)}")
+    if choice == "onnxruntime" or device_type != "cpu":
+        return False
+    if choice == "auto" and not (_intel_cpu() and torch.backends.mkl.is_available()):
+        return False
+    try:
+        blas_library_path()
+    except CpuOpsLibraryError as exc:
+        if choice == "blas":
+            raise CpuOpsLibraryError(f"cpu_gemm='blas': {exc}") from None
+        warnings.warn(
+            f"ortrain: the BLAS GEMM op is unavailable ({exc}); products run on ONNX "
+            "Runtime's MLAS (set cpu_gemm='onnxruntime' to silence this)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def use_grad_kernels(choice: str, device_type: str = "cpu") -> bool:
+    """Whether CPU builds should emit the fused ``ortrain.cpu`` backward kernels."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"cpu_kernels={choice!r}: use one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "onnxruntime" or device_type != "cpu":
+        return False
+    try:
+        library_path()
+    except CpuOpsLibraryError as exc:
+        if choice == "ortrain":
+            raise CpuOpsLibraryError(f"cpu_kernels='ortrain': {exc}") from None
+        warnings.warn(
+            f"ortrain: the fused CPU backward kernels are unavailable ({exc}); backwards "
+            "run as standard ONNX ops (set cpu_kernels='onnxruntime' to silence this)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True

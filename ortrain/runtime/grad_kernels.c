@@ -1,0 +1,526 @@
+/* ortrain.cpu::GeluGrad / FastGeluGrad / LayerNormGrad / SoftmaxGrad: fused fp32 backward
+ * kernels for ONNX Runtime's CPU execution provider.
+ *
+ * Why: stock onnxruntime ships no training kernels, so the gradient rules spell these
+ * backwards in standard element-wise ops (graph_passes/autodiff/rules/nn.py): 12 ops and
+ * a dozen full-size temporaries for a tanh-GELU, 14 for a LayerNorm. Each op reads and
+ * writes the whole tensor, so on a CPU these chains cost several times one fused pass
+ * (the role ORT's training build gives GeluGrad, LayerNormalizationGrad, SoftmaxGrad).
+ * The rules emit these ops instead when a build runs on the CPU with this library
+ * (GradContext.cpu_kernels); the standard spelling stays the reference the tests hold
+ * them to.
+ *
+ *   GeluGrad(dY, X) -> dX        dX = dY * (Phi(X) + X * phi(X))            (erf GELU)
+ *   FastGeluGrad(dY, X) -> dX    dX = dY * (s + X s (1 - s) k (1 + 3a X^2)),
+ *                                s = sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
+ *   SoftmaxGrad(dY, Y) -> dX     dX = Y * (dY - sum(dY * Y)) over the last axis
+ *   LayerNormGrad(dY, X, scale, mean, inv_std) -> dX, dscale, dbias   over the last axis:
+ *     xhat = (X - mean) * inv_std, g = dY * scale,
+ *     dX = inv_std * (g - mean(g) - xhat * mean(g * xhat)),
+ *     dscale = sum over rows of dY * xhat, dbias = sum over rows of dY.
+ *   ScatterAddRows(base, rows, updates) -> out   out = base; out[rows[i]] += updates[i]
+ *     (base [V, ...], rows int64 [N] (or [N, 1]), updates [N, ...]; an embedding's
+ *     gradient: ScatterElements(add) with the row index expanded over each row, one
+ *     index per element, runs 10x slower; graph_passes/scatter_rows.py moves those here)
+ *
+ * Work is cut into fixed blocks (of elements or rows) run on the session's intra-op
+ * threads (KernelContext_ParallelFor); the row sums of LayerNormGrad are per-block
+ * partials added in block order, so results do not depend on the thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_abi.h"
+
+#define ELEMS_PER_BLOCK 16384 /* 64 KiB of each operand per block */
+
+/* ------------------------------------------------------------------------- math */
+/* exp(x) for x in [-87, 88] (clamped outside): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
+ * p the degree-7 Taylor polynomial (relative error < 2e-7). Branch-free, so the element
+ * loops vectorize; libm's expf does not. */
+static inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* d/dx [x Phi(x)] = Phi(x) + x phi(x); Phi from erfc's Chebyshev fit (Numerical Recipes
+ * erfcc, relative error < 1.2e-7). */
+static inline float gelu_erf_slope(float x) {
+  float z = fabsf(x) * 0.70710678118654752f;
+  float t = 1.0f / (1.0f + 0.5f * z);
+  float q = 0.17087277f;
+  q = q * t - 0.82215223f;
+  q = q * t + 1.48851587f;
+  q = q * t - 1.13520398f;
+  q = q * t + 0.27886807f;
+  q = q * t - 0.18628806f;
+  q = q * t + 0.09678418f;
+  q = q * t + 0.37409196f;
+  q = q * t + 1.00002368f;
+  q = q * t - 1.26551223f;
+  float erfc_z = t * exp_approx(q - z * z);
+  float cdf = x >= 0.0f ? 1.0f - 0.5f * erfc_z : 0.5f * erfc_z;
+  float pdf = 0.3989422804014327f * exp_approx(-0.5f * x * x);
+  return cdf + x * pdf;
+}
+
+/* d/dx gelu_tanh(x): gelu_tanh(x) = x s, s = 0.5 (1 + tanh(u)) = sigmoid(2u) */
+static inline float gelu_tanh_slope(float x) {
+  const float k = 1.5957691216057308f; /* 2 sqrt(2/pi) */
+  const float a = 0.044715f;
+  float x2 = x * x;
+  float e = exp_approx(-x * (k + a * k * x2));
+  float s = 1.0f / (1.0f + e);
+  /* 1 - s as e * s: no cancellation where s rounds to 1 (x > ~4) */
+  return s + x * s * (e * s) * (k + 3.0f * a * k * x2);
+}
+
+/* ------------------------------------------------------------------- threading */
+typedef void (*BlockFn)(void* work, size_t block);
+
+/* fn(work, b) for every block b, on the session's intra-op threads when the runtime
+ * offers them (API 17), else on this thread. Blocks only write their own outputs, so
+ * re-running them serially after a failed hand-off is safe. */
+static void for_blocks(const OrtKernelContext* ctx, BlockFn fn, size_t n_blocks, void* work) {
+  if (ortrain_api17 != NULL && n_blocks > 1) {
+    OrtStatus* st = API_FN(ortrain_api17, I_KernelContext_ParallelFor, ParallelForFn)(
+        ctx, fn, n_blocks, 0, work);
+    if (st == NULL) return;
+    API_FN(ortrain_api17, I_ReleaseStatus, ReleaseStatusFn)(st);
+  }
+  for (size_t b = 0; b < n_blocks; ++b) fn(work, b);
+}
+
+static size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* ------------------------------------------------------------------ operands */
+typedef struct {
+  const OrtApi* api;
+  const char* name; /* the op's name, for messages */
+} Kernel;
+
+typedef struct {
+  int64_t dims[8];
+  size_t rank;
+  int64_t count; /* elements */
+  void* data;
+} Tensor;
+
+static OrtStatus* input_typed(const Kernel* k, OrtKernelContext* ctx, size_t i, Tensor* t,
+                              int type) {
+  const OrtApi* api = k->api;
+  const OrtValue* v = NULL;
+  int elem = 0;
+  OrtStatus* st = API_FN(api, I_KernelContext_GetInput, GetInputFn)(ctx, i, &v);
+  if (st) return st;
+  if (v == NULL) return ort_invalid(api, "ortrain.cpu.%s: input %zu is missing", k->name, i);
+  if ((st = ort_shape_of(api, v, t->dims, &t->rank, &elem))) return st;
+  if (elem != type)
+    return ort_invalid(api, "ortrain.cpu.%s: input %zu must be %s, got element type %d", k->name,
+                       i, type == ELEM_INT64 ? "int64" : "float32", elem);
+  t->count = 1;
+  for (size_t d = 0; d < t->rank; ++d) t->count *= t->dims[d];
+  return API_FN(api, I_GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)v, &t->data);
+}
+
+static OrtStatus* input(const Kernel* k, OrtKernelContext* ctx, size_t i, Tensor* t) {
+  return input_typed(k, ctx, i, t, ELEM_FLOAT);
+}
+
+static OrtStatus* output(const Kernel* k, OrtKernelContext* ctx, size_t i, const int64_t* dims,
+                         size_t rank, float** data) {
+  OrtValue* v = NULL;
+  OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutput, GetOutputFn)(ctx, i, dims, rank, &v);
+  if (st) return st;
+  return API_FN(k->api, I_GetTensorMutableData, GetTensorMutableDataFn)(v, (void**)data);
+}
+
+static void shape_text(const Tensor* t, char* out, size_t size) {
+  size_t used = (size_t)snprintf(out, size, "[");
+  for (size_t d = 0; d < t->rank && used < size; ++d)
+    used += (size_t)snprintf(out + used, size - used, d ? ", %lld" : "%lld", (long long)t->dims[d]);
+  if (used < size) snprintf(out + used, size - used, "]");
+}
+
+static OrtStatus* same_shape(const Kernel* k, const Tensor* a, const char* a_name, const Tensor* b,
+                             const char* b_name) {
+  int same = a->rank == b->rank;
+  for (size_t d = 0; same && d < a->rank; ++d) same = a->dims[d] == b->dims[d];
+  if (same) return NULL;
+  char sa[128], sb[128];
+  shape_text(a, sa, sizeof sa);
+  shape_text(b, sb, sizeof sb);
+  return ort_invalid(k->api, "ortrain.cpu.%s: %s is %s but %s is %s", k->name, a_name, sa, b_name,
+                     sb);
+}
+
+/* --------------------------------------------------------------- GELU backward */
+typedef struct {
+  const float* dy;
+  const float* x;
+  float* dx;
+  int64_t n;
+} Pointwise;
+
+static void gelu_erf_block(void* work, size_t b) {
+  const Pointwise* w = (const Pointwise*)work;
+  int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
+  if (hi > w->n) hi = w->n;
+  const float* restrict dy = w->dy;
+  const float* restrict x = w->x;
+  float* restrict dx = w->dx;
+  for (int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * gelu_erf_slope(x[i]);
+}
+
+static void gelu_tanh_block(void* work, size_t b) {
+  const Pointwise* w = (const Pointwise*)work;
+  int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
+  if (hi > w->n) hi = w->n;
+  const float* restrict dy = w->dy;
+  const float* restrict x = w->x;
+  float* restrict dx = w->dx;
+  for (int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * gelu_tanh_slope(x[i]);
+}
+
+static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block) {
+  Tensor dy, x;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x))) return st;
+  if ((st = same_shape(k, &dy, "dY", &x, "X"))) return st;
+  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, x.count};
+  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx))) return st;
+  for_blocks(ctx, block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  return NULL;
+}
+
+static OrtStatus* gelu_erf_compute(void* kernel, OrtKernelContext* ctx) {
+  return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block);
+}
+
+static OrtStatus* gelu_tanh_compute(void* kernel, OrtKernelContext* ctx) {
+  return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block);
+}
+
+/* ------------------------------------------------------------ Softmax backward */
+typedef struct {
+  const float* dy;
+  const float* y;
+  float* dx;
+  int64_t rows, cols, rows_per_block;
+} Rows;
+
+/* sum of a[i] * b[i] with 16 running partial sums (they vectorize; one would not) */
+static inline float dot(const float* restrict a, const float* restrict b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+static void softmax_block(void* work, size_t b) {
+  const Rows* w = (const Rows*)work;
+  int64_t lo = (int64_t)b * w->rows_per_block, hi = lo + w->rows_per_block;
+  if (hi > w->rows) hi = w->rows;
+  const int64_t n = w->cols;
+  for (int64_t r = lo; r < hi; ++r) {
+    const float* restrict dy = w->dy + r * n;
+    const float* restrict y = w->y + r * n;
+    float* restrict dx = w->dx + r * n;
+    const float s = dot(dy, y, n);
+    for (int64_t i = 0; i < n; ++i) dx[i] = y[i] * (dy[i] - s);
+  }
+}
+
+static int64_t rows_per_block(int64_t cols) {
+  int64_t r = cols > 0 ? ELEMS_PER_BLOCK / cols : 1;
+  return r < 1 ? 1 : r;
+}
+
+static OrtStatus* softmax_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor dy, y;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &y))) return st;
+  if ((st = same_shape(k, &dy, "dY", &y, "Y"))) return st;
+  if (y.rank < 1) return ort_invalid(k->api, "ortrain.cpu.SoftmaxGrad: Y is a scalar");
+  Rows w = {(const float*)dy.data, (const float*)y.data, NULL, 0, y.dims[y.rank - 1], 0};
+  w.rows = w.cols ? y.count / w.cols : 0;
+  w.rows_per_block = rows_per_block(w.cols);
+  if ((st = output(k, ctx, 0, y.dims, y.rank, &w.dx))) return st;
+  for_blocks(ctx, softmax_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  return NULL;
+}
+
+/* ---------------------------------------------------------- LayerNorm backward */
+typedef struct {
+  const float *dy, *x, *scale, *mean, *inv_std;
+  float* dx;
+  float* partial; /* [blocks][2][cols]: per-block sums of dY * xhat and of dY */
+  int64_t rows, cols, rows_per_block;
+} LayerNorm;
+
+static void layer_norm_block(void* work, size_t b) {
+  const LayerNorm* w = (const LayerNorm*)work;
+  int64_t lo = (int64_t)b * w->rows_per_block, hi = lo + w->rows_per_block;
+  if (hi > w->rows) hi = w->rows;
+  const int64_t n = w->cols;
+  const float inv_n = 1.0f / (float)n;
+  const float* restrict scale = w->scale;
+  float* restrict dscale = w->partial + (size_t)b * 2 * (size_t)n;
+  float* restrict dbias = dscale + n;
+  for (int64_t i = 0; i < n; ++i) dscale[i] = dbias[i] = 0.0f;
+  for (int64_t r = lo; r < hi; ++r) {
+    const float* restrict dy = w->dy + r * n;
+    const float* restrict x = w->x + r * n;
+    float* restrict dx = w->dx + r * n;
+    const float mu = w->mean[r], rs = w->inv_std[r];
+    float a1[16] = {0}, a2[16] = {0}; /* sum g, sum g * xhat */
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      for (int j = 0; j < 16; ++j) {
+        float g = dy[i + j] * scale[i + j];
+        a1[j] += g;
+        a2[j] += g * ((x[i + j] - mu) * rs);
+      }
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int j = 0; j < 16; ++j) s1 += a1[j], s2 += a2[j];
+    for (; i < n; ++i) {
+      float g = dy[i] * scale[i];
+      s1 += g;
+      s2 += g * ((x[i] - mu) * rs);
+    }
+    const float m1 = s1 * inv_n, m2 = s2 * inv_n;
+    for (int64_t c = 0; c < n; ++c) {
+      float xhat = (x[c] - mu) * rs;
+      dx[c] = rs * (dy[c] * scale[c] - m1 - xhat * m2);
+      dscale[c] += dy[c] * xhat;
+      dbias[c] += dy[c];
+    }
+  }
+}
+
+static OrtStatus* layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor dy, x, scale, mean, inv_std;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x)) ||
+      (st = input(k, ctx, 2, &scale)) || (st = input(k, ctx, 3, &mean)) ||
+      (st = input(k, ctx, 4, &inv_std)))
+    return st;
+  if ((st = same_shape(k, &dy, "dY", &x, "X"))) return st;
+  if (x.rank < 1) return ort_invalid(k->api, "ortrain.cpu.LayerNormGrad: X is a scalar");
+  const int64_t cols = x.dims[x.rank - 1], rows = cols ? x.count / cols : 0;
+  if (scale.count != cols)
+    return ort_invalid(k->api,
+                       "ortrain.cpu.LayerNormGrad: scale has %lld elements, X's last axis %lld",
+                       (long long)scale.count, (long long)cols);
+  if (mean.count != rows || inv_std.count != rows)
+    return ort_invalid(k->api,
+                       "ortrain.cpu.LayerNormGrad: mean / inv_std have %lld / %lld elements, "
+                       "expected one per row of X (%lld)",
+                       (long long)mean.count, (long long)inv_std.count, (long long)rows);
+  LayerNorm w = {(const float*)dy.data, (const float*)x.data, (const float*)scale.data,
+                 (const float*)mean.data, (const float*)inv_std.data, NULL, NULL, rows, cols,
+                 rows_per_block(cols)};
+  float *dscale = NULL, *dbias = NULL;
+  const int64_t vec[1] = {cols};
+  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx)) || (st = output(k, ctx, 1, vec, 1, &dscale)) ||
+      (st = output(k, ctx, 2, vec, 1, &dbias)))
+    return st;
+  const size_t blocks = div_up((size_t)rows, (size_t)w.rows_per_block);
+  w.partial = (float*)malloc((blocks ? blocks : 1) * 2 * (size_t)cols * sizeof(float));
+  if (w.partial == NULL)
+    return API_FN(k->api, I_CreateStatus, CreateStatusFn)(
+        ORT_FAIL, "ortrain.cpu.LayerNormGrad: out of memory for the row-sum partials");
+  for_blocks(ctx, layer_norm_block, blocks, &w);
+  for (int64_t c = 0; c < cols; ++c) dscale[c] = dbias[c] = 0.0f;
+  for (size_t b = 0; b < blocks; ++b) { /* in block order: independent of the threads */
+    const float* p = w.partial + b * 2 * (size_t)cols;
+    for (int64_t c = 0; c < cols; ++c) dscale[c] += p[c], dbias[c] += p[cols + c];
+  }
+  free(w.partial);
+  return NULL;
+}
+
+/* ----------------------------------------------------------- row scatter-add */
+typedef struct {
+  const float* base;
+  const float* updates;
+  float* out;
+  const int64_t* start; /* [n_base + 1]: row v's updates are order[start[v] .. start[v+1]) */
+  const int64_t* order; /* update indices grouped by row, ascending within a row */
+  int64_t n_base, width, rows_per_block;
+} Scatter;
+
+/* Output rows [lo, hi): base's row plus that row's updates in index order, so each
+ * element's sum has the same order at any thread count and no two blocks share a row. */
+static void scatter_block(void* work, size_t b) {
+  const Scatter* w = (const Scatter*)work;
+  int64_t lo = (int64_t)b * w->rows_per_block, hi = lo + w->rows_per_block;
+  if (hi > w->n_base) hi = w->n_base;
+  const int64_t n = w->width;
+  for (int64_t v = lo; v < hi; ++v) {
+    float* restrict dst = w->out + v * n;
+    memcpy(dst, w->base + v * n, (size_t)n * sizeof(float));
+    for (int64_t j = w->start[v]; j < w->start[v + 1]; ++j) {
+      const float* restrict src = w->updates + w->order[j] * n;
+      for (int64_t c = 0; c < n; ++c) dst[c] += src[c];
+    }
+  }
+}
+
+static OrtStatus* scatter_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor base, rows, updates;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &base)) || (st = input_typed(k, ctx, 1, &rows, ELEM_INT64)) ||
+      (st = input(k, ctx, 2, &updates)))
+    return st;
+  if (base.rank < 1) return ort_invalid(k->api, "ortrain.cpu.ScatterAddRows: base is a scalar");
+  const int64_t n_base = base.dims[0], width = n_base ? base.count / n_base : 0;
+  if (updates.count != rows.count * width) {
+    char sb[128], su[128], sr[128];
+    shape_text(&base, sb, sizeof sb);
+    shape_text(&updates, su, sizeof su);
+    shape_text(&rows, sr, sizeof sr);
+    return ort_invalid(k->api,
+                       "ortrain.cpu.ScatterAddRows: updates %s do not hold one row of base %s "
+                       "per index (rows %s)",
+                       su, sb, sr);
+  }
+  const int64_t* r = (const int64_t*)rows.data;
+  for (int64_t i = 0; i < rows.count; ++i)
+    if (r[i] < -n_base || r[i] >= n_base)
+      return ort_invalid(k->api,
+                         "ortrain.cpu.ScatterAddRows: index %lld (entry %lld) is out of range "
+                         "for %lld rows",
+                         (long long)r[i], (long long)i, (long long)n_base);
+  Scatter w = {(const float*)base.data, (const float*)updates.data, NULL, NULL, NULL,
+               n_base, width, rows_per_block(width)};
+  if ((st = output(k, ctx, 0, base.dims, base.rank, &w.out))) return st;
+  /* a counting sort of the updates by destination row (stable: index order kept) */
+  int64_t* start = (int64_t*)calloc((size_t)n_base + 1, sizeof(int64_t));
+  int64_t* order = (int64_t*)malloc((rows.count ? (size_t)rows.count : 1) * sizeof(int64_t));
+  if (start == NULL || order == NULL) {
+    free(start);
+    free(order);
+    return API_FN(k->api, I_CreateStatus, CreateStatusFn)(
+        ORT_FAIL, "ortrain.cpu.ScatterAddRows: out of memory for the row order");
+  }
+  for (int64_t i = 0; i < rows.count; ++i) ++start[(r[i] < 0 ? r[i] + n_base : r[i]) + 1];
+  for (int64_t v = 0; v < n_base; ++v) start[v + 1] += start[v];
+  for (int64_t i = 0; i < rows.count; ++i) {
+    int64_t v = r[i] < 0 ? r[i] + n_base : r[i];
+    order[start[v]++] = i; /* start[v] runs up to row v+1's start ... */
+  }
+  for (int64_t v = n_base; v > 0; --v) start[v] = start[v - 1]; /* ... shifted back */
+  start[0] = 0;
+  w.start = start;
+  w.order = order;
+  for_blocks(ctx, scatter_block, div_up((size_t)n_base, (size_t)w.rows_per_block), &w);
+  free(start);
+  free(order);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ the op table */
+typedef struct {
+  OrtCustomOp op; /* first: ONNX Runtime hands back this address */
+  const char* name;
+  size_t inputs, outputs;
+  int int64_input; /* the index of an int64 input, or -1 */
+} GradOp;
+
+static const char* op_name(const OrtCustomOp* op) { return ((const GradOp*)op)->name; }
+static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static int op_input_type(const OrtCustomOp* op, size_t i) {
+  return (int)i == ((const GradOp*)op)->int64_input ? ELEM_INT64 : ELEM_FLOAT;
+}
+static int op_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static size_t op_inputs(const OrtCustomOp* op) { return ((const GradOp*)op)->inputs; }
+static size_t op_outputs(const OrtCustomOp* op) { return ((const GradOp*)op)->outputs; }
+static int op_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
+static void compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
+static void* create_v1(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
+  (void)op; (void)api; (void)info;
+  return NULL; /* never called: ONNX Runtime calls CreateKernelV2 for version >= 16 */
+}
+
+static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                         void** out) {
+  (void)info;
+  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
+  if (k == NULL) return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_FAIL, "out of memory");
+  k->api = api;
+  k->name = ((const GradOp*)op)->name;
+  *out = k;
+  return NULL;
+}
+
+static void destroy(void* kernel) { free(kernel); }
+
+#define GRAD_OP(op_name_, n_in, n_out, fn, int64_in)                                                   \
+  {                                                                                          \
+    .op =                                                                                    \
+        {                                                                                    \
+            .version = API_VERSION,                                                          \
+            .CreateKernel = create_v1,                                                       \
+            .GetName = op_name,                                                              \
+            .GetExecutionProviderType = op_provider,                                         \
+            .GetInputType = op_input_type,                                                         \
+            .GetInputTypeCount = op_inputs,                                                  \
+            .GetOutputType = op_output_type,                                                        \
+            .GetOutputTypeCount = op_outputs,                                                \
+            .KernelCompute = compute_v1,                                                     \
+            .KernelDestroy = destroy,                                                        \
+            .GetInputCharacteristic = op_required,                                           \
+            .GetOutputCharacteristic = op_required,                                          \
+            .GetInputMemoryType = op_memory_type,                                            \
+            .GetVariadicInputMinArity = op_zero,                                             \
+            .GetVariadicInputHomogeneity = op_zero,                                          \
+            .GetVariadicOutputMinArity = op_zero,                                            \
+            .GetVariadicOutputHomogeneity = op_zero,                                         \
+            .CreateKernelV2 = create,                                                        \
+            .KernelComputeV2 = fn,                                                           \
+        },                                                                                   \
+    .name = op_name_, .inputs = n_in, .outputs = n_out, .int64_input = int64_in              \
+  }
+
+static const GradOp g_ops[] = {
+    GRAD_OP("GeluGrad", 2, 1, gelu_erf_compute, -1),
+    GRAD_OP("FastGeluGrad", 2, 1, gelu_tanh_compute, -1),
+    GRAD_OP("SoftmaxGrad", 2, 1, softmax_compute, -1),
+    GRAD_OP("LayerNormGrad", 5, 3, layer_norm_compute, -1),
+    GRAD_OP("ScatterAddRows", 3, 1, scatter_compute, 1),
+};
+#define N_OPS (sizeof g_ops / sizeof g_ops[0])
+
+const OrtCustomOp* const* ortrain_grad_ops(size_t* count) {
+  static const OrtCustomOp* table[N_OPS];
+  for (size_t i = 0; i < N_OPS; ++i) table[i] = &g_ops[i].op;
+  *count = N_OPS;
+  return table;
+}
