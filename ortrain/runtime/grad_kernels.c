@@ -36,10 +36,11 @@
 #define ELEMS_PER_BLOCK 16384 /* 64 KiB of each operand per block */
 
 /* ------------------------------------------------------------------------- math */
-/* exp(x) for x in [-87, 88] (clamped outside): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
+/* exp(x) for x in [-87, 88] (0 below, exp(88) above): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
  * p the degree-7 Taylor polynomial (relative error < 2e-7). Branch-free, so the element
  * loops vectorize; libm's expf does not. */
 static inline float exp_approx(float x) {
+  const int underflow = x < -87.0f; /* exp < 2^-125: 0, as a masked (-inf) logit needs */
   x = x < -87.0f ? -87.0f : x;
   x = x > 88.0f ? 88.0f : x;
   const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
@@ -57,7 +58,7 @@ static inline float exp_approx(float x) {
   int32_t bits = ((int32_t)n + 127) << 23;
   float scale;
   memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return underflow ? 0.0f : p * scale;
 }
 
 /* d/dx [x Phi(x)] = Phi(x) + x phi(x); Phi from erfc's Chebyshev fit (Numerical Recipes
