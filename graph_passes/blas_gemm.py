@@ -7,13 +7,17 @@ and they are 70-85% of a transformer's gradient graph there. This is a kernel ch
 made last on the finished graph (after autodiff, the fusions and the memory passes),
 so nothing upstream sees the custom op and no gradient rule is needed.
 
-Only products of ``min_flops`` (2·M·N·K, default ``MIN_FLOPS`` = 1 GFLOP) or more move:
-the BLAS runs on its own (OpenMP) threads, which keep spinning for a while after each
-call and then compete for the cores with ONNX Runtime's threads on the ops that follow.
-On a 2-core Intel VM, gpt2-tiny's gradient graph ran 175.6 ms with MLAS, 176.9 ms with
-every product on the BLAS, 157.5 ms with only its LM head's (4.3 GFLOP each); GPT-2
-small's (all >= 1.2 GFLOP) 1672 -> 1395 ms (``benchmarks/profile_graph.py --cpu-gemm``).
-In the training loop the two gpt2-tiny choices measured alike (``benchmarks/HISTORY.md``).
+Only products of ``min_flops`` (2·M·N·K, default ``MIN_FLOPS`` = 0.1 GFLOP) or more move:
+below that MKL's gain is small against a call on its own (OpenMP) threads. Those threads
+keep spinning for a while after each call and compete for the cores with ONNX Runtime's
+threads on the ops that follow; while the backward's element-wise chains were standard
+ops that cost more than MKL gained on products under 1 GFLOP (gpt2-tiny's gradient graph
+on a 2-core Intel VM: 175.6 ms with MLAS, 176.9 ms with every product on the BLAS,
+157.5 ms with only its LM head's 4.3-GFLOP products). With the fused backward kernels
+(``ortrain.cpu``, far fewer ops after each product) the layer products (0.13-0.54 GFLOP)
+pay too: gpt2-tiny's training step 163.6 / 165.6 ms with a 1-GFLOP threshold, 156.0 /
+156.2 ms at 0.2 GFLOP, 151.9 / 150.7 ms with every product moved (``bench_train.py``,
+alternating; ``benchmarks/HISTORY.md``). GPT-2 small's products are all >= 1.2 GFLOP.
 
 Cases rewritten (every operand and the result float32, the right operand 2-D, static
 shapes):
@@ -36,7 +40,7 @@ from graph_passes.interface import BLAS_DOMAIN
 
 __all__ = ["BLAS_DOMAIN", "MIN_FLOPS", "lower_gemm_to_blas"]
 
-MIN_FLOPS = 1e9
+MIN_FLOPS = 1e8
 _STD = ("", "ai.onnx")
 _F32 = ir.DataType.FLOAT
 
