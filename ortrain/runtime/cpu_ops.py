@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -160,6 +161,25 @@ def _intel_cpu() -> bool:
         return False
 
 
+def _built_or_fallback(build: Callable[[], Path], strict: bool, option: str, fallback: str) -> bool:
+    """Build the library for ``option``: True, or (the library cannot be built) raise with
+    the reason when ``strict`` (the option named it), else warn and return False."""
+    try:
+        build()
+    except CpuOpsLibraryError as exc:
+        if strict:
+            raise CpuOpsLibraryError(f"{option}: {exc}") from None
+        name = option.partition("=")[0]
+        warnings.warn(
+            f"ortrain: {fallback[0]} ({exc}); {fallback[1]} (set {name}='onnxruntime' to "
+            "silence this)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
 def use_blas_gemm(choice: str, device_type: str = "cpu") -> bool:
     """Whether CPU graphs should run their fp32 products on ``ortrain.blas.Gemm``."""
     if choice not in CHOICES:
@@ -168,19 +188,10 @@ def use_blas_gemm(choice: str, device_type: str = "cpu") -> bool:
         return False
     if choice == "auto" and not (_intel_cpu() and torch.backends.mkl.is_available()):
         return False
-    try:
-        blas_library_path()
-    except CpuOpsLibraryError as exc:
-        if choice == "blas":
-            raise CpuOpsLibraryError(f"cpu_gemm='blas': {exc}") from None
-        warnings.warn(
-            f"ortrain: the BLAS GEMM op is unavailable ({exc}); products run on ONNX "
-            "Runtime's MLAS (set cpu_gemm='onnxruntime' to silence this)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return True
+    return _built_or_fallback(
+        blas_library_path, choice == "blas", "cpu_gemm='blas'",
+        ("the BLAS GEMM op is unavailable", "products run on ONNX Runtime's MLAS"),
+    )  # fmt: skip
 
 
 def use_grad_kernels(choice: str, device_type: str = "cpu") -> bool:
@@ -189,16 +200,7 @@ def use_grad_kernels(choice: str, device_type: str = "cpu") -> bool:
         raise ValueError(f"cpu_kernels={choice!r}: use one of {', '.join(KERNEL_CHOICES)}")
     if choice == "onnxruntime" or device_type != "cpu":
         return False
-    try:
-        library_path()
-    except CpuOpsLibraryError as exc:
-        if choice == "ortrain":
-            raise CpuOpsLibraryError(f"cpu_kernels='ortrain': {exc}") from None
-        warnings.warn(
-            f"ortrain: the fused CPU backward kernels are unavailable ({exc}); backwards "
-            "run as standard ONNX ops (set cpu_kernels='onnxruntime' to silence this)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return True
+    return _built_or_fallback(
+        library_path, choice == "ortrain", "cpu_kernels='ortrain'",
+        ("the fused CPU backward kernels are unavailable", "backwards run as standard ONNX ops"),
+    )  # fmt: skip

@@ -180,25 +180,19 @@ typedef struct {
   int64_t n;
 } Pointwise;
 
-static void gelu_erf_block(void* work, size_t b) {
-  const Pointwise* w = (const Pointwise*)work;
-  int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
-  if (hi > w->n) hi = w->n;
-  const float* restrict dy = w->dy;
-  const float* restrict x = w->x;
-  float* restrict dx = w->dx;
-  for (int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * gelu_erf_slope(x[i]);
-}
-
-static void gelu_tanh_block(void* work, size_t b) {
-  const Pointwise* w = (const Pointwise*)work;
-  int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
-  if (hi > w->n) hi = w->n;
-  const float* restrict dy = w->dy;
-  const float* restrict x = w->x;
-  float* restrict dx = w->dx;
-  for (int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * gelu_tanh_slope(x[i]);
-}
+/* dx = dy * slope(x) over one block; one function per slope so each loop inlines it */
+#define GELU_BLOCK(name, slope)                                               \
+  static void name(void* work, size_t b) {                                    \
+    const Pointwise* w = (const Pointwise*)work;                              \
+    int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;     \
+    if (hi > w->n) hi = w->n;                                                 \
+    const float* restrict dy = w->dy;                                         \
+    const float* restrict x = w->x;                                           \
+    float* restrict dx = w->dx;                                               \
+    for (int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * slope(x[i]);            \
+  }
+GELU_BLOCK(gelu_erf_block, gelu_erf_slope)
+GELU_BLOCK(gelu_tanh_block, gelu_tanh_slope)
 
 static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block) {
   Tensor dy, x;
