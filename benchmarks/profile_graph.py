@@ -50,7 +50,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def workload_graph(
-    name: str, graph: str, save_dir: Path, threads: int, seed: int, cpu_gemm: str = "auto"
+    name: str,
+    graph: str,
+    save_dir: Path,
+    threads: int,
+    seed: int,
+    cpu_gemm: str = "auto",
+    cpu_kernels: str = "auto",
 ) -> tuple[Path, dict[str, np.ndarray], int]:
     """Run one train step of workload ``name``.
 
@@ -67,7 +73,12 @@ def workload_graph(
     trainer = ORTTrainer(
         model,
         opt,
-        TrainerOptions(intra_op_threads=threads, save_graphs_dir=save_dir, cpu_gemm=cpu_gemm),
+        TrainerOptions(
+            intra_op_threads=threads,
+            save_graphs_dir=save_dir,
+            cpu_gemm=cpu_gemm,
+            cpu_kernels=cpu_kernels,
+        ),
     )
     batch = w.make_batch(w, torch.Generator().manual_seed(seed + 1))
     trainer.train_step(**batch)
@@ -291,6 +302,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-gemm", choices=["auto", "blas", "onnxruntime"], default="auto",
         help="TrainerOptions.cpu_gemm of the workload's trainer",
     )  # fmt: skip
+    p.add_argument(
+        "--cpu-kernels", choices=["auto", "ortrain", "onnxruntime"], default="auto",
+        help="TrainerOptions.cpu_kernels of the workload's trainer",
+    )  # fmt: skip
     p.add_argument("--runs", type=int, default=5, help="measured runs")
     p.add_argument("--warmup-runs", type=int, default=2, help="runs left out of the aggregate")
     p.add_argument("--top", type=int, default=15, help="op types to list")
@@ -312,7 +327,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             save_dir = args.save_dir or Path(tmp) / "graphs"
             path, known, expected = workload_graph(
-                args.workload, args.graph, save_dir, args.threads, args.seed, args.cpu_gemm
+                args.workload,
+                args.graph,
+                save_dir,
+                args.threads,
+                args.seed,
+                args.cpu_gemm,
+                args.cpu_kernels,
             )
         # The trainer runs RemoveUnusedNodesPass on the gradient graph after saving it.
         remove = not args.no_remove_unused and path.name.startswith("train.")

@@ -29,6 +29,8 @@ left out with ``optimize=False``):
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
 14. scatter_rows       embedding gradients' row scatter-adds on ortrain's CPU kernel
                        (``cpu_kernels=True``; a kernel choice too)
+15. cpu_softmax        fp32 last-axis Softmax (with the mask's Add) on ortrain's CPU
+                       kernel (``cpu_kernels=True``; a kernel choice too)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import onnx_ir.passes.common
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from graph_passes.blas_gemm import lower_gemm_to_blas
+from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.forward_cleanup import clean_forward
@@ -133,11 +136,15 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         passes.append(Pass("blas_gemm", lower_gemm_to_blas))
     if build.cpu_kernels:
         passes.append(Pass("scatter_rows", lower_scatter_add_rows))
+        passes.append(Pass("cpu_softmax", lower_softmax))
     return passes
 
 
 def eval_passes(
-    mixed_precision: str | None, optimize: bool = True, blas_gemm: bool = False
+    mixed_precision: str | None,
+    optimize: bool = True,
+    blas_gemm: bool = False,
+    cpu_kernels: bool = False,
 ) -> list[Pass]:
     """Evaluation graphs: the same precision and forward passes as training, no gradients."""
     passes = [
@@ -156,4 +163,6 @@ def eval_passes(
         passes.append(Pass("lower_cross_entropy", lower_softmax_cross_entropy))
     if blas_gemm:
         passes.append(Pass("blas_gemm", lower_gemm_to_blas))
+    if cpu_kernels:
+        passes.append(Pass("cpu_softmax", lower_softmax))
     return passes

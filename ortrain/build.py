@@ -50,7 +50,7 @@ class BuildSettings:
     memory_plan: bool = True
     graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
     blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/blas_gemm.py)
-    cpu_kernels: bool = False  # fused ortrain.cpu backward kernels (rules emit them)
+    cpu_kernels: bool = False  # fused ortrain.cpu kernels (backward rules, Softmax, scatters)
 
 
 @dataclasses.dataclass
@@ -226,5 +226,8 @@ def build_eval(
 
     log = _Log("eval", settings, first)
     ex = log.export(module, batch, False, loss_fn)
-    log.run(ex.model, eval_passes(settings.mixed_precision, settings.optimize, settings.blas_gemm))
+    passes = eval_passes(
+        settings.mixed_precision, settings.optimize, settings.blas_gemm, settings.cpu_kernels
+    )
+    log.run(ex.model, passes)
     return _built(ex.model, ex, log)

@@ -22,6 +22,7 @@ import onnx_ir.passes.common
 import torch
 
 from graph_passes.blas_gemm import lower_gemm_to_blas
+from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.forward_cleanup import clean_forward
 from graph_passes.interface import GradientError
 from graph_passes.optimizer import build_update_graph
@@ -192,8 +193,9 @@ class TrainingSession:
         cpu_kernels: str = "auto",
     ) -> TrainingSession:
         """``cpu_gemm`` / ``cpu_kernels`` as in ``TrainerOptions``: the artifacts keep
-        standard ops; the large products move to the BLAS GEMM op and the embedding
-        gradients to ``ortrain.cpu.ScatterAddRows`` here, in memory, where they are chosen
+        standard ops; the large products move to the BLAS GEMM op, the embedding
+        gradients to ``ortrain.cpu.ScatterAddRows`` and the Softmaxes to
+        ``ortrain.cpu.Softmax`` here, in memory, where they are chosen
         (the fused GELU / LayerNorm / Softmax backwards are emitted by the gradient rules,
         so artifacts built offline keep those as standard ops)."""
         d = Path(directory)
@@ -220,6 +222,7 @@ class TrainingSession:
             lower_gemm_to_blas(gradient)
         if use_grad_kernels(cpu_kernels):
             lower_scatter_add_rows(gradient)
+            lower_softmax(gradient)
         grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})

@@ -53,9 +53,11 @@ class TrainerOptions:
         torch loaded (MKL on x86), compiled on first use with the system C compiler
         (``ortrain/runtime/cpu_ops.py``); "auto" (default): "blas" on Intel CPUs when
         torch has MKL and the op builds, MLAS elsewhere (MLAS is the faster one on AMD).
-    cpu_kernels: what runs the fp32 GELU, LayerNorm and Softmax backwards of CPU graphs.
+    cpu_kernels: what runs the fp32 GELU, LayerNorm and Softmax backwards, the Softmaxes
+        (with an attention mask's Add) and the embedding gradients of CPU graphs.
         "ortrain": fused kernels of ortrain's CPU op library (``ortrain.cpu`` domain,
-        ``ortrain/runtime/grad_kernels.c``, built on first use like ``cpu_gemm``'s op);
+        ``ortrain/runtime/grad_kernels.c``, ``softmax.c``, built on first use like
+        ``cpu_gemm``'s op);
         "onnxruntime": chains of standard ONNX ops (stock onnxruntime has no training
         kernels); "auto" (default): "ortrain" when the library builds, with a warning
         and standard ops otherwise.

@@ -345,6 +345,8 @@ def test_trains_like_eager_on_the_kernels(name: str) -> None:
     if name != "t5":
         assert ops["autodiff"].get(f"{CPU_DOMAIN}::LayerNormGrad", 0) >= 2, ops["autodiff"]
     assert ops["scatter_rows"].get(f"{CPU_DOMAIN}::ScatterAddRows", 0) >= 1, ops["scatter_rows"]
+    # attention Softmaxes over masked scores (tests/test_cpu_softmax.py)
+    assert ops["cpu_softmax"].get(f"{CPU_DOMAIN}::Softmax", 0) >= 2, ops["cpu_softmax"]
 
 
 def test_onnxruntime_choice_emits_no_kernels() -> None:
@@ -354,7 +356,7 @@ def test_onnxruntime_choice_emits_no_kernels() -> None:
     trainer = _trains_like_eager(family.build(), batches, options=options)
     for r in trainer.build_log:
         assert not any(k.startswith(CPU_DOMAIN) for k in r.op_delta), (r.stage, r.op_delta)
-    assert "scatter_rows" not in {r.stage for r in trainer.build_log}
+    assert not {"scatter_rows", "cpu_softmax"} & {r.stage for r in trainer.build_log}
 
 
 # --------------------------------------------------------------------------- the option

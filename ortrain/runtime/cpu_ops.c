@@ -1,13 +1,93 @@
 /* RegisterCustomOps for ortrain's CPU custom-op library: the entry point ONNX Runtime's
  * register_custom_ops_library looks up. Two domains:
- *   ortrain.cpu   fused backward kernels (grad_kernels.c), always;
+ *   ortrain.cpu   fused fp32 kernels (grad_kernels.c: backwards; softmax.c), always;
  *   ortrain.blas  the BLAS Gemm (blas_gemm.c), once ortrain_blas_set_sgemm was called.
  */
-#include "ort_abi.h"
+#include "kernel_util.h"
 
 const OrtApi* ortrain_api17 = NULL;
 
-int ortrain_cpu_ops_abi_version(void) { return 2; }
+int ortrain_cpu_ops_abi_version(void) { return 3; }
+
+/* ------------------------------------------------------- the ortrain.cpu op table */
+typedef struct {
+  OrtCustomOp op; /* first: ONNX Runtime hands back this address */
+  const char* name;
+  size_t inputs, outputs;
+  int int64_input;     /* the index of an int64 input, or -1 */
+  size_t optional_from; /* inputs from this index on may be left out */
+} KernelOp;
+
+static const char* op_name(const OrtCustomOp* op) { return ((const KernelOp*)op)->name; }
+static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static int op_input_type(const OrtCustomOp* op, size_t i) {
+  return (int)i == ((const KernelOp*)op)->int64_input ? ELEM_INT64 : ELEM_FLOAT;
+}
+static int op_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static size_t op_inputs(const OrtCustomOp* op) { return ((const KernelOp*)op)->inputs; }
+static size_t op_outputs(const OrtCustomOp* op) { return ((const KernelOp*)op)->outputs; }
+static int op_input_kind(const OrtCustomOp* op, size_t i) {
+  return i >= ((const KernelOp*)op)->optional_from ? OPTIONAL : REQUIRED;
+}
+static int op_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
+static void compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
+static void* create_v1(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
+  (void)op; (void)api; (void)info;
+  return NULL; /* never called: ONNX Runtime calls CreateKernelV2 for version >= 16 */
+}
+
+static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                         void** out) {
+  (void)info;
+  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
+  if (k == NULL) return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_FAIL, "out of memory");
+  k->api = api;
+  k->name = ((const KernelOp*)op)->name;
+  *out = k;
+  return NULL;
+}
+
+static void destroy(void* kernel) { free(kernel); }
+
+#define KERNEL_OP(op_name_, n_in, n_out, fn, int64_in, optional_from_)                                                   \
+  {                                                                                          \
+    .op =                                                                                    \
+        {                                                                                    \
+            .version = API_VERSION,                                                          \
+            .CreateKernel = create_v1,                                                       \
+            .GetName = op_name,                                                              \
+            .GetExecutionProviderType = op_provider,                                         \
+            .GetInputType = op_input_type,                                                         \
+            .GetInputTypeCount = op_inputs,                                                  \
+            .GetOutputType = op_output_type,                                                        \
+            .GetOutputTypeCount = op_outputs,                                                \
+            .KernelCompute = compute_v1,                                                     \
+            .KernelDestroy = destroy,                                                        \
+            .GetInputCharacteristic = op_input_kind,                                           \
+            .GetOutputCharacteristic = op_required,                                          \
+            .GetInputMemoryType = op_memory_type,                                            \
+            .GetVariadicInputMinArity = op_zero,                                             \
+            .GetVariadicInputHomogeneity = op_zero,                                          \
+            .GetVariadicOutputMinArity = op_zero,                                            \
+            .GetVariadicOutputHomogeneity = op_zero,                                         \
+            .CreateKernelV2 = create,                                                        \
+            .KernelComputeV2 = fn,                                                           \
+        },                                                                                   \
+    .name = op_name_, .inputs = n_in, .outputs = n_out, .int64_input = int64_in,             \
+    .optional_from = optional_from_              \
+  }
+
+static const KernelOp g_ops[] = {
+    KERNEL_OP("GeluGrad", 2, 1, ortrain_gelu_grad_compute, -1, 2),
+    KERNEL_OP("FastGeluGrad", 2, 1, ortrain_fast_gelu_grad_compute, -1, 2),
+    KERNEL_OP("SoftmaxGrad", 2, 1, ortrain_softmax_grad_compute, -1, 2),
+    KERNEL_OP("LayerNormGrad", 5, 3, ortrain_layer_norm_grad_compute, -1, 5),
+    KERNEL_OP("ScatterAddRows", 3, 1, ortrain_scatter_add_rows_compute, 1, 3),
+    KERNEL_OP("Softmax", 2, 1, ortrain_softmax_compute, -1, 1), /* bias optional */
+};
+#define N_OPS (sizeof g_ops / sizeof g_ops[0])
 
 static OrtStatus* add_domain(const OrtApi* api, OrtSessionOptions* options, const char* name,
                              const OrtCustomOp* const* ops, size_t count) {
@@ -24,9 +104,9 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
   const OrtApi* api = base->GetApi(API_VERSION);
   if (api == NULL) return NULL; /* cannot even report: this runtime predates API 16 */
   ortrain_api17 = base->GetApi(17); /* NULL before 1.17: the kernels run single-threaded */
-  size_t n_grad = 0;
-  const OrtCustomOp* const* grad = ortrain_grad_ops(&n_grad);
-  OrtStatus* st = add_domain(api, options, "ortrain.cpu", grad, n_grad);
+  static const OrtCustomOp* table[N_OPS];
+  for (size_t i = 0; i < N_OPS; ++i) table[i] = &g_ops[i].op;
+  OrtStatus* st = add_domain(api, options, "ortrain.cpu", table, N_OPS);
   if (!st && ortrain_have_sgemm()) {
     const OrtCustomOp* gemm = ortrain_gemm_op();
     st = add_domain(api, options, "ortrain.blas", &gemm, 1);

@@ -41,9 +41,9 @@ import torch
 from ortrain.errors import OrtrainError
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = tuple(_HERE / n for n in ("cpu_ops.c", "grad_kernels.c", "blas_gemm.c"))
-HEADERS = (_HERE / "ort_abi.h",)
-ABI_VERSION = 2  # cpu_ops.c: ortrain_cpu_ops_abi_version
+SOURCES = tuple(_HERE / n for n in ("cpu_ops.c", "grad_kernels.c", "softmax.c", "blas_gemm.c"))
+HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h")
+ABI_VERSION = 3  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
 KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")
 
@@ -97,7 +97,7 @@ def _cpu_identity() -> bytes:
 @functools.cache
 def _library() -> tuple[Path, ctypes.CDLL]:
     cc = _compiler()
-    digest = hashlib.sha256(cc.encode() + _cpu_identity())
+    digest = hashlib.sha256(cc.encode() + " ".join(_native_flags()).encode() + _cpu_identity())
     for f in SOURCES + HEADERS:
         digest.update(f.read_bytes())
     path = cache_dir() / f"libortrain_cpu_ops-{digest.hexdigest()[:16]}.so"
@@ -138,13 +138,23 @@ def cache_clear() -> None:
     blas_library_path.cache_clear()
 
 
+def _native_flags() -> list[str]:
+    """-march=native: the kernels' loops vectorize for this CPU's widest units (on x86,
+    512-bit ones where it has them: GCC prefers 256); -fopenmp-simd: the `omp simd`
+    pragmas only (no OpenMP runtime). Without them, the build falls back to plain -O3."""
+    flags = ["-march=native", "-fopenmp-simd"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")
+    return flags
+
+
 def _compile(cc: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         base = [cc, "-O3", "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES), "-lm"]
-        # -march=native: the kernels' loops vectorize for this CPU's widest units
-        done = subprocess.run([*base[:2], "-march=native", *base[2:]], capture_output=True)
+        native = [*base[:2], *_native_flags(), *base[2:]]
+        done = subprocess.run(native, capture_output=True)
         if done.returncode != 0:
             done = subprocess.run(base, capture_output=True, text=True)
             if done.returncode != 0:

@@ -27,40 +27,9 @@
  * threads (KernelContext_ParallelFor); the row sums of LayerNormGrad are per-block
  * partials added in block order, so results do not depend on the thread count.
  */
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "ort_abi.h"
-
-#define ELEMS_PER_BLOCK 16384 /* 64 KiB of each operand per block */
+#include "kernel_util.h"
 
 /* ------------------------------------------------------------------------- math */
-/* exp(x) for x in [-87, 88] (0 below, exp(88) above): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
- * p the degree-7 Taylor polynomial (relative error < 2e-7). Branch-free, so the element
- * loops vectorize; libm's expf does not. */
-static inline float exp_approx(float x) {
-  const int underflow = x < -87.0f; /* exp < 2^-125: 0, as a masked (-inf) logit needs */
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return underflow ? 0.0f : p * scale;
-}
-
 /* d/dx [x Phi(x)] = Phi(x) + x phi(x); Phi from erfc's Chebyshev fit (Numerical Recipes
  * erfcc, relative error < 1.2e-7). */
 static inline float gelu_erf_slope(float x) {
@@ -91,85 +60,6 @@ static inline float gelu_tanh_slope(float x) {
   float s = 1.0f / (1.0f + e);
   /* 1 - s as e * s: no cancellation where s rounds to 1 (x > ~4) */
   return s + x * s * (e * s) * (k + 3.0f * a * k * x2);
-}
-
-/* ------------------------------------------------------------------- threading */
-typedef void (*BlockFn)(void* work, size_t block);
-
-/* fn(work, b) for every block b, on the session's intra-op threads when the runtime
- * offers them (API 17), else on this thread. Blocks only write their own outputs, so
- * re-running them serially after a failed hand-off is safe. */
-static void for_blocks(const OrtKernelContext* ctx, BlockFn fn, size_t n_blocks, void* work) {
-  if (ortrain_api17 != NULL && n_blocks > 1) {
-    OrtStatus* st = API_FN(ortrain_api17, I_KernelContext_ParallelFor, ParallelForFn)(
-        ctx, fn, n_blocks, 0, work);
-    if (st == NULL) return;
-    API_FN(ortrain_api17, I_ReleaseStatus, ReleaseStatusFn)(st);
-  }
-  for (size_t b = 0; b < n_blocks; ++b) fn(work, b);
-}
-
-static size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
-
-/* ------------------------------------------------------------------ operands */
-typedef struct {
-  const OrtApi* api;
-  const char* name; /* the op's name, for messages */
-} Kernel;
-
-typedef struct {
-  int64_t dims[8];
-  size_t rank;
-  int64_t count; /* elements */
-  void* data;
-} Tensor;
-
-static OrtStatus* input_typed(const Kernel* k, OrtKernelContext* ctx, size_t i, Tensor* t,
-                              int type) {
-  const OrtApi* api = k->api;
-  const OrtValue* v = NULL;
-  int elem = 0;
-  OrtStatus* st = API_FN(api, I_KernelContext_GetInput, GetInputFn)(ctx, i, &v);
-  if (st) return st;
-  if (v == NULL) return ort_invalid(api, "ortrain.cpu.%s: input %zu is missing", k->name, i);
-  if ((st = ort_shape_of(api, v, t->dims, &t->rank, &elem))) return st;
-  if (elem != type)
-    return ort_invalid(api, "ortrain.cpu.%s: input %zu must be %s, got element type %d", k->name,
-                       i, type == ELEM_INT64 ? "int64" : "float32", elem);
-  t->count = 1;
-  for (size_t d = 0; d < t->rank; ++d) t->count *= t->dims[d];
-  return API_FN(api, I_GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)v, &t->data);
-}
-
-static OrtStatus* input(const Kernel* k, OrtKernelContext* ctx, size_t i, Tensor* t) {
-  return input_typed(k, ctx, i, t, ELEM_FLOAT);
-}
-
-static OrtStatus* output(const Kernel* k, OrtKernelContext* ctx, size_t i, const int64_t* dims,
-                         size_t rank, float** data) {
-  OrtValue* v = NULL;
-  OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutput, GetOutputFn)(ctx, i, dims, rank, &v);
-  if (st) return st;
-  return API_FN(k->api, I_GetTensorMutableData, GetTensorMutableDataFn)(v, (void**)data);
-}
-
-static void shape_text(const Tensor* t, char* out, size_t size) {
-  size_t used = (size_t)snprintf(out, size, "[");
-  for (size_t d = 0; d < t->rank && used < size; ++d)
-    used += (size_t)snprintf(out + used, size - used, d ? ", %lld" : "%lld", (long long)t->dims[d]);
-  if (used < size) snprintf(out + used, size - used, "]");
-}
-
-static OrtStatus* same_shape(const Kernel* k, const Tensor* a, const char* a_name, const Tensor* b,
-                             const char* b_name) {
-  int same = a->rank == b->rank;
-  for (size_t d = 0; same && d < a->rank; ++d) same = a->dims[d] == b->dims[d];
-  if (same) return NULL;
-  char sa[128], sb[128];
-  shape_text(a, sa, sizeof sa);
-  shape_text(b, sb, sizeof sb);
-  return ort_invalid(k->api, "ortrain.cpu.%s: %s is %s but %s is %s", k->name, a_name, sa, b_name,
-                     sb);
 }
 
 /* --------------------------------------------------------------- GELU backward */
@@ -205,11 +95,11 @@ static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn b
   return NULL;
 }
 
-static OrtStatus* gelu_erf_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* ortrain_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
   return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block);
 }
 
-static OrtStatus* gelu_tanh_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
   return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block);
 }
 
@@ -220,18 +110,6 @@ typedef struct {
   float* dx;
   int64_t rows, cols, rows_per_block;
 } Rows;
-
-/* sum of a[i] * b[i] with 16 running partial sums (they vectorize; one would not) */
-static inline float dot(const float* restrict a, const float* restrict b, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.0f;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 static void softmax_block(void* work, size_t b) {
   const Rows* w = (const Rows*)work;
@@ -247,12 +125,7 @@ static void softmax_block(void* work, size_t b) {
   }
 }
 
-static int64_t rows_per_block(int64_t cols) {
-  int64_t r = cols > 0 ? ELEMS_PER_BLOCK / cols : 1;
-  return r < 1 ? 1 : r;
-}
-
-static OrtStatus* softmax_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor dy, y;
   OrtStatus* st;
@@ -315,7 +188,7 @@ static void layer_norm_block(void* work, size_t b) {
   }
 }
 
-static OrtStatus* layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor dy, x, scale, mean, inv_std;
   OrtStatus* st;
@@ -385,7 +258,7 @@ static void scatter_block(void* work, size_t b) {
   }
 }
 
-static OrtStatus* scatter_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor base, rows, updates;
   OrtStatus* st;
@@ -437,85 +310,4 @@ static OrtStatus* scatter_compute(void* kernel, OrtKernelContext* ctx) {
   free(start);
   free(order);
   return NULL;
-}
-
-/* ------------------------------------------------------------------ the op table */
-typedef struct {
-  OrtCustomOp op; /* first: ONNX Runtime hands back this address */
-  const char* name;
-  size_t inputs, outputs;
-  int int64_input; /* the index of an int64 input, or -1 */
-} GradOp;
-
-static const char* op_name(const OrtCustomOp* op) { return ((const GradOp*)op)->name; }
-static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
-static int op_input_type(const OrtCustomOp* op, size_t i) {
-  return (int)i == ((const GradOp*)op)->int64_input ? ELEM_INT64 : ELEM_FLOAT;
-}
-static int op_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
-static size_t op_inputs(const OrtCustomOp* op) { return ((const GradOp*)op)->inputs; }
-static size_t op_outputs(const OrtCustomOp* op) { return ((const GradOp*)op)->outputs; }
-static int op_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
-static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
-static void compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
-static void* create_v1(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
-  (void)op; (void)api; (void)info;
-  return NULL; /* never called: ONNX Runtime calls CreateKernelV2 for version >= 16 */
-}
-
-static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
-                         void** out) {
-  (void)info;
-  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
-  if (k == NULL) return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_FAIL, "out of memory");
-  k->api = api;
-  k->name = ((const GradOp*)op)->name;
-  *out = k;
-  return NULL;
-}
-
-static void destroy(void* kernel) { free(kernel); }
-
-#define GRAD_OP(op_name_, n_in, n_out, fn, int64_in)                                                   \
-  {                                                                                          \
-    .op =                                                                                    \
-        {                                                                                    \
-            .version = API_VERSION,                                                          \
-            .CreateKernel = create_v1,                                                       \
-            .GetName = op_name,                                                              \
-            .GetExecutionProviderType = op_provider,                                         \
-            .GetInputType = op_input_type,                                                         \
-            .GetInputTypeCount = op_inputs,                                                  \
-            .GetOutputType = op_output_type,                                                        \
-            .GetOutputTypeCount = op_outputs,                                                \
-            .KernelCompute = compute_v1,                                                     \
-            .KernelDestroy = destroy,                                                        \
-            .GetInputCharacteristic = op_required,                                           \
-            .GetOutputCharacteristic = op_required,                                          \
-            .GetInputMemoryType = op_memory_type,                                            \
-            .GetVariadicInputMinArity = op_zero,                                             \
-            .GetVariadicInputHomogeneity = op_zero,                                          \
-            .GetVariadicOutputMinArity = op_zero,                                            \
-            .GetVariadicOutputHomogeneity = op_zero,                                         \
-            .CreateKernelV2 = create,                                                        \
-            .KernelComputeV2 = fn,                                                           \
-        },                                                                                   \
-    .name = op_name_, .inputs = n_in, .outputs = n_out, .int64_input = int64_in              \
-  }
-
-static const GradOp g_ops[] = {
-    GRAD_OP("GeluGrad", 2, 1, gelu_erf_compute, -1),
-    GRAD_OP("FastGeluGrad", 2, 1, gelu_tanh_compute, -1),
-    GRAD_OP("SoftmaxGrad", 2, 1, softmax_compute, -1),
-    GRAD_OP("LayerNormGrad", 5, 3, layer_norm_compute, -1),
-    GRAD_OP("ScatterAddRows", 3, 1, scatter_compute, 1),
-};
-#define N_OPS (sizeof g_ops / sizeof g_ops[0])
-
-const OrtCustomOp* const* ortrain_grad_ops(size_t* count) {
-  static const OrtCustomOp* table[N_OPS];
-  for (size_t i = 0; i < N_OPS; ++i) table[i] = &g_ops[i].op;
-  *count = N_OPS;
-  return table;
 }

@@ -127,7 +127,6 @@ static inline OrtStatus* ort_shape_of(const OrtApi* api, const OrtValue* v, int6
 
 /* ops each source file defines; RegisterCustomOps (cpu_ops.c) adds them to their domains */
 const OrtCustomOp* ortrain_gemm_op(void);
-const OrtCustomOp* const* ortrain_grad_ops(size_t* count);
 int ortrain_have_sgemm(void);
 /* the API-17 table (for KernelContext_ParallelFor), or NULL on an older runtime */
 extern const OrtApi* ortrain_api17;

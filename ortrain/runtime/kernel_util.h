@@ -1,0 +1,148 @@
+/* Helpers shared by ortrain's fused fp32 CPU kernels (grad_kernels.c, softmax.c): a
+ * vectorizable exp, the hand-off to ONNX Runtime's intra-op threads, operand access with
+ * errors that name the op and operand, and the op-kernel state cpu_ops.c creates.
+ */
+#ifndef ORTRAIN_KERNEL_UTIL_H
+#define ORTRAIN_KERNEL_UTIL_H
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_abi.h"
+
+#define ELEMS_PER_BLOCK 16384 /* 64 KiB of each operand per block */
+
+/* ------------------------------------------------------------------------- math */
+/* exp(x) for x in [-87, 88] (0 below, exp(88) above): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
+ * p the degree-7 Taylor polynomial (relative error < 2e-7). Branch-free, so the element
+ * loops vectorize; libm's expf does not. */
+static inline float exp_approx(float x) {
+  const int underflow = x < -87.0f; /* exp < 2^-125: 0, as a masked (-inf) logit needs */
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return underflow ? 0.0f : p * scale;
+}
+
+/* ------------------------------------------------------------------- threading */
+typedef void (*BlockFn)(void* work, size_t block);
+
+/* fn(work, b) for every block b, on the session's intra-op threads when the runtime
+ * offers them (API 17), else on this thread. Blocks only write their own outputs, so
+ * re-running them serially after a failed hand-off is safe. */
+static inline void for_blocks(const OrtKernelContext* ctx, BlockFn fn, size_t n_blocks, void* work) {
+  if (ortrain_api17 != NULL && n_blocks > 1) {
+    OrtStatus* st = API_FN(ortrain_api17, I_KernelContext_ParallelFor, ParallelForFn)(
+        ctx, fn, n_blocks, 0, work);
+    if (st == NULL) return;
+    API_FN(ortrain_api17, I_ReleaseStatus, ReleaseStatusFn)(st);
+  }
+  for (size_t b = 0; b < n_blocks; ++b) fn(work, b);
+}
+
+static inline size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* ------------------------------------------------------------------ operands */
+typedef struct {
+  const OrtApi* api;
+  const char* name; /* the op's name, for messages */
+} Kernel;
+
+typedef struct {
+  int64_t dims[8];
+  size_t rank;
+  int64_t count; /* elements */
+  void* data;
+} Tensor;
+
+static inline OrtStatus* input_typed(const Kernel* k, OrtKernelContext* ctx, size_t i, Tensor* t,
+                              int type) {
+  const OrtApi* api = k->api;
+  const OrtValue* v = NULL;
+  int elem = 0;
+  OrtStatus* st = API_FN(api, I_KernelContext_GetInput, GetInputFn)(ctx, i, &v);
+  if (st) return st;
+  if (v == NULL) return ort_invalid(api, "ortrain.cpu.%s: input %zu is missing", k->name, i);
+  if ((st = ort_shape_of(api, v, t->dims, &t->rank, &elem))) return st;
+  if (elem != type)
+    return ort_invalid(api, "ortrain.cpu.%s: input %zu must be %s, got element type %d", k->name,
+                       i, type == ELEM_INT64 ? "int64" : "float32", elem);
+  t->count = 1;
+  for (size_t d = 0; d < t->rank; ++d) t->count *= t->dims[d];
+  return API_FN(api, I_GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)v, &t->data);
+}
+
+static inline OrtStatus* input(const Kernel* k, OrtKernelContext* ctx, size_t i, Tensor* t) {
+  return input_typed(k, ctx, i, t, ELEM_FLOAT);
+}
+
+static inline OrtStatus* output(const Kernel* k, OrtKernelContext* ctx, size_t i, const int64_t* dims,
+                         size_t rank, float** data) {
+  OrtValue* v = NULL;
+  OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutput, GetOutputFn)(ctx, i, dims, rank, &v);
+  if (st) return st;
+  return API_FN(k->api, I_GetTensorMutableData, GetTensorMutableDataFn)(v, (void**)data);
+}
+
+static inline void shape_text(const Tensor* t, char* out, size_t size) {
+  size_t used = (size_t)snprintf(out, size, "[");
+  for (size_t d = 0; d < t->rank && used < size; ++d)
+    used += (size_t)snprintf(out + used, size - used, d ? ", %lld" : "%lld", (long long)t->dims[d]);
+  if (used < size) snprintf(out + used, size - used, "]");
+}
+
+static inline OrtStatus* same_shape(const Kernel* k, const Tensor* a, const char* a_name, const Tensor* b,
+                             const char* b_name) {
+  int same = a->rank == b->rank;
+  for (size_t d = 0; same && d < a->rank; ++d) same = a->dims[d] == b->dims[d];
+  if (same) return NULL;
+  char sa[128], sb[128];
+  shape_text(a, sa, sizeof sa);
+  shape_text(b, sb, sizeof sb);
+  return ort_invalid(k->api, "ortrain.cpu.%s: %s is %s but %s is %s", k->name, a_name, sa, b_name,
+                     sb);
+}
+
+/* ------------------------------------------------------------------- rows */
+static inline int64_t rows_per_block(int64_t cols) {
+  int64_t r = cols > 0 ? ELEMS_PER_BLOCK / cols : 1;
+  return r < 1 ? 1 : r;
+}
+
+/* sum of a[i] * b[i] with 16 running partial sums (they vectorize; one would not) */
+static inline float dot(const float* restrict a, const float* restrict b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+/* ----------------------------------------------------------- the ops' kernels */
+/* KernelComputeV2 of each ortrain.cpu op; cpu_ops.c lists them in the domain's table */
+OrtStatus* ortrain_gelu_grad_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_softmax_compute(void* kernel, OrtKernelContext* ctx);
+
+#endif
