@@ -29,8 +29,10 @@ left out with ``optimize=False``):
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
 14. scatter_rows       embedding gradients' row scatter-adds on ortrain's CPU kernel
                        (``cpu_kernels=True``; a kernel choice too)
-15. cpu_softmax        fp32 last-axis Softmax (with the mask's Add) on ortrain's CPU
+15. cpu_softmax        masked fp32 Softmax (with the mask's Add) on ortrain's CPU
                        kernel (``cpu_kernels=True``; a kernel choice too)
+16. gelu_value         recomputed GELUs as the GELU backward kernel's second output
+                       (``cpu_kernels=True``)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.forward_cleanup import clean_forward
 from graph_passes.fusions import training_fusions
 from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.gelu_value import take_gelu_values
 from graph_passes.label_sparsity import shrink_label_rows
 from graph_passes.loss_scaling import scale_loss
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
@@ -137,6 +140,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     if build.cpu_kernels:
         passes.append(Pass("scatter_rows", lower_scatter_add_rows))
         passes.append(Pass("cpu_softmax", lower_softmax))
+        passes.append(Pass("gelu_value", take_gelu_values))
     return passes
 
 

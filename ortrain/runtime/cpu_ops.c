@@ -14,22 +14,25 @@ typedef struct {
   OrtCustomOp op; /* first: ONNX Runtime hands back this address */
   const char* name;
   size_t inputs, outputs;
-  int int64_input;     /* the index of an int64 input, or -1 */
-  size_t optional_from; /* inputs from this index on may be left out */
+  size_t required_inputs, required_outputs; /* the rest may be left out */
+  int int64_input;                          /* the index of an int64 input, or -1 */
 } KernelOp;
 
-static const char* op_name(const OrtCustomOp* op) { return ((const KernelOp*)op)->name; }
+#define KOP(op) ((const KernelOp*)(op))
+static const char* op_name(const OrtCustomOp* op) { return KOP(op)->name; }
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int op_input_type(const OrtCustomOp* op, size_t i) {
-  return (int)i == ((const KernelOp*)op)->int64_input ? ELEM_INT64 : ELEM_FLOAT;
+  return (int)i == KOP(op)->int64_input ? ELEM_INT64 : ELEM_FLOAT;
 }
 static int op_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
-static size_t op_inputs(const OrtCustomOp* op) { return ((const KernelOp*)op)->inputs; }
-static size_t op_outputs(const OrtCustomOp* op) { return ((const KernelOp*)op)->outputs; }
+static size_t op_inputs(const OrtCustomOp* op) { return KOP(op)->inputs; }
+static size_t op_outputs(const OrtCustomOp* op) { return KOP(op)->outputs; }
 static int op_input_kind(const OrtCustomOp* op, size_t i) {
-  return i >= ((const KernelOp*)op)->optional_from ? OPTIONAL : REQUIRED;
+  return i < KOP(op)->required_inputs ? REQUIRED : OPTIONAL;
 }
-static int op_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int op_output_kind(const OrtCustomOp* op, size_t i) {
+  return i < KOP(op)->required_outputs ? REQUIRED : OPTIONAL;
+}
 static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
 static void compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
@@ -44,48 +47,51 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
   if (k == NULL) return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_FAIL, "out of memory");
   k->api = api;
-  k->name = ((const KernelOp*)op)->name;
+  k->name = KOP(op)->name;
   *out = k;
   return NULL;
 }
 
 static void destroy(void* kernel) { free(kernel); }
 
-#define KERNEL_OP(op_name_, n_in, n_out, fn, int64_in, optional_from_)                                                   \
-  {                                                                                          \
-    .op =                                                                                    \
-        {                                                                                    \
-            .version = API_VERSION,                                                          \
-            .CreateKernel = create_v1,                                                       \
-            .GetName = op_name,                                                              \
-            .GetExecutionProviderType = op_provider,                                         \
-            .GetInputType = op_input_type,                                                         \
-            .GetInputTypeCount = op_inputs,                                                  \
-            .GetOutputType = op_output_type,                                                        \
-            .GetOutputTypeCount = op_outputs,                                                \
-            .KernelCompute = compute_v1,                                                     \
-            .KernelDestroy = destroy,                                                        \
-            .GetInputCharacteristic = op_input_kind,                                           \
-            .GetOutputCharacteristic = op_required,                                          \
-            .GetInputMemoryType = op_memory_type,                                            \
-            .GetVariadicInputMinArity = op_zero,                                             \
-            .GetVariadicInputHomogeneity = op_zero,                                          \
-            .GetVariadicOutputMinArity = op_zero,                                            \
-            .GetVariadicOutputHomogeneity = op_zero,                                         \
-            .CreateKernelV2 = create,                                                        \
-            .KernelComputeV2 = fn,                                                           \
-        },                                                                                   \
-    .name = op_name_, .inputs = n_in, .outputs = n_out, .int64_input = int64_in,             \
-    .optional_from = optional_from_              \
+/* name, inputs (required of them), outputs (required of them), compute, int64 input */
+#define KERNEL_OP(name_, n_in, req_in, n_out, req_out, fn, int64_in)  \
+  {                                                                  \
+    .op =                                                            \
+        {                                                            \
+            .version = API_VERSION,                                  \
+            .CreateKernel = create_v1,                               \
+            .GetName = op_name,                                      \
+            .GetExecutionProviderType = op_provider,                 \
+            .GetInputType = op_input_type,                           \
+            .GetInputTypeCount = op_inputs,                          \
+            .GetOutputType = op_output_type,                         \
+            .GetOutputTypeCount = op_outputs,                        \
+            .KernelCompute = compute_v1,                             \
+            .KernelDestroy = destroy,                                \
+            .GetInputCharacteristic = op_input_kind,                 \
+            .GetOutputCharacteristic = op_output_kind,               \
+            .GetInputMemoryType = op_memory_type,                    \
+            .GetVariadicInputMinArity = op_zero,                     \
+            .GetVariadicInputHomogeneity = op_zero,                  \
+            .GetVariadicOutputMinArity = op_zero,                    \
+            .GetVariadicOutputHomogeneity = op_zero,                 \
+            .CreateKernelV2 = create,                                \
+            .KernelComputeV2 = fn,                                   \
+        },                                                           \
+    .name = name_, .inputs = n_in, .outputs = n_out,                 \
+    .required_inputs = req_in, .required_outputs = req_out,          \
+    .int64_input = int64_in                                          \
   }
 
 static const KernelOp g_ops[] = {
-    KERNEL_OP("GeluGrad", 2, 1, ortrain_gelu_grad_compute, -1, 2),
-    KERNEL_OP("FastGeluGrad", 2, 1, ortrain_fast_gelu_grad_compute, -1, 2),
-    KERNEL_OP("SoftmaxGrad", 2, 1, ortrain_softmax_grad_compute, -1, 2),
-    KERNEL_OP("LayerNormGrad", 5, 3, ortrain_layer_norm_grad_compute, -1, 5),
-    KERNEL_OP("ScatterAddRows", 3, 1, ortrain_scatter_add_rows_compute, 1, 3),
-    KERNEL_OP("Softmax", 2, 1, ortrain_softmax_compute, -1, 1), /* bias optional */
+    /* GELU backwards: Y (the GELU itself) optional */
+    KERNEL_OP("GeluGrad", 2, 2, 2, 1, ortrain_gelu_grad_compute, -1),
+    KERNEL_OP("FastGeluGrad", 2, 2, 2, 1, ortrain_fast_gelu_grad_compute, -1),
+    KERNEL_OP("SoftmaxGrad", 2, 2, 1, 1, ortrain_softmax_grad_compute, -1),
+    KERNEL_OP("LayerNormGrad", 5, 5, 3, 3, ortrain_layer_norm_grad_compute, -1),
+    KERNEL_OP("ScatterAddRows", 3, 3, 1, 1, ortrain_scatter_add_rows_compute, 1),
+    KERNEL_OP("Softmax", 2, 1, 1, 1, ortrain_softmax_compute, -1), /* bias optional */
 };
 #define N_OPS (sizeof g_ops / sizeof g_ops[0])
 

@@ -10,9 +10,11 @@
  * (GradContext.cpu_kernels); the standard spelling stays the reference the tests hold
  * them to.
  *
- *   GeluGrad(dY, X) -> dX        dX = dY * (Phi(X) + X * phi(X))            (erf GELU)
- *   FastGeluGrad(dY, X) -> dX    dX = dY * (s + X s (1 - s) k (1 + 3a X^2)),
+ *   GeluGrad(dY, X) -> dX [, Y]      dX = dY * (Phi(X) + X * phi(X)), Y = X Phi(X)  (erf GELU)
+ *   FastGeluGrad(dY, X) -> dX [, Y]  dX = dY * (s + X s (1 - s) k (1 + 3a X^2)), Y = X s,
  *                                s = sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
+ *     (Y, optional: the GELU itself, which the backward would otherwise recompute for the
+ *     next layer's weight gradient; graph_passes/gelu_value.py asks for it)
  *   SoftmaxGrad(dY, Y) -> dX     dX = Y * (dY - sum(dY * Y)) over the last axis
  *   LayerNormGrad(dY, X, scale, mean, inv_std) -> dX, dscale, dbias   over the last axis:
  *     xhat = (X - mean) * inv_std, g = dY * scale,
@@ -30,9 +32,9 @@
 #include "kernel_util.h"
 
 /* ------------------------------------------------------------------------- math */
-/* d/dx [x Phi(x)] = Phi(x) + x phi(x); Phi from erfc's Chebyshev fit (Numerical Recipes
- * erfcc, relative error < 1.2e-7). */
-static inline float gelu_erf_slope(float x) {
+/* d/dx [x Phi(x)] = Phi(x) + x phi(x), and x Phi(x) in *value; Phi from erfc's Chebyshev
+ * fit (Numerical Recipes erfcc, relative error < 1.2e-7). */
+static inline float gelu_erf_slope(float x, float* value) {
   float z = fabsf(x) * 0.70710678118654752f;
   float t = 1.0f / (1.0f + 0.5f * z);
   float q = 0.17087277f;
@@ -48,16 +50,18 @@ static inline float gelu_erf_slope(float x) {
   float erfc_z = t * exp_approx(q - z * z);
   float cdf = x >= 0.0f ? 1.0f - 0.5f * erfc_z : 0.5f * erfc_z;
   float pdf = 0.3989422804014327f * exp_approx(-0.5f * x * x);
+  *value = x * cdf;
   return cdf + x * pdf;
 }
 
-/* d/dx gelu_tanh(x): gelu_tanh(x) = x s, s = 0.5 (1 + tanh(u)) = sigmoid(2u) */
-static inline float gelu_tanh_slope(float x) {
+/* d/dx gelu_tanh(x), and gelu_tanh(x) = x s in *value; s = 0.5 (1 + tanh(u)) = sigmoid(2u) */
+static inline float gelu_tanh_slope(float x, float* value) {
   const float k = 1.5957691216057308f; /* 2 sqrt(2/pi) */
   const float a = 0.044715f;
   float x2 = x * x;
   float e = exp_approx(-x * (k + a * k * x2));
   float s = 1.0f / (1.0f + e);
+  *value = x * s;
   /* 1 - s as e * s: no cancellation where s rounds to 1 (x > ~4) */
   return s + x * s * (e * s) * (k + 3.0f * a * k * x2);
 }
@@ -67,11 +71,13 @@ typedef struct {
   const float* dy;
   const float* x;
   float* dx;
+  float* y; /* NULL: not asked for */
   int64_t n;
 } Pointwise;
 
-/* dx = dy * slope(x) over one block; one function per slope so each loop inlines it */
-#define GELU_BLOCK(name, slope)                                               \
+/* dx = dy * slope(x) (and y = gelu(x)) over one block; one function per slope and output
+ * set, so each loop inlines it and vectorizes (an unused value is never computed) */
+#define GELU_BLOCK(name, slope, with_y)                                       \
   static void name(void* work, size_t b) {                                    \
     const Pointwise* w = (const Pointwise*)work;                              \
     int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;     \
@@ -79,28 +85,38 @@ typedef struct {
     const float* restrict dy = w->dy;                                         \
     const float* restrict x = w->x;                                           \
     float* restrict dx = w->dx;                                               \
-    for (int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * slope(x[i]);            \
+    float* restrict y = w->y;                                                 \
+    for (int64_t i = lo; i < hi; ++i) {                                       \
+      float value;                                                            \
+      dx[i] = dy[i] * slope(x[i], &value);                                    \
+      if (with_y) y[i] = value;                                               \
+    }                                                                         \
   }
-GELU_BLOCK(gelu_erf_block, gelu_erf_slope)
-GELU_BLOCK(gelu_tanh_block, gelu_tanh_slope)
+GELU_BLOCK(gelu_erf_block, gelu_erf_slope, 0)
+GELU_BLOCK(gelu_tanh_block, gelu_tanh_slope, 0)
+GELU_BLOCK(gelu_erf_y_block, gelu_erf_slope, 1)
+GELU_BLOCK(gelu_tanh_y_block, gelu_tanh_slope, 1)
 
-static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block) {
+static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block,
+                               BlockFn y_block) {
   Tensor dy, x;
-  OrtStatus* st;
-  if ((st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x))) return st;
+  size_t n_outputs = 0;
+  OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutputCount, GetOutputCountFn)(ctx, &n_outputs);
+  if (st || (st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x))) return st;
   if ((st = same_shape(k, &dy, "dY", &x, "X"))) return st;
-  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, x.count};
+  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, NULL, x.count};
   if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx))) return st;
-  for_blocks(ctx, block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  if (n_outputs > 1 && (st = output(k, ctx, 1, x.dims, x.rank, &w.y))) return st;
+  for_blocks(ctx, w.y != NULL ? y_block : block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }
 
 OrtStatus* ortrain_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
-  return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block);
+  return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block, gelu_erf_y_block);
 }
 
 OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
-  return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block);
+  return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block, gelu_tanh_y_block);
 }
 
 /* ------------------------------------------------------------ Softmax backward */

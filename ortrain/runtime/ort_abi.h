@@ -46,6 +46,7 @@ enum {
   I_KernelInfoGetAttribute_float = 85,
   I_KernelInfoGetAttribute_int64 = 86,
   I_KernelContext_GetInputCount = 88,
+  I_KernelContext_GetOutputCount = 89,
   I_KernelContext_GetInput = 90,
   I_KernelContext_GetOutput = 91,
   I_ReleaseStatus = 93,
@@ -68,6 +69,7 @@ typedef OrtStatus* (*GetTensorTypeAndShapeFn)(const OrtValue* value, OrtTensorIn
 typedef OrtStatus* (*GetAttrFloatFn)(const OrtKernelInfo* info, const char* name, float* out);
 typedef OrtStatus* (*GetAttrInt64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
 typedef OrtStatus* (*GetInputCountFn)(const OrtKernelContext* ctx, size_t* out);
+typedef OrtStatus* (*GetOutputCountFn)(const OrtKernelContext* ctx, size_t* out);
 typedef OrtStatus* (*GetInputFn)(const OrtKernelContext* ctx, size_t index, const OrtValue** out);
 typedef OrtStatus* (*GetOutputFn)(OrtKernelContext* ctx, size_t index, const int64_t* dims,
                                   size_t n, OrtValue** out);
