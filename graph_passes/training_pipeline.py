@@ -27,6 +27,8 @@ left out with ``optimize=False``):
 12. remove_unused      forward values nothing reads any more
 13. blas_gemm          fp32 products on the BLAS custom op (``blas_gemm=True``: CPU
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
+    blas_batch_matmul  attention's batched products on MKL's sgemm_batch, head
+                       transposes folded (``blas_batch=True``)
 14. scatter_rows       embedding gradients' row scatter-adds on ortrain's CPU kernel
                        (``cpu_kernels=True``; a kernel choice too)
 15. cpu_softmax        masked fp32 Softmax (with the mask's Add) on ortrain's CPU
@@ -44,6 +46,7 @@ import onnx_ir.passes.common
 
 from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
+from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.dropout_seed import seed_dropouts
@@ -80,6 +83,7 @@ class TrainingBuild:
     # loss node -> rows to keep (label_sparsity.py); empty: every row
     label_rows: dict[str, int] = dataclasses.field(default_factory=dict)
     blas_gemm: bool = False  # fp32 products -> ortrain.blas.Gemm (blas_gemm.py)
+    blas_batch: bool = False  # batched products -> ortrain.blas.BatchMatMul
     cpu_kernels: bool = False  # rules may emit fused ortrain.cpu backward kernels (CPU)
     # Produced by the passes:
     diff_loss: str = ""  # the value autodiff starts from
@@ -137,6 +141,8 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     passes.append(Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()))
     if build.blas_gemm:
         passes.append(Pass("blas_gemm", lower_gemm_to_blas))
+    if build.blas_batch:
+        passes.append(Pass("blas_batch_matmul", lower_batch_matmul))
     if build.cpu_kernels:
         passes.append(Pass("scatter_rows", lower_scatter_add_rows))
         passes.append(Pass("cpu_softmax", lower_softmax))
@@ -149,6 +155,7 @@ def eval_passes(
     optimize: bool = True,
     blas_gemm: bool = False,
     cpu_kernels: bool = False,
+    blas_batch: bool = False,
 ) -> list[Pass]:
     """Evaluation graphs: the same precision and forward passes as training, no gradients."""
     passes = [
@@ -167,6 +174,8 @@ def eval_passes(
         passes.append(Pass("lower_cross_entropy", lower_softmax_cross_entropy))
     if blas_gemm:
         passes.append(Pass("blas_gemm", lower_gemm_to_blas))
+    if blas_batch:
+        passes.append(Pass("blas_batch_matmul", lower_batch_matmul))
     if cpu_kernels:
         passes.append(Pass("cpu_softmax", lower_softmax))
     return passes

@@ -50,6 +50,7 @@ class BuildSettings:
     memory_plan: bool = True
     graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
     blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/blas_gemm.py)
+    blas_batch: bool = False  # batched products on ortrain.blas.BatchMatMul (blas_batch_matmul.py)
     cpu_kernels: bool = False  # fused ortrain.cpu kernels (backward rules, Softmax, scatters)
 
 
@@ -200,6 +201,7 @@ def build_train(
         optimize=settings.optimize,
         recompute=RecomputePolicy.CHEAP_OPS if settings.memory_plan else RecomputePolicy.NOTHING,
         blas_gemm=settings.blas_gemm,
+        blas_batch=settings.blas_batch,
         cpu_kernels=settings.cpu_kernels,
     )
     log.run(model, training_passes(build))
@@ -227,7 +229,11 @@ def build_eval(
     log = _Log("eval", settings, first)
     ex = log.export(module, batch, False, loss_fn)
     passes = eval_passes(
-        settings.mixed_precision, settings.optimize, settings.blas_gemm, settings.cpu_kernels
+        settings.mixed_precision,
+        settings.optimize,
+        settings.blas_gemm,
+        settings.cpu_kernels,
+        settings.blas_batch,
     )
     log.run(ex.model, passes)
     return _built(ex.model, ex, log)

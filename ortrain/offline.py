@@ -21,6 +21,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import torch
 
+from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.forward_cleanup import clean_forward
@@ -32,7 +33,7 @@ from graph_passes.scatter_rows import lower_scatter_add_rows
 from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.errors import OrtrainError
 from ortrain.optim.spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
-from ortrain.runtime.cpu_ops import use_blas_gemm, use_grad_kernels
+from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
 
 MANIFEST = "manifest.json"
@@ -220,6 +221,8 @@ class TrainingSession:
         gradient = ir.load(d / "gradient.onnx")
         if use_blas_gemm(cpu_gemm):
             lower_gemm_to_blas(gradient)
+            if has_sgemm_batch():
+                lower_batch_matmul(gradient)
         if use_grad_kernels(cpu_kernels):
             lower_scatter_add_rows(gradient)
             lower_softmax(gradient)

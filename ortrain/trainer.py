@@ -46,7 +46,7 @@ from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.roles import Role
 from ortrain.runtime import kernels
-from ortrain.runtime.cpu_ops import use_blas_gemm, use_grad_kernels
+from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.flat_update import flatten_update
 from ortrain.runtime.fused_update import (
     KERNEL_KINDS,
@@ -135,6 +135,7 @@ class ORTTrainer:
         # fp32 products on the BLAS custom op (graph_passes/blas_gemm.py): decided (and the
         # op built) once, before any build
         self._blas_gemm = use_blas_gemm(self.options.cpu_gemm, self.device.type)
+        self._blas_batch = self._blas_gemm and has_sgemm_batch()
         self._cpu_kernels = use_grad_kernels(self.options.cpu_kernels, self.device.type)
         # CUDA: the module lives on the device; ONNX Runtime runs on a stream of ours
         # (torch's default stream cannot be handed to it) that train_step makes current.
@@ -239,6 +240,7 @@ class ORTTrainer:
             memory_plan=self.options.memory_plan,
             graph_dir=str(self._graph_dir) if self._graph_dir is not None else None,
             blas_gemm=self._blas_gemm,
+            blas_batch=self._blas_batch,
             cpu_kernels=self._cpu_kernels,
         )
 

@@ -211,3 +211,4 @@ static const OrtCustomOp g_gemm_op = {
 
 const OrtCustomOp* ortrain_gemm_op(void) { return &g_gemm_op; }
 int ortrain_have_sgemm(void) { return g_sgemm != NULL; }
+SgemmFn ortrain_blas_sgemm(void) { return g_sgemm; }

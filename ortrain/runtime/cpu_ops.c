@@ -1,7 +1,8 @@
 /* RegisterCustomOps for ortrain's CPU custom-op library: the entry point ONNX Runtime's
  * register_custom_ops_library looks up. Two domains:
  *   ortrain.cpu   fused fp32 kernels (grad_kernels.c: backwards; softmax.c), always;
- *   ortrain.blas  the BLAS Gemm (blas_gemm.c), once ortrain_blas_set_sgemm was called.
+ *   ortrain.blas  the BLAS Gemm (blas_gemm.c) and BatchMatMul (blas_batch.c), once
+ *                 ortrain_blas_set_sgemm was called.
  */
 #include "kernel_util.h"
 
@@ -114,8 +115,8 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
   for (size_t i = 0; i < N_OPS; ++i) table[i] = &g_ops[i].op;
   OrtStatus* st = add_domain(api, options, "ortrain.cpu", table, N_OPS);
   if (!st && ortrain_have_sgemm()) {
-    const OrtCustomOp* gemm = ortrain_gemm_op();
-    st = add_domain(api, options, "ortrain.blas", &gemm, 1);
+    const OrtCustomOp* blas[2] = {ortrain_gemm_op(), ortrain_batch_matmul_op()};
+    st = add_domain(api, options, "ortrain.blas", blas, 2);
   }
   return st;
 }

@@ -41,7 +41,9 @@ import torch
 from ortrain.errors import OrtrainError
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = tuple(_HERE / n for n in ("cpu_ops.c", "grad_kernels.c", "softmax.c", "blas_gemm.c"))
+SOURCES = tuple(
+    _HERE / n for n in ("cpu_ops.c", "grad_kernels.c", "softmax.c", "blas_gemm.c", "blas_batch.c")
+)
 HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h")
 ABI_VERSION = 3  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
@@ -65,6 +67,11 @@ def _compiler() -> str:
 
 def _torch_sgemm() -> int:
     """The address of torch's exported ``sgemm_``."""
+    return _torch_blas()[0]
+
+
+def _torch_blas() -> tuple[int, int | None]:
+    """The addresses of torch's exported ``sgemm_`` and (MKL only) ``sgemm_batch_``."""
     lib_dir = Path(torch.__file__).resolve().parent / "lib"
     errors = []
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
@@ -72,12 +79,14 @@ def _torch_sgemm() -> int:
         if not path.is_file():
             continue
         try:
-            address = ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
+            lib = ctypes.CDLL(str(path))
+            address = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
         except (OSError, AttributeError) as exc:
             errors.append(f"{path}: {exc}")
             continue
         if address:
-            return address
+            batch = getattr(lib, "sgemm_batch_", None)
+            return address, ctypes.cast(batch, ctypes.c_void_p).value if batch else None
         errors.append(f"{path}: sgemm_ resolves to a null address")
     raise CpuOpsLibraryError(
         f"torch's CPU library exports no sgemm_ ({'; '.join(errors) or f'none in {lib_dir}'})"
@@ -122,13 +131,15 @@ def library_path() -> Path:
 
 @functools.cache
 def blas_library_path() -> Path:
-    """``library_path()``, with torch's sgemm handed over so that the library registers
-    ``ortrain.blas.Gemm`` too."""
-    sgemm = _torch_sgemm()
+    """``library_path()``, with torch's sgemm (and MKL's sgemm_batch) handed over so that
+    the library registers ``ortrain.blas.Gemm`` and ``BatchMatMul`` too."""
+    sgemm, batch = _torch_blas()
     path, lib = _library()
     lib.ortrain_blas_set_sgemm.argtypes = [ctypes.c_void_p]
     if lib.ortrain_blas_set_sgemm(sgemm) != 0:
         raise CpuOpsLibraryError(f"{path} refused the sgemm address {sgemm:#x}")
+    lib.ortrain_blas_set_sgemm_batch.argtypes = [ctypes.c_void_p]
+    lib.ortrain_blas_set_sgemm_batch(batch)  # None: one sgemm per matrix
     return path
 
 
@@ -202,6 +213,15 @@ def use_blas_gemm(choice: str, device_type: str = "cpu") -> bool:
         blas_library_path, choice == "blas", "cpu_gemm='blas'",
         ("the BLAS GEMM op is unavailable", "products run on ONNX Runtime's MLAS"),
     )  # fmt: skip
+
+
+def has_sgemm_batch() -> bool:
+    """Whether torch's BLAS has MKL's ``sgemm_batch`` (``ortrain.blas.BatchMatMul`` pays
+    only with it: graph_passes/blas_batch_matmul.py)."""
+    try:
+        return _torch_blas()[1] is not None
+    except CpuOpsLibraryError:
+        return False
 
 
 def use_grad_kernels(choice: str, device_type: str = "cpu") -> bool:

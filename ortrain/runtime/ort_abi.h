@@ -129,6 +129,7 @@ static inline OrtStatus* ort_shape_of(const OrtApi* api, const OrtValue* v, int6
 
 /* ops each source file defines; RegisterCustomOps (cpu_ops.c) adds them to their domains */
 const OrtCustomOp* ortrain_gemm_op(void);
+const OrtCustomOp* ortrain_batch_matmul_op(void);
 int ortrain_have_sgemm(void);
 /* the API-17 table (for KernelContext_ParallelFor), or NULL on an older runtime */
 extern const OrtApi* ortrain_api17;
