@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from graph_passes.blas_gemm import become_blas_op
 from graph_passes.emitter import MS_DOMAIN
 from graph_passes.interface import BLAS_DOMAIN
 
@@ -65,13 +66,7 @@ def lower_batch_matmul(model: ir.Model, min_flops: float | None = None) -> int:
             graph.remove(merge, safe=True)
             product.name, product.shape = name, shape
             attrs["swapY"] = 1
-        node.op_type, node.domain, node.version = "BatchMatMul", BLAS_DOMAIN, None
-        node.attributes.clear()
-        for name, value in attrs.items():
-            attr = (
-                ir.AttrInt64(name, value) if isinstance(value, int) else ir.AttrFloat32(name, value)
-            )
-            node.attributes[name] = attr
+        become_blas_op(node, "BatchMatMul", attrs)
         count += 1
     if count:
         model.opset_imports[BLAS_DOMAIN] = 1

@@ -38,7 +38,7 @@ import onnx_ir as ir
 from graph_passes.emitter import MS_DOMAIN
 from graph_passes.interface import BLAS_DOMAIN
 
-__all__ = ["BLAS_DOMAIN", "MIN_FLOPS", "lower_gemm_to_blas"]
+__all__ = ["BLAS_DOMAIN", "MIN_FLOPS", "become_blas_op", "lower_gemm_to_blas"]
 
 MIN_FLOPS = 1e8
 _STD = ("", "ai.onnx")
@@ -53,17 +53,21 @@ def lower_gemm_to_blas(model: ir.Model, min_flops: float | None = None) -> int:
         attrs = _blas_attributes(node)
         if attrs is None or _flops(node, attrs) < least:
             continue
-        node.op_type, node.domain, node.version = "Gemm", BLAS_DOMAIN, None
-        node.attributes.clear()
-        for name, value in attrs.items():
-            attr = (
-                ir.AttrInt64(name, value) if isinstance(value, int) else ir.AttrFloat32(name, value)
-            )
-            node.attributes[name] = attr
+        become_blas_op(node, "Gemm", attrs)
         count += 1
     if count:
         model.opset_imports[BLAS_DOMAIN] = 1
     return count
+
+
+def become_blas_op(node: ir.Node, op_type: str, attrs: dict[str, int | float]) -> None:
+    """Turn ``node`` into ``ortrain.blas.<op_type>`` with exactly ``attrs`` (ints as INT,
+    floats as FLOAT)."""
+    node.op_type, node.domain, node.version = op_type, BLAS_DOMAIN, None
+    node.attributes.clear()
+    for name, value in attrs.items():
+        attr = ir.AttrInt64(name, value) if isinstance(value, int) else ir.AttrFloat32(name, value)
+        node.attributes[name] = attr
 
 
 def _flops(node: ir.Node, attrs: dict[str, int | float]) -> float:
