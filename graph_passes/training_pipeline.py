@@ -31,6 +31,8 @@ left out with ``optimize=False``):
                        transposes folded (``blas_batch=True``)
 14. scatter_rows       embedding gradients' row scatter-adds on ortrain's CPU kernel
                        (``cpu_kernels=True``; a kernel choice too)
+    scatter_in_place   a tied LM head's weight gradient written into the gradient
+                       buffer, the scatter adding to it in place (``shared_outputs``)
 15. cpu_softmax        masked fp32 Softmax (with the mask's Add) on ortrain's CPU
                        kernel (``cpu_kernels=True``; a kernel choice too)
 16. gelu_value         recomputed GELUs as the GELU backward kernel's second output
@@ -64,6 +66,7 @@ from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
 from graph_passes.pow_as_mul import pow_as_mul
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
+from graph_passes.scatter_in_place import scatter_into_gradients
 from graph_passes.scatter_rows import lower_scatter_add_rows
 
 
@@ -89,6 +92,8 @@ class TrainingBuild:
     diff_loss: str = ""  # the value autodiff starts from
     gradient: GradientGraphResult | None = None
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)
+    # output -> the gradient output whose buffer it shares (scatter_in_place.py)
+    shared_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.diff_loss = self.diff_loss or self.loss
@@ -145,6 +150,13 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         passes.append(Pass("blas_batch_matmul", lower_batch_matmul))
     if build.cpu_kernels:
         passes.append(Pass("scatter_rows", lower_scatter_add_rows))
+
+        def _in_place(m: ir.Model) -> None:
+            assert build.gradient is not None
+            grads = build.gradient.grad_outputs.values()
+            build.shared_outputs = scatter_into_gradients(m, grads)
+
+        passes.append(Pass("scatter_in_place", _in_place))
         passes.append(Pass("cpu_softmax", lower_softmax))
         passes.append(Pass("gelu_value", take_gelu_values))
     return passes

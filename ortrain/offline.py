@@ -29,6 +29,7 @@ from graph_passes.interface import GradientError
 from graph_passes.optimizer import build_update_graph
 from graph_passes.optimizer.update_graph import state_key
 from graph_passes.pipeline import run_pipeline
+from graph_passes.scatter_in_place import scatter_into_gradients
 from graph_passes.scatter_rows import lower_scatter_add_rows
 from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.errors import OrtrainError
@@ -207,6 +208,7 @@ class TrainingSession:
             params = {k: torch.from_numpy(npz[k].copy()) for k in npz.files}
         names = manifest["parameters"]
         grads = {n: torch.zeros_like(params[n]) for n in names}
+        shared: dict[str, str] = {}  # output -> the gradient output sharing its buffer
         states = {
             state_key(s, n): torch.zeros_like(params[n])
             for s in manifest["optimizer"]["states"]
@@ -225,11 +227,14 @@ class TrainingSession:
                 lower_batch_matmul(gradient)
         if use_grad_kernels(cpu_kernels):
             lower_scatter_add_rows(gradient)
+            shared = scatter_into_gradients(gradient, manifest["grad_outputs"].values())
             lower_softmax(gradient)
         grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})
         grad_sess.bind_outputs({manifest["grad_outputs"][n]: grads[n] for n in names})
+        param_of = {out: n for n, out in manifest["grad_outputs"].items()}
+        grad_sess.bind_outputs({out: grads[param_of[g]] for out, g in shared.items()})
         upd = BoundSession(make_session(ir.load(d / "update.onnx"), threads=threads))
         upd.bind_inputs({**params, **states, **scalars})
         upd.bind_inputs({f"grad:{n}": grads[n] for n in names})

@@ -30,6 +30,7 @@ from ortrain.build import (
     StageRecord,
     build_eval,
     build_train,
+    graph_for,
     label_rows,
 )
 from ortrain.distributed import Reducer, join_process_group
@@ -287,6 +288,10 @@ class ORTTrainer:
         )
         session.bind_outputs({built.output_names[0]: self._loss})
         session.bind_outputs({built.grad_outputs[p]: self.grads[p] for p in grad_params})
+        param_of = {out: p for p, out in built.grad_outputs.items()}
+        session.bind_outputs(
+            {out: self.grads[param_of[grad]] for out, grad in built.shared_outputs.items()}
+        )
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
@@ -421,9 +426,10 @@ class ORTTrainer:
             return self._eval[sig]
         forward = self._forwards.get(sig)
         if forward is not None:  # this signature's graphs differ in labelled rows only
-            compiled = self._train.get((sig, label_rows(forward.sites, batch)))
-            if compiled is not None:
-                return compiled
+            built = [rows for s, rows in self._train if s == sig]
+            rows = graph_for(forward.sites, label_rows(forward.sites, batch), built)
+            if rows is not None:
+                return self._train[(sig, rows)]
         return self._build_train(sig, batch)
 
     def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 
 import numpy as np
 import onnx_ir as ir
@@ -201,7 +202,9 @@ def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
     torch.manual_seed(0)
     eager = TaggerHead()
     model = copy.deepcopy(eager)
-    batches = _tag_batches(12, labelled=[5, 9, 3, 64])  # buckets of 4 rows: 8, 12, 4, all
+    # buckets of 4 rows, built with 2 sqrt(n) headroom: 5 labels build 12 rows (5 + 5),
+    # 9 run on it, 3 build 8 (3 + 4: 12 would spare more than one bucket), 64 all rows
+    batches = _tag_batches(12, labelled=[5, 9, 3, 64])
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=1))
@@ -215,7 +218,27 @@ def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-    assert sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs) == [4, 8, 12, 64]
+    assert sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs) == [8, 12, 64]
+
+
+def test_graph_for_picks_the_smallest_graph_within_one_bucket():
+    from graph_passes.interface import LabelSite
+    from ortrain.build import graph_for, label_rows
+
+    a, b = LabelSite("a", "la", -100, 64), LabelSite("b", "lb", -100, 32)  # steps 4 and 2
+    sites = [a, b]
+    assert graph_for(sites, (("a", 8),), [(("a", 12),), (("a", 8),)]) == (("a", 8),)
+    assert graph_for(sites, (("a", 8),), [(("a", 16),), (("a", 12),)]) == (("a", 12),)
+    assert graph_for(sites, (("a", 8),), [(("a", 16),), (("a", 4),)]) is None
+    # a site left out holds all its rows: b needs 32, so only graphs with b whole fit
+    assert graph_for(sites, (("a", 8),), [(("a", 8), ("b", 30))]) is None
+    assert graph_for(sites, (("a", 8), ("b", 30)), [(("a", 12),)]) == (("a", 12),)
+    assert graph_for(sites, (("a", 8), ("b", 26)), [(("a", 12),)]) is None
+    labels = torch.full((64,), -100)
+    labels[:9] = 1
+    batch = {"la": labels, "lb": torch.full((32,), -100)}
+    assert label_rows(sites, batch) == (("a", 12), ("b", 2))
+    assert label_rows(sites, batch, headroom=True) == (("a", 16), ("b", 2))  # 9 + 6
 
 
 def test_bert_mlm_decoder_runs_on_the_masked_rows():
@@ -226,7 +249,7 @@ def test_bert_mlm_decoder_runs_on_the_masked_rows():
     trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=1))
     trainer.train_step(**batch)
     (graph,) = trainer.train_graphs
-    cap = label_rows_bucket(labelled, 128)
+    cap = label_rows_bucket(labelled + math.ceil(2 * math.sqrt(labelled)), 128)  # headroom
     assert labelled <= cap < 128
     shapes = [tuple(n.outputs[0].shape) for n in graph.graph if n.outputs[0].shape is not None]
     wide = [s for s in shapes if len(s) == 2 and s[1] == 1000 and s[0] != 1]

@@ -266,7 +266,7 @@ static void scatter_block(void* work, size_t b) {
   const int64_t n = w->width;
   for (int64_t v = lo; v < hi; ++v) {
     float* restrict dst = w->out + v * n;
-    memcpy(dst, w->base + v * n, (size_t)n * sizeof(float));
+    if (w->out != w->base) memcpy(dst, w->base + v * n, (size_t)n * sizeof(float));
     for (int64_t j = w->start[v]; j < w->start[v + 1]; ++j) {
       const float* restrict src = w->updates + w->order[j] * n;
       for (int64_t c = 0; c < n; ++c) dst[c] += src[c];
