@@ -15,8 +15,8 @@ memory report keep the graph's order.
 
 A value whose only reader is a late leaf still waits for it: the LM head's weight
 gradient, into which the embedding's rows are scattered (``backward_cleanup`` case 5),
-runs at the end of the backward, and the [tokens x vocab] logit gradient it reads lives
-until then.
+would run at the end of the backward and keep the [tokens x vocab] logit gradient alive
+until then; ``scatter_in_place.py`` gives it a leaf of its own.
 """
 
 from __future__ import annotations
