@@ -223,33 +223,26 @@ static int op_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 
 static size_t op_inputs(const OrtCustomOp* op) { (void)op; return 2; }
 static size_t op_outputs(const OrtCustomOp* op) { (void)op; return 1; }
 static int op_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
-static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
-static void compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
-static void* create_v1(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info) {
-  (void)op; (void)api; (void)info;
-  return NULL; /* never called: ONNX Runtime calls CreateKernelV2 for version >= 16 */
-}
 static void destroy(void* kernel) { free(kernel); }
 
 static const OrtCustomOp g_batch_op = {
     .version = API_VERSION,
-    .CreateKernel = create_v1,
+    .CreateKernel = ort_op_create_v1,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
     .GetInputType = op_type,
     .GetInputTypeCount = op_inputs,
     .GetOutputType = op_type,
     .GetOutputTypeCount = op_outputs,
-    .KernelCompute = compute_v1,
+    .KernelCompute = ort_op_compute_v1,
     .KernelDestroy = destroy,
     .GetInputCharacteristic = op_required,
     .GetOutputCharacteristic = op_required,
-    .GetInputMemoryType = op_memory_type,
-    .GetVariadicInputMinArity = op_zero,
-    .GetVariadicInputHomogeneity = op_zero,
-    .GetVariadicOutputMinArity = op_zero,
-    .GetVariadicOutputHomogeneity = op_zero,
+    .GetInputMemoryType = ort_op_memory_type,
+    .GetVariadicInputMinArity = ort_op_zero,
+    .GetVariadicInputHomogeneity = ort_op_zero,
+    .GetVariadicOutputMinArity = ort_op_zero,
+    .GetVariadicOutputHomogeneity = ort_op_zero,
     .CreateKernelV2 = create,
     .KernelComputeV2 = compute,
 };

@@ -182,10 +182,6 @@ static int op_input_characteristic(const OrtCustomOp* op, size_t i) {
   return i == 2 ? OPTIONAL : REQUIRED;
 }
 static int op_output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
-static int op_zero(const OrtCustomOp* op) { (void)op; return 0; }
-/* The API-1 entry point; never called: with version >= 16 ONNX Runtime calls KernelComputeV2. */
-static void kernel_compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
 
 static const OrtCustomOp g_gemm_op = {
     .version = API_VERSION,
@@ -196,15 +192,15 @@ static const OrtCustomOp g_gemm_op = {
     .GetInputTypeCount = op_input_count,
     .GetOutputType = op_type,
     .GetOutputTypeCount = op_output_count,
-    .KernelCompute = kernel_compute_v1,
+    .KernelCompute = ort_op_compute_v1,
     .KernelDestroy = kernel_destroy,
     .GetInputCharacteristic = op_input_characteristic,
     .GetOutputCharacteristic = op_output_characteristic,
-    .GetInputMemoryType = op_memory_type,
-    .GetVariadicInputMinArity = op_zero,
-    .GetVariadicInputHomogeneity = op_zero,
-    .GetVariadicOutputMinArity = op_zero,
-    .GetVariadicOutputHomogeneity = op_zero,
+    .GetInputMemoryType = ort_op_memory_type,
+    .GetVariadicInputMinArity = ort_op_zero,
+    .GetVariadicInputHomogeneity = ort_op_zero,
+    .GetVariadicOutputMinArity = ort_op_zero,
+    .GetVariadicOutputHomogeneity = ort_op_zero,
     .CreateKernelV2 = kernel_create_v2,
     .KernelComputeV2 = kernel_compute,
 };

@@ -103,6 +103,18 @@ typedef struct OrtCustomOp {
   OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* context);
 } OrtCustomOp;
 
+/* Op-table callbacks every ortrain op shares: inputs in CPU memory, no variadic inputs or
+ * outputs, and the API-1 entry points, never called (with version >= 16 ONNX Runtime calls
+ * CreateKernelV2 / KernelComputeV2). */
+static inline int ort_op_memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+static inline int ort_op_zero(const OrtCustomOp* op) { (void)op; return 0; }
+static inline void ort_op_compute_v1(void* kernel, OrtKernelContext* ctx) { (void)kernel; (void)ctx; }
+static inline void* ort_op_create_v1(const OrtCustomOp* op, const OrtApi* api,
+                                     const OrtKernelInfo* info) {
+  (void)op; (void)api; (void)info;
+  return NULL;
+}
+
 /* An ORT_INVALID_ARGUMENT status with a printf-formatted message. */
 static inline OrtStatus* ort_invalid(const OrtApi* api, const char* fmt, ...) {
   char msg[384];
