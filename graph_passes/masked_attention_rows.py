@@ -50,7 +50,7 @@ def _rewrite(graph: ir.Graph, guard: ir.Node) -> bool:
     add = softmax.inputs[0].producer()
     if not _is(add, "Add"):
         return False
-    mask = next((m for m in (_bool_mask(v) for v in add.inputs) if m is not None), None)
+    mask = next((m for m in (bool_mask(v) for v in add.inputs) if m is not None), None)
     if mask is None:
         return False
     e = Emitter(graph, guard.name or "masked_rows")
@@ -63,7 +63,7 @@ def _rewrite(graph: ir.Graph, guard: ir.Node) -> bool:
     return True
 
 
-def _bool_mask(additive: ir.Value | None) -> ir.Value | None:
+def bool_mask(additive: ir.Value | None) -> ir.Value | None:
     """``mask`` when ``additive = Where(mask, 0, lowest)`` (boolean mask, True = attend)."""
     node = additive.producer() if additive is not None else None
     if not _is(node, "Where") or len(node.inputs) != 3:

@@ -35,6 +35,8 @@ left out with ``optimize=False``):
                        buffer, the scatter adding to it in place (``shared_outputs``)
 15. cpu_softmax        masked fp32 Softmax (with the mask's Add) on ortrain's CPU
                        kernel (``cpu_kernels=True``; a kernel choice too)
+    causal_products    causal attention's products skip the zeros of their triangular
+                       operand (``cpu_kernels`` and ``blas_batch``)
 16. gelu_value         recomputed GELUs as the GELU backward kernel's second output
                        (``cpu_kernels=True``)
 """
@@ -50,6 +52,7 @@ from graph_passes.accumulate import accumulate_gradients
 from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
+from graph_passes.causal_products import mark_causal_products
 from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
@@ -158,6 +161,8 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
 
         passes.append(Pass("scatter_in_place", _in_place))
         passes.append(Pass("cpu_softmax", lower_softmax))
+        if build.blas_batch:
+            passes.append(Pass("causal_products", mark_causal_products))
         passes.append(Pass("gelu_value", take_gelu_values))
     return passes
 
@@ -190,4 +195,6 @@ def eval_passes(
         passes.append(Pass("blas_batch_matmul", lower_batch_matmul))
     if cpu_kernels:
         passes.append(Pass("cpu_softmax", lower_softmax))
+        if blas_batch:
+            passes.append(Pass("causal_products", mark_causal_products))
     return passes

@@ -195,6 +195,7 @@ static void layer_norm_block(void* work, size_t b) {
       s2 += g * ((x[i] - mu) * rs);
     }
     const float m1 = s1 * inv_n, m2 = s2 * inv_n;
+#pragma omp simd /* GCC otherwise leaves this loop scalar (the partials' stores) */
     for (int64_t c = 0; c < n; ++c) {
       float xhat = (x[c] - mu) * rs;
       dx[c] = rs * (dy[c] * scale[c] - m1 - xhat * m2);
