@@ -13,8 +13,8 @@ but computing that part alone measured no faster (their K is the head size, 64).
 Proved from the graph, not assumed: the Softmax's mask must be a constant causal one
 (``Where(C, 0, finfo.min)`` with ``C`` a constant boolean, possibly Expanded, True on
 and below the diagonal and False above it, or an additive constant with ``finfo.min``
-or ``-inf`` above the diagonal and finite values on and below it). A padding mask
-And-ed into it is not followed (a fully masked row is uniform, not triangular): such
+or ``-inf`` above the diagonal and values under half its magnitude on and below it).
+A padding mask And-ed into it is not followed (a fully masked row is uniform, not triangular): such
 graphs keep dense products. The values followed from ``P``: ``Dropout`` (output 0) and
 ``Mul`` of the same shape keep zeros, and so does the masked-rows guard
 ``Where(c, 0, P)``.
@@ -83,7 +83,8 @@ def _causal_mask(mask: ir.Value, scores: ir.Value) -> bool:
         return False
     lowest = float(ml_dtypes.finfo(t.dtype.numpy()).min)
     upper = np.triu(np.ones(values.shape[-2:], dtype=bool), 1)
-    return bool((values[..., upper] <= lowest).all() and np.isfinite(values[..., ~upper]).all())
+    kept = values[..., ~upper]  # finite and far above the masked value: each row's max
+    return bool((values[..., upper] <= lowest).all() and (np.abs(kept) < -lowest / 2).all())
 
 
 def _causal_condition(cond: ir.Value) -> bool:

@@ -129,7 +129,13 @@ def _graph(mask: str = "causal", dropout: bool = False, std_softmax: bool = Fals
     if mask == "padded":  # And-ed with a padding mask: a fully masked row is not triangular
         nodes.append(mk("And", ["cond", "pad"], ["cond2"]))
     cond = "cond2" if mask == "padded" else "cond"
-    nodes.append(mk("Where", [cond, "zero", "lowest"], ["bias"]))
+    if mask.startswith("additive"):  # a float constant added as is
+        additive = np.where(causal, np.float32(0.5), np.float32(LOWEST)).astype(np.float32)
+        if mask == "additive_diagonal_masked":
+            additive[..., 3, 3] = LOWEST
+        inits.append(onnx.numpy_helper.from_array(additive, "bias"))
+    else:
+        nodes.append(mk("Where", [cond, "zero", "lowest"], ["bias"]))
     mm = dict(domain=BLAS_DOMAIN)
     nodes.append(mk("BatchMatMul", ["q", "k"], ["scores"], transB=1, **mm))
     if std_softmax:
@@ -185,7 +191,9 @@ MARKED = {"scores": 0, "ctx": 1, "d_v": 2, "d_p": 0, "d_q": 1, "d_k": 2, "b_side
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"dropout": True}, {"std_softmax": True}], ids=["cpu", "dropout", "std"]
+    "kw",
+    [{}, {"dropout": True}, {"std_softmax": True}, {"mask": "additive"}],
+    ids=["cpu", "dropout", "std", "additive"],
 )
 def test_pass_marks_the_products_of_p_and_its_gradient(kw: dict) -> None:
     model = _graph(**kw)
@@ -194,7 +202,9 @@ def test_pass_marks_the_products_of_p_and_its_gradient(kw: dict) -> None:
     assert mark_causal_products(model) == 0  # marked once
 
 
-@pytest.mark.parametrize("mask", ["not_causal", "diagonal_masked", "padded"])
+@pytest.mark.parametrize(
+    "mask", ["not_causal", "diagonal_masked", "padded", "additive_diagonal_masked"]
+)
 def test_pass_leaves_products_under_other_masks(mask: str) -> None:
     model = _graph(mask)
     assert mark_causal_products(model) == 0
