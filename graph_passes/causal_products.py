@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from graph_passes.constant_value import constant_tensor
 from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
-from graph_passes.masked_attention_rows import bool_mask
+from graph_passes.masked_attention_rows import bool_mask, is_zero
 
 _STD = ("", "ai.onnx")
 
@@ -133,9 +133,7 @@ def _keeps_zeros(node: ir.Node, index: int) -> bool:
     if node.op_type == "Mul":  # 0 * finite; the other operand only broadcasts
         return index in (0, 1) and _same_shape(node.inputs[index], out)
     if node.op_type == "Where":  # the masked-rows guard Where(c, 0, P)
-        zero = constant_tensor(node.inputs[1])
-        is_zero = zero is not None and zero.size == 1 and float(zero.numpy().reshape(-1)[0]) == 0
-        return index == 2 and is_zero and _same_shape(node.inputs[2], out)
+        return index == 2 and is_zero(node.inputs[1]) and _same_shape(node.inputs[2], out)
     return False
 
 

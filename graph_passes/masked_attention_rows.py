@@ -41,7 +41,7 @@ def _rewrite(graph: ir.Graph, guard: ir.Node) -> bool:
         return False
     cond, zero, probs = guard.inputs
     isnan = cond.producer() if cond is not None else None
-    if not _is(isnan, "IsNaN") or isnan.inputs[0] is not probs or not _is_zero(zero):
+    if not _is(isnan, "IsNaN") or isnan.inputs[0] is not probs or not is_zero(zero):
         return False
     softmax = probs.producer() if probs is not None else None
     axis = softmax.attributes.get_int("axis", -1) if softmax is not None else None
@@ -69,7 +69,7 @@ def bool_mask(additive: ir.Value | None) -> ir.Value | None:
     if not _is(node, "Where") or len(node.inputs) != 3:
         return None
     mask, keep, drop = node.inputs
-    if mask is None or mask.dtype != ir.DataType.BOOL or not _is_zero(keep):
+    if mask is None or mask.dtype != ir.DataType.BOOL or not is_zero(keep):
         return None
     t = constant_tensor(drop)
     if t is None or t.dtype is None or not t.dtype.is_floating_point():
@@ -85,7 +85,7 @@ def _is(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in _STD
 
 
-def _is_zero(v: ir.Value | None) -> bool:
+def is_zero(v: ir.Value | None) -> bool:
     t = constant_tensor(v)
     return t is not None and t.size == 1 and float(t.numpy().reshape(-1)[0]) == 0.0
 

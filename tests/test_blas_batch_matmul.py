@@ -70,6 +70,31 @@ def _stored(b: int, h: int, rows: int, cols: int, swap: int, rng: np.random.Gene
     return rng.standard_normal(shape).astype(np.float32)
 
 
+def run_op(lib: str, a: np.ndarray, b: np.ndarray, batch_fn: str, **attrs: object) -> np.ndarray:
+    """The op's Y on A, B; ``batch_fn="sgemm_loop"``: through the one-sgemm-per-matrix
+    fallback (MKL's sgemm_batch handed back afterwards)."""
+    handle = ctypes.CDLL(lib)
+    handle.ortrain_blas_set_sgemm_batch.argtypes = [ctypes.c_void_p]
+    if batch_fn == "sgemm_loop":
+        handle.ortrain_blas_set_sgemm_batch(None)
+    try:
+        (y,) = _session(_op_model(list(a.shape), list(b.shape), **attrs), lib).run(
+            None, {"A": a, "B": b}
+        )
+    finally:
+        handle.ortrain_blas_set_sgemm_batch(cpu_ops._torch_blas()[1])
+    return y
+
+
+def expected(op_a: np.ndarray, op_b: np.ndarray, alpha: float, swap_y: int):
+    """alpha op(A) op(B) in float64 and the magnitude its float32 roundoff scales with,
+    both in Y's stored layout."""
+    want, magnitude = alpha * op_a @ op_b, abs(alpha) * np.abs(op_a) @ np.abs(op_b)
+    if swap_y:
+        want, magnitude = want.transpose(0, 2, 1, 3), magnitude.transpose(0, 2, 1, 3)
+    return want, magnitude
+
+
 CASES = list(itertools.product([0, 1], repeat=5))  # transA, transB, swapA, swapB, swapY
 
 
@@ -82,20 +107,8 @@ def test_op_matches_float64(ta: int, tb: int, sa: int, sb: int, sy: int, batch_f
     a = _stored(b, h, *((k, m) if ta else (m, k)), sa, rng)
     bb = _stored(b, h, *((n, k) if tb else (k, n)), sb, rng)
     attrs = dict(transA=ta, transB=tb, swapA=sa, swapB=sb, swapY=sy, alpha=0.5)
-    handle = ctypes.CDLL(lib)
-    handle.ortrain_blas_set_sgemm_batch.argtypes = [ctypes.c_void_p]
-    if batch_fn == "sgemm_loop":
-        handle.ortrain_blas_set_sgemm_batch(None)
-    try:
-        (y,) = _session(_op_model(list(a.shape), list(bb.shape), **attrs), lib).run(
-            None, {"A": a, "B": bb}
-        )
-    finally:
-        handle.ortrain_blas_set_sgemm_batch(cpu_ops._torch_blas()[1])
-    want = 0.5 * _logical(a, sa, ta) @ _logical(bb, sb, tb)
-    magnitude = 0.5 * np.abs(_logical(a, sa, ta)) @ np.abs(_logical(bb, sb, tb))
-    if sy:
-        want, magnitude = want.transpose(0, 2, 1, 3), magnitude.transpose(0, 2, 1, 3)
+    y = run_op(lib, a, bb, batch_fn, **attrs)
+    want, magnitude = expected(_logical(a, sa, ta), _logical(bb, sb, tb), 0.5, sy)
     assert y.shape == want.shape
     assert np.all(np.abs(y - want) <= 2 * k * EPS32 * magnitude + 1e-30)
 

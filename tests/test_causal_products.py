@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 
 import numpy as np
@@ -27,8 +26,15 @@ from graph_passes import blas_batch_matmul
 from graph_passes.causal_products import mark_causal_products
 from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain import TrainerOptions
-from ortrain.runtime import cpu_ops
-from tests.test_blas_batch_matmul import _batch_library, _logical, _op_model, _session, _stored
+from tests.test_blas_batch_matmul import (
+    _batch_library,
+    _logical,
+    _op_model,
+    _session,
+    _stored,
+    expected,
+    run_op,
+)
 from tests.test_model_families import NO_DROPOUT, Family, _trains_like_eager
 
 F32 = TensorProto.FLOAT
@@ -69,21 +75,9 @@ def test_triangular_op_multiplies_the_triangle(
     a = np.ascontiguousarray(logical.transpose(0, 2, 1, 3) if swap else logical)
     bb = _stored(b, h, *((n, s) if tb else (s, n)), swap, rng)
     attrs = dict(transA=ta, transB=tb, swapA=swap, swapB=swap, swapY=swap, alpha=0.5, triA=tri)
-    handle = ctypes.CDLL(lib)
-    handle.ortrain_blas_set_sgemm_batch.argtypes = [ctypes.c_void_p]
-    if batch_fn == "sgemm_loop":
-        handle.ortrain_blas_set_sgemm_batch(None)
-    try:
-        (y,) = _session(_op_model(list(a.shape), list(bb.shape), **attrs), lib).run(
-            None, {"A": a, "B": bb}
-        )
-    finally:
-        handle.ortrain_blas_set_sgemm_batch(cpu_ops._torch_blas()[1])
+    y = run_op(lib, a, bb, batch_fn, **attrs)
     op_a = np.nan_to_num(_logical(a, swap, ta), nan=0.0)
-    op_b = _logical(bb, swap, tb)
-    want, magnitude = 0.5 * op_a @ op_b, 0.5 * np.abs(op_a) @ np.abs(op_b)
-    if swap:
-        want, magnitude = want.transpose(0, 2, 1, 3), magnitude.transpose(0, 2, 1, 3)
+    want, magnitude = expected(op_a, _logical(bb, swap, tb), 0.5, swap)
     assert y.shape == want.shape and (s <= 64 or np.isnan(a).any())
     assert np.all(np.abs(y - want) <= 2 * s * EPS32 * magnitude + 1e-30)  # NaN fails too
 

@@ -135,8 +135,8 @@ static void dims_text(const int64_t* d, size_t rank, char* out, size_t size) {
  * of sgemm_batch (all matrices of the batch), over K in [0, r1) (triA = 1) or [r0, K)
  * (triA = 2). */
 static OrtStatus* triangular(const Kernel* k, const Batched* a, const Batched* b, const float* pa,
-                             const float* pb, float* y, int64_t m, int64_t b1, int64_t count,
-                             int64_t ys0, int64_t ys1, int ldy) {
+                             const float* pb, float* y, int64_t m, int64_t n, int64_t b1,
+                             int64_t count, int64_t ys0, int64_t ys1, int ldy) {
   const OrtApi* api = k->api;
   const int64_t blocks = (m + TRI_BLOCK - 1) / TRI_BLOCK;
   const size_t total = (size_t)(blocks * count);
@@ -155,7 +155,6 @@ static OrtStatus* triangular(const Kernel* k, const Batched* a, const Batched* b
   float* galpha = (float*)(sizes + 7 * blocks);
   float* gbeta = (float*)(sizes + 8 * blocks);
   char *gta = trans, *gtb = trans + blocks;
-  const int64_t n = b->dims[b->rank - (k->trans_b ? 2 : 1)];
   /* Column-major view, as in compute(): Y^T [n, m] = op(B)^T op(A)^T, B's pointer first. */
   for (int64_t r = 0; r < blocks; ++r) {
     const int64_t r0 = r * TRI_BLOCK, r1 = r0 + TRI_BLOCK < m ? r0 + TRI_BLOCK : m;
@@ -269,8 +268,8 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
     return ort_invalid(api, "ortrain.blas.BatchMatMul: triA=%lld needs a square op(A), got %lld x %lld",
                        (long long)k->tri_a, (long long)m, (long long)kk);
   if (k->tri_a && m > TRI_BLOCK)
-    return triangular(k, &a, &b, (const float*)pa, (const float*)pb, y, m, b1, count, ys0, ys1,
-                      ldy);
+    return triangular(k, &a, &b, (const float*)pa, (const float*)pb, y, m, n, b1, count, ys0,
+                      ys1, ldy);
   /* Row-major Y [m, n] is column-major Y^T [n, m] = op(B)^T op(A)^T: B goes first. */
   const int M = (int)n, N = (int)m, K = (int)kk, lda = (int)b.ld, ldb = (int)a.ld;
   const char ta = k->trans_b ? 'T' : 'N', tb = k->trans_a ? 'T' : 'N';
