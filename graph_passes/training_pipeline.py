@@ -39,6 +39,11 @@ left out with ``optimize=False``):
                        operand (``cpu_kernels`` and ``blas_batch``)
 16. gelu_value         recomputed GELUs as the GELU backward kernel's second output
                        (``cpu_kernels=True``)
+17. cpu_layer_norm     fp32 LayerNorms (with the residual Add before them) and GELUs
+    cpu_gelu           on ortrain's CPU kernels, which share the BLAS products' threads
+    layer_norm_grad_sum  the residual gradient's Sums taken into LayerNormGrad
+    cpu_split_concat   last-axis fp32 Splits / Concats (the QKV's) copied on those threads
+                       (``cpu_kernels=True``; kernel choices too)
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.causal_products import mark_causal_products
+from graph_passes.cpu_gelu import lower_gelu
+from graph_passes.cpu_layer_norm import lower_layer_norm
 from graph_passes.cpu_softmax import lower_softmax
+from graph_passes.cpu_split_concat import lower_split_concat
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.forward_cleanup import clean_forward
@@ -61,6 +69,7 @@ from graph_passes.fusions import training_fusions
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.gelu_value import take_gelu_values
 from graph_passes.label_sparsity import shrink_label_rows
+from graph_passes.layer_norm_grad_sum import fold_layer_norm_grad_sums
 from graph_passes.loss_scaling import scale_loss
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.masked_attention_rows import fix_masked_attention_rows
@@ -164,6 +173,10 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         if build.blas_batch:
             passes.append(Pass("causal_products", mark_causal_products))
         passes.append(Pass("gelu_value", take_gelu_values))
+        passes.append(Pass("cpu_layer_norm", lower_layer_norm))
+        passes.append(Pass("cpu_gelu", lower_gelu))
+        passes.append(Pass("layer_norm_grad_sum", fold_layer_norm_grad_sums))
+        passes.append(Pass("cpu_split_concat", lower_split_concat))
     return passes
 
 
@@ -197,4 +210,7 @@ def eval_passes(
         passes.append(Pass("cpu_softmax", lower_softmax))
         if blas_batch:
             passes.append(Pass("causal_products", mark_causal_products))
+        passes.append(Pass("cpu_layer_norm", lower_layer_norm))
+        passes.append(Pass("cpu_gelu", lower_gelu))
+        passes.append(Pass("cpu_split_concat", lower_split_concat))
     return passes

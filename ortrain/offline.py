@@ -23,7 +23,10 @@ import torch
 
 from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
+from graph_passes.cpu_gelu import lower_gelu
+from graph_passes.cpu_layer_norm import lower_layer_norm
 from graph_passes.cpu_softmax import lower_softmax
+from graph_passes.cpu_split_concat import lower_split_concat
 from graph_passes.forward_cleanup import clean_forward
 from graph_passes.interface import GradientError
 from graph_passes.optimizer import build_update_graph
@@ -196,10 +199,11 @@ class TrainingSession:
     ) -> TrainingSession:
         """``cpu_gemm`` / ``cpu_kernels`` as in ``TrainerOptions``: the artifacts keep
         standard ops; the large products move to the BLAS GEMM op, the embedding
-        gradients to ``ortrain.cpu.ScatterAddRows`` and the Softmaxes to
-        ``ortrain.cpu.Softmax`` here, in memory, where they are chosen
-        (the fused GELU / LayerNorm / Softmax backwards are emitted by the gradient rules,
-        so artifacts built offline keep those as standard ops)."""
+        gradients to ``ortrain.cpu.ScatterAddRows`` and the Softmaxes, LayerNorms, GELU
+        forwards and last-axis Splits / Concats to ``ortrain.cpu`` kernels here, in
+        memory, where they are chosen (the fused GELU / LayerNorm / Softmax backwards
+        are emitted by the gradient rules, so artifacts built offline keep those as
+        standard ops)."""
         d = Path(directory)
         if not (d / MANIFEST).is_file():
             raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
@@ -229,6 +233,9 @@ class TrainingSession:
             lower_scatter_add_rows(gradient)
             shared = scatter_into_gradients(gradient, manifest["grad_outputs"].values())
             lower_softmax(gradient)
+            lower_layer_norm(gradient)
+            lower_gelu(gradient)
+            lower_split_concat(gradient)
         grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})

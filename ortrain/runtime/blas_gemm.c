@@ -152,7 +152,13 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if (in[2] && k->beta != 0.0f) {
     const float* c = (const float*)pc;
     if (c_full) memcpy(out, c, (size_t)(m * n) * sizeof(float));
-    else if (c_row) for (int64_t i = 0; i < m; ++i) memcpy(out + i * n, c, (size_t)n * sizeof(float));
+    else if (c_row) {
+      /* on the team the product runs on (its threads are about to be busy anyway) */
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (ortrain_omp_team && m * n >= 65536)
+#endif
+      for (int64_t i = 0; i < m; ++i) memcpy(out + i * n, c, (size_t)n * sizeof(float));
+    }
     else for (int64_t i = 0; i < m * n; ++i) out[i] = c[0];
     beta = k->beta;
   }

@@ -7,8 +7,29 @@
 #include "kernel_util.h"
 
 const OrtApi* ortrain_api17 = NULL;
+int ortrain_omp_team = 0;
 
 int ortrain_cpu_ops_abi_version(void) { return 3; }
+
+#ifdef _OPENMP
+#include <omp.h>
+/* the omp_get_max_threads this library calls: Python compares it with torch's to tell
+ * whether both bind one OpenMP runtime (a second one would bring a second team) */
+void* ortrain_omp_symbol(void) { return (void*)&omp_get_max_threads; }
+#else
+void* ortrain_omp_symbol(void) { return NULL; }
+#endif
+
+/* 1: run the kernels' blocks on the OpenMP team; 0: on ONNX Runtime's threads. Returns
+ * the setting in force (0 where the library was built without OpenMP). */
+int ortrain_use_omp_team(int on) {
+#ifdef _OPENMP
+  ortrain_omp_team = on != 0;
+#else
+  (void)on;
+#endif
+  return ortrain_omp_team;
+}
 
 /* ------------------------------------------------------- the ortrain.cpu op table */
 typedef struct {
@@ -37,11 +58,14 @@ static int op_output_kind(const OrtCustomOp* op, size_t i) {
 
 static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
                          void** out) {
-  (void)info;
   Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
   if (k == NULL) return API_FN(api, I_CreateStatus, CreateStatusFn)(ORT_FAIL, "out of memory");
   k->api = api;
   k->name = KOP(op)->name;
+  k->epsilon = 1e-5f;
+  OrtStatus* st = API_FN(api, I_KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "epsilon",
+                                                                            &k->epsilon);
+  if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), k->epsilon = 1e-5f; /* absent */
   *out = k;
   return NULL;
 }
@@ -83,9 +107,16 @@ static const KernelOp g_ops[] = {
     KERNEL_OP("GeluGrad", 2, 2, 2, 1, ortrain_gelu_grad_compute, -1),
     KERNEL_OP("FastGeluGrad", 2, 2, 2, 1, ortrain_fast_gelu_grad_compute, -1),
     KERNEL_OP("SoftmaxGrad", 2, 2, 1, 1, ortrain_softmax_grad_compute, -1),
-    KERNEL_OP("LayerNormGrad", 5, 5, 3, 3, ortrain_layer_norm_grad_compute, -1),
+    KERNEL_OP("LayerNormGrad", 6, 5, 3, 3, ortrain_layer_norm_grad_compute, -1),
     KERNEL_OP("ScatterAddRows", 3, 3, 1, 1, ortrain_scatter_add_rows_compute, 1),
     KERNEL_OP("Softmax", 2, 1, 1, 1, ortrain_softmax_compute, -1), /* bias optional */
+    /* forwards (forward_kernels.c): LayerNorm's bias and skip, and all but Y, optional */
+    KERNEL_OP("LayerNorm", 4, 2, 4, 1, ortrain_layer_norm_compute, -1),
+    KERNEL_OP("Gelu", 1, 1, 1, 1, ortrain_gelu_compute, -1),
+    KERNEL_OP("FastGelu", 1, 1, 1, 1, ortrain_fast_gelu_compute, -1),
+    /* last-axis copies (layout_kernels.c): up to 8 parts, as many as the node names */
+    KERNEL_OP("SplitLast", 1, 1, 8, 1, ortrain_split_last_compute, -1),
+    KERNEL_OP("ConcatLast", 8, 2, 1, 1, ortrain_concat_last_compute, -1),
 };
 #define N_OPS (sizeof g_ops / sizeof g_ops[0])
 

@@ -42,7 +42,16 @@ from ortrain.errors import OrtrainError
 
 _HERE = Path(__file__).resolve().parent
 SOURCES = tuple(
-    _HERE / n for n in ("cpu_ops.c", "grad_kernels.c", "softmax.c", "blas_gemm.c", "blas_batch.c")
+    _HERE / n
+    for n in (
+        "cpu_ops.c",
+        "grad_kernels.c",
+        "forward_kernels.c",
+        "layout_kernels.c",
+        "softmax.c",
+        "blas_gemm.c",
+        "blas_batch.c",
+    )
 )
 HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h")
 ABI_VERSION = 3  # cpu_ops.c: ortrain_cpu_ops_abi_version
@@ -106,7 +115,8 @@ def _cpu_identity() -> bytes:
 @functools.cache
 def _library() -> tuple[Path, ctypes.CDLL]:
     cc = _compiler()
-    digest = hashlib.sha256(cc.encode() + " ".join(_native_flags()).encode() + _cpu_identity())
+    flags = _native_flags() + _openmp_flags()
+    digest = hashlib.sha256(cc.encode() + " ".join(flags).encode() + _cpu_identity())
     for f in SOURCES + HEADERS:
         digest.update(f.read_bytes())
     path = cache_dir() / f"libortrain_cpu_ops-{digest.hexdigest()[:16]}.so"
@@ -120,7 +130,35 @@ def _library() -> tuple[Path, ctypes.CDLL]:
         raise CpuOpsLibraryError(
             f"{path} has ABI {lib.ortrain_cpu_ops_abi_version()}, not {ABI_VERSION}"
         )
+    lib.ortrain_use_omp_team(int(_same_openmp(lib)))
     return path, lib
+
+
+def _torch_openmp_symbol() -> int | None:
+    """The address of the ``omp_get_max_threads`` torch's CPU library calls, or None."""
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            lib = ctypes.CDLL(str(lib_dir / name))
+            return ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _same_openmp(lib: ctypes.CDLL) -> bool:
+    """Whether the library was built with OpenMP and binds the runtime torch binds: then its
+    kernels share torch's (and so the BLAS products') thread team. A second runtime would
+    bring a second team of threads competing for the same cores, so the kernels then stay
+    on ONNX Runtime's threads."""
+    lib.ortrain_omp_symbol.restype = ctypes.c_void_p
+    ours = lib.ortrain_omp_symbol()
+    return ours is not None and ours == _torch_openmp_symbol()
+
+
+def omp_team() -> bool:
+    """Whether the built library runs its kernels on torch's OpenMP team."""
+    return bool(ctypes.c_int.in_dll(_library()[1], "ortrain_omp_team").value)
 
 
 def library_path() -> Path:
@@ -152,11 +190,19 @@ def cache_clear() -> None:
 def _native_flags() -> list[str]:
     """-march=native: the kernels' loops vectorize for this CPU's widest units (on x86,
     512-bit ones where it has them: GCC prefers 256); -fopenmp-simd: the `omp simd`
-    pragmas only (no OpenMP runtime). Without them, the build falls back to plain -O3."""
+    pragmas. Without them, the build falls back to plain -O3."""
     flags = ["-march=native", "-fopenmp-simd"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")
     return flags
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp where torch runs on GNU OpenMP (its wheel ships ``libgomp.so.1``, which the
+    library's own ``libgomp.so.1`` then resolves to once torch is loaded): the kernels
+    share torch's thread team (``_same_openmp`` checks at load time)."""
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    return ["-fopenmp"] if any(lib_dir.glob("libgomp*.so*")) else []
 
 
 def _compile(cc: str, path: Path) -> None:
@@ -164,13 +210,17 @@ def _compile(cc: str, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         base = [cc, "-O3", "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES), "-lm"]
-        native = [*base[:2], *_native_flags(), *base[2:]]
-        done = subprocess.run(native, capture_output=True)
-        if done.returncode != 0:
-            done = subprocess.run(base, capture_output=True, text=True)
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                raise CpuOpsLibraryError(f"`{' '.join(base)}` failed: {last}")
+        native, openmp = _native_flags(), _openmp_flags()
+        # the fullest build the compiler accepts: a missing OpenMP runtime or an unknown
+        # -march drops those flags, not the library
+        tries = [[*native, *openmp], native, []] if openmp else [native, []]
+        for extra in tries:
+            done = subprocess.run([*base[:2], *extra, *base[2:]], capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        else:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise CpuOpsLibraryError(f"`{' '.join(base)}` failed: {last}")
         os.replace(out, path)  # atomic: a concurrent build leaves one whole file
 
 

@@ -16,9 +16,10 @@
  *     (Y, optional: the GELU itself, which the backward would otherwise recompute for the
  *     next layer's weight gradient; graph_passes/gelu_value.py asks for it)
  *   SoftmaxGrad(dY, Y) -> dX     dX = Y * (dY - sum(dY * Y)) over the last axis
- *   LayerNormGrad(dY, X, scale, mean, inv_std) -> dX, dscale, dbias   over the last axis:
- *     xhat = (X - mean) * inv_std, g = dY * scale,
- *     dX = inv_std * (g - mean(g) - xhat * mean(g * xhat)),
+ *   LayerNormGrad(dY, X, scale, mean, inv_std [, dsum]) -> dX, dscale, dbias   over the
+ *     last axis: xhat = (X - mean) * inv_std, g = dY * scale,
+ *     dX = inv_std * (g - mean(g) - xhat * mean(g * xhat)) (+ dsum: the gradient X's other
+ *     readers sent, added in the same pass; graph_passes/layer_norm_grad_sum.py),
  *     dscale = sum over rows of dY * xhat, dbias = sum over rows of dY.
  *   ScatterAddRows(base, rows, updates) -> out   out = base; out[rows[i]] += updates[i]
  *     (base [V, ...], rows int64 [N] (or [N, 1]), updates [N, ...]; an embedding's
@@ -30,41 +31,6 @@
  * partials added in block order, so results do not depend on the thread count.
  */
 #include "kernel_util.h"
-
-/* ------------------------------------------------------------------------- math */
-/* d/dx [x Phi(x)] = Phi(x) + x phi(x), and x Phi(x) in *value; Phi from erfc's Chebyshev
- * fit (Numerical Recipes erfcc, relative error < 1.2e-7). */
-static inline float gelu_erf_slope(float x, float* value) {
-  float z = fabsf(x) * 0.70710678118654752f;
-  float t = 1.0f / (1.0f + 0.5f * z);
-  float q = 0.17087277f;
-  q = q * t - 0.82215223f;
-  q = q * t + 1.48851587f;
-  q = q * t - 1.13520398f;
-  q = q * t + 0.27886807f;
-  q = q * t - 0.18628806f;
-  q = q * t + 0.09678418f;
-  q = q * t + 0.37409196f;
-  q = q * t + 1.00002368f;
-  q = q * t - 1.26551223f;
-  float erfc_z = t * exp_approx(q - z * z);
-  float cdf = x >= 0.0f ? 1.0f - 0.5f * erfc_z : 0.5f * erfc_z;
-  float pdf = 0.3989422804014327f * exp_approx(-0.5f * x * x);
-  *value = x * cdf;
-  return cdf + x * pdf;
-}
-
-/* d/dx gelu_tanh(x), and gelu_tanh(x) = x s in *value; s = 0.5 (1 + tanh(u)) = sigmoid(2u) */
-static inline float gelu_tanh_slope(float x, float* value) {
-  const float k = 1.5957691216057308f; /* 2 sqrt(2/pi) */
-  const float a = 0.044715f;
-  float x2 = x * x;
-  float e = exp_approx(-x * (k + a * k * x2));
-  float s = 1.0f / (1.0f + e);
-  *value = x * s;
-  /* 1 - s as e * s: no cancellation where s rounds to 1 (x > ~4) */
-  return s + x * s * (e * s) * (k + 3.0f * a * k * x2);
-}
 
 /* --------------------------------------------------------------- GELU backward */
 typedef struct {
@@ -159,6 +125,7 @@ OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx) {
 /* ---------------------------------------------------------- LayerNorm backward */
 typedef struct {
   const float *dy, *x, *scale, *mean, *inv_std;
+  const float* dsum; /* NULL, or a gradient added to dX (the residual stream's) */
   float* dx;
   float* partial; /* [blocks][2][cols]: per-block sums of dY * xhat and of dY */
   int64_t rows, cols, rows_per_block;
@@ -195,12 +162,23 @@ static void layer_norm_block(void* work, size_t b) {
       s2 += g * ((x[i] - mu) * rs);
     }
     const float m1 = s1 * inv_n, m2 = s2 * inv_n;
+    if (w->dsum != NULL) {
+      const float* restrict add = w->dsum + r * n;
 #pragma omp simd /* GCC otherwise leaves this loop scalar (the partials' stores) */
-    for (int64_t c = 0; c < n; ++c) {
-      float xhat = (x[c] - mu) * rs;
-      dx[c] = rs * (dy[c] * scale[c] - m1 - xhat * m2);
-      dscale[c] += dy[c] * xhat;
-      dbias[c] += dy[c];
+      for (int64_t c = 0; c < n; ++c) {
+        float xhat = (x[c] - mu) * rs;
+        dx[c] = add[c] + rs * (dy[c] * scale[c] - m1 - xhat * m2);
+        dscale[c] += dy[c] * xhat;
+        dbias[c] += dy[c];
+      }
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) {
+        float xhat = (x[c] - mu) * rs;
+        dx[c] = rs * (dy[c] * scale[c] - m1 - xhat * m2);
+        dscale[c] += dy[c] * xhat;
+        dbias[c] += dy[c];
+      }
     }
   }
 }
@@ -225,8 +203,13 @@ OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx) 
                        "ortrain.cpu.LayerNormGrad: mean / inv_std have %lld / %lld elements, "
                        "expected one per row of X (%lld)",
                        (long long)mean.count, (long long)inv_std.count, (long long)rows);
+  Tensor dsum;
+  int has_dsum = 0;
+  if ((st = optional_input(k, ctx, 5, &dsum, &has_dsum))) return st;
+  if (has_dsum && (st = same_shape(k, &dsum, "dsum", &x, "X"))) return st;
   LayerNorm w = {(const float*)dy.data, (const float*)x.data, (const float*)scale.data,
-                 (const float*)mean.data, (const float*)inv_std.data, NULL, NULL, rows, cols,
+                 (const float*)mean.data, (const float*)inv_std.data,
+                 has_dsum ? (const float*)dsum.data : NULL, NULL, NULL, rows, cols,
                  rows_per_block(cols)};
   float *dscale = NULL, *dbias = NULL;
   const int64_t vec[1] = {cols};

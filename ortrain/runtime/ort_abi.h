@@ -145,5 +145,7 @@ const OrtCustomOp* ortrain_batch_matmul_op(void);
 int ortrain_have_sgemm(void);
 /* the API-17 table (for KernelContext_ParallelFor), or NULL on an older runtime */
 extern const OrtApi* ortrain_api17;
+/* nonzero: the kernels' blocks run on the OpenMP team (kernel_util.h: for_blocks) */
+extern int ortrain_omp_team;
 
 #endif

@@ -1,0 +1,152 @@
+/* ortrain.cpu::LayerNorm / Gelu / FastGelu: the forward kernels between a transformer's
+ * products, fp32, for ONNX Runtime's CPU execution provider.
+ *
+ * Why: the products run on torch's OpenMP team (ortrain.blas), whose workers spin a while
+ * after each one; ONNX Runtime's own LayerNormalization and Gelu run on its intra-op
+ * threads, which then share the cores with the spinning workers (in GPT-2 small's
+ * gradient graph: 0.25-0.3 ms per LayerNorm that takes 0.14 ms alone). These run on the
+ * same team (kernel_util.h: for_blocks), and LayerNorm takes in the residual Add before
+ * it: the sum is written once and normalized while its row is in cache
+ * (graph_passes/cpu_layer_norm.py, graph_passes/cpu_gelu.py move the nodes here).
+ *
+ *   LayerNorm(X, scale [, bias] [, skip]) -> Y [, mean, inv_std] [, sum]   over the last axis:
+ *     S = X + skip (or X), mean = avg(S), inv_std = 1 / sqrt(avg((S - mean)^2) + epsilon),
+ *     Y = (S - mean) * inv_std * scale + bias; mean and inv_std have S's shape with a last
+ *     axis of 1 (ONNX LayerNormalization's, axis = -1); sum is S (asked for with skip).
+ *     epsilon: attribute (default 1e-5).
+ *   Gelu(X) -> Y       Y = X Phi(X)                                  (erf GELU)
+ *   FastGelu(X) -> Y   Y = X sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
+ *
+ * The variance is taken about the mean (two passes over a row held in cache), not as
+ * E[S^2] - mean^2, which cancels where |mean| >> std.
+ */
+#include "kernel_util.h"
+
+/* ------------------------------------------------------------------- LayerNorm */
+typedef struct {
+  const float *x, *skip, *scale, *bias; /* skip, bias: NULL where not given */
+  float *y, *mean, *inv_std, *sum;      /* mean, inv_std, sum: NULL where not asked for */
+  float epsilon;
+  int64_t rows, cols, rows_per_block;
+} Norm;
+
+static void norm_block(void* work, size_t b) {
+  const Norm* w = (const Norm*)work;
+  int64_t lo = (int64_t)b * w->rows_per_block, hi = lo + w->rows_per_block;
+  if (hi > w->rows) hi = w->rows;
+  const int64_t n = w->cols;
+  const float inv_n = 1.0f / (float)n;
+  const float* restrict scale = w->scale;
+  const float* restrict bias = w->bias;
+  for (int64_t r = lo; r < hi; ++r) {
+    const float* restrict x = w->x + r * n;
+    float* restrict y = w->y + r * n;
+    const float* s = x;
+    if (w->skip != NULL) { /* S into the sum output, or into Y, which is overwritten below */
+      const float* restrict skip = w->skip + r * n;
+      float* restrict out = w->sum != NULL ? w->sum + r * n : y;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) out[c] = x[c] + skip[c];
+      s = out;
+    }
+    float acc[16] = {0};
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += s[c + j];
+    float total = 0.0f;
+    for (int j = 0; j < 16; ++j) total += acc[j];
+    for (; c < n; ++c) total += s[c];
+    const float mu = total * inv_n;
+    float sq[16] = {0};
+    for (c = 0; c + 16 <= n; c += 16)
+      for (int j = 0; j < 16; ++j) {
+        float d = s[c + j] - mu;
+        sq[j] += d * d;
+      }
+    float var = 0.0f;
+    for (int j = 0; j < 16; ++j) var += sq[j];
+    for (; c < n; ++c) var += (s[c] - mu) * (s[c] - mu);
+    const float rs = 1.0f / sqrtf(var * inv_n + w->epsilon);
+    if (bias != NULL) {
+#pragma omp simd
+      for (c = 0; c < n; ++c) y[c] = (s[c] - mu) * rs * scale[c] + bias[c];
+    } else {
+#pragma omp simd
+      for (c = 0; c < n; ++c) y[c] = (s[c] - mu) * rs * scale[c];
+    }
+    if (w->mean != NULL) w->mean[r] = mu;
+    if (w->inv_std != NULL) w->inv_std[r] = rs;
+  }
+}
+
+OrtStatus* ortrain_layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor x, scale, bias, skip;
+  int has_bias = 0, has_skip = 0;
+  size_t n_outputs = 0;
+  OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutputCount, GetOutputCountFn)(ctx, &n_outputs);
+  if (st || (st = input(k, ctx, 0, &x)) || (st = input(k, ctx, 1, &scale)) ||
+      (st = optional_input(k, ctx, 2, &bias, &has_bias)) ||
+      (st = optional_input(k, ctx, 3, &skip, &has_skip)))
+    return st;
+  if (x.rank < 1) return ort_invalid(k->api, "ortrain.cpu.LayerNorm: X is a scalar");
+  const int64_t cols = x.dims[x.rank - 1], rows = cols ? x.count / cols : 0;
+  if (scale.count != cols || (has_bias && bias.count != cols))
+    return ort_invalid(k->api,
+                       "ortrain.cpu.LayerNorm: scale / bias have %lld / %lld elements, X's last "
+                       "axis %lld",
+                       (long long)scale.count, (long long)(has_bias ? bias.count : cols),
+                       (long long)cols);
+  if (has_skip && (st = same_shape(k, &x, "X", &skip, "skip"))) return st;
+  if (n_outputs > 3 && !has_skip)
+    return ort_invalid(k->api, "ortrain.cpu.LayerNorm: the sum output needs a skip input");
+  Norm w = {(const float*)x.data, has_skip ? (const float*)skip.data : NULL,
+            (const float*)scale.data, has_bias ? (const float*)bias.data : NULL,
+            NULL, NULL, NULL, NULL, k->epsilon, rows, cols, rows_per_block(cols)};
+  int64_t stat[8];
+  for (size_t d = 0; d < x.rank; ++d) stat[d] = x.dims[d];
+  stat[x.rank - 1] = 1;
+  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.y))) return st;
+  if (n_outputs > 1 && (st = optional_output(k, ctx, 1, stat, x.rank, &w.mean))) return st;
+  if (n_outputs > 2 && (st = optional_output(k, ctx, 2, stat, x.rank, &w.inv_std))) return st;
+  if (n_outputs > 3 && (st = optional_output(k, ctx, 3, x.dims, x.rank, &w.sum))) return st;
+  for_blocks(ctx, norm_block, div_up((size_t)rows, (size_t)w.rows_per_block), &w);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ GELU */
+typedef struct {
+  const float* x;
+  float* y;
+  int64_t n;
+} Map;
+
+#define GELU_FORWARD(name, value)                                         \
+  static void name(void* work, size_t b) {                                \
+    const Map* w = (const Map*)work;                                      \
+    int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK; \
+    if (hi > w->n) hi = w->n;                                             \
+    const float* restrict x = w->x;                                       \
+    float* restrict y = w->y;                                             \
+    for (int64_t i = lo; i < hi; ++i) y[i] = value(x[i]);                 \
+  }
+GELU_FORWARD(gelu_block, gelu_erf_value)
+GELU_FORWARD(fast_gelu_block, gelu_tanh_value)
+
+static OrtStatus* map_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block) {
+  Tensor x;
+  OrtStatus* st = input(k, ctx, 0, &x);
+  if (st) return st;
+  Map w = {(const float*)x.data, NULL, x.count};
+  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.y))) return st;
+  for_blocks(ctx, block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  return NULL;
+}
+
+OrtStatus* ortrain_gelu_compute(void* kernel, OrtKernelContext* ctx) {
+  return map_compute((const Kernel*)kernel, ctx, gelu_block);
+}
+
+OrtStatus* ortrain_fast_gelu_compute(void* kernel, OrtKernelContext* ctx) {
+  return map_compute((const Kernel*)kernel, ctx, fast_gelu_block);
+}
