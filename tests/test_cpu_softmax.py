@@ -18,7 +18,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.cpu_softmax import lower_softmax
+from graph_passes.cpu_softmax import LONG_ROW, lower_softmax
 from graph_passes.interface import CPU_DOMAIN
 from ortrain import ORTTrainer, TrainerOptions
 from tests.test_grad_kernels import EPS32, _f32, _library, _run
@@ -158,7 +158,7 @@ def test_pass_leaves_dense_other_axis_and_half_softmaxes() -> None:
     mk = helper.make_node
     nodes = [
         mk("MatMul", ["a", "b"], ["logits"]),
-        mk("Softmax", ["logits"], ["dense"]),  # a loss head's logits: ORT's is faster
+        mk("Softmax", ["logits"], ["dense"]),  # dense short rows: ORT's is faster
         mk("Add", ["a", "bias"], ["z"]),
         mk("Softmax", ["z"], ["axis0"], axis=0),
         mk("Cast", ["a"], ["h"], to=F16),
@@ -194,6 +194,19 @@ def test_pass_leaves_dense_other_axis_and_half_softmaxes() -> None:
         "col": _f32(rng, (3, 1)),
     }
     _same_outputs(proto, model, feeds)
+
+
+def test_pass_moves_a_vocabulary_softmax() -> None:
+    """Dense rows of >= LONG_ROW (a loss head's vocabulary) move; shorter ones stay."""
+    mk = helper.make_node
+    nodes = [mk("Softmax", ["x"], ["p"]), mk("Softmax", ["y"], ["q"])]
+    inputs = {"x": (F32, [3, LONG_ROW]), "y": (F32, [3, LONG_ROW - 1])}
+    proto, model = _graph(nodes, inputs, ["p", "q"])
+    assert lower_softmax(model) == 1
+    by_out = {n.outputs[0].name: (n.domain, n.op_type) for n in model.graph}
+    assert by_out == {"p": (CPU_DOMAIN, "Softmax"), "q": ("", "Softmax")}
+    rng = np.random.default_rng(6)
+    _same_outputs(proto, model, {n: _f32(rng, tuple(s), 4.0) for n, (_, s) in inputs.items()})
 
 
 def test_pass_on_opset_11_last_axis_only() -> None:
