@@ -209,6 +209,34 @@ def test_pass_moves_a_vocabulary_softmax() -> None:
     _same_outputs(proto, model, {n: _f32(rng, tuple(s), 4.0) for n, (_, s) in inputs.items()})
 
 
+def test_softmax_in_its_inputs_buffer() -> None:
+    """The kernel offers Y in X's buffer (GetMayInplace): ONNX Runtime takes it when X dies
+    there (a Relu's output here), and the result is the same as from a fresh buffer (the
+    kernel against float64: the tests above)."""
+    mk = helper.make_node
+    nodes = [
+        mk("Relu", ["x"], ["r"]),
+        mk("Softmax", ["r", "bias"], ["p"], domain=CPU_DOMAIN),
+        mk("Relu", ["y"], ["ry"]),
+        mk("Softmax", ["ry"], ["q"], domain=CPU_DOMAIN),
+    ]
+    vis = [helper.make_tensor_value_info(n, F32, [6, 4100]) for n in ("x", "bias", "y")]
+    outs = [helper.make_tensor_value_info(n, F32, None) for n in ("p", "q")]
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(CPU_DOMAIN, 1)]
+    proto = helper.make_model(helper.make_graph(nodes, "g", vis, outs), opset_imports=opsets)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_library())
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(8)
+    feeds = {n: _f32(rng, (6, 4100), 4.0) for n in ("x", "bias", "y")}
+    p, q = sess.run(None, feeds)
+    # bit for bit what the kernel gives in a buffer of its own
+    (alone_p,) = _run("Softmax", {"X": np.maximum(feeds["x"], 0), "bias": feeds["bias"]})
+    (alone_q,) = _run("Softmax", {"X": np.maximum(feeds["y"], 0)})
+    np.testing.assert_array_equal(p, alone_p)
+    np.testing.assert_array_equal(q, alone_q)
+
+
 def test_pass_on_opset_11_last_axis_only() -> None:
     mk = helper.make_node
     nodes = [

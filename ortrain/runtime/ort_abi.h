@@ -28,6 +28,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { API_VERSION = 16 };           /* CreateKernelV2 / KernelComputeV2 */
+enum { INPLACE_API_VERSION = 18 };   /* GetMayInplace: ops that offer their output in place */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
 enum { ELEM_FLOAT = 1, ELEM_INT64 = 7 }; /* ONNX_TENSOR_ELEMENT_DATA_TYPE_* */
 enum { REQUIRED = 0, OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic */
@@ -101,6 +102,14 @@ typedef struct OrtCustomOp {
   OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp* op, const OrtApi* api,
                                const OrtKernelInfo* info, void** kernel);
   OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* context);
+  /* version >= 17 / 18 (NULL: not offered; ONNX Runtime checks) */
+  OrtStatus* (*InferOutputShapeFn)(const struct OrtCustomOp* op, void* context);
+  int (*GetStartVersion)(const struct OrtCustomOp* op);
+  int (*GetEndVersion)(const struct OrtCustomOp* op);
+  size_t (*GetMayInplace)(int** input_index, int** output_index);
+  void (*ReleaseMayInplace)(int* input_index, int* output_index);
+  size_t (*GetAliasMap)(int** input_index, int** output_index);
+  void (*ReleaseAliasMap)(int* input_index, int* output_index);
 } OrtCustomOp;
 
 /* Op-table callbacks every ortrain op shares: inputs in CPU memory, no variadic inputs or

@@ -9,6 +9,8 @@
  *
  * bias broadcasts to X by numpy rules, except on the last axis (it has X's length there).
  * A row whose values are all -inf (or hold a NaN, or +inf) gives NaN, as ONNX's Softmax.
+ * Y may be X's buffer (cpu_ops.c offers it, as ONNX Runtime's Softmax does): each row reads
+ * an element before it writes it.
  */
 #include "kernel_util.h"
 
