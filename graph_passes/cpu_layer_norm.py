@@ -56,9 +56,9 @@ def lower_layer_norm(model: ir.Model) -> int:
             metadata_props=dict(node.metadata_props),
         )
         for old, new in zip(node.outputs, fused.outputs, strict=False):
-            _move_uses(old, new, graph)
+            _move_uses(old, new)
         if add is not None:
-            _move_uses(add.outputs[0], fused.outputs[3], graph)
+            _move_uses(add.outputs[0], fused.outputs[3])
             graph.insert_before(add, fused)
             graph.remove(add, safe=True)
         else:
@@ -108,7 +108,7 @@ def _residual_add(
     return add
 
 
-def _move_uses(old: ir.Value, new: ir.Value, graph: ir.Graph) -> None:
+def _move_uses(old: ir.Value, new: ir.Value) -> None:
     """``new`` takes ``old``'s readers, graph-output slots, name, type and shape."""
     new.type, new.shape = old.type, old.shape
     old.replace_all_uses_with(new, replace_graph_outputs=True)

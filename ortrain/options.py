@@ -26,7 +26,9 @@ class TrainerOptions:
         so N micro-batches of size b train like one batch of size N*b.
     max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off.
     seed: seeds dropout masks in the graph (two runs with one seed are identical).
-    intra_op_threads: ONNX Runtime threads per session (None: ORT's default).
+    intra_op_threads: ONNX Runtime threads per session (None: ORT's default). On CPU the
+        BLAS products and ortrain's kernels run on torch's OpenMP threads instead
+        (``torch.set_num_threads``), as eager torch's would.
     save_graphs_dir: write the ONNX graph after each build stage there (for Netron).
     check_finite: raise NonFiniteLossError (without applying the update) on NaN/Inf loss.
     zero_stage: with torch.distributed initialised (torchrun): 0 = data parallel (every
