@@ -43,6 +43,7 @@ left out with ``optimize=False``):
     cpu_gelu           on ortrain's CPU kernels, which share the BLAS products' threads
     layer_norm_grad_sum  the residual gradient's Sums taken into LayerNormGrad
     cpu_split_concat   last-axis fp32 Splits / Concats (the QKV's) copied on those threads
+    cpu_elementwise    large fp32 Mul / Add / Sub / Sum on those threads
                        (``cpu_kernels=True``; kernel choices too)
 """
 
@@ -58,6 +59,7 @@ from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.causal_products import mark_causal_products
+from graph_passes.cpu_elementwise import lower_elementwise
 from graph_passes.cpu_gelu import lower_gelu
 from graph_passes.cpu_layer_norm import lower_layer_norm
 from graph_passes.cpu_softmax import lower_softmax
@@ -177,6 +179,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         passes.append(Pass("cpu_gelu", lower_gelu))
         passes.append(Pass("layer_norm_grad_sum", fold_layer_norm_grad_sums))
         passes.append(Pass("cpu_split_concat", lower_split_concat))
+        passes.append(Pass("cpu_elementwise", lower_elementwise))
     return passes
 
 
@@ -213,4 +216,5 @@ def eval_passes(
         passes.append(Pass("cpu_layer_norm", lower_layer_norm))
         passes.append(Pass("cpu_gelu", lower_gelu))
         passes.append(Pass("cpu_split_concat", lower_split_concat))
+        passes.append(Pass("cpu_elementwise", lower_elementwise))
     return passes

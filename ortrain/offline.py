@@ -23,6 +23,7 @@ import torch
 
 from graph_passes.blas_batch_matmul import lower_batch_matmul
 from graph_passes.blas_gemm import lower_gemm_to_blas
+from graph_passes.cpu_elementwise import lower_elementwise
 from graph_passes.cpu_gelu import lower_gelu
 from graph_passes.cpu_layer_norm import lower_layer_norm
 from graph_passes.cpu_softmax import lower_softmax
@@ -200,10 +201,10 @@ class TrainingSession:
         """``cpu_gemm`` / ``cpu_kernels`` as in ``TrainerOptions``: the artifacts keep
         standard ops; the large products move to the BLAS GEMM op, the embedding
         gradients to ``ortrain.cpu.ScatterAddRows`` and the Softmaxes, LayerNorms, GELU
-        forwards and last-axis Splits / Concats to ``ortrain.cpu`` kernels here, in
-        memory, where they are chosen (the fused GELU / LayerNorm / Softmax backwards
-        are emitted by the gradient rules, so artifacts built offline keep those as
-        standard ops)."""
+        forwards, last-axis Splits / Concats and large arithmetic to ``ortrain.cpu``
+        kernels here, in memory, where they are chosen (the fused GELU / LayerNorm /
+        Softmax backwards are emitted by the gradient rules, so artifacts built offline
+        keep those as standard ops)."""
         d = Path(directory)
         if not (d / MANIFEST).is_file():
             raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
@@ -236,6 +237,7 @@ class TrainingSession:
             lower_layer_norm(gradient)
             lower_gelu(gradient)
             lower_split_concat(gradient)
+            lower_elementwise(gradient)
         grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})

@@ -169,6 +169,11 @@ static const KernelOp g_ops[] = {
     /* last-axis copies (layout_kernels.c): up to 8 parts, as many as the node names */
     KERNEL_OP("SplitLast", 1, 1, 8, 1, ortrain_split_last_compute, -1),
     KERNEL_OP("ConcatLast", 8, 2, 1, 1, ortrain_concat_last_compute, -1),
+    /* element-wise arithmetic (elementwise_kernels.c): Sum takes 2 to 8 inputs */
+    KERNEL_OP("Mul", 2, 2, 1, 1, ortrain_mul_compute, -1),
+    KERNEL_OP("Add", 2, 2, 1, 1, ortrain_add_compute, -1),
+    KERNEL_OP("Sub", 2, 2, 1, 1, ortrain_sub_compute, -1),
+    KERNEL_OP("Sum", 8, 2, 1, 1, ortrain_sum_compute, -1),
 };
 #define N_OPS (sizeof g_ops / sizeof g_ops[0])
 

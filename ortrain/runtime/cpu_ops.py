@@ -48,6 +48,7 @@ SOURCES = tuple(
         "grad_kernels.c",
         "forward_kernels.c",
         "layout_kernels.c",
+        "elementwise_kernels.c",
         "softmax.c",
         "blas_gemm.c",
         "blas_batch.c",

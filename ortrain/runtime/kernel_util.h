@@ -236,5 +236,9 @@ OrtStatus* ortrain_gelu_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_fast_gelu_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_split_last_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_concat_last_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_mul_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_add_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_sub_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_sum_compute(void* kernel, OrtKernelContext* ctx);
 
 #endif
