@@ -10,8 +10,6 @@ and the ``cpu_elementwise`` pass.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -21,9 +19,8 @@ from onnx import TensorProto, helper
 
 from graph_passes.cpu_elementwise import MIN_ELEMENTS, lower_elementwise
 from graph_passes.interface import CPU_DOMAIN
-from ortrain import ORTTrainer, TrainerOptions
 from tests.conftest import lm_batches
-from tests.test_forward_kernels import _run, _same_outputs
+from tests.test_forward_kernels import _run, _same_outputs, train_against_eager
 from tests.test_grad_kernels import _f32, _library
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -129,19 +126,8 @@ def test_llama_trains_like_eager_on_the_kernels(monkeypatch: pytest.MonkeyPatch)
         attn_implementation="eager",
     )  # fmt: skip
     model = LlamaForCausalLM(cfg)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref))
-    trainer = ORTTrainer(model, opt, TrainerOptions(cpu_kernels="ortrain"))
-    for batch in lm_batches(3, batch=8, seq=32, vocab=128):
-        loss = trainer.train_step(**batch)
-        ref_opt.zero_grad()
-        want = ref(**batch).loss
-        want.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, want.detach(), rtol=2e-5, atol=2e-5)
-    trainer.sync_to_module()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5, msg=name)
+    batches = lm_batches(3, batch=8, seq=32, vocab=128)
+    trainer = train_against_eager(model, batches, torch.optim.SGD, lr=0.5, momentum=0.9)
     ops = [(n.domain, n.op_type) for n in trainer.train_graphs[0].graph]
     moved = sum(d == CPU_DOMAIN and t in ("Mul", "Add", "Sub", "Sum") for d, t in ops)
     assert moved >= 20, f"only {moved} of the Llama's element-wise ops moved"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import math
 
 import numpy as np
 import onnx
@@ -23,7 +22,6 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
-from scipy.special import erf
 
 from graph_passes.cpu_gelu import lower_gelu
 from graph_passes.cpu_layer_norm import lower_layer_norm
@@ -32,6 +30,7 @@ from graph_passes.layer_norm_grad_sum import fold_layer_norm_grad_sums
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.runtime import cpu_ops
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
+from tests.test_gelu_value import _gelu64
 from tests.test_grad_kernels import EPS32, _f32, _library
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -134,14 +133,6 @@ def test_layer_norm_errors_name_the_op_and_shapes() -> None:
 
 
 # ------------------------------------------------------------------------------ GELU
-def _gelu64(x: np.ndarray, tanh: bool) -> np.ndarray:
-    x = x.astype(np.float64)
-    if tanh:
-        k = math.sqrt(2 / math.pi)
-        return 0.5 * x * (1 + np.tanh(k * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1 + erf(x / math.sqrt(2)))
-
-
 @pytest.mark.parametrize("op", ["Gelu", "FastGelu"])
 @pytest.mark.parametrize("shape", [(7,), (3, 33), (5, 4099), (8, 128, 96)], ids=str)
 def test_gelu_matches_float64(shape: tuple[int, ...], op: str) -> None:
@@ -353,7 +344,9 @@ def _counts(model: ir.Model) -> dict[str, int]:
     return out
 
 
-def _train_against_eager(model, batches, opt_cls, **kw) -> ORTTrainer:
+def train_against_eager(model, batches, opt_cls, **kw) -> ORTTrainer:
+    """Train ``model`` with ortrain's CPU kernels and a deep copy in eager side by side:
+    losses each step and parameters at the end, element-wise."""
     ref = copy.deepcopy(model)
     options = TrainerOptions(cpu_kernels="ortrain")
     trainer = ORTTrainer(model, opt_cls(model.parameters(), **kw), options)
@@ -377,7 +370,7 @@ def test_gpt2_trains_on_the_forward_kernels() -> None:
     # SGD: a parameter's error stays the size of its gradients' (Adam's 1 / sqrt(v) would
     # blow up a gradient that is ~0 in one and 1e-9 in the other)
     batches = lm_batches(3, vocab=128)
-    trainer = _train_against_eager(model, batches, torch.optim.SGD, lr=0.5, momentum=0.9)
+    trainer = train_against_eager(model, batches, torch.optim.SGD, lr=0.5, momentum=0.9)
     c = _counts(trainer.train_graphs[0])
     # 3 layers x 2 LayerNorms + the final one, each once forward and once recomputed
     assert c.get(f"{CPU_DOMAIN}::LayerNorm") == 14 and "LayerNormalization" not in c
@@ -393,7 +386,7 @@ def test_bert_trains_on_the_forward_kernels() -> None:
     _library()
     model = bert_mlm(hidden=64, layers=2, vocab=128)
     batches = bert_batches(3, vocab=128)
-    trainer = _train_against_eager(model, batches, torch.optim.SGD, lr=0.5, momentum=0.9)
+    trainer = train_against_eager(model, batches, torch.optim.SGD, lr=0.5, momentum=0.9)
     c = _counts(trainer.train_graphs[0])
     assert "LayerNormalization" not in c and "Gelu" not in c
     # erf GELUs: two layers' and the MLM head's, plus the head's copy recomputed for its

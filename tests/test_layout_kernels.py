@@ -19,9 +19,8 @@ from onnx import TensorProto, helper
 
 from graph_passes.cpu_split_concat import lower_split_concat
 from graph_passes.interface import CPU_DOMAIN
-from ortrain import ORTTrainer, TrainerOptions
 from tests.conftest import gpt2, lm_batches
-from tests.test_forward_kernels import _run, _same_outputs
+from tests.test_forward_kernels import _run, _same_outputs, train_against_eager
 from tests.test_grad_kernels import _f32, _library
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -94,23 +93,10 @@ def test_pass_moves_last_axis_copies() -> None:
 
 
 def test_gpt2_qkv_copies_move_and_train_like_eager() -> None:
-    import copy
-
     _library()
     model = gpt2(layers=2, hidden=64, vocab=128)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref))
-    trainer = ORTTrainer(model, opt, TrainerOptions(cpu_kernels="ortrain"))
-    for batch in lm_batches(3, vocab=128):
-        loss = trainer.train_step(**batch)
-        ref_opt.zero_grad()
-        want = ref(**batch).loss
-        want.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, want.detach(), rtol=2e-5, atol=2e-5)
-    trainer.sync_to_module()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5, msg=name)
+    batches = lm_batches(3, vocab=128)
+    trainer = train_against_eager(model, batches, torch.optim.SGD, lr=0.5, momentum=0.9)
     graph = trainer.train_graphs[0].graph
     ops = [(n.domain, n.op_type) for n in graph]
     # per layer: the QKV Split forward and its gradients' Concat backward

@@ -90,67 +90,44 @@ static void release_inplace(int* input_index, int* output_index) {
   free(input_index), free(output_index);
 }
 
-/* name, inputs (required of them), outputs (required of them), compute, int64 input */
-#define KERNEL_OP(name_, n_in, req_in, n_out, req_out, fn, int64_in)  \
-  {                                                                  \
-    .op =                                                            \
-        {                                                            \
-            .version = API_VERSION,                                  \
-            .CreateKernel = ort_op_create_v1, \
-            .GetName = op_name,                                      \
-            .GetExecutionProviderType = op_provider,                 \
-            .GetInputType = op_input_type,                           \
-            .GetInputTypeCount = op_inputs,                          \
-            .GetOutputType = op_output_type,                         \
-            .GetOutputTypeCount = op_outputs,                        \
-            .KernelCompute = ort_op_compute_v1, \
-            .KernelDestroy = destroy,                                \
-            .GetInputCharacteristic = op_input_kind,                 \
-            .GetOutputCharacteristic = op_output_kind,               \
-            .GetInputMemoryType = ort_op_memory_type, \
-            .GetVariadicInputMinArity = ort_op_zero, \
-            .GetVariadicInputHomogeneity = ort_op_zero, \
-            .GetVariadicOutputMinArity = ort_op_zero, \
-            .GetVariadicOutputHomogeneity = ort_op_zero, \
-            .CreateKernelV2 = create,                                \
-            .KernelComputeV2 = fn,                                   \
-        },                                                           \
-    .name = name_, .inputs = n_in, .outputs = n_out,                 \
-    .required_inputs = req_in, .required_outputs = req_out,          \
-    .int64_input = int64_in                                          \
+/* name, inputs (required of them), outputs (required of them), compute, int64 input; the
+ * op-table version and GetMayInplace / ReleaseMayInplace (NULL: none offered) */
+#define KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, version_, inplace, release) \
+  {                                                                          \
+    .op =                                                                    \
+        {                                                                    \
+            .version = version_,                                             \
+            .CreateKernel = ort_op_create_v1,                                \
+            .GetName = op_name,                                              \
+            .GetExecutionProviderType = op_provider,                         \
+            .GetInputType = op_input_type,                                   \
+            .GetInputTypeCount = op_inputs,                                  \
+            .GetOutputType = op_output_type,                                 \
+            .GetOutputTypeCount = op_outputs,                                \
+            .KernelCompute = ort_op_compute_v1,                              \
+            .KernelDestroy = destroy,                                        \
+            .GetInputCharacteristic = op_input_kind,                         \
+            .GetOutputCharacteristic = op_output_kind,                       \
+            .GetInputMemoryType = ort_op_memory_type,                        \
+            .GetVariadicInputMinArity = ort_op_zero,                         \
+            .GetVariadicInputHomogeneity = ort_op_zero,                      \
+            .GetVariadicOutputMinArity = ort_op_zero,                        \
+            .GetVariadicOutputHomogeneity = ort_op_zero,                     \
+            .CreateKernelV2 = create,                                        \
+            .KernelComputeV2 = fn,                                           \
+            .GetMayInplace = inplace,                                        \
+            .ReleaseMayInplace = release,                                    \
+        },                                                                   \
+    .name = name_, .inputs = n_in, .outputs = n_out,                         \
+    .required_inputs = req_in, .required_outputs = req_out,                  \
+    .int64_input = int64_in                                                  \
   }
-
-/* KERNEL_OP, and output 0 may take input 0's buffer (op version 18: GetMayInplace) */
-#define KERNEL_OP_INPLACE(name_, n_in, req_in, n_out, req_out, fn, int64_in) \
-  {                                                                         \
-    .op =                                                                   \
-        {                                                                   \
-            .version = INPLACE_API_VERSION,                                 \
-            .CreateKernel = ort_op_create_v1,                               \
-            .GetName = op_name,                                             \
-            .GetExecutionProviderType = op_provider,                        \
-            .GetInputType = op_input_type,                                  \
-            .GetInputTypeCount = op_inputs,                                 \
-            .GetOutputType = op_output_type,                                \
-            .GetOutputTypeCount = op_outputs,                               \
-            .KernelCompute = ort_op_compute_v1,                             \
-            .KernelDestroy = destroy,                                       \
-            .GetInputCharacteristic = op_input_kind,                        \
-            .GetOutputCharacteristic = op_output_kind,                      \
-            .GetInputMemoryType = ort_op_memory_type,                       \
-            .GetVariadicInputMinArity = ort_op_zero,                        \
-            .GetVariadicInputHomogeneity = ort_op_zero,                     \
-            .GetVariadicOutputMinArity = ort_op_zero,                       \
-            .GetVariadicOutputHomogeneity = ort_op_zero,                    \
-            .CreateKernelV2 = create,                                       \
-            .KernelComputeV2 = fn,                                          \
-            .GetMayInplace = x_to_y_inplace,                                \
-            .ReleaseMayInplace = release_inplace,                           \
-        },                                                                  \
-    .name = name_, .inputs = n_in, .outputs = n_out,                        \
-    .required_inputs = req_in, .required_outputs = req_out,                 \
-    .int64_input = int64_in                                                 \
-  }
+#define KERNEL_OP(name_, n_in, req_in, n_out, req_out, fn, int64_in) \
+  KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, API_VERSION, NULL, NULL)
+/* ... and output 0 may take input 0's buffer (op version 18: GetMayInplace) */
+#define KERNEL_OP_INPLACE(name_, n_in, req_in, n_out, req_out, fn, int64_in)                  \
+  KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, INPLACE_API_VERSION,        \
+              x_to_y_inplace, release_inplace)
 
 static const KernelOp g_ops[] = {
     /* GELU backwards: Y (the GELU itself) optional */
