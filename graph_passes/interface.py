@@ -23,6 +23,17 @@ def state_key(state: str, param: str) -> str:
     return f"{state}:{param}"
 
 
+# The update in the backward (update_in_backward.py): its Adam moments, and per param
+# group one input of HYPER_NAMES values.
+IN_BACKWARD_STATES = ("exp_avg", "exp_avg_sq")
+HYPER_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "decoupled")
+
+
+def hyper_name(group: int) -> str:
+    """The graph input holding param group ``group``'s ``HYPER_NAMES`` values."""
+    return f"hyper:group{group}"
+
+
 @dataclasses.dataclass(frozen=True)
 class LabelSite:
     """A loss whose ignored rows can be dropped: ``input`` holds its labels."""

@@ -45,6 +45,10 @@ left out with ``optimize=False``):
     cpu_split_concat   last-axis fp32 Splits / Concats (the QKV's) copied on those threads
     cpu_elementwise    large fp32 Mul / Add / Sub / Sum on those threads
                        (``cpu_kernels=True``; kernel choices too)
+18. update_in_backward each parameter's Adam/AdamW update right after its gradient, in
+                       the graph (``update_groups`` given; needs ``cpu_kernels``): no
+                       gradient outlives its update. ``scatter_in_place`` then only adds
+                       its early leaf (the gradients are no buffers of the trainer's)
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
 from graph_passes.pow_as_mul import pow_as_mul
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
-from graph_passes.scatter_in_place import scatter_into_gradients
+from graph_passes.scatter_in_place import base_ready_leaves, scatter_into_gradients
 from graph_passes.scatter_rows import lower_scatter_add_rows
+from graph_passes.update_in_backward import update_in_backward
 
 
 @dataclasses.dataclass
@@ -102,15 +107,25 @@ class TrainingBuild:
     blas_gemm: bool = False  # fp32 products -> ortrain.blas.Gemm (blas_gemm.py)
     blas_batch: bool = False  # batched products -> ortrain.blas.BatchMatMul
     cpu_kernels: bool = False  # rules may emit fused ortrain.cpu backward kernels (CPU)
+    # param -> its param group: Adam/AdamW updates in the backward (update_in_backward.py)
+    update_groups: dict[str, int] = dataclasses.field(default_factory=dict)
     # Produced by the passes:
     diff_loss: str = ""  # the value autodiff starts from
     gradient: GradientGraphResult | None = None
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)
     # output -> the gradient output whose buffer it shares (scatter_in_place.py)
     shared_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
+    # param -> its update's ``done`` output (update_in_backward.py)
+    update_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.diff_loss = self.diff_loss or self.loss
+        if self.update_groups and not self.cpu_kernels:
+            raise ValueError("the update in the backward runs on ortrain's CPU kernels")
+        if self.update_groups and (self.accumulate or self.loss_scaling):
+            raise ValueError(
+                "the update in the backward takes one micro-step per update and no loss scaling"
+            )
 
 
 def training_passes(build: TrainingBuild) -> list[Pass]:
@@ -168,7 +183,10 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         def _in_place(m: ir.Model) -> None:
             assert build.gradient is not None
             grads = build.gradient.grad_outputs.values()
-            build.shared_outputs = scatter_into_gradients(m, grads)
+            if build.update_groups:
+                base_ready_leaves(m, grads)
+            else:
+                build.shared_outputs = scatter_into_gradients(m, grads)
 
         passes.append(Pass("scatter_in_place", _in_place))
         passes.append(Pass("cpu_softmax", lower_softmax))
@@ -180,6 +198,15 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
         passes.append(Pass("layer_norm_grad_sum", fold_layer_norm_grad_sums))
         passes.append(Pass("cpu_split_concat", lower_split_concat))
         passes.append(Pass("cpu_elementwise", lower_elementwise))
+    if build.update_groups:
+
+        def _update(m: ir.Model) -> None:
+            assert build.gradient is not None
+            build.update_outputs = update_in_backward(
+                m, build.gradient.grad_outputs, build.update_groups, build.loss
+            )
+
+        passes.append(Pass("update_in_backward", _update))
     return passes
 
 

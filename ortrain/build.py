@@ -22,7 +22,7 @@ import torch
 
 from graph_passes.interface import LabelSite, label_rows_bucket
 from ortrain.export import ExportedForward, LossFn, export_here
-from ortrain.roles import GraphIO
+from ortrain.roles import GraphIO, Role
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -53,6 +53,9 @@ class BuildSettings:
     blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/blas_gemm.py)
     blas_batch: bool = False  # batched products on ortrain.blas.BatchMatMul (blas_batch_matmul.py)
     cpu_kernels: bool = False  # fused ortrain.cpu kernels (backward rules, Softmax, scatters)
+    # (param, param group) of each trainable parameter when the Adam/AdamW update runs in the
+    # backward (graph_passes/update_in_backward.py); empty: after the session
+    update_groups: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass
@@ -78,6 +81,8 @@ class BuiltGraph:
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> grad
     # output -> the gradient output bound to the same buffer (graph_passes/scatter_in_place.py)
     shared_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
+    # param -> the ``done`` output of its update in the backward (update_in_backward.py)
+    update_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     log: list[StageRecord] = dataclasses.field(default_factory=list)
     # graph_passes/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
     planned_peak_bytes: int = 0
@@ -187,7 +192,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
         ort_data=proto.SerializeToString(),
         data=data,
         recomputes=any(RECOMPUTE_OF in n.metadata_props for n in model.graph),
-        io=ex.io,
+        io=extra.pop("io", ex.io),
         output_names=ex.output_names,
         output_keys=ex.output_keys,
         log=log.records,
@@ -235,6 +240,7 @@ def build_train(
         blas_gemm=settings.blas_gemm,
         blas_batch=settings.blas_batch,
         cpu_kernels=settings.cpu_kernels,
+        update_groups=dict(settings.update_groups),
     )
     log.run(model, training_passes(build))
     assert build.gradient is not None
@@ -242,11 +248,28 @@ def build_train(
         model,
         ex,
         log,
+        io=ex.io + _update_io(build.update_outputs, settings.update_groups),
         grad_outputs=dict(build.gradient.grad_outputs),
         accumulators=dict(build.accumulators),
         shared_outputs=dict(build.shared_outputs),
+        update_outputs=dict(build.update_outputs),
     )
     return forward, rows, graph
+
+
+def _update_io(done: Mapping[str, str], groups: Iterable[tuple[str, int]]) -> list[GraphIO]:
+    """The inputs and outputs the update in the backward adds (update_in_backward.py)."""
+    from graph_passes.interface import IN_BACKWARD_STATES, hyper_name, state_key
+
+    io = [
+        GraphIO(state_key(s, p), Role.OPTIMIZER_STATE, of=p)
+        for p in done
+        for s in IN_BACKWARD_STATES
+    ]
+    group_of = dict(groups)
+    io += [GraphIO(hyper_name(g), Role.HYPERPARAMETER) for g in sorted({group_of[p] for p in done})]
+    io += [GraphIO(out, Role.UPDATE_APPLIED, of=p) for p, out in done.items()]
+    return io
 
 
 def build_eval(

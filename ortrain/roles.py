@@ -21,6 +21,7 @@ class Role(str, enum.Enum):
     CLIP = "clip"  # global-norm clipping statistics
     LOSS_SCALE = "loss_scale"  # the backward's seed (dynamic loss scaling)
     GRADS_FINITE = "grads_finite"  # whether the update was applied (no Inf/NaN gradient)
+    UPDATE_APPLIED = "update_applied"  # 1 when a parameter's update in the backward ran
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from graph_passes.interface import LOSS_SCALE_INPUT, state_key
+from graph_passes.interface import (
+    HYPER_NAMES,
+    IN_BACKWARD_STATES,
+    LOSS_SCALE_INPUT,
+    hyper_name,
+    state_key,
+)
 from ortrain import checkpoint
 from ortrain.build import (
     BuildSettings,
@@ -196,6 +202,12 @@ class ORTTrainer:
             kernels.library(self.device.type)
         elif self.options.update_engine == "torch":
             self._use_torch_kernels()
+        # Adam/AdamW updated in the backward (graph_passes/update_in_backward.py): no
+        # gradient buffers; per param group the hyperparameters the graph reads, and per
+        # parameter whether its update ran.
+        self._in_backward = self._use_backward_update()
+        self._hyper_in: list[torch.Tensor] = []
+        self._applied = torch.zeros(0, dtype=torch.float32, device=dev)
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -243,6 +255,9 @@ class ORTTrainer:
             blas_gemm=self._blas_gemm,
             blas_batch=self._blas_batch,
             cpu_kernels=self._cpu_kernels,
+            update_groups=tuple((p, gi) for gi, g in enumerate(self.spec.groups) for p in g.params)
+            if self._in_backward
+            else (),
         )
 
     def _run_build(self, job: Callable[[], T], batch: Mapping[str, Any]) -> T:
@@ -275,7 +290,10 @@ class ORTTrainer:
             register_cpu_arena(built.planned_peak_bytes)
         if self.grad_params is None:
             self.grad_params = grad_params
-            self._build_update()
+            if self._in_backward:
+                self._prepare_backward_update()
+            else:
+                self._build_update()
         elif grad_params != self.grad_params:
             raise BatchError(
                 "this batch reaches a different set of parameters than the first one "
@@ -287,11 +305,14 @@ class ORTTrainer:
             {acc: self.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
         )
         session.bind_outputs({built.output_names[0]: self._loss})
-        session.bind_outputs({built.grad_outputs[p]: self.grads[p] for p in grad_params})
-        param_of = {out: p for p, out in built.grad_outputs.items()}
-        session.bind_outputs(
-            {out: self.grads[param_of[grad]] for out, grad in built.shared_outputs.items()}
-        )
+        if self._in_backward:
+            self._bind_backward_update(session, built)
+        else:
+            session.bind_outputs({built.grad_outputs[p]: self.grads[p] for p in grad_params})
+            param_of = {out: p for p, out in built.grad_outputs.items()}
+            session.bind_outputs(
+                {out: self.grads[param_of[grad]] for out, grad in built.shared_outputs.items()}
+            )
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
@@ -346,6 +367,58 @@ class ORTTrainer:
         self._save(ug.model, "update")
         grads = {f"grad:{p}": t for p, t in grads.items()}
         self._bind_update(ug, params, grads, states)
+
+    def _use_backward_update(self) -> bool:
+        """Whether each parameter's Adam/AdamW update runs in the backward: ``update_engine=
+        "backward"``, or "auto" wherever it can (it needs no look at all the gradients)."""
+        why = []
+        if self.device.type != "cpu" or not self._cpu_kernels:
+            why.append("ortrain's CPU kernels (device='cpu', cpu_kernels)")
+        if self.spec.kind not in TORCH_KINDS:
+            why.append(f"Adam or AdamW (not {self.spec.kind})")
+        if self._reducer is not None:
+            why.append("a single process")
+        if self.options.grad_accumulation_steps != 1:
+            why.append("grad_accumulation_steps=1")
+        if self.options.max_grad_norm is not None:
+            why.append("no clipping (max_grad_norm=None)")
+        if self.options.mixed_precision is not None or self.scaler is not None:
+            why.append("fp32 training without loss scaling")
+        if self.options.update_engine == "backward" and why:
+            raise ValueError("TrainerOptions.update_engine='backward' needs " + ", ".join(why))
+        return self.options.update_engine in ("auto", "backward") and not why
+
+    def _prepare_backward_update(self) -> None:
+        """The moments the graphs update in place, and the tensors they read and write."""
+        assert self.grad_params is not None
+        for p in self.grad_params:
+            for s in IN_BACKWARD_STATES:
+                self.opt_state.setdefault(state_key(s, p), torch.zeros_like(self.params[p]))
+        self._hyper_in = [
+            torch.zeros(len(HYPER_NAMES), dtype=torch.float32, device=self.device)
+            for _ in self.spec.groups
+        ]
+        self._applied = torch.zeros(len(self.grad_params), dtype=torch.float32, device=self.device)
+
+    def _bind_backward_update(self, session: BoundSession, built: BuiltGraph) -> None:
+        assert self.grad_params is not None
+        index = {p: i for i, p in enumerate(self.grad_params)}
+        states = {
+            r.name: self.opt_state[r.name] for r in built.io if r.role is Role.OPTIMIZER_STATE
+        }
+        session.bind_inputs(states)
+        session.bind_inputs({hyper_name(gi): t for gi, t in enumerate(self._hyper_in)})
+        session.bind_outputs(
+            {out: self._applied[index[p]] for p, out in built.update_outputs.items()}
+        )
+
+    def _fill_hyperparameters(self) -> None:
+        """This step's values of what ``hyper:group<i>`` holds (``HYPER_NAMES``)."""
+        step = float(self.step_tensor) + 1.0  # the 1-based t of this update
+        decoupled = 1.0 if self.spec.kind == "adamw" else 0.0
+        for t, hp in zip(self._hyper_in, group_values(self.optimizer, self.spec), strict=True):
+            values = [hp[h] for h in HYPER_NAMES[:5]] + [step, decoupled]
+            t.copy_(torch.tensor(values, dtype=torch.float32))
 
     def _use_torch_kernels(self) -> bool:
         """Whether torch's fused Adam/AdamW kernels run the update: ``update_engine="torch"``,
@@ -488,13 +561,18 @@ class ORTTrainer:
                 g.zero_()
         if self.scaler is not None:
             self._loss_scale.fill_(self.scaler.scale)
+        if self._in_backward:
+            self._fill_hyperparameters()
+            self._applied.zero_()
         try:
             compiled.session.run()
         except Exception as exc:
             # A partial run may have written into the gradients: the window starts again
-            # (its first micro-step zeroes them); parameters and optimizer state are untouched.
+            # (its first micro-step zeroes them); parameters and optimizer state are untouched
+            # unless the update runs in the backward and got that far.
             self.micro_step = 0
-            raise _run_failed("training", batch, exc) from exc
+            updated = int(self._applied.sum()) if self._in_backward else 0
+            raise _run_failed("training", batch, exc, updated, len(self._applied)) from exc
         del keep
         loss = self._loss.clone()
         if self.options.check_finite and not math.isfinite(float(loss)):
@@ -506,7 +584,12 @@ class ORTTrainer:
         self.micro_step += 1
         if self.micro_step == accum:
             self.micro_step = 0
-            self._apply_update()
+            if self._in_backward:  # the graph ran the update (unless the loss was not finite)
+                if bool(self._applied.all()):
+                    self.step_tensor.add_(1.0)
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            else:
+                self._apply_update()
         return loss
 
     def _apply_update(self) -> None:
@@ -626,16 +709,23 @@ class ORTTrainer:
         checkpoint.load(self, path)
 
 
-def _run_failed(graph: str, batch: Mapping[str, Any], exc: Exception) -> BatchError:
-    """ONNX Runtime's error with the batch it failed on (its message names the node)."""
+def _run_failed(
+    graph: str, batch: Mapping[str, Any], exc: Exception, updated: int = 0, params: int = 0
+) -> BatchError:
+    """ONNX Runtime's error with the batch it failed on (its message names the node);
+    ``updated`` of ``params`` parameters had their update in the backward already."""
     shapes = ", ".join(
         f"{k}: {list(v.shape)} {v.dtype}".replace("torch.", "")
         for k, v in batch.items()
         if isinstance(v, torch.Tensor)
     )
+    applied = (
+        f"{updated} of {params} parameters were updated in the backward before it failed"
+        if updated
+        else "no update was applied"
+    )
     return BatchError(
-        f"the {graph} graph failed on this batch ({shapes}); no update was applied: "
-        f"{first_line(exc)}"
+        f"the {graph} graph failed on this batch ({shapes}); {applied}: {first_line(exc)}"
     )
 
 

@@ -244,11 +244,16 @@ def _trains_like_eager(
 ) -> ORTTrainer:
     """AdamW steps on ``ref`` (eager) and on a copy through ortrain: the first step's
     gradients element-wise, every loss, then the eval graph's ``outputs`` against eager's
-    eval forward on ortrain's own weights."""
+    eval forward on ortrain's own weights. The gradients are read from the trainer's
+    buffers, so the update runs after the session ("auto" would run it in the backward,
+    keeping none: tests/test_update_in_backward.py checks that against this engine)."""
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    trainer = ORTTrainer(model, opt, options or TrainerOptions())
+    options = options or TrainerOptions()
+    if options.update_engine == "auto":
+        options = dataclasses.replace(options, update_engine="torch")
+    trainer = ORTTrainer(model, opt, options)
     losses_ref, losses = [], []
     for step, batch in enumerate(batches):
         opt_ref.zero_grad()
@@ -312,7 +317,8 @@ def test_lora_fine_tuning_trains_only_the_adapters() -> None:
     def opt(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
 
-    opt_ref, trainer = opt(ref), ORTTrainer(model, opt(model))
+    opt_ref = opt(ref)
+    trainer = ORTTrainer(model, opt(model), TrainerOptions(update_engine="torch"))
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         batch = _batch("right", g)

@@ -125,11 +125,12 @@ def test_gpt2_training_graph_gradients_last_in_reverse_order():
     import onnx_ir as ir
     import torch
 
-    from ortrain import ORTTrainer
+    from ortrain import ORTTrainer, TrainerOptions
     from tests.conftest import gpt2, lm_batches
 
     model = gpt2(layers=2, hidden=64, vocab=128)
-    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = ORTTrainer(model, opt, TrainerOptions(update_engine="torch"))  # gradient outputs
     trainer.train_step(**lm_batches(1, vocab=128)[0])
     proto = ir.serde.serialize_model(trainer.train_graphs[0])
     grads = {o.name for o in proto.graph.output if o.name.startswith("grad:")}

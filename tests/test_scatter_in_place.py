@@ -136,6 +136,7 @@ def _gpt2_trainer(**options: object) -> tuple[ORTTrainer, torch.nn.Module, list[
     from tests.conftest import gpt2, lm_batches
 
     model = gpt2(layers=2, hidden=64, vocab=128)
+    options.setdefault("update_engine", "torch")  # gradients bound to the trainer's buffers
     trainer = ORTTrainer(
         model, torch.optim.AdamW(model.parameters(), lr=1e-3), TrainerOptions(**options)
     )

@@ -49,7 +49,7 @@ def test_parameters_stay_where_the_module_has_them():
     model = gpt2(layers=2, hidden=64, vocab=256)
     before = {n: p.data for n, p in model.named_parameters()}
     ptrs = {n: t.data_ptr() for n, t in before.items()}
-    trainer = ORTTrainer(model, adamw(model))
+    trainer = ORTTrainer(model, adamw(model), TrainerOptions(update_engine="torch"))
     initial = {n: t.clone() for n, t in before.items()}
     for batch in lm_batches(2, vocab=256):
         trainer.train_step(**batch)

@@ -9,7 +9,7 @@
 const OrtApi* ortrain_api17 = NULL;
 int ortrain_omp_team = 0;
 
-int ortrain_cpu_ops_abi_version(void) { return 3; }
+int ortrain_cpu_ops_abi_version(void) { return 4; }
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -135,7 +135,9 @@ static const KernelOp g_ops[] = {
     KERNEL_OP("FastGeluGrad", 2, 2, 2, 1, ortrain_fast_gelu_grad_compute, -1),
     KERNEL_OP("SoftmaxGrad", 2, 2, 1, 1, ortrain_softmax_grad_compute, -1),
     KERNEL_OP("LayerNormGrad", 6, 5, 3, 3, ortrain_layer_norm_grad_compute, -1),
-    KERNEL_OP("ScatterAddRows", 3, 3, 1, 1, ortrain_scatter_add_rows_compute, 1),
+    /* out may take base's buffer: a tied embedding's gradient, whose optimizer update runs
+     * in the backward (update_in_backward.py), where no bound gradient buffer holds it */
+    KERNEL_OP_INPLACE("ScatterAddRows", 3, 3, 1, 1, ortrain_scatter_add_rows_compute, 1),
     /* bias optional; Y may take X's buffer (a loss head's [tokens, vocab] logits: without
      * it GPT-2 tiny's peak RSS grows by their 32 MiB, as ONNX Runtime's Softmax offers) */
     KERNEL_OP_INPLACE("Softmax", 2, 1, 1, 1, ortrain_softmax_compute, -1),
@@ -151,6 +153,8 @@ static const KernelOp g_ops[] = {
     KERNEL_OP("Add", 2, 2, 1, 1, ortrain_add_compute, -1),
     KERNEL_OP("Sub", 2, 2, 1, 1, ortrain_sub_compute, -1),
     KERNEL_OP("Sum", 8, 2, 1, 1, ortrain_sum_compute, -1),
+    /* the optimizer update in the backward (update_kernels.c): up to 8 ordering inputs */
+    KERNEL_OP("AdamStep", 14, 6, 1, 1, ortrain_adam_step_compute, -1),
 };
 #define N_OPS (sizeof g_ops / sizeof g_ops[0])
 

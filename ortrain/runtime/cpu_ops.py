@@ -49,13 +49,14 @@ SOURCES = tuple(
         "forward_kernels.c",
         "layout_kernels.c",
         "elementwise_kernels.c",
+        "update_kernels.c",
         "softmax.c",
         "blas_gemm.c",
         "blas_batch.c",
     )
 )
 HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h")
-ABI_VERSION = 3  # cpu_ops.c: ortrain_cpu_ops_abi_version
+ABI_VERSION = 4  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
 KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")
 

@@ -96,9 +96,9 @@ typedef void (*BlockFn)(void* work, size_t block);
  * BLAS products run on that team, whose workers spin a while after each product, so a
  * kernel run on ONNX Runtime's threads instead shares their cores with the spinning ones
  * (FastGeluGrad between two products: 1.1 -> 0.87 ms on the team). Else on the session's
- * intra-op threads when the runtime offers them (API 17), else on this thread. Blocks
- * only write their own outputs, so re-running them serially after a failed hand-off is
- * safe, and the order blocks run in never changes a result. */
+ * intra-op threads when the runtime offers them (API 17), else on this thread. The order
+ * blocks run in never changes a result. A refused hand-off (ParallelFor checks its
+ * arguments before it runs anything) runs every block here instead. */
 static inline void for_blocks(const OrtKernelContext* ctx, BlockFn fn, size_t n_blocks, void* work) {
 #ifdef _OPENMP
   if (ortrain_omp_team && n_blocks > 1) {
@@ -240,5 +240,6 @@ OrtStatus* ortrain_mul_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_add_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_sub_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_sum_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx);
 
 #endif
