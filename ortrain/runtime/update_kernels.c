@@ -34,6 +34,9 @@ typedef struct {
   int decoupled;
 } Adam;
 
+/* decay: the decoupled weight decay factor (1 - lr wd; 1 without); l2: Adam's wd (0 for
+ * AdamW). One loop for both, branch-free, so it vectorizes (the library is built with
+ * -fno-math-errno: sqrtf is then a vector square root, as in torch's kernel). */
 static void adam_block(void* work, size_t blk) {
   const Adam* w = (const Adam*)work;
   int64_t lo = (int64_t)blk * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
@@ -42,22 +45,19 @@ static void adam_block(void* work, size_t blk) {
   float* restrict m = w->m;
   float* restrict v = w->v;
   const float* restrict g = w->g;
-  const float one_minus_b1 = 1.0f - w->beta1, one_minus_b2 = 1.0f - w->beta2;
-  const float decay = 1.0f - w->lr * w->wd;
+  const float one_minus_b1 = 1.0f - w->beta1, one_minus_b2 = 1.0f - w->beta2, beta2 = w->beta2;
+  const float decay = w->decoupled ? 1.0f - w->lr * w->wd : 1.0f;
+  const float l2 = w->decoupled ? 0.0f : w->wd;
+  const float step_size = w->step_size, bc2_sqrt = w->bc2_sqrt, eps = w->eps;
+#pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
-    float pi = p[i], gi = g[i];
-    if (w->wd != 0.0f) {
-      if (w->decoupled)
-        pi *= decay;
-      else
-        gi += w->wd * pi;
-    }
-    float mi = m[i] + one_minus_b1 * (gi - m[i]);
-    float vi = w->beta2 * v[i] + one_minus_b2 * gi * gi;
-    float denom = sqrtf(vi) / w->bc2_sqrt + w->eps;
+    const float pi = p[i] * decay;
+    const float gi = g[i] + l2 * p[i];
+    const float mi = m[i] + one_minus_b1 * (gi - m[i]);
+    const float vi = beta2 * v[i] + one_minus_b2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] = pi - w->step_size * mi / denom;
+    p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
   }
 }
 
