@@ -18,6 +18,10 @@ class GradientError(RuntimeError):
     """An op on a gradient path cannot be differentiated."""
 
 
+class UpdateInBackwardError(ValueError):
+    """A parameter's update cannot run in the backward (update_in_backward.py)."""
+
+
 def state_key(state: str, param: str) -> str:
     """Name of one optimizer state tensor of one parameter in the update graph."""
     return f"{state}:{param}"

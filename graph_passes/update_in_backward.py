@@ -36,9 +36,12 @@ from graph_passes.interface import (
     CPU_DOMAIN,
     HYPER_NAMES,
     IN_BACKWARD_STATES,
+    UpdateInBackwardError,
     hyper_name,
     state_key,
 )
+
+__all__ = ["MAX_AFTER", "UpdateInBackwardError", "done_name", "update_in_backward"]
 from graph_passes.tags import GRAD_OF
 
 F = ir.DataType.FLOAT
@@ -52,10 +55,6 @@ DONE_PREFIX = "update_done:"
 _VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose"})
 _SHAPE_ONLY = frozenset({"Shape", "Size"})  # read the parameter's shape, not its data
 _STANDARD = ("", "ai.onnx")
-
-
-class UpdateInBackwardError(ValueError):
-    """The graph has a parameter whose update cannot run in the backward."""
 
 
 def done_name(param: str) -> str:

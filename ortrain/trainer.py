@@ -25,6 +25,7 @@ from graph_passes.interface import (
     HYPER_NAMES,
     IN_BACKWARD_STATES,
     LOSS_SCALE_INPUT,
+    UpdateInBackwardError,
     hyper_name,
     state_key,
 )
@@ -280,7 +281,17 @@ class ORTTrainer:
             len(self.build_log) + 1,
         )
         new_shape = sig not in self._forwards
-        forward, rows, built = self._run_build(job, batch)
+        try:
+            forward, rows, built = self._run_build(job, batch)
+        except UpdateInBackwardError as exc:
+            if self.options.update_engine != "auto" or self.grad_params is not None:
+                raise
+            # "auto" takes the update after the session where the graph cannot run it
+            warnings.warn(
+                f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=3
+            )
+            self._in_backward = False
+            return self._build_train(sig, batch)
         self._forwards[sig] = forward
         if new_shape:
             _warn_many_shapes(len(self._forwards), batch)

@@ -428,6 +428,34 @@ def test_auto_keeps_the_update_after_the_session_where_it_must(opt: str, options
     assert trainer.grads  # the gradient buffers the update after the session reads
 
 
+def test_auto_falls_back_where_the_graph_cannot_order_an_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parameter whose update the pass refuses (here: no ordering input allowed, and the
+    last Linear's input-gradient product is one: with ReLU nothing its gradient reads
+    depends on it; with GELU the recomputed GELU value, its weight gradient's input, is
+    the GELU backward's second output and does): "auto" warns and builds the graph again
+    with the update after the session; "backward" raises."""
+    from graph_passes import update_in_backward as pass_module
+
+    _library()
+    monkeypatch.setattr(pass_module, "MAX_AFTER", 0)  # the build runs in a forked child
+    model = _Scaled(torch.nn.ReLU)
+    trainer = ORTTrainer(model, _adamw(model))
+    assert trainer._in_backward
+    x, y, one = torch.randn(5, 8), torch.randn(5, 2), torch.tensor(1.0)
+    with pytest.warns(UserWarning, match="update runs after the session: .* read by 1 nodes"):
+        trainer.train_step(x, y, one)
+    assert not trainer._in_backward and trainer.grads
+    assert "AdamStep" not in _ops(trainer)
+    trainer.train_step(x, y, one)
+    assert int(trainer.step_tensor) == 2
+    other = _Scaled(torch.nn.ReLU)
+    strict = ORTTrainer(other, _adamw(other), TrainerOptions(update_engine="backward"))
+    with pytest.raises(UpdateInBackwardError, match="read by 1 nodes"):
+        strict.train_step(x, y, one)
+
+
 def test_backward_engine_says_what_it_needs() -> None:
     model = torch.nn.Linear(4, 2)
     with pytest.raises(ValueError, match=r"'backward' needs no clipping \(max_grad_norm=None\)"):
@@ -445,11 +473,9 @@ def test_backward_engine_says_what_it_needs() -> None:
 class _Scaled(torch.nn.Module):
     """A regression whose loss a batch input scales (inf: a loss that is not finite)."""
 
-    def __init__(self) -> None:
+    def __init__(self, act: type[torch.nn.Module] = torch.nn.GELU) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)
-        )
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), act(), torch.nn.Linear(16, 2))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(self.net(x), y) * scale
