@@ -35,6 +35,8 @@ left out with ``optimize=False``):
                        buffer, the scatter adding to it in place (``shared_outputs``)
 15. cpu_softmax        masked fp32 Softmax (with the mask's Add) on ortrain's CPU
                        kernel (``cpu_kernels=True``; a kernel choice too)
+    cpu_scatter_last   the cross-entropy gradient's ScatterElements, in place over
+                       the probabilities (``cpu_kernels=True``; a kernel choice too)
     causal_products    causal attention's products skip the zeros of their triangular
                        operand (``cpu_kernels`` and ``blas_batch``)
 16. gelu_value         recomputed GELUs as the GELU backward kernel's second output
@@ -66,6 +68,7 @@ from graph_passes.causal_products import mark_causal_products
 from graph_passes.cpu_elementwise import lower_elementwise
 from graph_passes.cpu_gelu import lower_gelu
 from graph_passes.cpu_layer_norm import lower_layer_norm
+from graph_passes.cpu_scatter_last import lower_scatter_last
 from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.cpu_split_concat import lower_split_concat
 from graph_passes.dropout_seed import seed_dropouts
@@ -190,6 +193,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
 
         passes.append(Pass("scatter_in_place", _in_place))
         passes.append(Pass("cpu_softmax", lower_softmax))
+        passes.append(Pass("cpu_scatter_last", lower_scatter_last))
         if build.blas_batch:
             passes.append(Pass("causal_products", mark_causal_products))
         passes.append(Pass("gelu_value", take_gelu_values))

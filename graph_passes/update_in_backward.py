@@ -41,12 +41,19 @@ from graph_passes.interface import (
     state_key,
 )
 
-__all__ = ["MAX_AFTER", "UpdateInBackwardError", "done_name", "update_in_backward"]
+__all__ = [
+    "LOSS_LEAF_PREFIX",
+    "MAX_AFTER",
+    "UpdateInBackwardError",
+    "done_name",
+    "update_in_backward",
+]
 from graph_passes.tags import GRAD_OF
 
 F = ir.DataType.FLOAT
 MAX_AFTER = 8  # ordering inputs the kernel takes (update_kernels.c)
 DONE_PREFIX = "update_done:"
+LOSS_LEAF_PREFIX = "loss_leaf:"
 # Followed to their readers: ONNX Runtime makes these outputs aliases of their input
 # (Reshape and friends), or folds them into the products that read them (a Transpose into
 # FusedMatMul / Gemm), whose nodes then read the parameter itself (ALBERT: one W^T that
@@ -211,4 +218,22 @@ def update_in_backward(
         done_outputs[param] = done.name  # type: ignore[assignment]
     if plans:
         model.opset_imports[CPU_DOMAIN] = 1
+        _loss_leaf(graph, loss_value)
     return done_outputs
+
+
+def _loss_leaf(graph: ir.Graph, loss: ir.Value) -> None:
+    """A leaf reading the loss, right after its producer. The updates read the loss, so it
+    is no leaf of its own any more, and ONNX Runtime's order (reverse DFS from the leaves,
+    ``ort_order.py``) would reach it through the first update's inputs — after that
+    update's gradient, whose producer is later in the file: the loss's own reads of the
+    probabilities (the labels' entries) would then wait until the head's backward had run,
+    and keep them alive past the cross-entropy gradient, which could then not take their
+    buffer (gpt2-tiny: a second [tokens x vocab] buffer, +20 MiB of peak RSS). As the
+    first leaf in graph order, this one makes ONNX Runtime finish the forward first."""
+    producer = loss.producer()
+    assert producer is not None
+    out = ir.Value(name=LOSS_LEAF_PREFIX + str(loss.name), shape=loss.shape, type=loss.type)
+    node = ir.Node("", "Identity", [loss], outputs=[out], name=f"{loss.name}/leaf")
+    graph.insert_after(producer, node)
+    graph.outputs.append(out)

@@ -26,6 +26,7 @@ from graph_passes.blas_gemm import lower_gemm_to_blas
 from graph_passes.cpu_elementwise import lower_elementwise
 from graph_passes.cpu_gelu import lower_gelu
 from graph_passes.cpu_layer_norm import lower_layer_norm
+from graph_passes.cpu_scatter_last import lower_scatter_last
 from graph_passes.cpu_softmax import lower_softmax
 from graph_passes.cpu_split_concat import lower_split_concat
 from graph_passes.forward_cleanup import clean_forward
@@ -234,6 +235,7 @@ class TrainingSession:
             lower_scatter_add_rows(gradient)
             shared = scatter_into_gradients(gradient, manifest["grad_outputs"].values())
             lower_softmax(gradient)
+            lower_scatter_last(gradient)
             lower_layer_norm(gradient)
             lower_gelu(gradient)
             lower_split_concat(gradient)

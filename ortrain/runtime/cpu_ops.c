@@ -148,6 +148,9 @@ static const KernelOp g_ops[] = {
     /* last-axis copies (layout_kernels.c): up to 8 parts, as many as the node names */
     KERNEL_OP("SplitLast", 1, 1, 8, 1, ortrain_split_last_compute, -1),
     KERNEL_OP("ConcatLast", 8, 2, 1, 1, ortrain_concat_last_compute, -1),
+    /* ScatterElements along the last axis (reduction none / add); out may take data's buffer */
+    KERNEL_OP_INPLACE("ScatterLast", 3, 3, 1, 1, ortrain_scatter_last_compute, 1),
+    KERNEL_OP_INPLACE("ScatterAddLast", 3, 3, 1, 1, ortrain_scatter_add_last_compute, 1),
     /* element-wise arithmetic (elementwise_kernels.c): Sum takes 2 to 8 inputs */
     KERNEL_OP("Mul", 2, 2, 1, 1, ortrain_mul_compute, -1),
     KERNEL_OP("Add", 2, 2, 1, 1, ortrain_add_compute, -1),

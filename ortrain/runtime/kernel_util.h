@@ -241,5 +241,7 @@ OrtStatus* ortrain_add_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_sub_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_sum_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_scatter_last_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_scatter_add_last_compute(void* kernel, OrtKernelContext* ctx);
 
 #endif

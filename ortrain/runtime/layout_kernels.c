@@ -116,3 +116,74 @@ OrtStatus* ortrain_concat_last_compute(void* kernel, OrtKernelContext* ctx) {
   for_blocks(ctx, concat_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
+
+/* ------------------------------------------------------------------ ScatterLast */
+/* ScatterLast / ScatterAddLast(data, indices, updates) -> out: ONNX ScatterElements
+ * along the last axis, reduction "none" / "add", with indices and updates of data's shape
+ * but for the last axis: out = data; out[..., indices[..., j]] = (or +=) updates[..., j],
+ * in index order. Output 0 may take data's buffer (GetMayInplace): the cross-entropy
+ * gradient (the probabilities with -1 added at each row's label) then writes its few
+ * entries into the probabilities instead of copying [tokens x vocab] floats (GPT-2 small:
+ * 98 MiB, 14.7 ms a step). Every index is checked before anything is written. */
+typedef struct {
+  const float* src;
+  float* dst;
+  int64_t n;
+} Copy;
+
+static void copy_block(void* work, size_t blk) {
+  const Copy* w = (const Copy*)work;
+  int64_t lo = (int64_t)blk * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
+  if (hi > w->n) hi = w->n;
+  memcpy(w->dst + lo, w->src + lo, (size_t)(hi - lo) * sizeof(float));
+}
+
+static OrtStatus* scatter_last(const Kernel* k, OrtKernelContext* ctx, int add) {
+  Tensor data, idx, upd;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &data)) || (st = input_typed(k, ctx, 1, &idx, ELEM_INT64)) ||
+      (st = input(k, ctx, 2, &upd)))
+    return st;
+  if ((st = same_shape(k, &upd, "updates", &idx, "indices"))) return st;
+  int same = data.rank >= 1 && idx.rank == data.rank;
+  for (size_t d = 0; same && d + 1 < data.rank; ++d) same = idx.dims[d] == data.dims[d];
+  if (!same) {
+    char sd[128], si[128];
+    shape_text(&data, sd, sizeof sd);
+    shape_text(&idx, si, sizeof si);
+    return ort_invalid(k->api,
+                       "ortrain.cpu.%s: indices %s must match data %s but for the last axis",
+                       k->name, si, sd);
+  }
+  const int64_t n = data.dims[data.rank - 1], per_row = idx.dims[idx.rank - 1];
+  const int64_t* ind = (const int64_t*)idx.data;
+  for (int64_t i = 0; i < idx.count; ++i)
+    if (ind[i] < -n || ind[i] >= n)
+      return ort_invalid(k->api,
+                         "ortrain.cpu.%s: index %lld (entry %lld) is out of range for a last "
+                         "axis of %lld",
+                         k->name, (long long)ind[i], (long long)i, (long long)n);
+  float* out = NULL;
+  if ((st = output(k, ctx, 0, data.dims, data.rank, &out))) return st;
+  if (out != (float*)data.data) {
+    Copy w = {(const float*)data.data, out, data.count};
+    for_blocks(ctx, copy_block, div_up((size_t)data.count, ELEMS_PER_BLOCK), &w);
+  }
+  const float* u = (const float*)upd.data;
+  for (int64_t i = 0; i < idx.count; ++i) {
+    const int64_t row = i / per_row, col = ind[i] < 0 ? ind[i] + n : ind[i];
+    if (add)
+      out[row * n + col] += u[i];
+    else
+      out[row * n + col] = u[i];
+  }
+  return NULL;
+}
+
+OrtStatus* ortrain_scatter_last_compute(void* kernel, OrtKernelContext* ctx) {
+  return scatter_last((const Kernel*)kernel, ctx, 0);
+}
+
+OrtStatus* ortrain_scatter_add_last_compute(void* kernel, OrtKernelContext* ctx) {
+  return scatter_last((const Kernel*)kernel, ctx, 1);
+}
