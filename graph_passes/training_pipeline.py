@@ -24,6 +24,8 @@ left out with ``optimize=False``):
 10. accumulate         ``grad = acc + micro-grad`` bound in place
 11. recompute          cheap forward values the backward reads are made again there
                        (``RecomputePolicy``; NOTHING = off)
+    recompute_attention  attention probabilities made again from Q, K and the mask
+                       next to their backward (with the memory plan)
 12. remove_unused      forward values nothing reads any more
 13. blas_gemm          fp32 products on the BLAS custom op (``blas_gemm=True``: CPU
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
@@ -87,6 +89,7 @@ from graph_passes.pad_as_concat import pad_as_concat
 from graph_passes.pipeline import Pass
 from graph_passes.pow_as_mul import pow_as_mul
 from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
+from graph_passes.recompute_attention import recompute_attention_probs
 from graph_passes.scatter_in_place import base_ready_leaves, scatter_into_gradients
 from graph_passes.scatter_rows import lower_scatter_add_rows
 from graph_passes.update_in_backward import update_in_backward
@@ -175,6 +178,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     if build.recompute is not RecomputePolicy.NOTHING:
         policy = build.recompute
         passes.append(Pass("recompute", lambda m: recompute_cheap_values(m, policy)))
+        passes.append(Pass("recompute_attention", recompute_attention_probs))
     passes.append(Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()))
     if build.blas_gemm:
         passes.append(Pass("blas_gemm", lower_gemm_to_blas))

@@ -352,16 +352,21 @@ def test_recompute_on_gpt2_training_graph_is_exact_and_keeps_fewer_bytes():
     before, after = memory_report(off), memory_report(on)
     # Copies: the 5 LayerNorm outputs (2 per layer + ln_f) and 2 GELU outputs, their 2-D
     # views and the first reshape of input_ids (the tied LM head's weight Transpose is
-    # folded into its FusedMatMul by the fusions, so there is none left to copy).
+    # folded into its FusedMatMul by the fusions, so there is none left to copy); then
+    # (recompute_attention.py) each layer's attention probabilities: product, mask, Softmax.
     copies = collections.Counter(n.op_type for n in on.graph if RECOMPUTE_OF in n.metadata_props)
-    assert copies == {"Reshape": 8, "LayerNormalization": 5, "Gelu": 2}
-    assert after.recomputed_nodes == on_log["recompute"] == 15
+    assert copies == {"Reshape": 8, "LayerNormalization": 5, "Gelu": 2, "FusedMatMul": 2,
+                      "Add": 2, "Softmax": 2}  # fmt: skip
+    assert on_log["recompute"] == 15 and on_log["recompute_attention"] == 6
+    assert after.recomputed_nodes == 21
     assert (before.kept_count, before.kept_bytes) == (39, 378_624)
-    assert (after.kept_count, after.kept_bytes) == (29, 206_336)
+    # (29, 206_336 with the probabilities kept: 2 x [2, 4, 16, 16] floats)
+    assert (after.kept_count, after.kept_bytes) == (27, 189_952)
     # (562_948 before the embedding gradients scattered straight into the gradient sum;
     # 586_500 before the loss was lowered to Softmax, which frees the log-probabilities)
-    assert (before.planned_peak_bytes, after.planned_peak_bytes) == (578_308, 561_668)
-    assert (planned_peak_bytes(off), planned_peak_bytes(on)) == (578_308, 561_668)
+    # (561_668 with the probabilities kept)
+    assert (before.planned_peak_bytes, after.planned_peak_bytes) == (578_308, 553_476)
+    assert (planned_peak_bytes(off), planned_peak_bytes(on)) == (578_308, 553_476)
 
     feeds = {n: p.detach().numpy() for n, p in params.items()}
     feeds.update({k: v.numpy() for k, v in batch.items()})
