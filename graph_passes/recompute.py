@@ -136,25 +136,38 @@ class _Recompute:
         node = v.producer()
         assert node is not None
         inputs = [None if x is None else self.clone(x, anchor) for x in node.inputs]
-        meta = dict(node.metadata_props)
-        meta[GRAD_OF] = anchor.metadata_props[GRAD_OF]
-        meta[RECOMPUTE_OF] = node.name or ""
-        new = ir.Node(
-            node.domain,
-            node.op_type,
-            inputs,
-            attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
-            num_outputs=len(node.outputs),
-            name=f"{node.name}/recompute",
-            metadata_props=meta,
-            version=node.version,
-        )
-        for old, out in zip(node.outputs, new.outputs):
-            out.name = f"{old.name}/recompute" if old.name else ""
-            out.shape, out.type = old.shape, old.type
-            self.clones[id(old)] = out
-        self.graph.insert_before(anchor, new)
+        copy_before(self.graph, node, inputs, anchor, self.clones)
         return self.clones[id(v)]
+
+
+def copy_before(
+    graph: ir.Graph,
+    node: ir.Node,
+    inputs: list[ir.Value | None],
+    anchor: ir.Node,
+    clones: dict[int, ir.Value],
+) -> ir.Node:
+    """A backward copy of forward ``node`` reading ``inputs``, inserted before ``anchor``
+    (and tagged as serving it); ``clones`` maps each original output's id to the copy's."""
+    meta = dict(node.metadata_props)
+    meta[GRAD_OF] = anchor.metadata_props[GRAD_OF]
+    meta[RECOMPUTE_OF] = node.name or ""
+    new = ir.Node(
+        node.domain,
+        node.op_type,
+        inputs,
+        attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
+        num_outputs=len(node.outputs),
+        name=f"{node.name}/recompute",
+        metadata_props=meta,
+        version=node.version,
+    )
+    for old, out in zip(node.outputs, new.outputs, strict=True):
+        out.name = f"{old.name}/recompute" if old.name else ""
+        out.shape, out.type = old.shape, old.type
+        clones[id(old)] = out
+    graph.insert_before(anchor, new)
+    return new
 
 
 def recompute_cheap_values(

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from graph_passes.tags import GRAD_OF, RECOMPUTE_OF, is_backward
+from graph_passes.recompute import copy_before
+from graph_passes.tags import is_backward
 
 _STD = ("", "ai.onnx")
 _MS = "com.microsoft"
@@ -118,25 +119,7 @@ def recompute_attention_probs(model: ir.Model) -> int:
         clones: dict[int, ir.Value] = {}
         for node in chain:
             inputs = [None if x is None else clones.get(id(x), x) for x in node.inputs]
-            meta = dict(node.metadata_props)
-            meta[GRAD_OF] = first.metadata_props[GRAD_OF]
-            meta[RECOMPUTE_OF] = node.name or ""
-            new = ir.Node(
-                node.domain,
-                node.op_type,
-                inputs,
-                attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
-                num_outputs=1,
-                name=f"{node.name}/recompute",
-                metadata_props=meta,
-                version=node.version,
-            )
-            old = node.outputs[0]
-            out = new.outputs[0]
-            out.name = f"{old.name}/recompute" if old.name else ""
-            out.shape, out.type = old.shape, old.type
-            clones[id(old)] = out
-            graph.insert_before(first, new)
+            copy_before(graph, node, inputs, first, clones)
         copy = clones[id(softmax.outputs[0])]
         for use in readers:
             use.node.replace_input_with(use.idx, copy)
