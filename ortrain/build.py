@@ -25,6 +25,7 @@ from ortrain.export import ExportedForward, LossFn, export_here
 from ortrain.roles import GraphIO, Role
 
 if TYPE_CHECKING:
+    import onnx
     import onnx_ir as ir
 
 
@@ -177,17 +178,37 @@ class _Log:
             )
 
 
+def prepare_for_ort(graph: onnx.GraphProto) -> None:
+    """In place: the node order ONNX Runtime should run (``ort_order``) and the kernels on
+    the products' threads (``kernel_threads``); neither changes what the graph computes."""
+    from graph_passes.kernel_threads import place_kernel_threads
+    from graph_passes.ort_order import order_for_ort
+
+    order_for_ort(graph)
+    place_kernel_threads(graph)
+
+
+def serialize_for_ort(model: ir.Model) -> tuple[bytes, bool]:
+    """(the model prepared for ONNX Runtime, serialized; whether it has recomputed copies)."""
+    import onnx_ir as ir
+
+    from graph_passes.tags import RECOMPUTE_OF
+
+    proto = ir.serde.serialize_model(model)
+    prepare_for_ort(proto.graph)
+    return proto.SerializeToString(), any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
+
+
 def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
     import onnx_ir as ir
 
     from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
     from graph_passes.memory_plan import planned_peak_bytes
-    from graph_passes.ort_order import order_for_ort
     from graph_passes.tags import RECOMPUTE_OF
 
     proto = ir.serde.serialize_model(model)
     data = proto.SerializeToString()
-    order_for_ort(proto.graph)
+    prepare_for_ort(proto.graph)
     return BuiltGraph(
         ort_data=proto.SerializeToString(),
         data=data,

@@ -344,11 +344,13 @@ def _counts(model: ir.Model) -> dict[str, int]:
     return out
 
 
-def train_against_eager(model, batches, opt_cls, **kw) -> ORTTrainer:
-    """Train ``model`` with ortrain's CPU kernels and a deep copy in eager side by side:
-    losses each step and parameters at the end, element-wise."""
+def train_against_eager(
+    model, batches, opt_cls, options: TrainerOptions | None = None, **kw
+) -> ORTTrainer:
+    """Train ``model`` with ortrain's CPU kernels (or ``options``) and a deep copy in eager
+    side by side: losses each step and parameters at the end, element-wise."""
     ref = copy.deepcopy(model)
-    options = TrainerOptions(cpu_kernels="ortrain")
+    options = options or TrainerOptions(cpu_kernels="ortrain")
     trainer = ORTTrainer(model, opt_cls(model.parameters(), **kw), options)
     ref_opt = opt_cls(ref.parameters(), **kw)
     for batch in batches:

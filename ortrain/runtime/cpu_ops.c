@@ -8,6 +8,7 @@
 
 const OrtApi* ortrain_api17 = NULL;
 int ortrain_omp_team = 0;
+long ortrain_team_runs = 0;
 
 int ortrain_cpu_ops_abi_version(void) { return 4; }
 
@@ -66,6 +67,10 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   OrtStatus* st = API_FN(api, I_KernelInfoGetAttribute_float, GetAttrFloatFn)(info, "epsilon",
                                                                             &k->epsilon);
   if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), k->epsilon = 1e-5f; /* absent */
+  int64_t team = 1;
+  st = API_FN(api, I_KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "omp_team", &team);
+  if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), team = 1; /* absent */
+  k->omp_team = team != 0;
   *out = k;
   return NULL;
 }

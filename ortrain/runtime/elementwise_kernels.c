@@ -106,7 +106,7 @@ static OrtStatus* binary_compute(const Kernel* k, OrtKernelContext* ctx, int op)
   const size_t out_rank = a.rank > b.rank ? a.rank : b.rank;
   if ((st = output(k, ctx, 0, w.dims, out_rank, &w.y))) return st;
   if (count == 0) return NULL;
-  for_blocks(ctx, binary_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, binary_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 
@@ -159,6 +159,6 @@ OrtStatus* ortrain_sum_compute(void* kernel, OrtKernelContext* ctx) {
   }
   w.n = x[0].count;
   if ((st = output(k, ctx, 0, x[0].dims, x[0].rank, &w.y))) return st;
-  for_blocks(ctx, sum_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  for_blocks(k, ctx, sum_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }

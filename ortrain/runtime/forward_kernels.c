@@ -110,7 +110,7 @@ OrtStatus* ortrain_layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
   if (n_outputs > 1 && (st = optional_output(k, ctx, 1, stat, x.rank, &w.mean))) return st;
   if (n_outputs > 2 && (st = optional_output(k, ctx, 2, stat, x.rank, &w.inv_std))) return st;
   if (n_outputs > 3 && (st = optional_output(k, ctx, 3, x.dims, x.rank, &w.sum))) return st;
-  for_blocks(ctx, norm_block, div_up((size_t)rows, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, norm_block, div_up((size_t)rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 
@@ -139,7 +139,7 @@ static OrtStatus* map_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn bl
   if (st) return st;
   Map w = {(const float*)x.data, NULL, x.count};
   if ((st = output(k, ctx, 0, x.dims, x.rank, &w.y))) return st;
-  for_blocks(ctx, block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  for_blocks(k, ctx, block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }
 

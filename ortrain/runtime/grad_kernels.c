@@ -73,7 +73,7 @@ static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn b
   Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, NULL, x.count};
   if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx))) return st;
   if (n_outputs > 1 && (st = output(k, ctx, 1, x.dims, x.rank, &w.y))) return st;
-  for_blocks(ctx, w.y != NULL ? y_block : block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  for_blocks(k, ctx, w.y != NULL ? y_block : block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }
 
@@ -118,7 +118,7 @@ OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx) {
   w.rows = w.cols ? y.count / w.cols : 0;
   w.rows_per_block = rows_per_block(w.cols);
   if ((st = output(k, ctx, 0, y.dims, y.rank, &w.dx))) return st;
-  for_blocks(ctx, softmax_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, softmax_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 
@@ -221,7 +221,7 @@ OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx) 
   if (w.partial == NULL)
     return API_FN(k->api, I_CreateStatus, CreateStatusFn)(
         ORT_FAIL, "ortrain.cpu.LayerNormGrad: out of memory for the row-sum partials");
-  for_blocks(ctx, layer_norm_block, blocks, &w);
+  for_blocks(k, ctx, layer_norm_block, blocks, &w);
   for (int64_t c = 0; c < cols; ++c) dscale[c] = dbias[c] = 0.0f;
   for (size_t b = 0; b < blocks; ++b) { /* in block order: independent of the threads */
     const float* p = w.partial + b * 2 * (size_t)cols;
@@ -306,7 +306,7 @@ OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx)
   start[0] = 0;
   w.start = start;
   w.order = order;
-  for_blocks(ctx, scatter_block, div_up((size_t)n_base, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, scatter_block, div_up((size_t)n_base, (size_t)w.rows_per_block), &w);
   free(start);
   free(order);
   return NULL;

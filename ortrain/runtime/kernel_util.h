@@ -88,21 +88,35 @@ static inline float gelu_tanh_slope(float x, float* value) {
   return s + x * s * (e * s) * (GELU_K + 3.0f * GELU_A * GELU_K * x2);
 }
 
+/* ------------------------------------------------------------------ kernels */
+typedef struct {
+  const OrtApi* api;
+  const char* name; /* the op's name, for messages */
+  float epsilon;    /* the "epsilon" attribute (LayerNorm), default 1e-5 */
+  int omp_team;     /* the "omp_team" attribute, default 1: 0 keeps this node's blocks on
+                       ONNX Runtime's threads (graph_passes/kernel_threads.py) */
+} Kernel;
+
 /* ------------------------------------------------------------------- threading */
 typedef void (*BlockFn)(void* work, size_t block);
 
 /* fn(work, b) for every block b. On torch's OpenMP team when the library was built with
- * OpenMP and Python checked that it binds torch's own runtime (ortrain_use_omp_team): the
- * BLAS products run on that team, whose workers spin a while after each product, so a
- * kernel run on ONNX Runtime's threads instead shares their cores with the spinning ones
- * (FastGeluGrad between two products: 1.1 -> 0.87 ms on the team). Else on the session's
- * intra-op threads when the runtime offers them (API 17), else on this thread. The order
- * blocks run in never changes a result. A refused hand-off (ParallelFor checks its
- * arguments before it runs anything) runs every block here instead. */
-static inline void for_blocks(const OrtKernelContext* ctx, BlockFn fn, size_t n_blocks, void* work) {
+ * OpenMP, Python checked that it binds torch's own runtime (ortrain_use_omp_team) and the
+ * node's omp_team attribute leaves it there: the BLAS products run on that team, whose
+ * workers spin a while after each product, so a kernel run on ONNX Runtime's threads
+ * instead shares their cores with the spinning ones (FastGeluGrad between two products:
+ * 1.1 -> 0.87 ms on the team). Where the products are ONNX Runtime's own (MLAS, on its
+ * intra-op threads), the team's spinning would slow them instead (gpt2-tiny's step 255 ->
+ * 348 ms on an AMD EPYC): those graphs say omp_team = 0. Else on the session's intra-op
+ * threads when the runtime offers them (API 17), else on this thread. The order blocks
+ * run in never changes a result. A refused hand-off (ParallelFor checks its arguments
+ * before it runs anything) runs every block here instead. */
+static inline void for_blocks(const Kernel* k, const OrtKernelContext* ctx, BlockFn fn,
+                              size_t n_blocks, void* work) {
 #ifdef _OPENMP
-  if (ortrain_omp_team && n_blocks > 1) {
+  if (ortrain_omp_team && k->omp_team && n_blocks > 1) {
     const long n = (long)n_blocks;
+    __atomic_add_fetch(&ortrain_team_runs, 1, __ATOMIC_RELAXED);
 #pragma omp parallel for schedule(dynamic, 1)
     for (long b = 0; b < n; ++b) fn(work, (size_t)b);
     return;
@@ -120,11 +134,6 @@ static inline void for_blocks(const OrtKernelContext* ctx, BlockFn fn, size_t n_
 static inline size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
 /* ------------------------------------------------------------------ operands */
-typedef struct {
-  const OrtApi* api;
-  const char* name; /* the op's name, for messages */
-  float epsilon;    /* the "epsilon" attribute (LayerNorm), default 1e-5 */
-} Kernel;
 
 typedef struct {
   int64_t dims[8];

@@ -75,7 +75,7 @@ OrtStatus* ortrain_split_last_compute(void* kernel, OrtKernelContext* ctx) {
     w.width[p] = dims[x.rank - 1];
     if ((st = output(k, ctx, p, dims, x.rank, &w.dst[p]))) return st;
   }
-  for_blocks(ctx, split_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, split_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 
@@ -113,7 +113,7 @@ OrtStatus* ortrain_concat_last_compute(void* kernel, OrtKernelContext* ctx) {
   for (size_t d = 0; d + 1 < x[0].rank && !w.width[0]; ++d) w.rows *= x[0].dims[d];
   w.rows_per_block = rows_per_block(w.total);
   if ((st = output(k, ctx, 0, dims, x[0].rank, &w.dst[0]))) return st;
-  for_blocks(ctx, concat_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, concat_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 
@@ -167,7 +167,7 @@ static OrtStatus* scatter_last(const Kernel* k, OrtKernelContext* ctx, int add) 
   if ((st = output(k, ctx, 0, data.dims, data.rank, &out))) return st;
   if (out != (float*)data.data) {
     Copy w = {(const float*)data.data, out, data.count};
-    for_blocks(ctx, copy_block, div_up((size_t)data.count, ELEMS_PER_BLOCK), &w);
+    for_blocks(k, ctx, copy_block, div_up((size_t)data.count, ELEMS_PER_BLOCK), &w);
   }
   const float* u = (const float*)upd.data;
   for (int64_t i = 0; i < idx.count; ++i) {

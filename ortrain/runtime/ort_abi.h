@@ -156,5 +156,7 @@ int ortrain_have_sgemm(void);
 extern const OrtApi* ortrain_api17;
 /* nonzero: the kernels' blocks run on the OpenMP team (kernel_util.h: for_blocks) */
 extern int ortrain_omp_team;
+/* how many kernel calls ran their blocks on the team (tests read it) */
+extern long ortrain_team_runs;
 
 #endif

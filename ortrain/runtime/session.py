@@ -20,7 +20,7 @@ import onnxruntime as ort
 import torch
 
 from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
-from ortrain.build import BuiltGraph
+from ortrain.build import BuiltGraph, serialize_for_ort
 from ortrain.errors import DeviceError
 from ortrain.runtime import cpu_ops
 
@@ -131,19 +131,6 @@ def register_cpu_arena(planned_peak_bytes: int = 0) -> None:
     with contextlib.suppress(Exception):  # one registered already: use that one
         ort.create_and_register_allocator(info, ort.OrtArenaCfg(cfg))
     _arena_registered = True
-
-
-def serialize_for_ort(model: ir.Model) -> tuple[bytes, bool]:
-    """(the model ordered for ONNX Runtime, serialized; whether it has recomputed copies)."""
-    import onnx_ir as ir
-
-    from graph_passes.ort_order import order_for_ort
-    from graph_passes.tags import RECOMPUTE_OF
-
-    recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
-    proto = ir.serde.serialize_model(model)
-    order_for_ort(proto.graph)
-    return proto.SerializeToString(), recomputes
 
 
 def make_session(

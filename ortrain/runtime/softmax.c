@@ -113,6 +113,6 @@ OrtStatus* ortrain_softmax_compute(void* kernel, OrtKernelContext* ctx) {
     w.bias = (const float*)bias.data;
   }
   if ((st = output(k, ctx, 0, x.dims, x.rank, &w.y))) return st;
-  for_blocks(ctx, softmax_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  for_blocks(k, ctx, softmax_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }

@@ -93,7 +93,7 @@ OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx) {
   Adam w = {(float*)p.data, (float*)m.data, (float*)v.data, (const float*)g.data, p.count,
             hv[H_LR], hv[H_BETA1], hv[H_BETA2], hv[H_EPS], hv[H_WD],
             (float)((double)hv[H_LR] / bc1), (float)sqrt(bc2), hv[H_DECOUPLED] != 0.0f};
-  for_blocks(ctx, adam_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  for_blocks(k, ctx, adam_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   *done = 1.0f;
   return NULL;
 }
