@@ -25,6 +25,7 @@ from graph_passes.kernel_threads import ATTRIBUTE, place_kernel_threads
 from ortrain import TrainerOptions
 from ortrain.runtime import cpu_ops
 from tests.conftest import gpt2, lm_batches
+from tests.test_blas_gemm import _library as _blas_library
 from tests.test_forward_kernels import _session, train_against_eager
 from tests.test_grad_kernels import _f32, _library
 
@@ -91,8 +92,8 @@ def test_the_kernel_honours_the_attribute() -> None:
 
 @pytest.mark.parametrize("gemm", ["onnxruntime", "blas"])
 def test_trainer_graphs_follow_their_products(gemm: str) -> None:
-    if gemm == "blas" and not cpu_ops.use_blas_gemm("blas"):
-        pytest.skip("no BLAS GEMM op here (torch without an sgemm_)")
+    if gemm == "blas":
+        _blas_library()  # skips where a prerequisite is missing (no sgemm_ in torch)
     batches = lm_batches(3, batch=8, seq=64)  # products above blas_gemm's MIN_FLOPS
     options = TrainerOptions(cpu_gemm=gemm, cpu_kernels="ortrain")
     # SGD: parameters comparable element-wise after steps (train_against_eager's note)

@@ -134,7 +134,6 @@ static inline void for_blocks(const Kernel* k, const OrtKernelContext* ctx, Bloc
 static inline size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
 /* ------------------------------------------------------------------ operands */
-
 typedef struct {
   int64_t dims[8];
   size_t rank;
