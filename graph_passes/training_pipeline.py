@@ -53,6 +53,9 @@ left out with ``optimize=False``):
                        the graph (``update_groups`` given; needs ``cpu_kernels``): no
                        gradient outlives its update. ``scatter_in_place`` then only adds
                        its early leaf (the gradients are no buffers of the trainer's)
+    transposed_weight_grad  a vocabulary-sized weight gradient only its update reads
+                       made as ``dW^T`` (MLAS's faster orientation), the update and the
+                       tied table's scatter reading it so
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
 from graph_passes.recompute_attention import recompute_attention_probs
 from graph_passes.scatter_in_place import base_ready_leaves, scatter_into_gradients
 from graph_passes.scatter_rows import lower_scatter_add_rows
+from graph_passes.transposed_weight_grad import transpose_weight_gradients
 from graph_passes.update_in_backward import update_in_backward
 
 
@@ -215,6 +219,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
             )
 
         passes.append(Pass("update_in_backward", _update))
+        passes.append(Pass("transposed_weight_grad", transpose_weight_gradients))
     return passes
 
 

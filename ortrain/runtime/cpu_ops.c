@@ -71,6 +71,11 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   st = API_FN(api, I_KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "omp_team", &team);
   if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), team = 1; /* absent */
   k->omp_team = team != 0;
+  int64_t transposed = 0;
+  st = API_FN(api, I_KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "grad_transposed",
+                                                                  &transposed);
+  if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), transposed = 0; /* absent */
+  k->grad_transposed = transposed != 0;
   *out = k;
   return NULL;
 }
@@ -143,6 +148,8 @@ static const KernelOp g_ops[] = {
     /* out may take base's buffer: a tied embedding's gradient, whose optimizer update runs
      * in the backward (update_in_backward.py), where no bound gradient buffer holds it */
     KERNEL_OP_INPLACE("ScatterAddRows", 3, 3, 1, 1, ortrain_scatter_add_rows_compute, 1),
+    /* ... and the same into a table kept transposed (AdamStep's grad_transposed) */
+    KERNEL_OP_INPLACE("ScatterAddColumns", 3, 3, 1, 1, ortrain_scatter_add_columns_compute, 1),
     /* bias optional; Y may take X's buffer (a loss head's [tokens, vocab] logits: without
      * it GPT-2 tiny's peak RSS grows by their 32 MiB, as ONNX Runtime's Softmax offers) */
     KERNEL_OP_INPLACE("Softmax", 2, 1, 1, 1, ortrain_softmax_compute, -1),

@@ -25,6 +25,9 @@
  *     (base [V, ...], rows int64 [N] (or [N, 1]), updates [N, ...]; an embedding's
  *     gradient: ScatterElements(add) with the row index expanded over each row, one
  *     index per element, runs 10x slower; graph_passes/scatter_rows.py moves those here)
+ *   ScatterAddColumns(base, cols, updates) -> out   out = base; out[:, cols[i]] += updates[i]
+ *     (base [W, V], cols int64 [N] (or [N, 1]), updates [N, W]: the same sum where the
+ *     table's gradient is kept transposed; graph_passes/transposed_weight_grad.py)
  *
  * Work is cut into fixed blocks (of elements or rows) run on the session's intra-op
  * threads (KernelContext_ParallelFor); the row sums of LayerNormGrad are per-block
@@ -258,6 +261,44 @@ static void scatter_block(void* work, size_t b) {
   }
 }
 
+/* A counting sort of the updates by destination (stable: index order kept within one):
+ * destination v's updates are order[start[v] .. start[v+1]). Both arrays are the caller's
+ * to free; NULL status on success. */
+static OrtStatus* sort_by_destination(const Kernel* k, const int64_t* r, int64_t count,
+                                      int64_t n_dest, int64_t** start_out, int64_t** order_out) {
+  int64_t* start = (int64_t*)calloc((size_t)n_dest + 1, sizeof(int64_t));
+  int64_t* order = (int64_t*)malloc((count ? (size_t)count : 1) * sizeof(int64_t));
+  if (start == NULL || order == NULL) {
+    free(start);
+    free(order);
+    char msg[128];
+    snprintf(msg, sizeof msg, "ortrain.cpu.%s: out of memory for the update order", k->name);
+    return API_FN(k->api, I_CreateStatus, CreateStatusFn)(ORT_FAIL, msg);
+  }
+  for (int64_t i = 0; i < count; ++i) ++start[(r[i] < 0 ? r[i] + n_dest : r[i]) + 1];
+  for (int64_t v = 0; v < n_dest; ++v) start[v + 1] += start[v];
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t v = r[i] < 0 ? r[i] + n_dest : r[i];
+    order[start[v]++] = i; /* start[v] runs up to v+1's start ... */
+  }
+  for (int64_t v = n_dest; v > 0; --v) start[v] = start[v - 1]; /* ... shifted back */
+  start[0] = 0;
+  *start_out = start;
+  *order_out = order;
+  return NULL;
+}
+
+/* Every index in [-n, n), or an error naming the entry */
+static OrtStatus* check_indices(const Kernel* k, const int64_t* r, int64_t count, int64_t n,
+                                const char* what) {
+  for (int64_t i = 0; i < count; ++i)
+    if (r[i] < -n || r[i] >= n)
+      return ort_invalid(k->api,
+                         "ortrain.cpu.%s: index %lld (entry %lld) is out of range for %lld %s",
+                         k->name, (long long)r[i], (long long)i, (long long)n, what);
+  return NULL;
+}
+
 OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor base, rows, updates;
@@ -278,36 +319,92 @@ OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx)
                        su, sb, sr);
   }
   const int64_t* r = (const int64_t*)rows.data;
-  for (int64_t i = 0; i < rows.count; ++i)
-    if (r[i] < -n_base || r[i] >= n_base)
-      return ort_invalid(k->api,
-                         "ortrain.cpu.ScatterAddRows: index %lld (entry %lld) is out of range "
-                         "for %lld rows",
-                         (long long)r[i], (long long)i, (long long)n_base);
+  if ((st = check_indices(k, r, rows.count, n_base, "rows"))) return st;
   Scatter w = {(const float*)base.data, (const float*)updates.data, NULL, NULL, NULL,
                n_base, width, rows_per_block(width)};
   if ((st = output(k, ctx, 0, base.dims, base.rank, &w.out))) return st;
-  /* a counting sort of the updates by destination row (stable: index order kept) */
-  int64_t* start = (int64_t*)calloc((size_t)n_base + 1, sizeof(int64_t));
-  int64_t* order = (int64_t*)malloc((rows.count ? (size_t)rows.count : 1) * sizeof(int64_t));
-  if (start == NULL || order == NULL) {
-    free(start);
-    free(order);
-    return API_FN(k->api, I_CreateStatus, CreateStatusFn)(
-        ORT_FAIL, "ortrain.cpu.ScatterAddRows: out of memory for the row order");
-  }
-  for (int64_t i = 0; i < rows.count; ++i) ++start[(r[i] < 0 ? r[i] + n_base : r[i]) + 1];
-  for (int64_t v = 0; v < n_base; ++v) start[v + 1] += start[v];
-  for (int64_t i = 0; i < rows.count; ++i) {
-    int64_t v = r[i] < 0 ? r[i] + n_base : r[i];
-    order[start[v]++] = i; /* start[v] runs up to row v+1's start ... */
-  }
-  for (int64_t v = n_base; v > 0; --v) start[v] = start[v - 1]; /* ... shifted back */
-  start[0] = 0;
+  int64_t *start, *order;
+  if ((st = sort_by_destination(k, r, rows.count, n_base, &start, &order))) return st;
   w.start = start;
   w.order = order;
   for_blocks(k, ctx, scatter_block, div_up((size_t)n_base, (size_t)w.rows_per_block), &w);
   free(start);
   free(order);
+  return NULL;
+}
+
+/* -------------------------------------------------------- column scatter-add */
+typedef struct {
+  const float* base;
+  const float* updates;
+  float* out;
+  const int64_t* order; /* update indices grouped by column, ascending within a column */
+  const int64_t* cols;  /* the destination column of each entry of order */
+  int64_t n_rows, n_cols, count, rows_per_block;
+} ColumnScatter;
+
+/* Output rows [lo, hi): base's row plus, at each update's column, that update's element
+ * for the row, the updates in the row scatter's order (so the sums are bit for bit the
+ * row scatter's of the transposed table) */
+static void column_scatter_block(void* work, size_t b) {
+  const ColumnScatter* w = (const ColumnScatter*)work;
+  int64_t lo = (int64_t)b * w->rows_per_block, hi = lo + w->rows_per_block;
+  if (hi > w->n_rows) hi = w->n_rows;
+  const int64_t n = w->n_cols;
+  if (w->out != w->base)
+    memcpy(w->out + lo * n, w->base + lo * n, (size_t)((hi - lo) * n) * sizeof(float));
+  for (int64_t j = 0; j < w->count; ++j) {
+    const float* restrict src = w->updates + w->order[j] * w->n_rows;
+    float* restrict dst = w->out + w->cols[j];
+    for (int64_t r = lo; r < hi; ++r) dst[r * n] += src[r];
+  }
+}
+
+OrtStatus* ortrain_scatter_add_columns_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor base, cols, updates;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &base)) || (st = input_typed(k, ctx, 1, &cols, ELEM_INT64)) ||
+      (st = input(k, ctx, 2, &updates)))
+    return st;
+  if (base.rank != 2) {
+    char sb[128];
+    shape_text(&base, sb, sizeof sb);
+    return ort_invalid(k->api, "ortrain.cpu.ScatterAddColumns: base is %s; expected 2-D", sb);
+  }
+  const int64_t n_rows = base.dims[0], n_cols = base.dims[1];
+  if (updates.count != cols.count * n_rows) {
+    char sb[128], su[128], sc[128];
+    shape_text(&base, sb, sizeof sb);
+    shape_text(&updates, su, sizeof su);
+    shape_text(&cols, sc, sizeof sc);
+    return ort_invalid(k->api,
+                       "ortrain.cpu.ScatterAddColumns: updates %s do not hold one column of "
+                       "base %s per index (cols %s)",
+                       su, sb, sc);
+  }
+  const int64_t* c = (const int64_t*)cols.data;
+  if ((st = check_indices(k, c, cols.count, n_cols, "columns"))) return st;
+  ColumnScatter w = {(const float*)base.data, (const float*)updates.data, NULL, NULL, NULL,
+                     n_rows, n_cols, cols.count, 16};
+  if ((st = output(k, ctx, 0, base.dims, base.rank, &w.out))) return st;
+  int64_t *start, *order;
+  if ((st = sort_by_destination(k, c, cols.count, n_cols, &start, &order))) return st;
+  int64_t* dest = (int64_t*)malloc((cols.count ? (size_t)cols.count : 1) * sizeof(int64_t));
+  if (dest == NULL) {
+    free(start);
+    free(order);
+    return API_FN(k->api, I_CreateStatus, CreateStatusFn)(
+        ORT_FAIL, "ortrain.cpu.ScatterAddColumns: out of memory for the update order");
+  }
+  for (int64_t v = 0; v < n_cols; ++v)
+    for (int64_t j = start[v]; j < start[v + 1]; ++j) dest[j] = v;
+  w.order = order;
+  w.cols = dest;
+  for_blocks(k, ctx, column_scatter_block, div_up((size_t)n_rows, (size_t)w.rows_per_block),
+             &w);
+  free(start);
+  free(order);
+  free(dest);
   return NULL;
 }

@@ -95,6 +95,7 @@ typedef struct {
   float epsilon;    /* the "epsilon" attribute (LayerNorm), default 1e-5 */
   int omp_team;     /* the "omp_team" attribute, default 1: 0 keeps this node's blocks on
                        ONNX Runtime's threads (graph_passes/kernel_threads.py) */
+  int grad_transposed; /* AdamStep's "grad_transposed" attribute, default 0 */
 } Kernel;
 
 /* ------------------------------------------------------------------- threading */
@@ -238,6 +239,7 @@ OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_scatter_add_columns_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_softmax_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_layer_norm_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_gelu_compute(void* kernel, OrtKernelContext* ctx);

@@ -19,8 +19,16 @@
  * P, M and V are graph inputs, bound to the trainer's buffers; writing through their
  * const-qualified pointers is what makes the update in place (ONNX Runtime never hands a
  * kernel a copy of a bound input on the CPU). Blocks touch disjoint elements, once each.
+ *
+ * Attribute grad_transposed = 1: P is [R, C] and G its transpose [C, R], a weight gradient
+ * made in the product's faster orientation (graph_passes/transposed_weight_grad.py). A
+ * block is then a run of TILE_ROWS rows of P; each tile of G^T is gathered first (one
+ * cache line of G per column) and the same element loop runs on it: the same results.
  */
 #include <math.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 #include "kernel_util.h"
 
@@ -29,7 +37,7 @@ enum { H_LR, H_BETA1, H_BETA2, H_EPS, H_WD, H_STEP, H_DECOUPLED, H_COUNT };
 typedef struct {
   float *p, *m, *v;
   const float* g;
-  int64_t n;
+  int64_t n, rows; /* rows: P's first dim, where G is P's transpose */
   float lr, beta1, beta2, eps, wd, step_size, bc2_sqrt;
   int decoupled;
 } Adam;
@@ -37,20 +45,14 @@ typedef struct {
 /* decay: the decoupled weight decay factor (1 - lr wd; 1 without); l2: Adam's wd (0 for
  * AdamW). One loop for both, branch-free, so it vectorizes (the library is built with
  * -fno-math-errno: sqrtf is then a vector square root, as in torch's kernel). */
-static void adam_block(void* work, size_t blk) {
-  const Adam* w = (const Adam*)work;
-  int64_t lo = (int64_t)blk * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
-  if (hi > w->n) hi = w->n;
-  float* restrict p = w->p;
-  float* restrict m = w->m;
-  float* restrict v = w->v;
-  const float* restrict g = w->g;
+static inline void adam_span(const Adam* w, float* restrict p, float* restrict m,
+                             float* restrict v, const float* restrict g, int64_t n) {
   const float one_minus_b1 = 1.0f - w->beta1, one_minus_b2 = 1.0f - w->beta2, beta2 = w->beta2;
   const float decay = w->decoupled ? 1.0f - w->lr * w->wd : 1.0f;
   const float l2 = w->decoupled ? 0.0f : w->wd;
   const float step_size = w->step_size, bc2_sqrt = w->bc2_sqrt, eps = w->eps;
 #pragma omp simd
-  for (int64_t i = lo; i < hi; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float pi = p[i] * decay;
     const float gi = g[i] + l2 * p[i];
     const float mi = m[i] + one_minus_b1 * (gi - m[i]);
@@ -61,6 +63,66 @@ static void adam_block(void* work, size_t blk) {
   }
 }
 
+static void adam_block(void* work, size_t blk) {
+  const Adam* w = (const Adam*)work;
+  int64_t lo = (int64_t)blk * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;
+  if (hi > w->n) hi = w->n;
+  adam_span(w, w->p + lo, w->m + lo, w->v + lo, w->g + lo, hi - lo);
+}
+
+enum { TILE_ROWS = 64, TILE_COLS = 64 }; /* 16 KiB: each column of G read 256 B at a time */
+
+/* tile[r * TILE_COLS + c] = g[c * ld + r] for r < nr, c < nc: 8 x 8 blocks in AVX
+ * registers where the compiler targets AVX (a scalar loop transposes at a third of the
+ * speed), the edges one element at a time */
+static void gather_transposed(const float* restrict g, int64_t ld, float* restrict tile,
+                              int64_t nr, int64_t nc) {
+  int64_t r8 = 0, c8 = 0;
+#ifdef __AVX__
+  r8 = nr & ~(int64_t)7, c8 = nc & ~(int64_t)7;
+  for (int64_t c = 0; c < c8; c += 8)
+    for (int64_t r = 0; r < r8; r += 8) {
+      __m256 x[8], t[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(g + (c + i) * ld + r);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        x[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        x[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        x[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        x[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(tile + (r + j) * TILE_COLS + c, t[j]);
+    }
+#endif
+  for (int64_t c = 0; c < nc; ++c) { /* what the blocks left: right columns, bottom rows */
+    const float* src = g + c * ld;
+    for (int64_t r = c < c8 ? r8 : 0; r < nr; ++r) tile[r * TILE_COLS + c] = src[r];
+  }
+}
+
+/* Rows [lo, lo + TILE_ROWS) of P [rows, cols] from G [cols, rows], in column tiles */
+static void adam_transposed_block(void* work, size_t blk) {
+  const Adam* w = (const Adam*)work;
+  const int64_t rows = w->rows, cols = w->n / w->rows;
+  const int64_t lo = (int64_t)blk * TILE_ROWS, nr = rows - lo < TILE_ROWS ? rows - lo : TILE_ROWS;
+  float tile[TILE_ROWS * TILE_COLS];
+  for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLS) {
+    const int64_t nc = cols - c0 < TILE_COLS ? cols - c0 : TILE_COLS;
+    gather_transposed(w->g + c0 * rows + lo, rows, tile, nr, nc);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t at = (lo + r) * cols + c0;
+      adam_span(w, w->p + at, w->m + at, w->v + at, tile + r * TILE_COLS, nc);
+    }
+  }
+}
+
 OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel* k = (const Kernel*)kernel;
   Tensor p, g, m, v, h, loss;
@@ -68,8 +130,20 @@ OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx) {
   if ((st = input(k, ctx, 0, &p)) || (st = input(k, ctx, 1, &g)) || (st = input(k, ctx, 2, &m)) ||
       (st = input(k, ctx, 3, &v)) || (st = input(k, ctx, 4, &h)) || (st = input(k, ctx, 5, &loss)))
     return st;
-  if ((st = same_shape(k, &g, "gradient G", &p, "parameter P")) ||
-      (st = same_shape(k, &m, "exp_avg M", &p, "parameter P")) ||
+  if (k->grad_transposed) {
+    if (p.rank != 2 || g.rank != 2 || g.dims[0] != p.dims[1] || g.dims[1] != p.dims[0]) {
+      char sg[128], sp[128];
+      shape_text(&g, sg, sizeof sg);
+      shape_text(&p, sp, sizeof sp);
+      return ort_invalid(k->api,
+                         "ortrain.cpu.AdamStep: gradient G is %s but parameter P is %s "
+                         "(grad_transposed: G must be P's transpose, both 2-D)",
+                         sg, sp);
+    }
+  } else if ((st = same_shape(k, &g, "gradient G", &p, "parameter P"))) {
+    return st;
+  }
+  if ((st = same_shape(k, &m, "exp_avg M", &p, "parameter P")) ||
       (st = same_shape(k, &v, "exp_avg_sq V", &p, "parameter P")))
     return st;
   if (h.count != H_COUNT)
@@ -91,9 +165,12 @@ OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx) {
   double t = hv[H_STEP];
   double bc1 = 1.0 - pow((double)hv[H_BETA1], t), bc2 = 1.0 - pow((double)hv[H_BETA2], t);
   Adam w = {(float*)p.data, (float*)m.data, (float*)v.data, (const float*)g.data, p.count,
-            hv[H_LR], hv[H_BETA1], hv[H_BETA2], hv[H_EPS], hv[H_WD],
+            p.rank ? p.dims[0] : 1, hv[H_LR], hv[H_BETA1], hv[H_BETA2], hv[H_EPS], hv[H_WD],
             (float)((double)hv[H_LR] / bc1), (float)sqrt(bc2), hv[H_DECOUPLED] != 0.0f};
-  for_blocks(k, ctx, adam_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  if (k->grad_transposed && w.n > 0)
+    for_blocks(k, ctx, adam_transposed_block, div_up((size_t)w.rows, TILE_ROWS), &w);
+  else
+    for_blocks(k, ctx, adam_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   *done = 1.0f;
   return NULL;
 }
