@@ -18,7 +18,7 @@ from graph_passes.interface import CPU_DOMAIN, HYPER_NAMES
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library
-from tests.test_update_in_backward import _adamw, _hyper, _pair, _train_pair
+from tests.test_update_in_backward import _adamw, _hyper, _pair, _train_pair, untied_llama
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid(CPU_DOMAIN, 1)]
@@ -274,20 +274,12 @@ def test_gpt2_trains_like_torch_kernels_with_transposed_gradients(
 def test_bert_and_an_untied_llama_train_like_eager_with_transposed_gradients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     _library()
     monkeypatch.setattr(twg, "MIN_ROWS", 257)  # the 300-row tables, not the 256-row MLPs
     model = bert_mlm(hidden=64, layers=2, vocab=300)
     trainer = train_against_eager(model, bert_batches(3, vocab=300), torch.optim.AdamW, lr=1e-3)
     assert trainer._in_backward and _transposed(trainer) == (1, 1)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    llama = LlamaForCausalLM(config)
+    llama = untied_llama(vocab=300)
     trainer = train_against_eager(llama, lm_batches(3, vocab=300), torch.optim.Adam, lr=1e-3)
     # the untied head's weight (no scatter); the embedding table's gradient is a scatter
     # of zeros, not a product

@@ -328,19 +328,24 @@ def test_bert_with_a_frozen_part_and_two_groups_on_a_schedule() -> None:
             assert torch.equal(p, frozen[n]), n
 
 
-def test_llama_untied_head_trains_like_eager() -> None:
-    """ "auto" picks the update in the backward; losses and parameters follow eager
-    AdamW (``train_against_eager``)."""
+def untied_llama(vocab: int) -> torch.nn.Module:
+    """A 2-layer Llama (grouped-query attention) whose LM head is its own weight."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _library()
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def test_llama_untied_head_trains_like_eager() -> None:
+    """ "auto" picks the update in the backward; losses and parameters follow eager
+    AdamW (``train_against_eager``)."""
+    _library()
+    model = untied_llama(vocab=128)
     trainer = train_against_eager(model, lm_batches(3, vocab=128), torch.optim.AdamW, lr=1e-3)
     assert trainer._in_backward
     assert _ops(trainer).count("AdamStep") == len(trainer.params)
