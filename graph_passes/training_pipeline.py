@@ -56,6 +56,9 @@ left out with ``optimize=False``):
     transposed_weight_grad  a vocabulary-sized weight gradient only its update reads
                        made as ``dW^T`` (MLAS's faster orientation), the update and the
                        tied table's scatter reading it so
+19. transposed_activations  a weight gradient's activation operand written transposed
+                       by the LayerNorm / GELU-backward kernel that makes it, the product
+                       then plain (MLAS's ``transA`` is slower; ``cpu_kernels=True``)
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
 from graph_passes.recompute_attention import recompute_attention_probs
 from graph_passes.scatter_in_place import base_ready_leaves, scatter_into_gradients
 from graph_passes.scatter_rows import lower_scatter_add_rows
+from graph_passes.transposed_activations import write_activations_transposed
 from graph_passes.transposed_weight_grad import transpose_weight_gradients
 from graph_passes.update_in_backward import update_in_backward
 
@@ -220,6 +224,8 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
 
         passes.append(Pass("update_in_backward", _update))
         passes.append(Pass("transposed_weight_grad", transpose_weight_gradients))
+    if build.cpu_kernels:
+        passes.append(Pass("transposed_activations", write_activations_transposed))
     return passes
 
 

@@ -13,7 +13,9 @@
  *     S = X + skip (or X), mean = avg(S), inv_std = 1 / sqrt(avg((S - mean)^2) + epsilon),
  *     Y = (S - mean) * inv_std * scale + bias; mean and inv_std have S's shape with a last
  *     axis of 1 (ONNX LayerNormalization's, axis = -1); sum is S (asked for with skip).
- *     epsilon: attribute (default 1e-5).
+ *     epsilon: attribute (default 1e-5). y_transposed = 1: Y is stored [cols, rows], the
+ *     transpose of S's 2-D view (kernel_util.h: TRANSPOSED_ROWS), for a weight gradient
+ *     that reads it as a plain product's operand (graph_passes/transposed_activations.py).
  *   Gelu(X) -> Y       Y = X Phi(X)                                  (erf GELU)
  *   FastGelu(X) -> Y   Y = X sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
  *
@@ -30,14 +32,66 @@ typedef struct {
   int64_t rows, cols, rows_per_block;
 } Norm;
 
+/* mean and 1 / std of the row S = x (+ skip) over n columns: two passes, in 16 running
+ * sums (they vectorize) */
+static inline void row_stats(const float* restrict x, const float* restrict skip, int64_t n,
+                             float epsilon, float* mu_out, float* rs_out) {
+  const float inv_n = 1.0f / (float)n;
+  float acc[16] = {0};
+  int64_t c = 0;
+  if (skip != NULL) {
+    for (; c + 16 <= n; c += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += x[c + j] + skip[c + j];
+  } else {
+    for (; c + 16 <= n; c += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += x[c + j];
+  }
+  float total = 0.0f;
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  for (; c < n; ++c) total += skip != NULL ? x[c] + skip[c] : x[c];
+  const float mu = total * inv_n;
+  float sq[16] = {0};
+  if (skip != NULL) {
+    for (c = 0; c + 16 <= n; c += 16)
+      for (int j = 0; j < 16; ++j) {
+        float d = x[c + j] + skip[c + j] - mu;
+        sq[j] += d * d;
+      }
+  } else {
+    for (c = 0; c + 16 <= n; c += 16)
+      for (int j = 0; j < 16; ++j) {
+        float d = x[c + j] - mu;
+        sq[j] += d * d;
+      }
+  }
+  float var = 0.0f;
+  for (int j = 0; j < 16; ++j) var += sq[j];
+  for (; c < n; ++c) {
+    const float d = (skip != NULL ? x[c] + skip[c] : x[c]) - mu;
+    var += d * d;
+  }
+  *mu_out = mu;
+  *rs_out = 1.0f / sqrtf(var * inv_n + epsilon);
+}
+
+/* y = (s - mu) * rs * scale + bias (bias NULL: none) over n columns; s may be y itself
+ * (no restrict on either: the simd pragma vectorizes the loop anyway) */
+static inline void norm_span(const float* s, float mu, float rs, const float* restrict scale,
+                             const float* restrict bias, float* y, int64_t n) {
+  if (bias != NULL) {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) y[c] = (s[c] - mu) * rs * scale[c] + bias[c];
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) y[c] = (s[c] - mu) * rs * scale[c];
+  }
+}
+
 static void norm_block(void* work, size_t b) {
   const Norm* w = (const Norm*)work;
   int64_t lo = (int64_t)b * w->rows_per_block, hi = lo + w->rows_per_block;
   if (hi > w->rows) hi = w->rows;
   const int64_t n = w->cols;
-  const float inv_n = 1.0f / (float)n;
-  const float* restrict scale = w->scale;
-  const float* restrict bias = w->bias;
   for (int64_t r = lo; r < hi; ++r) {
     const float* restrict x = w->x + r * n;
     float* restrict y = w->y + r * n;
@@ -49,33 +103,47 @@ static void norm_block(void* work, size_t b) {
       for (int64_t c = 0; c < n; ++c) out[c] = x[c] + skip[c];
       s = out;
     }
-    float acc[16] = {0};
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += s[c + j];
-    float total = 0.0f;
-    for (int j = 0; j < 16; ++j) total += acc[j];
-    for (; c < n; ++c) total += s[c];
-    const float mu = total * inv_n;
-    float sq[16] = {0};
-    for (c = 0; c + 16 <= n; c += 16)
-      for (int j = 0; j < 16; ++j) {
-        float d = s[c + j] - mu;
-        sq[j] += d * d;
-      }
-    float var = 0.0f;
-    for (int j = 0; j < 16; ++j) var += sq[j];
-    for (; c < n; ++c) var += (s[c] - mu) * (s[c] - mu);
-    const float rs = 1.0f / sqrtf(var * inv_n + w->epsilon);
-    if (bias != NULL) {
-#pragma omp simd
-      for (c = 0; c < n; ++c) y[c] = (s[c] - mu) * rs * scale[c] + bias[c];
-    } else {
-#pragma omp simd
-      for (c = 0; c < n; ++c) y[c] = (s[c] - mu) * rs * scale[c];
-    }
+    float mu, rs;
+    row_stats(s, NULL, n, w->epsilon, &mu, &rs);
+    norm_span(s, mu, rs, w->scale, w->bias, y, n);
     if (w->mean != NULL) w->mean[r] = mu;
     if (w->inv_std != NULL) w->inv_std[r] = rs;
+  }
+}
+
+/* y_transposed = 1: Y is stored [cols, rows], the transpose of S's 2-D view (kernel_util.h:
+ * TRANSPOSED_ROWS) */
+static void norm_transposed_block(void* work, size_t b) {
+  const Norm* w = (const Norm*)work;
+  const int64_t n = w->cols, lo = (int64_t)b * TRANSPOSED_ROWS;
+  const int64_t nr = w->rows - lo < TRANSPOSED_ROWS ? w->rows - lo : TRANSPOSED_ROWS;
+  float mu[TRANSPOSED_ROWS], rs[TRANSPOSED_ROWS];
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t at = (lo + r) * n;
+    const float* skip = w->skip != NULL ? w->skip + at : NULL;
+    if (skip != NULL && w->sum != NULL) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) w->sum[at + c] = w->x[at + c] + skip[c];
+    }
+    row_stats(w->x + at, skip, n, w->epsilon, &mu[r], &rs[r]);
+    if (w->mean != NULL) w->mean[lo + r] = mu[r];
+    if (w->inv_std != NULL) w->inv_std[lo + r] = rs[r];
+  }
+  float tile[TRANSPOSED_ROWS * TILE_COLUMNS], s[TILE_COLUMNS];
+  for (int64_t c0 = 0; c0 < n; c0 += TILE_COLUMNS) {
+    const int64_t nc = n - c0 < TILE_COLUMNS ? n - c0 : TILE_COLUMNS;
+    const float* bias = w->bias != NULL ? w->bias + c0 : NULL;
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t at = (lo + r) * n + c0;
+      const float* row = w->x + at;
+      if (w->skip != NULL) { /* S as the row path has it: x + skip, rounded once */
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) s[c] = w->x[at + c] + w->skip[at + c];
+        row = s;
+      }
+      norm_span(row, mu[r], rs[r], w->scale + c0, bias, tile + r * TILE_COLUMNS, nc);
+    }
+    transpose_into(tile, TILE_COLUMNS, w->y + c0 * w->rows + lo, w->rows, nr, nc);
   }
 }
 
@@ -106,11 +174,17 @@ OrtStatus* ortrain_layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t stat[8];
   for (size_t d = 0; d < x.rank; ++d) stat[d] = x.dims[d];
   stat[x.rank - 1] = 1;
-  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.y))) return st;
+  const int64_t y_dims[2] = {cols, rows}; /* y_transposed: S's 2-D view, transposed */
+  if (k->y_transposed) st = output(k, ctx, 0, y_dims, 2, &w.y);
+  else st = output(k, ctx, 0, x.dims, x.rank, &w.y);
+  if (st) return st;
   if (n_outputs > 1 && (st = optional_output(k, ctx, 1, stat, x.rank, &w.mean))) return st;
   if (n_outputs > 2 && (st = optional_output(k, ctx, 2, stat, x.rank, &w.inv_std))) return st;
   if (n_outputs > 3 && (st = optional_output(k, ctx, 3, x.dims, x.rank, &w.sum))) return st;
-  for_blocks(k, ctx, norm_block, div_up((size_t)rows, (size_t)w.rows_per_block), &w);
+  if (k->y_transposed)
+    for_blocks(k, ctx, norm_transposed_block, div_up((size_t)rows, TRANSPOSED_ROWS), &w);
+  else
+    for_blocks(k, ctx, norm_block, div_up((size_t)rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 

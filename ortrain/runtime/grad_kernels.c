@@ -14,7 +14,9 @@
  *   FastGeluGrad(dY, X) -> dX [, Y]  dX = dY * (s + X s (1 - s) k (1 + 3a X^2)), Y = X s,
  *                                s = sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
  *     (Y, optional: the GELU itself, which the backward would otherwise recompute for the
- *     next layer's weight gradient; graph_passes/gelu_value.py asks for it)
+ *     next layer's weight gradient; graph_passes/gelu_value.py asks for it; y_transposed
+ *     = 1: stored [cols, rows], the transpose of X's 2-D view, for that weight gradient's
+ *     plain product: graph_passes/transposed_activations.py)
  *   SoftmaxGrad(dY, Y) -> dX     dX = Y * (dY - sum(dY * Y)) over the last axis
  *   LayerNormGrad(dY, X, scale, mean, inv_std [, dsum]) -> dX, dscale, dbias   over the
  *     last axis: xhat = (X - mean) * inv_std, g = dY * scale,
@@ -41,51 +43,87 @@ typedef struct {
   const float* x;
   float* dx;
   float* y; /* NULL: not asked for */
-  int64_t n;
+  int64_t n, rows, cols; /* rows x cols: X's 2-D view (y_transposed) */
 } Pointwise;
 
-/* dx = dy * slope(x) (and y = gelu(x)) over one block; one function per slope and output
+/* dx = dy * slope(x) (and y = gelu(x)) over n elements; one function per slope and output
  * set, so each loop inlines it and vectorizes (an unused value is never computed) */
-#define GELU_BLOCK(name, slope, with_y)                                       \
-  static void name(void* work, size_t b) {                                    \
-    const Pointwise* w = (const Pointwise*)work;                              \
-    int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK;     \
-    if (hi > w->n) hi = w->n;                                                 \
-    const float* restrict dy = w->dy;                                         \
-    const float* restrict x = w->x;                                           \
-    float* restrict dx = w->dx;                                               \
-    float* restrict y = w->y;                                                 \
-    for (int64_t i = lo; i < hi; ++i) {                                       \
-      float value;                                                            \
-      dx[i] = dy[i] * slope(x[i], &value);                                    \
-      if (with_y) y[i] = value;                                               \
-    }                                                                         \
+#define GELU_SPAN(name, slope, with_y)                                                   \
+  static inline void name(const float* restrict dy, const float* restrict x,             \
+                          float* restrict dx, float* restrict y, int64_t n) {            \
+    for (int64_t i = 0; i < n; ++i) {                                                    \
+      float value;                                                                       \
+      dx[i] = dy[i] * slope(x[i], &value);                                               \
+      if (with_y) y[i] = value;                                                          \
+    }                                                                                    \
   }
-GELU_BLOCK(gelu_erf_block, gelu_erf_slope, 0)
-GELU_BLOCK(gelu_tanh_block, gelu_tanh_slope, 0)
-GELU_BLOCK(gelu_erf_y_block, gelu_erf_slope, 1)
-GELU_BLOCK(gelu_tanh_y_block, gelu_tanh_slope, 1)
+GELU_SPAN(gelu_erf_span, gelu_erf_slope, 0)
+GELU_SPAN(gelu_tanh_span, gelu_tanh_slope, 0)
+GELU_SPAN(gelu_erf_y_span, gelu_erf_slope, 1)
+GELU_SPAN(gelu_tanh_y_span, gelu_tanh_slope, 1)
+
+#define GELU_BLOCK(name, span)                                            \
+  static void name(void* work, size_t b) {                                \
+    const Pointwise* w = (const Pointwise*)work;                          \
+    int64_t lo = (int64_t)b * ELEMS_PER_BLOCK, hi = lo + ELEMS_PER_BLOCK; \
+    if (hi > w->n) hi = w->n;                                             \
+    span(w->dy + lo, w->x + lo, w->dx + lo, w->y ? w->y + lo : NULL, hi - lo); \
+  }
+GELU_BLOCK(gelu_erf_block, gelu_erf_span)
+GELU_BLOCK(gelu_tanh_block, gelu_tanh_span)
+GELU_BLOCK(gelu_erf_y_block, gelu_erf_y_span)
+GELU_BLOCK(gelu_tanh_y_block, gelu_tanh_y_span)
+
+/* y_transposed: Y stored [cols, rows] (kernel_util.h: TRANSPOSED_ROWS) */
+#define GELU_TRANSPOSED_BLOCK(name, span)                                                    \
+  static void name(void* work, size_t b) {                                                   \
+    const Pointwise* w = (const Pointwise*)work;                                             \
+    const int64_t n = w->cols, lo = (int64_t)b * TRANSPOSED_ROWS;                            \
+    const int64_t nr = w->rows - lo < TRANSPOSED_ROWS ? w->rows - lo : TRANSPOSED_ROWS;      \
+    float tile[TRANSPOSED_ROWS * TILE_COLUMNS];                                              \
+    for (int64_t c0 = 0; c0 < n; c0 += TILE_COLUMNS) {                                       \
+      const int64_t nc = n - c0 < TILE_COLUMNS ? n - c0 : TILE_COLUMNS;                      \
+      for (int64_t r = 0; r < nr; ++r) {                                                     \
+        const int64_t at = (lo + r) * n + c0;                                                \
+        span(w->dy + at, w->x + at, w->dx + at, tile + r * TILE_COLUMNS, nc);                \
+      }                                                                                      \
+      transpose_into(tile, TILE_COLUMNS, w->y + c0 * w->rows + lo, w->rows, nr, nc);         \
+    }                                                                                        \
+  }
+GELU_TRANSPOSED_BLOCK(gelu_erf_t_block, gelu_erf_y_span)
+GELU_TRANSPOSED_BLOCK(gelu_tanh_t_block, gelu_tanh_y_span)
 
 static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block,
-                               BlockFn y_block) {
+                               BlockFn y_block, BlockFn t_block) {
   Tensor dy, x;
   size_t n_outputs = 0;
   OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutputCount, GetOutputCountFn)(ctx, &n_outputs);
   if (st || (st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x))) return st;
   if ((st = same_shape(k, &dy, "dY", &x, "X"))) return st;
-  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, NULL, x.count};
+  const int64_t cols = x.rank ? x.dims[x.rank - 1] : 1, rows = cols ? x.count / cols : 0;
+  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, NULL, x.count, rows, cols};
   if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx))) return st;
+  if (k->y_transposed) {
+    if (n_outputs < 2)
+      return ort_invalid(k->api, "ortrain.cpu.%s: y_transposed = 1 needs the Y output", k->name);
+    const int64_t y_dims[2] = {cols, rows}; /* X's 2-D view, transposed */
+    if ((st = output(k, ctx, 1, y_dims, 2, &w.y))) return st;
+    for_blocks(k, ctx, t_block, div_up((size_t)rows, TRANSPOSED_ROWS), &w);
+    return NULL;
+  }
   if (n_outputs > 1 && (st = output(k, ctx, 1, x.dims, x.rank, &w.y))) return st;
   for_blocks(k, ctx, w.y != NULL ? y_block : block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }
 
 OrtStatus* ortrain_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
-  return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block, gelu_erf_y_block);
+  return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block, gelu_erf_y_block,
+                      gelu_erf_t_block);
 }
 
 OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
-  return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block, gelu_tanh_y_block);
+  return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block, gelu_tanh_y_block,
+                      gelu_tanh_t_block);
 }
 
 /* ------------------------------------------------------------ Softmax backward */

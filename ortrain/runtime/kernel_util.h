@@ -11,6 +11,10 @@
 
 #include "ort_abi.h"
 
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
 #define ELEMS_PER_BLOCK 16384 /* 64 KiB of each operand per block */
 
 /* ------------------------------------------------------------------------- math */
@@ -88,6 +92,49 @@ static inline float gelu_tanh_slope(float x, float* value) {
   return s + x * s * (e * s) * (GELU_K + 3.0f * GELU_A * GELU_K * x2);
 }
 
+/* ------------------------------------------------------------------- transposes */
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 8 x 8 blocks in AVX
+ * registers where the compiler targets AVX (a scalar loop transposes at a third of the
+ * speed), the edges one element at a time. Pure data movement: bit-exact. */
+static inline void transpose_into(const float* restrict src, int64_t lds, float* restrict dst,
+                                  int64_t ldd, int64_t rows, int64_t cols) {
+  int64_t r8 = 0, c8 = 0;
+#ifdef __AVX__
+  r8 = rows & ~(int64_t)7, c8 = cols & ~(int64_t)7;
+  for (int64_t c = 0; c < c8; c += 8) /* a column's rows in turn: its lines fill at once */
+    for (int64_t r = 0; r < r8; r += 8) {
+      __m256 x[8], t[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * lds + c);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        x[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        x[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        x[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        x[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (c + j) * ldd + r, t[j]);
+    }
+#endif
+  for (int64_t r = 0; r < rows; ++r) { /* what the blocks left: right columns, bottom rows */
+    const float* row = src + r * lds;
+    for (int64_t c = r < r8 ? c8 : 0; c < cols; ++c) dst[c * ldd + r] = row[c];
+  }
+}
+
+/* An output made with y_transposed = 1 is stored [cols, rows], the transpose of its 2-D
+ * view [rows, cols], for a weight gradient that reads it as a plain product's left operand
+ * (graph_passes/transposed_activations.py). Its kernels take TRANSPOSED_ROWS rows a block:
+ * their values go to a tile of TILE_COLUMNS columns, then into Y's columns (16 rows: one
+ * cache line of each). */
+enum { TRANSPOSED_ROWS = 16, TILE_COLUMNS = 256 };
+
 /* ------------------------------------------------------------------ kernels */
 typedef struct {
   const OrtApi* api;
@@ -96,6 +143,7 @@ typedef struct {
   int omp_team;     /* the "omp_team" attribute, default 1: 0 keeps this node's blocks on
                        ONNX Runtime's threads (graph_passes/kernel_threads.py) */
   int grad_transposed; /* AdamStep's "grad_transposed" attribute, default 0 */
+  int y_transposed;    /* LayerNorm's / GeluGrad's "y_transposed" attribute, default 0 */
 } Kernel;
 
 /* ------------------------------------------------------------------- threading */

@@ -26,10 +26,6 @@
  * cache line of G per column) and the same element loop runs on it: the same results.
  */
 #include <math.h>
-#ifdef __AVX__
-#include <immintrin.h>
-#endif
-
 #include "kernel_util.h"
 
 enum { H_LR, H_BETA1, H_BETA2, H_EPS, H_WD, H_STEP, H_DECOUPLED, H_COUNT };
@@ -72,41 +68,6 @@ static void adam_block(void* work, size_t blk) {
 
 enum { TILE_ROWS = 64, TILE_COLS = 64 }; /* 16 KiB: each column of G read 256 B at a time */
 
-/* tile[r * TILE_COLS + c] = g[c * ld + r] for r < nr, c < nc: 8 x 8 blocks in AVX
- * registers where the compiler targets AVX (a scalar loop transposes at a third of the
- * speed), the edges one element at a time */
-static void gather_transposed(const float* restrict g, int64_t ld, float* restrict tile,
-                              int64_t nr, int64_t nc) {
-  int64_t r8 = 0, c8 = 0;
-#ifdef __AVX__
-  r8 = nr & ~(int64_t)7, c8 = nc & ~(int64_t)7;
-  for (int64_t c = 0; c < c8; c += 8)
-    for (int64_t r = 0; r < r8; r += 8) {
-      __m256 x[8], t[8];
-      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(g + (c + i) * ld + r);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        x[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        x[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        x[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        x[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      for (int i = 0; i < 4; ++i) {
-        t[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
-        t[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
-      }
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(tile + (r + j) * TILE_COLS + c, t[j]);
-    }
-#endif
-  for (int64_t c = 0; c < nc; ++c) { /* what the blocks left: right columns, bottom rows */
-    const float* src = g + c * ld;
-    for (int64_t r = c < c8 ? r8 : 0; r < nr; ++r) tile[r * TILE_COLS + c] = src[r];
-  }
-}
-
 /* Rows [lo, lo + TILE_ROWS) of P [rows, cols] from G [cols, rows], in column tiles */
 static void adam_transposed_block(void* work, size_t blk) {
   const Adam* w = (const Adam*)work;
@@ -115,7 +76,8 @@ static void adam_transposed_block(void* work, size_t blk) {
   float tile[TILE_ROWS * TILE_COLS];
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLS) {
     const int64_t nc = cols - c0 < TILE_COLS ? cols - c0 : TILE_COLS;
-    gather_transposed(w->g + c0 * rows + lo, rows, tile, nr, nc);
+    /* tile[r * TILE_COLS + c] = G[c0 + c, lo + r] */
+    transpose_into(w->g + c0 * rows + lo, rows, tile, TILE_COLS, nc, nr);
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t at = (lo + r) * cols + c0;
       adam_span(w, w->p + at, w->m + at, w->v + at, tile + r * TILE_COLS, nc);
