@@ -8,10 +8,14 @@ AMD EPYC (GPT-2 small's four weight-gradient shapes at 512 tokens, one-node sess
 155-172 -> 183-201 GFLOP/s). In the backward, X is mostly made right there by one of
 ortrain's kernels: the recomputed LayerNorm (``recompute.py``) before a layer's first
 product, the GELU value the GELU backward returns (``gelu_value.py``) before the MLP's
-second. Those kernels can write their output transposed at about the cost of writing it
-plainly (tiles of 16 rows x 256 columns transposed in registers; ``y_transposed``), so
-where that output's only reader is the product (through a flattening Reshape), the
-kernel writes ``X^T`` and the product reads it with ``transA=0``.
+second, the row-scaled head input ``sink_row_scale.py`` leaves on ``ortrain.cpu.Mul``
+before the tied head's ``dW^T`` (``transposed_weight_grad.py``). Those kernels can write
+their output transposed (``y_transposed``: tiles of 16 rows x 256 columns transposed in
+registers) for less than the product saves (GPT-2 small's GELU backward 0.8 -> 1.2 ms, a
+LayerNorm 0.15 -> 0.2 ms: the writes land a row of ``X^T`` apart; its c_proj weight
+gradient 15.6 -> 13.2 ms), so where that output's only reader is the product (through a
+flattening Reshape), the kernel writes ``X^T`` and the product reads it with
+``transA=0``.
 
 Not where the token count times 4 bytes is a multiple of 4096 (1024, 2048, 4096 tokens):
 MLAS then reads rows of ``X^T`` one page apart, which share a set of the L1 cache, and
@@ -33,7 +37,9 @@ ALIASING_BYTES = 4096  # a row stride that is a multiple of this aliases in L1 (
 _STD = ("", "ai.onnx")
 _ADAM_ORDERING = 6  # AdamStep(P, G, M, V, H, L, after0, ...)
 # ortrain.cpu kernels with y_transposed, and which of their outputs it transposes
-_TRANSPOSABLE = {"LayerNorm": 0, "GeluGrad": 1, "FastGeluGrad": 1}
+_TRANSPOSABLE = {
+    "LayerNorm": 0, "GeluGrad": 1, "FastGeluGrad": 1, "Mul": 0, "Add": 0, "Sub": 0
+}  # fmt: skip
 
 
 def write_activations_transposed(model: ir.Model) -> int:

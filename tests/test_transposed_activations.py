@@ -15,13 +15,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+import graph_passes.cpu_elementwise as cpu_elementwise
 import graph_passes.training_pipeline as tp
+import graph_passes.transposed_weight_grad as twg
 from graph_passes.interface import CPU_DOMAIN, HYPER_NAMES
 from graph_passes.transposed_activations import write_activations_transposed
 from ortrain import ORTTrainer, TrainerOptions
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library
+from tests.test_update_in_backward import _adamw, _pair, _train_pair
 
 F32 = TensorProto.FLOAT
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid(CPU_DOMAIN, 1)]
@@ -99,6 +102,32 @@ def test_gelu_backwards_write_y_transposed_bit_for_bit(shape, op: str, threads: 
     np.testing.assert_array_equal(y, _t2d(plain[1]))
 
 
+# same shape, a per-row scale ([rows, 1]: the loss's row coefficients), a row vector, a
+# broadcast middle axis, a scalar
+BROADCASTS = [
+    ((37, 300), (37, 300)),
+    ((70, 33), (70, 1)),
+    ((16, 256), (256,)),
+    ((3, 7, 33), (3, 1, 33)),
+    ((5, 1000), ()),
+]
+
+
+@pytest.mark.parametrize("shapes", BROADCASTS, ids=str)
+@pytest.mark.parametrize("op", ["Mul", "Add", "Sub"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_binary_ops_write_y_transposed_bit_for_bit(shapes, op: str, threads: int) -> None:
+    rng = np.random.default_rng(len(shapes[1]) * 1000 + shapes[0][-1])
+    feeds = {
+        "A": rng.standard_normal(shapes[0]).astype(np.float32),
+        "B": np.asarray(rng.standard_normal(shapes[1]), dtype=np.float32),
+    }
+    (plain,) = _run(helper.make_node(op, ["A", "B"], ["Y"], domain=CPU_DOMAIN), feeds, threads)
+    node = helper.make_node(op, ["A", "B"], ["Y"], domain=CPU_DOMAIN, y_transposed=1)
+    (transposed,) = _run(node, feeds, threads)
+    np.testing.assert_array_equal(transposed, _t2d(plain))
+
+
 def test_gelu_backward_y_transposed_needs_the_y_output() -> None:
     feeds = {"dY": np.ones((4, 8), np.float32), "X": np.ones((4, 8), np.float32)}
     node = helper.make_node("FastGeluGrad", ["dY", "X"], ["dX"], domain=CPU_DOMAIN, y_transposed=1)
@@ -132,7 +161,12 @@ def _weight_grad_graph(
     x, dy = _val("x", dims), _val("dY", [batch * seq, out])
     nodes: dict[str, ir.Node] = {}
     inputs = [x, dy]
-    if kernel == "LayerNorm":
+    if kernel == "Mul":  # a per-row scale (sink_row_scale.py's, on the head's input)
+        rows = _val("rows", [*dims[:-1], 1])
+        inputs.append(rows)
+        nodes["kernel"] = ir.Node(CPU_DOMAIN, "Mul", [x, rows], name="kernel")
+        index = 0
+    elif kernel == "LayerNorm":
         scale, bias = _val("scale", [hidden]), _val("bias", [hidden])
         inputs += [scale, bias]
         nodes["kernel"] = ir.Node(CPU_DOMAIN, "LayerNorm", [x, scale, bias], name="kernel")
@@ -145,7 +179,7 @@ def _weight_grad_graph(
     index = index if output_index is None else output_index
     act = _out(nodes["kernel"], index, "act", dims)
     other = None
-    if kernel != "LayerNorm":
+    if kernel not in ("LayerNorm", "Mul"):
         other = _out(nodes["kernel"], 1 - index, "other_out", dims)
     operand = act
     if reshape:
@@ -197,8 +231,9 @@ def _run_graph(model: ir.Model, seed: int = 0) -> dict[str, np.ndarray]:
         {"kernel": "FastGeluGrad"},
         {"kernel": "GeluGrad", "reshape": False},
         {"kernel": "LayerNorm", "ordering_reader": True},
+        {"kernel": "Mul", "reshape": False},
     ],
-    ids=["layer-norm", "layer-norm-2d", "fast-gelu-grad", "gelu-grad-2d", "update-after"],
+    ids=["layer-norm", "layer-norm-2d", "fast-gelu-grad", "gelu-grad-2d", "update-after", "mul"],
 )
 def test_pass_has_the_kernel_write_the_operand_transposed(kw: dict) -> None:
     before = _run_graph(_weight_grad_graph(**kw)[0])
@@ -206,7 +241,7 @@ def test_pass_has_the_kernel_write_the_operand_transposed(kw: dict) -> None:
     assert write_activations_transposed(model) == 1
     kernel, gemm = nodes["kernel"], nodes["gemm"]
     assert kernel.attributes["y_transposed"].value == 1
-    act = kernel.outputs[1 if kw["kernel"] != "LayerNorm" else 0]
+    act = kernel.outputs[1 if kw["kernel"].endswith("GeluGrad") else 0]
     assert list(act.shape.dims) == [12, 15]
     assert gemm.inputs[0] is act and gemm.attributes["transA"].value == 0
     assert "reshape" not in [n.name for n in model.graph]
@@ -281,6 +316,23 @@ def test_gpt2_odd_shapes_train_like_eager_with_transposed_activations(accumulate
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5, msg=name)
     assert _transposed(trainer) == {"LayerNorm": 4, "FastGeluGrad": 2}
+
+
+def test_a_transposed_head_gradient_reads_its_scaled_input_transposed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tied head's dW^T = Gemm(c * X, dY, transA=1) (transposed_weight_grad.py; its
+    threshold lowered to this 300-row table, above the 256-row MLP): the row-scaled input
+    sink_row_scale.py made, on ortrain's Mul kernel (cpu_elementwise.py's threshold
+    lowered to its 8192 elements), is written transposed too. Adam in the backward
+    against torch's kernels (eager Adam would amplify rounding noise of ~0 gradients)."""
+    _library()
+    monkeypatch.setattr(twg, "MIN_ROWS", 257)
+    monkeypatch.setattr(cpu_elementwise, "MIN_ELEMENTS", 4096)
+    model = gpt2(layers=1, hidden=64, vocab=300)
+    a, b = _pair(model, _adamw)
+    _train_pair(a, b, lm_batches(3, vocab=300))
+    assert _transposed(a) == {"LayerNorm": 2, "FastGeluGrad": 1, "Mul": 1}
 
 
 def test_bert_linear_weight_gradients_have_no_activation_operand() -> None:

@@ -12,7 +12,8 @@
  *
  * The output's rows (its last axis) are cut into blocks; each input's row is found from
  * its strides (0 along a broadcast axis), and an input broadcast along the last axis is
- * read as one value per row.
+ * read as one value per row. Mul / Add / Sub with y_transposed = 1 store Y [cols, rows],
+ * the transpose of its 2-D view (graph_passes/transposed_activations.py).
  */
 #include "kernel_util.h"
 
@@ -48,6 +49,17 @@ typedef struct {
 #define ADD(x, z) ((x) + (z))
 #define SUB(x, z) ((x) - (z))
 
+/* The row's offsets into A and B */
+static inline void row_offsets(const Binary* w, int64_t r, int64_t* oa, int64_t* ob) {
+  int64_t rest = r;
+  *oa = 0, *ob = 0;
+  for (size_t d = w->rank - 1; d-- > 0;) { /* the row's index along each leading axis */
+    const int64_t i = rest % w->dims[d];
+    rest /= w->dims[d];
+    *oa += i * w->sa[d], *ob += i * w->sb[d];
+  }
+}
+
 static void binary_block(void* work, size_t blk) {
   const Binary* w = (const Binary*)work;
   int64_t lo = (int64_t)blk * w->rows_per_block, hi = lo + w->rows_per_block;
@@ -56,12 +68,8 @@ static void binary_block(void* work, size_t blk) {
   const size_t last = w->rank - 1;
   const int ia = w->sa[last] != 0, ib = w->sb[last] != 0;
   for (int64_t r = lo; r < hi; ++r) {
-    int64_t oa = 0, ob = 0, rest = r;
-    for (size_t d = last; d-- > 0;) { /* the row's index along each leading axis */
-      const int64_t i = rest % w->dims[d];
-      rest /= w->dims[d];
-      oa += i * w->sa[d], ob += i * w->sb[d];
-    }
+    int64_t oa, ob;
+    row_offsets(w, r, &oa, &ob);
     const float* restrict a = w->a + oa;
     const float* restrict b = w->b + ob;
     float* restrict y = w->y + r * n;
@@ -70,6 +78,34 @@ static void binary_block(void* work, size_t blk) {
       case OP_ADD: ROW_LOOP(ADD) break;
       default: ROW_LOOP(SUB) break;
     }
+  }
+}
+
+/* y_transposed = 1: Y stored [cols, rows], the transpose of its 2-D view (kernel_util.h:
+ * TRANSPOSED_ROWS), for a weight gradient's plain product
+ * (graph_passes/transposed_activations.py) */
+static void binary_transposed_block(void* work, size_t blk) {
+  const Binary* w = (const Binary*)work;
+  const int64_t lo = (int64_t)blk * TRANSPOSED_ROWS, cols = w->cols;
+  const int64_t nr = w->rows - lo < TRANSPOSED_ROWS ? w->rows - lo : TRANSPOSED_ROWS;
+  const size_t last = w->rank - 1;
+  const int ia = w->sa[last] != 0, ib = w->sb[last] != 0;
+  int64_t oa[TRANSPOSED_ROWS], ob[TRANSPOSED_ROWS];
+  for (int64_t r = 0; r < nr; ++r) row_offsets(w, lo + r, &oa[r], &ob[r]);
+  float tile[TRANSPOSED_ROWS * TILE_COLUMNS];
+  for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLUMNS) {
+    const int64_t n = cols - c0 < TILE_COLUMNS ? cols - c0 : TILE_COLUMNS;
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* restrict a = w->a + oa[r] + (ia ? c0 : 0);
+      const float* restrict b = w->b + ob[r] + (ib ? c0 : 0);
+      float* restrict y = tile + r * TILE_COLUMNS;
+      switch (w->op) {
+        case OP_MUL: ROW_LOOP(MUL) break;
+        case OP_ADD: ROW_LOOP(ADD) break;
+        default: ROW_LOOP(SUB) break;
+      }
+    }
+    transpose_into(tile, TILE_COLUMNS, w->y + c0 * w->rows + lo, w->rows, nr, n);
   }
 }
 
@@ -104,9 +140,15 @@ static OrtStatus* binary_compute(const Kernel* k, OrtKernelContext* ctx, int op)
   w.rows = w.cols ? count / w.cols : 0;
   w.rows_per_block = rows_per_block(w.cols);
   const size_t out_rank = a.rank > b.rank ? a.rank : b.rank;
-  if ((st = output(k, ctx, 0, w.dims, out_rank, &w.y))) return st;
+  const int64_t y_dims[2] = {w.cols, w.rows}; /* y_transposed: the 2-D view, transposed */
+  if (k->y_transposed) st = output(k, ctx, 0, y_dims, 2, &w.y);
+  else st = output(k, ctx, 0, w.dims, out_rank, &w.y);
+  if (st) return st;
   if (count == 0) return NULL;
-  for_blocks(k, ctx, binary_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
+  if (k->y_transposed)
+    for_blocks(k, ctx, binary_transposed_block, div_up((size_t)w.rows, TRANSPOSED_ROWS), &w);
+  else
+    for_blocks(k, ctx, binary_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);
   return NULL;
 }
 
