@@ -56,9 +56,9 @@ left out with ``optimize=False``):
     transposed_weight_grad  a vocabulary-sized weight gradient only its update reads
                        made as ``dW^T`` (MLAS's faster orientation), the update and the
                        tied table's scatter reading it so
-19. transposed_activations  a weight gradient's activation operand written transposed
-                       by the LayerNorm / GELU-backward kernel that makes it, the product
-                       then plain (MLAS's ``transA`` is slower; ``cpu_kernels=True``)
+19. transposed_activations  kernel outputs (LayerNorm, GELU, GELU backward, Mul) written
+                       transposed where the products reading them run faster so (MLAS's
+                       ``transA``, rows 4 KiB apart); ``cpu_kernels=True``
 """
 
 from __future__ import annotations

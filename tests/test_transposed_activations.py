@@ -1,8 +1,8 @@
-"""graph_passes/transposed_activations.py and the kernels' ``y_transposed`` outputs:
-LayerNorm's Y and the GELU backwards' Y written transposed, held bit for bit to the plain
-kernels; the pass on hand-built graphs (what it rewrites, what it leaves); trainers whose
-weight gradients read transposed activations held to eager, and the token counts it
-leaves alone."""
+"""graph_passes/transposed_activations.py and the kernels' ``out_transposed`` outputs:
+LayerNorm's Y, the GELUs' and GELU backwards' outputs and Mul / Add / Sub written
+transposed, held bit for bit to the plain kernels; the pass on hand-built graphs (what
+it rewrites, what it leaves); trainers whose products read transposed activations held
+to eager, and the token counts it leaves alone."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_layer_norm_writes_y_transposed_bit_for_bit(shape, form: str, threads: i
         node = helper.make_node("LayerNorm", inputs, outputs, domain=CPU_DOMAIN, **attrs)
         return _run(node, {k: v for k, v in feeds.items()}, threads)
 
-    plain, transposed = run(), run(y_transposed=1)
+    plain, transposed = run(), run(out_transposed=1)
     assert transposed[0].shape == (cols, int(np.prod(shape[:-1])))
     np.testing.assert_array_equal(transposed[0], _t2d(plain[0]))
     for want, got in zip(plain[1:], transposed[1:], strict=True):  # stats, sum: unchanged
@@ -87,19 +87,35 @@ def test_layer_norm_writes_y_transposed_bit_for_bit(shape, form: str, threads: i
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("op", ["GeluGrad", "FastGeluGrad"])
+@pytest.mark.parametrize("bits", [1, 2, 3], ids=["dX", "Y", "both"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_gelu_backwards_write_y_transposed_bit_for_bit(shape, op: str, threads: int) -> None:
+def test_gelu_backwards_write_outputs_transposed_bit_for_bit(
+    shape, op: str, bits: int, threads: int
+) -> None:
     rng = np.random.default_rng(len(shape) * 100 + shape[-1])
     feeds = {
         "dY": rng.standard_normal(shape).astype(np.float32),
         "X": rng.standard_normal(shape).astype(np.float32) * 2,
     }
-    node = helper.make_node(op, ["dY", "X"], ["dX", "Y"], domain=CPU_DOMAIN)
-    plain = _run(node, feeds, threads)
-    node = helper.make_node(op, ["dY", "X"], ["dX", "Y"], domain=CPU_DOMAIN, y_transposed=1)
-    dx, y = _run(node, feeds, threads)
-    np.testing.assert_array_equal(dx, plain[0])
-    np.testing.assert_array_equal(y, _t2d(plain[1]))
+    plain = _run(helper.make_node(op, ["dY", "X"], ["dX", "Y"], domain=CPU_DOMAIN), feeds, threads)
+    node = helper.make_node(op, ["dY", "X"], ["dX", "Y"], domain=CPU_DOMAIN, out_transposed=bits)
+    got = _run(node, feeds, threads)
+    for i in range(2):
+        np.testing.assert_array_equal(got[i], _t2d(plain[i]) if bits >> i & 1 else plain[i])
+    if bits == 1:  # dX alone, no Y asked for
+        node = helper.make_node(op, ["dY", "X"], ["dX"], domain=CPU_DOMAIN, out_transposed=1)
+        np.testing.assert_array_equal(_run(node, feeds, threads)[0], _t2d(plain[0]))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("op", ["Gelu", "FastGelu"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gelus_write_y_transposed_bit_for_bit(shape, op: str, threads: int) -> None:
+    x = np.random.default_rng(shape[-1]).standard_normal(shape).astype(np.float32) * 2
+    (plain,) = _run(helper.make_node(op, ["X"], ["Y"], domain=CPU_DOMAIN), {"X": x}, threads)
+    node = helper.make_node(op, ["X"], ["Y"], domain=CPU_DOMAIN, out_transposed=1)
+    (transposed,) = _run(node, {"X": x}, threads)
+    np.testing.assert_array_equal(transposed, _t2d(plain))
 
 
 # same shape, a per-row scale ([rows, 1]: the loss's row coefficients), a row vector, a
@@ -123,15 +139,17 @@ def test_binary_ops_write_y_transposed_bit_for_bit(shapes, op: str, threads: int
         "B": np.asarray(rng.standard_normal(shapes[1]), dtype=np.float32),
     }
     (plain,) = _run(helper.make_node(op, ["A", "B"], ["Y"], domain=CPU_DOMAIN), feeds, threads)
-    node = helper.make_node(op, ["A", "B"], ["Y"], domain=CPU_DOMAIN, y_transposed=1)
+    node = helper.make_node(op, ["A", "B"], ["Y"], domain=CPU_DOMAIN, out_transposed=1)
     (transposed,) = _run(node, feeds, threads)
     np.testing.assert_array_equal(transposed, _t2d(plain))
 
 
-def test_gelu_backward_y_transposed_needs_the_y_output() -> None:
+def test_gelu_backward_marking_y_needs_the_y_output() -> None:
     feeds = {"dY": np.ones((4, 8), np.float32), "X": np.ones((4, 8), np.float32)}
-    node = helper.make_node("FastGeluGrad", ["dY", "X"], ["dX"], domain=CPU_DOMAIN, y_transposed=1)
-    with pytest.raises(Exception, match=r"FastGeluGrad: y_transposed = 1 needs the Y output"):
+    node = helper.make_node(
+        "FastGeluGrad", ["dY", "X"], ["dX"], domain=CPU_DOMAIN, out_transposed=2
+    )
+    with pytest.raises(Exception, match=r"FastGeluGrad: out_transposed marks Y, which is not"):
         _run(node, feeds)
 
 
@@ -154,17 +172,24 @@ def _weight_grad_graph(
     other_reader: bool = False,
     output_index: int | None = None,
     ordering_reader: bool = False,
+    trans_a: int = 1,
+    hidden: int = 12,
 ) -> tuple[ir.Model, dict[str, ir.Node]]:
-    """kernel -> [Reshape to 2-D ->] Gemm(X, dY, transA=1) = dW: a weight gradient."""
-    hidden, out = 12, 20
+    """kernel -> [Reshape to 2-D ->] Gemm(X, dY, transA=1) = dW: a weight gradient; or
+    (``trans_a=0``) Gemm(X, W), a layer's product."""
+    out = 20
     dims = [batch, seq, hidden] if reshape else [batch * seq, hidden]
-    x, dy = _val("x", dims), _val("dY", [batch * seq, out])
+    x = _val("x", dims)
+    dy = _val("dY", [batch * seq, out]) if trans_a else _val("W", [hidden, out])
     nodes: dict[str, ir.Node] = {}
     inputs = [x, dy]
     if kernel == "Mul":  # a per-row scale (sink_row_scale.py's, on the head's input)
         rows = _val("rows", [*dims[:-1], 1])
         inputs.append(rows)
         nodes["kernel"] = ir.Node(CPU_DOMAIN, "Mul", [x, rows], name="kernel")
+        index = 0
+    elif kernel == "FastGelu":
+        nodes["kernel"] = ir.Node(CPU_DOMAIN, "FastGelu", [x], name="kernel")
         index = 0
     elif kernel == "LayerNorm":
         scale, bias = _val("scale", [hidden]), _val("bias", [hidden])
@@ -179,16 +204,16 @@ def _weight_grad_graph(
     index = index if output_index is None else output_index
     act = _out(nodes["kernel"], index, "act", dims)
     other = None
-    if kernel not in ("LayerNorm", "Mul"):
+    if kernel.endswith("GeluGrad"):
         other = _out(nodes["kernel"], 1 - index, "other_out", dims)
     operand = act
     if reshape:
         shape = ir.Value(name="shape", const_value=ir.tensor(np.array([-1, hidden], np.int64)))
         nodes["reshape"] = ir.Node("", "Reshape", [act, shape], name="reshape")
         operand = _out(nodes["reshape"], 0, "act2d", [batch * seq, hidden])
-    attrs = [ir.AttrInt64("transA", 1)]
+    attrs = [ir.AttrInt64("transA", trans_a)]
     nodes["gemm"] = ir.Node("", "Gemm", [operand, dy], attrs, name="gemm")
-    outputs = [_out(nodes["gemm"], 0, "dW", [hidden, out])]
+    outputs = [_out(nodes["gemm"], 0, "dW", [hidden if trans_a else batch * seq, out])]
     if other is not None:
         outputs.append(other)
     if other_reader:
@@ -232,18 +257,32 @@ def _run_graph(model: ir.Model, seed: int = 0) -> dict[str, np.ndarray]:
         {"kernel": "GeluGrad", "reshape": False},
         {"kernel": "LayerNorm", "ordering_reader": True},
         {"kernel": "Mul", "reshape": False},
+        {"kernel": "FastGeluGrad", "output_index": 0},
+        # a plain product from rows 4 KiB apart (L1-aliased): transA reads them packed
+        {"kernel": "FastGelu", "trans_a": 0, "hidden": 1024},
     ],
-    ids=["layer-norm", "layer-norm-2d", "fast-gelu-grad", "gelu-grad-2d", "update-after", "mul"],
+    ids=[
+        "layer-norm",
+        "layer-norm-2d",
+        "fast-gelu-grad",
+        "gelu-grad-2d",
+        "update-after",
+        "mul",
+        "gelu-grad-dx",
+        "aliased-plain-product",
+    ],
 )
 def test_pass_has_the_kernel_write_the_operand_transposed(kw: dict) -> None:
     before = _run_graph(_weight_grad_graph(**kw)[0])
     model, nodes = _weight_grad_graph(**kw)
     assert write_activations_transposed(model) == 1
     kernel, gemm = nodes["kernel"], nodes["gemm"]
-    assert kernel.attributes["y_transposed"].value == 1
-    act = kernel.outputs[1 if kw["kernel"].endswith("GeluGrad") else 0]
-    assert list(act.shape.dims) == [12, 15]
-    assert gemm.inputs[0] is act and gemm.attributes["transA"].value == 0
+    index = kw.get("output_index", 1 if kw["kernel"].endswith("GeluGrad") else 0)
+    assert kernel.attributes["out_transposed"].value == 1 << index
+    act = kernel.outputs[index]
+    assert list(act.shape.dims) == [kw.get("hidden", 12), 15]
+    assert gemm.inputs[0] is act
+    assert gemm.attributes["transA"].value == 1 - kw.get("trans_a", 1)
     assert "reshape" not in [n.name for n in model.graph]
     after = _run_graph(model)
     assert after.keys() == before.keys()
@@ -257,15 +296,15 @@ def test_pass_has_the_kernel_write_the_operand_transposed(kw: dict) -> None:
     [
         {"batch": 16, "seq": 64},  # 1024 rows: one page between rows of X^T
         {"other_reader": True},
-        {"kernel": "FastGeluGrad", "output_index": 0},  # dX, not the GELU value
+        {"kernel": "FastGelu", "trans_a": 0},  # a plain product, rows not aliased: loses
     ],
-    ids=["page-aliased-rows", "another-reader", "not-the-value"],
+    ids=["page-aliased-rows", "another-reader", "plain-product"],
 )
 def test_pass_leaves_what_it_should_not_rewrite(kw: dict) -> None:
     model, nodes = _weight_grad_graph(**kw)
     assert write_activations_transposed(model) == 0
-    assert "y_transposed" not in nodes["kernel"].attributes
-    assert nodes["gemm"].attributes["transA"].value == 1
+    assert "out_transposed" not in nodes["kernel"].attributes
+    assert nodes["gemm"].attributes["transA"].value == kw.get("trans_a", 1)
 
 
 def test_pass_leaves_an_operand_that_is_a_graph_output() -> None:
@@ -278,7 +317,7 @@ def test_pass_leaves_an_operand_that_is_a_graph_output() -> None:
 def _transposed(trainer) -> dict[str, int]:
     counts: dict[str, int] = {}
     for n in trainer.train_graphs[0].graph:
-        if "y_transposed" in n.attributes:
+        if "out_transposed" in n.attributes:
             counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
 
@@ -335,9 +374,32 @@ def test_a_transposed_head_gradient_reads_its_scaled_input_transposed(
     assert _transposed(a) == {"LayerNorm": 2, "FastGeluGrad": 1, "Mul": 1}
 
 
+def test_an_aliased_mlp_width_reads_its_gelus_transposed() -> None:
+    """An MLP 1024 wide (rows 4 KiB apart): the forward's GELU output (the projection's
+    A) and the GELU backward's dX (the next product's A, the weight gradient's and the
+    bias gradient's B) are written transposed too."""
+    _library()
+    model = gpt2(layers=2, hidden=256, vocab=128)
+    trainer = train_against_eager(model, lm_batches(2, vocab=128), torch.optim.SGD, lr=0.3)
+    graph = trainer.train_graphs[0].graph
+    bits = {
+        n.op_type: n.attributes["out_transposed"].value
+        for n in graph
+        if "out_transposed" in n.attributes
+    }
+    assert _transposed(trainer) == {"LayerNorm": 4, "FastGelu": 2, "FastGeluGrad": 2}
+    assert bits["FastGeluGrad"] == 3 and bits["FastGelu"] == 1
+
+
 def test_bert_linear_weight_gradients_have_no_activation_operand() -> None:
     """nn.Linear's dW = dY^T X: the transA operand is the output's gradient, which the
-    input's gradient reads too, so BERT has no site; it trains as before."""
+    input's gradient reads too, so BERT at a 256-wide intermediate has no site; it trains
+    as before. At 1024 the GELU's output and the GELU backward's dX (both read plainly
+    from rows 4 KiB apart) are written transposed."""
+    _library()
+    big = bert_mlm(hidden=256, layers=1, vocab=300)
+    big_trainer = train_against_eager(big, bert_batches(2, vocab=300), torch.optim.SGD, lr=0.3)
+    assert _transposed(big_trainer) == {"Gelu": 1, "GeluGrad": 1}
     _library()
     model = bert_mlm(hidden=64, layers=2, vocab=300)
     trainer = train_against_eager(model, bert_batches(2, vocab=300), torch.optim.AdamW, lr=1e-3)
@@ -354,7 +416,7 @@ def test_page_aliased_token_counts_keep_the_transposed_product() -> None:
 
 @pytest.mark.parametrize("cpu_kernels", [True, False])
 def test_the_pass_runs_last_in_cpu_kernel_builds_only(cpu_kernels: bool) -> None:
-    """Without ortrain's kernels no ``y_transposed`` can be asked for; with them it runs
+    """Without ortrain's kernels no ``out_transposed`` can be asked for; with them it runs
     after every pass that could still move a product or its operand."""
     build = tp.TrainingBuild("loss", [], cpu_kernels=cpu_kernels)
     names = [p.name for p in tp.training_passes(build)]

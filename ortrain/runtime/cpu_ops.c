@@ -77,10 +77,10 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), transposed = 0; /* absent */
   k->grad_transposed = transposed != 0;
   transposed = 0;
-  st = API_FN(api, I_KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "y_transposed",
+  st = API_FN(api, I_KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "out_transposed",
                                                                   &transposed);
   if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), transposed = 0; /* absent */
-  k->y_transposed = transposed != 0;
+  k->out_transposed = (int)transposed;
   *out = k;
   return NULL;
 }

@@ -12,7 +12,7 @@
  *
  * The output's rows (its last axis) are cut into blocks; each input's row is found from
  * its strides (0 along a broadcast axis), and an input broadcast along the last axis is
- * read as one value per row. Mul / Add / Sub with y_transposed = 1 store Y [cols, rows],
+ * read as one value per row. Mul / Add / Sub with out_transposed = 1 store Y [cols, rows],
  * the transpose of its 2-D view (graph_passes/transposed_activations.py).
  */
 #include "kernel_util.h"
@@ -81,7 +81,7 @@ static void binary_block(void* work, size_t blk) {
   }
 }
 
-/* y_transposed = 1: Y stored [cols, rows], the transpose of its 2-D view (kernel_util.h:
+/* out_transposed = 1: Y stored [cols, rows], the transpose of its 2-D view (kernel_util.h:
  * TRANSPOSED_ROWS), for a weight gradient's plain product
  * (graph_passes/transposed_activations.py) */
 static void binary_transposed_block(void* work, size_t blk) {
@@ -140,12 +140,12 @@ static OrtStatus* binary_compute(const Kernel* k, OrtKernelContext* ctx, int op)
   w.rows = w.cols ? count / w.cols : 0;
   w.rows_per_block = rows_per_block(w.cols);
   const size_t out_rank = a.rank > b.rank ? a.rank : b.rank;
-  const int64_t y_dims[2] = {w.cols, w.rows}; /* y_transposed: the 2-D view, transposed */
-  if (k->y_transposed) st = output(k, ctx, 0, y_dims, 2, &w.y);
+  const int64_t y_dims[2] = {w.cols, w.rows}; /* out_transposed: the 2-D view, transposed */
+  if ((k->out_transposed & 1)) st = output(k, ctx, 0, y_dims, 2, &w.y);
   else st = output(k, ctx, 0, w.dims, out_rank, &w.y);
   if (st) return st;
   if (count == 0) return NULL;
-  if (k->y_transposed)
+  if ((k->out_transposed & 1))
     for_blocks(k, ctx, binary_transposed_block, div_up((size_t)w.rows, TRANSPOSED_ROWS), &w);
   else
     for_blocks(k, ctx, binary_block, div_up((size_t)w.rows, (size_t)w.rows_per_block), &w);

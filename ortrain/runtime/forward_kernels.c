@@ -13,11 +13,12 @@
  *     S = X + skip (or X), mean = avg(S), inv_std = 1 / sqrt(avg((S - mean)^2) + epsilon),
  *     Y = (S - mean) * inv_std * scale + bias; mean and inv_std have S's shape with a last
  *     axis of 1 (ONNX LayerNormalization's, axis = -1); sum is S (asked for with skip).
- *     epsilon: attribute (default 1e-5). y_transposed = 1: Y is stored [cols, rows], the
- *     transpose of S's 2-D view (kernel_util.h: TRANSPOSED_ROWS), for a weight gradient
+ *     epsilon: attribute (default 1e-5). out_transposed = 1: Y is stored [cols, rows],
+ *     the transpose of S's 2-D view (kernel_util.h: TRANSPOSED_ROWS), for a weight gradient
  *     that reads it as a plain product's operand (graph_passes/transposed_activations.py).
  *   Gelu(X) -> Y       Y = X Phi(X)                                  (erf GELU)
  *   FastGelu(X) -> Y   Y = X sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
+ *     (both: out_transposed = 1 stores Y as the transpose of X's 2-D view)
  *
  * The variance is taken about the mean (two passes over a row held in cache), not as
  * E[S^2] - mean^2, which cancels where |mean| >> std.
@@ -111,7 +112,7 @@ static void norm_block(void* work, size_t b) {
   }
 }
 
-/* y_transposed = 1: Y is stored [cols, rows], the transpose of S's 2-D view (kernel_util.h:
+/* out_transposed = 1: Y is stored [cols, rows], the transpose of S's 2-D view (kernel_util.h:
  * TRANSPOSED_ROWS) */
 static void norm_transposed_block(void* work, size_t b) {
   const Norm* w = (const Norm*)work;
@@ -174,14 +175,14 @@ OrtStatus* ortrain_layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t stat[8];
   for (size_t d = 0; d < x.rank; ++d) stat[d] = x.dims[d];
   stat[x.rank - 1] = 1;
-  const int64_t y_dims[2] = {cols, rows}; /* y_transposed: S's 2-D view, transposed */
-  if (k->y_transposed) st = output(k, ctx, 0, y_dims, 2, &w.y);
+  const int64_t y_dims[2] = {cols, rows}; /* out_transposed: S's 2-D view, transposed */
+  if ((k->out_transposed & 1)) st = output(k, ctx, 0, y_dims, 2, &w.y);
   else st = output(k, ctx, 0, x.dims, x.rank, &w.y);
   if (st) return st;
   if (n_outputs > 1 && (st = optional_output(k, ctx, 1, stat, x.rank, &w.mean))) return st;
   if (n_outputs > 2 && (st = optional_output(k, ctx, 2, stat, x.rank, &w.inv_std))) return st;
   if (n_outputs > 3 && (st = optional_output(k, ctx, 3, x.dims, x.rank, &w.sum))) return st;
-  if (k->y_transposed)
+  if ((k->out_transposed & 1))
     for_blocks(k, ctx, norm_transposed_block, div_up((size_t)rows, TRANSPOSED_ROWS), &w);
   else
     for_blocks(k, ctx, norm_block, div_up((size_t)rows, (size_t)w.rows_per_block), &w);
@@ -192,7 +193,7 @@ OrtStatus* ortrain_layer_norm_compute(void* kernel, OrtKernelContext* ctx) {
 typedef struct {
   const float* x;
   float* y;
-  int64_t n;
+  int64_t n, rows, cols; /* rows x cols: X's 2-D view (out_transposed) */
 } Map;
 
 #define GELU_FORWARD(name, value)                                         \
@@ -207,20 +208,48 @@ typedef struct {
 GELU_FORWARD(gelu_block, gelu_erf_value)
 GELU_FORWARD(fast_gelu_block, gelu_tanh_value)
 
-static OrtStatus* map_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block) {
+/* out_transposed = 1: Y stored [cols, rows], the transpose of X's 2-D view */
+#define GELU_FORWARD_TRANSPOSED(name, value)                                                \
+  static void name(void* work, size_t b) {                                                  \
+    const Map* w = (const Map*)work;                                                        \
+    const int64_t n = w->cols, lo = (int64_t)b * TRANSPOSED_ROWS;                           \
+    const int64_t nr = w->rows - lo < TRANSPOSED_ROWS ? w->rows - lo : TRANSPOSED_ROWS;     \
+    float tile[TRANSPOSED_ROWS * TILE_COLUMNS];                                             \
+    for (int64_t c0 = 0; c0 < n; c0 += TILE_COLUMNS) {                                      \
+      const int64_t nc = n - c0 < TILE_COLUMNS ? n - c0 : TILE_COLUMNS;                     \
+      for (int64_t r = 0; r < nr; ++r) {                                                    \
+        const float* restrict x = w->x + (lo + r) * n + c0;                                 \
+        float* restrict t = tile + r * TILE_COLUMNS;                                        \
+        for (int64_t i = 0; i < nc; ++i) t[i] = value(x[i]);                                \
+      }                                                                                     \
+      transpose_into(tile, TILE_COLUMNS, w->y + c0 * w->rows + lo, w->rows, nr, nc);        \
+    }                                                                                       \
+  }
+GELU_FORWARD_TRANSPOSED(gelu_t_block, gelu_erf_value)
+GELU_FORWARD_TRANSPOSED(fast_gelu_t_block, gelu_tanh_value)
+
+static OrtStatus* map_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block,
+                              BlockFn t_block) {
   Tensor x;
   OrtStatus* st = input(k, ctx, 0, &x);
   if (st) return st;
-  Map w = {(const float*)x.data, NULL, x.count};
+  const int64_t cols = x.rank ? x.dims[x.rank - 1] : 1, rows = cols ? x.count / cols : 0;
+  Map w = {(const float*)x.data, NULL, x.count, rows, cols};
+  const int64_t t_dims[2] = {cols, rows}; /* out_transposed: X's 2-D view, transposed */
+  if (k->out_transposed & 1) {
+    if ((st = output(k, ctx, 0, t_dims, 2, &w.y))) return st;
+    for_blocks(k, ctx, t_block, div_up((size_t)rows, TRANSPOSED_ROWS), &w);
+    return NULL;
+  }
   if ((st = output(k, ctx, 0, x.dims, x.rank, &w.y))) return st;
   for_blocks(k, ctx, block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }
 
 OrtStatus* ortrain_gelu_compute(void* kernel, OrtKernelContext* ctx) {
-  return map_compute((const Kernel*)kernel, ctx, gelu_block);
+  return map_compute((const Kernel*)kernel, ctx, gelu_block, gelu_t_block);
 }
 
 OrtStatus* ortrain_fast_gelu_compute(void* kernel, OrtKernelContext* ctx) {
-  return map_compute((const Kernel*)kernel, ctx, fast_gelu_block);
+  return map_compute((const Kernel*)kernel, ctx, fast_gelu_block, fast_gelu_t_block);
 }

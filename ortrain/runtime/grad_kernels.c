@@ -14,9 +14,9 @@
  *   FastGeluGrad(dY, X) -> dX [, Y]  dX = dY * (s + X s (1 - s) k (1 + 3a X^2)), Y = X s,
  *                                s = sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
  *     (Y, optional: the GELU itself, which the backward would otherwise recompute for the
- *     next layer's weight gradient; graph_passes/gelu_value.py asks for it; y_transposed
- *     = 1: stored [cols, rows], the transpose of X's 2-D view, for that weight gradient's
- *     plain product: graph_passes/transposed_activations.py)
+ *     next layer's weight gradient; graph_passes/gelu_value.py asks for it)
+ *     out_transposed (bit 0: dX, bit 1: Y): that output stored [cols, rows], the transpose
+ *     of X's 2-D view, for the products that read it (graph_passes/transposed_activations.py)
  *   SoftmaxGrad(dY, Y) -> dX     dX = Y * (dY - sum(dY * Y)) over the last axis
  *   LayerNormGrad(dY, X, scale, mean, inv_std [, dsum]) -> dX, dscale, dbias   over the
  *     last axis: xhat = (X - mean) * inv_std, g = dY * scale,
@@ -43,7 +43,8 @@ typedef struct {
   const float* x;
   float* dx;
   float* y; /* NULL: not asked for */
-  int64_t n, rows, cols; /* rows x cols: X's 2-D view (y_transposed) */
+  int64_t n, rows, cols; /* rows x cols: X's 2-D view (out_transposed) */
+  int dx_t, y_t;         /* out_transposed's bits: dX, Y stored transposed */
 } Pointwise;
 
 /* dx = dy * slope(x) (and y = gelu(x)) over n elements; one function per slope and output
@@ -74,56 +75,71 @@ GELU_BLOCK(gelu_tanh_block, gelu_tanh_span)
 GELU_BLOCK(gelu_erf_y_block, gelu_erf_y_span)
 GELU_BLOCK(gelu_tanh_y_block, gelu_tanh_y_span)
 
-/* y_transposed: Y stored [cols, rows] (kernel_util.h: TRANSPOSED_ROWS) */
+/* out_transposed: dX (bit 0) and / or Y (bit 1) stored [cols, rows], the transpose of X's
+ * 2-D view (kernel_util.h: TRANSPOSED_ROWS); a transposed output goes through a tile */
 #define GELU_TRANSPOSED_BLOCK(name, span)                                                    \
   static void name(void* work, size_t b) {                                                   \
     const Pointwise* w = (const Pointwise*)work;                                             \
     const int64_t n = w->cols, lo = (int64_t)b * TRANSPOSED_ROWS;                            \
     const int64_t nr = w->rows - lo < TRANSPOSED_ROWS ? w->rows - lo : TRANSPOSED_ROWS;      \
-    float tile[TRANSPOSED_ROWS * TILE_COLUMNS];                                              \
+    float dx_tile[TRANSPOSED_ROWS * TILE_COLUMNS], y_tile[TRANSPOSED_ROWS * TILE_COLUMNS];   \
     for (int64_t c0 = 0; c0 < n; c0 += TILE_COLUMNS) {                                       \
       const int64_t nc = n - c0 < TILE_COLUMNS ? n - c0 : TILE_COLUMNS;                      \
       for (int64_t r = 0; r < nr; ++r) {                                                     \
         const int64_t at = (lo + r) * n + c0;                                                \
-        span(w->dy + at, w->x + at, w->dx + at, tile + r * TILE_COLUMNS, nc);                \
+        float* dx = w->dx_t ? dx_tile + r * TILE_COLUMNS : w->dx + at;                       \
+        float* y = w->y_t ? y_tile + r * TILE_COLUMNS : (w->y ? w->y + at : NULL);           \
+        span(w->dy + at, w->x + at, dx, y, nc);                                              \
       }                                                                                      \
-      transpose_into(tile, TILE_COLUMNS, w->y + c0 * w->rows + lo, w->rows, nr, nc);         \
+      if (w->dx_t)                                                                           \
+        transpose_into(dx_tile, TILE_COLUMNS, w->dx + c0 * w->rows + lo, w->rows, nr, nc);   \
+      if (w->y_t)                                                                            \
+        transpose_into(y_tile, TILE_COLUMNS, w->y + c0 * w->rows + lo, w->rows, nr, nc);     \
     }                                                                                        \
   }
-GELU_TRANSPOSED_BLOCK(gelu_erf_t_block, gelu_erf_y_span)
-GELU_TRANSPOSED_BLOCK(gelu_tanh_t_block, gelu_tanh_y_span)
+GELU_TRANSPOSED_BLOCK(gelu_erf_t_block, gelu_erf_span)
+GELU_TRANSPOSED_BLOCK(gelu_tanh_t_block, gelu_tanh_span)
+GELU_TRANSPOSED_BLOCK(gelu_erf_y_t_block, gelu_erf_y_span)
+GELU_TRANSPOSED_BLOCK(gelu_tanh_y_t_block, gelu_tanh_y_span)
 
 static OrtStatus* gelu_compute(const Kernel* k, OrtKernelContext* ctx, BlockFn block,
-                               BlockFn y_block, BlockFn t_block) {
+                               BlockFn y_block, BlockFn t_block, BlockFn y_t_block) {
   Tensor dy, x;
   size_t n_outputs = 0;
   OrtStatus* st = API_FN(k->api, I_KernelContext_GetOutputCount, GetOutputCountFn)(ctx, &n_outputs);
   if (st || (st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x))) return st;
   if ((st = same_shape(k, &dy, "dY", &x, "X"))) return st;
   const int64_t cols = x.rank ? x.dims[x.rank - 1] : 1, rows = cols ? x.count / cols : 0;
-  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, NULL, x.count, rows, cols};
-  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx))) return st;
-  if (k->y_transposed) {
-    if (n_outputs < 2)
-      return ort_invalid(k->api, "ortrain.cpu.%s: y_transposed = 1 needs the Y output", k->name);
-    const int64_t y_dims[2] = {cols, rows}; /* X's 2-D view, transposed */
-    if ((st = output(k, ctx, 1, y_dims, 2, &w.y))) return st;
-    for_blocks(k, ctx, t_block, div_up((size_t)rows, TRANSPOSED_ROWS), &w);
+  Pointwise w = {(const float*)dy.data, (const float*)x.data, NULL, NULL, x.count, rows, cols,
+                 k->out_transposed & 1, (k->out_transposed >> 1) & 1};
+  if (w.y_t && n_outputs < 2)
+    return ort_invalid(k->api, "ortrain.cpu.%s: out_transposed marks Y, which is not asked for",
+                       k->name);
+  const int64_t t_dims[2] = {cols, rows}; /* X's 2-D view, transposed */
+  if (w.dx_t) st = output(k, ctx, 0, t_dims, 2, &w.dx);
+  else st = output(k, ctx, 0, x.dims, x.rank, &w.dx);
+  if (st) return st;
+  if (n_outputs > 1) {
+    if (w.y_t) st = output(k, ctx, 1, t_dims, 2, &w.y);
+    else st = output(k, ctx, 1, x.dims, x.rank, &w.y);
+    if (st) return st;
+  }
+  if (w.dx_t || w.y_t) {
+    for_blocks(k, ctx, w.y != NULL ? y_t_block : t_block, div_up((size_t)rows, TRANSPOSED_ROWS), &w);
     return NULL;
   }
-  if (n_outputs > 1 && (st = output(k, ctx, 1, x.dims, x.rank, &w.y))) return st;
   for_blocks(k, ctx, w.y != NULL ? y_block : block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
   return NULL;
 }
 
 OrtStatus* ortrain_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
   return gelu_compute((const Kernel*)kernel, ctx, gelu_erf_block, gelu_erf_y_block,
-                      gelu_erf_t_block);
+                      gelu_erf_t_block, gelu_erf_y_t_block);
 }
 
 OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
   return gelu_compute((const Kernel*)kernel, ctx, gelu_tanh_block, gelu_tanh_y_block,
-                      gelu_tanh_t_block);
+                      gelu_tanh_t_block, gelu_tanh_y_t_block);
 }
 
 /* ------------------------------------------------------------ Softmax backward */

@@ -128,7 +128,7 @@ static inline void transpose_into(const float* restrict src, int64_t lds, float*
   }
 }
 
-/* An output made with y_transposed = 1 is stored [cols, rows], the transpose of its 2-D
+/* An output marked in out_transposed is stored [cols, rows], the transpose of its 2-D
  * view [rows, cols], for a weight gradient that reads it as a plain product's left operand
  * (graph_passes/transposed_activations.py). Its kernels take TRANSPOSED_ROWS rows a block:
  * their values go to a tile of TILE_COLUMNS columns, then into Y's columns (16 rows: one
@@ -143,7 +143,8 @@ typedef struct {
   int omp_team;     /* the "omp_team" attribute, default 1: 0 keeps this node's blocks on
                        ONNX Runtime's threads (graph_passes/kernel_threads.py) */
   int grad_transposed; /* AdamStep's "grad_transposed" attribute, default 0 */
-  int y_transposed;    /* LayerNorm's / GeluGrad's "y_transposed" attribute, default 0 */
+  int out_transposed;  /* the "out_transposed" attribute, default 0: bit i set, output i is
+                          stored as its 2-D view's transpose (below) */
 } Kernel;
 
 /* ------------------------------------------------------------------- threading */
