@@ -39,9 +39,9 @@ def _is_product(node: ir.Node | None) -> bool:
     return _is(node, "MatMul") or _is(node, "FusedMatMul", (MS_DOMAIN,))
 
 
-def _int(node: ir.Node, name: str, default: int = 0) -> int:
-    a = node.attributes.get(name)
-    return default if a is None else int(a.value)
+def _trans_batch(node: ir.Node) -> bool:
+    get = node.attributes.get_int
+    return bool(get("transBatchA", 0) or get("transBatchB", 0))
 
 
 def _swaps_last_two(node: ir.Node) -> bool:
@@ -77,8 +77,8 @@ def _single_use(v: ir.Value) -> bool:
 def _swapped_attributes(product: ir.Node) -> list[ir.Attr]:
     """(A·B)^T = B^T·A^T: the flags of the product with its operands swapped."""
     attrs = [
-        ir.AttrInt64("transA", 1 - _int(product, "transB")),
-        ir.AttrInt64("transB", 1 - _int(product, "transA")),
+        ir.AttrInt64("transA", 1 - product.attributes.get_int("transB", 0)),
+        ir.AttrInt64("transB", 1 - product.attributes.get_int("transA", 0)),
     ]
     if "alpha" in product.attributes:
         attrs.append(product.attributes["alpha"])
@@ -114,7 +114,7 @@ def _fold_product_output(graph: ir.Graph, node: ir.Node) -> bool:
     mm = src.producer() if src is not None else None
     if not _is_product(mm) or not _swaps_last_two(node) or not _single_use(src):
         return False
-    if _int(mm, "transBatchA") or _int(mm, "transBatchB"):
+    if _trans_batch(mm):
         return False
     new = ir.Node(
         MS_DOMAIN,
@@ -142,7 +142,7 @@ def _fold_operands(graph: ir.Graph, node: ir.Node, scope: Scope) -> int:
             rank = len(src.shape) if src.shape is not None else 0
             if rank != 2:
                 continue
-            user.attributes[flag] = ir.AttrInt64(flag, 1 - _int(user, flag))
+            user.attributes[flag] = ir.AttrInt64(flag, 1 - user.attributes.get_int(flag, 0))
             user.replace_input_with(idx, src)
         elif _is_product(user):
             if user.op_type == "MatMul":
@@ -156,10 +156,10 @@ def _fold_operands(graph: ir.Graph, node: ir.Node, scope: Scope) -> int:
                 )
                 new.replace_input_with(idx, src)
                 replace_node(graph, user, new, user)
-            elif _int(user, "transBatchA") or _int(user, "transBatchB"):
+            elif _trans_batch(user):
                 continue
             else:
-                user.attributes[flag] = ir.AttrInt64(flag, 1 - _int(user, flag))
+                user.attributes[flag] = ir.AttrInt64(flag, 1 - user.attributes.get_int(flag, 0))
                 user.replace_input_with(idx, src)
         else:
             continue

@@ -43,11 +43,6 @@ def _is(node: ir.Node, op_type: str) -> bool:
     return node.op_type == op_type and node.domain in _STD
 
 
-def _int(node: ir.Node, name: str) -> int:
-    a = node.attributes.get(name)
-    return 0 if a is None else int(a.value)
-
-
 def _row_scale(node: ir.Node) -> tuple[ir.Value, ir.Value] | None:
     """(X, c) when ``node`` is ``Mul(X, c)`` (either order) with c X's shape but last dim 1."""
     if not _is(node, "Mul") or len(node.inputs) != 2:
@@ -130,7 +125,7 @@ def _rewrite(
     rows, width = math.prod(xs[:-1]), xs[-1]
     emit = _Emitter(graph, dict(mul.metadata_props), base)
     for gemm, idx in readers:
-        ta, tb = _int(gemm, "transA"), _int(gemm, "transB")
+        ta, tb = gemm.attributes.get_int("transA", 0), gemm.attributes.get_int("transB", 0)
         x2 = emit.reshape(x, (rows, width), anchor=gemm)
         # c laid along the rows of x2 ([rows, 1]) or along a row ([1, rows])
         along = functools.partial(emit.reshape, c, anchor=gemm)
@@ -166,7 +161,7 @@ def _cost(readers) -> int:
     """Elements the moved scale multiplies: the other operand or the product."""
     total = 0
     for gemm, idx in readers:
-        ta, tb = _int(gemm, "transA"), _int(gemm, "transB")
+        ta, tb = gemm.attributes.get_int("transA", 0), gemm.attributes.get_int("transB", 0)
         if (idx == 0 and ta == 1) or (idx == 1 and tb == 0):
             other = _static(gemm.inputs[1 - idx])
         else:

@@ -59,7 +59,8 @@ def write_activations_transposed(model: ir.Model) -> int:
         if kernel.domain != CPU_DOMAIN or kernel.op_type not in _TRANSPOSABLE:
             continue
         for index in _TRANSPOSABLE[kernel.op_type]:
-            if index >= len(kernel.outputs) or _int_attr(kernel, "out_transposed", 0) >> index & 1:
+            marked = kernel.attributes.get_int("out_transposed", 0)
+            if index >= len(kernel.outputs) or marked >> index & 1:
                 continue
             value = kernel.outputs[index]
             readers = _product_readers(value)
@@ -68,24 +69,19 @@ def write_activations_transposed(model: ir.Model) -> int:
             assert value.shape is not None
             rows = math.prod(value.shape.dims[:-1])
             value.shape = ir.Shape([value.shape.dims[-1], rows])
-            bits = _int_attr(kernel, "out_transposed", 0) | 1 << index
+            bits = marked | 1 << index
             kernel.attributes["out_transposed"] = ir.AttrInt64("out_transposed", bits)
             reshapes = set()
             for gemm, i, reshape in readers:
                 gemm.replace_input_with(i, value)
                 flag = _FLAG[i]
-                gemm.attributes[flag] = ir.AttrInt64(flag, 1 - _int_attr(gemm, flag, 0))
+                gemm.attributes[flag] = ir.AttrInt64(flag, 1 - gemm.attributes.get_int(flag, 0))
                 if reshape is not None:
                     reshapes.add(reshape)
             for reshape in reshapes:
                 model.graph.remove(reshape, safe=True)
             count += 1
     return count
-
-
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return default if attr is None else int(attr.value)
 
 
 def _data_uses(value: ir.Value) -> list[tuple[ir.Node, int]]:
@@ -149,7 +145,7 @@ def _pays(value: ir.Value, readers: list[tuple[ir.Node, int, ir.Node | None]]) -
     for gemm, i, _ in readers:
         if i != 0:
             continue
-        if _int_attr(gemm, "transA", 0) or cols * 4 % ALIASING_BYTES == 0:
+        if gemm.attributes.get_int("transA", 0) or cols * 4 % ALIASING_BYTES == 0:
             gains = True
         else:
             return False

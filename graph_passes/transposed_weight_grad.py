@@ -57,11 +57,6 @@ def transpose_weight_gradients(model: ir.Model, min_rows: int | None = None) -> 
     return count
 
 
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return default if attr is None else int(attr.value)
-
-
 def _is_leaf(node: ir.Node) -> bool:
     """``scatter_in_place.py``'s early leaf: an empty slice no node reads."""
     out = node.outputs[0]
@@ -96,7 +91,7 @@ def _site(node: ir.Node, min_rows: int) -> tuple[ir.Node | None, ir.Node, list[i
     weight gradient that can be made transposed, else None."""
     if node.op_type != "Gemm" or node.domain not in _STD or len(node.inputs) != 2:
         return None
-    if _int_attr(node, "transA", 0) != 1 or _int_attr(node, "transB", 0) != 0:
+    if node.attributes.get_int("transA", 0) != 1 or node.attributes.get_int("transB", 0) != 0:
         return None
     out = node.outputs[0]
     dims = out.shape.dims if out.shape is not None else ()
