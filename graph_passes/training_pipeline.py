@@ -9,6 +9,8 @@ left out with ``optimize=False``):
 
 1.  seed_dropout       each Dropout gets its own seed (before anything could merge two)
     masked_attention_rows  fully masked attention rows give 0, as torch's SDPA (export fix)
+    inline_control_flow  Loops with a constant trip count unrolled, constant Ifs inlined
+    unroll_rnn         LSTM / GRU / RNN nodes as standard ops (autodiff differentiates those)
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
     pad_as_concat*     integer Pads (the labels') as Concat: CUDA has no integer Pad
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
@@ -85,6 +87,7 @@ from graph_passes.forward_cleanup import clean_forward
 from graph_passes.fusions import training_fusions
 from graph_passes.fusions.gelu import fuse_gelu
 from graph_passes.gelu_value import take_gelu_values
+from graph_passes.inline_control_flow import inline_control_flow
 from graph_passes.label_sparsity import shrink_label_rows
 from graph_passes.layer_norm_grad_sum import fold_layer_norm_grad_sums
 from graph_passes.loss_scaling import scale_loss
@@ -100,6 +103,7 @@ from graph_passes.scatter_in_place import base_ready_leaves, scatter_into_gradie
 from graph_passes.scatter_rows import lower_scatter_add_rows
 from graph_passes.transposed_activations import write_activations_transposed
 from graph_passes.transposed_weight_grad import transpose_weight_gradients
+from graph_passes.unroll_rnn import unroll_rnns
 from graph_passes.update_in_backward import update_in_backward
 
 
@@ -146,6 +150,8 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     passes = [
         Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed)),
         Pass("masked_attention_rows", fix_masked_attention_rows),
+        Pass("inline_control_flow", inline_control_flow),
+        Pass("unroll_rnn", unroll_rnns),
     ]
     if build.optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]

@@ -10,13 +10,18 @@ def register_all() -> None:
         return
     _done = True
     from graph_passes.autodiff.rules import (  # noqa: F401
+        activation,
         contrib,
         conv,
         elementwise,
+        indexing,
         loss,
         matmul,
         nn,
         nondiff,
+        normalization,
+        pooling,
         reduce,
+        reduce_more,
         shape,
     )

@@ -1,0 +1,3 @@
+"""Activations and unary math: Clip, Softplus, Elu, LeakyRelu, HardSwish, Mish, trigonometry, ..."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Normalizations beyond LayerNorm: BatchNormalization, InstanceNormalization, GroupNorm."""
+
+from __future__ import annotations

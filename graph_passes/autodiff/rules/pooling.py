@@ -1,0 +1,3 @@
+"""Pooling and spatial ops: MaxPool, AveragePool, global pools, ConvTranspose, Resize."""
+
+from __future__ import annotations
