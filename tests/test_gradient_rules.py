@@ -541,17 +541,17 @@ def test_table_covers_required_ops() -> None:
         "Sum", "Max", "Min", "Tile", "Pad",
     }  # fmt: skip
     assert required <= {s.op for s in SPECS}
-    # Every op with a rule is in a table: this file's or a family's (tests/test_grad_*.py).
+    # Every op with a rule is in a table: this file's or a family's (tests/test_rules_*.py).
     tested = {s.op for s in SPECS} | {s.op for s in family_specs()}
     ruled = {op for (_, op), regs in registry._TABLE.items() if any(r.kind == "rule" for r in regs)}
     assert ruled <= tested, sorted(ruled - tested)
 
 
 def family_specs() -> list[Spec]:
-    """The spec tables of the per-family gradient test modules (``tests/test_grad_*.py``,
+    """The spec tables of the per-family gradient test modules (``tests/test_rules_*.py``,
     each with a module-level ``SPECS`` run by its own parametrized test)."""
     specs: list[Spec] = []
-    for path in sorted(Path(__file__).parent.glob("test_grad_*.py")):
+    for path in sorted(Path(__file__).parent.glob("test_rules_*.py")):
         module = importlib.import_module(f"tests.{path.stem}")
         specs.extend(module.SPECS)
     return specs
