@@ -11,6 +11,7 @@ def register_all() -> None:
     _done = True
     from graph_passes.autodiff.rules import (  # noqa: F401
         activation,
+        batch_norm,
         contrib,
         conv,
         elementwise,

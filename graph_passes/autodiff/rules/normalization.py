@@ -1,3 +1,3 @@
-"""Normalizations beyond LayerNorm: BatchNormalization, InstanceNormalization, GroupNorm."""
+"""Normalizations beyond LayerNorm: InstanceNormalization, GroupNormalization."""
 
 from __future__ import annotations
