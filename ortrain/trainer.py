@@ -182,6 +182,7 @@ class ORTTrainer:
         # Per batch signature: the exported training forward (each label-row count
         # builds from a copy of it) and its losses whose ignored rows can be dropped.
         self._forwards: dict[tuple, ForwardSource] = {}
+        self.build_count = 0  # graphs built (training and eval): a build per step is a bug
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
         # the kernels (cuda_kernels/ or torch's) run the update instead of a graph
@@ -329,6 +330,7 @@ class ORTTrainer:
         static = {} if self.options.cuda_graph else None
         compiled = _Compiled(session, built, batch_names, dtypes, built.output_keys, static)
         self._train[(sig, rows)] = compiled
+        self.build_count += 1
         return compiled
 
     def _build_update(self) -> None:
@@ -512,6 +514,9 @@ class ORTTrainer:
         if forward is not None:  # this signature's graphs differ in labelled rows only
             built = [rows for s, rows in self._train if s == sig]
             rows = graph_for(forward.sites, label_rows(forward.sites, batch), built)
+            if rows is None:  # what a build for this batch would make, if it exists already
+                target = label_rows(forward.sites, batch, headroom=True)
+                rows = target if target in built else None
             if rows is not None:
                 return self._train[(sig, rows)]
         return self._build_train(sig, batch)
@@ -528,6 +533,7 @@ class ORTTrainer:
             session.bind_output_to_cpu(name)
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
+        self.build_count += 1
         return _Compiled(session, built, batch_names, dtypes, built.output_keys)
 
     # ------------------------------------------------------------------ running

@@ -221,6 +221,30 @@ def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
     assert sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs) == [8, 12, 64]
 
 
+@pytest.mark.parametrize("labelled", [[55, 49, 55, 50], [2, 1, 3, 2], [30, 31, 29, 30]])
+def test_a_batch_seen_before_never_builds_again(labelled):
+    # 55 labels of 64 rows: the build's headroom reaches every row (64), which spares more
+    # than one bucket for 55 (56 + 4 < 64); the cache must still run the batch on it.
+    torch.manual_seed(0)
+    eager = TaggerHead()
+    model = copy.deepcopy(eager)
+    batches = _tag_batches(3 * len(labelled), labelled=labelled)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    counts = []
+    for i, b in enumerate(batches):
+        opt_e.zero_grad()
+        want = eager(**b)
+        want.backward()
+        opt_e.step()
+        got = trainer.train_step(**b)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        counts.append(trainer.build_count)
+        if i >= len(labelled):  # every label count of the cycle has been seen once
+            assert trainer.build_count == counts[len(labelled) - 1], counts
+    assert counts[-1] <= len(set(labelled)), counts
+
+
 def test_graph_for_picks_the_smallest_graph_within_one_bucket():
     from graph_passes.interface import LabelSite
     from ortrain.build import graph_for, label_rows
