@@ -24,6 +24,7 @@ class PassRecord:
     nodes_before: int
     nodes_after: int
     op_delta: dict[str, int]
+    note: str = ""  # why a pass changed nothing, where it can say (a fusion's closest match)
 
     @property
     def modified(self) -> bool:
@@ -49,8 +50,9 @@ def run_pipeline(
         seconds = time.perf_counter() - t
         after = op_histogram(model)
         delta = {k: after[k] - before[k] for k in before | after if after[k] != before[k]}
+        note = getattr(p.run, "why_not", None) or ""
         records.append(
-            PassRecord(p.name, seconds, sum(before.values()), sum(after.values()), delta)
+            PassRecord(p.name, seconds, sum(before.values()), sum(after.values()), delta, note)
         )
         if after_each is not None:
             after_each(p.name, model)
@@ -70,4 +72,7 @@ def format_table(records: Sequence[PassRecord]) -> str:
             f"{r.name:<26} {r.seconds * 1e3:8.1f} {r.nodes_before:>5} -> {r.nodes_after:<5}  "
             f"{delta[:60] if delta else '-'}"
         )
+    notes = [f"  {r.name}: {r.note}" for r in records if r.note]
+    if notes:
+        lines += ["", "found nothing:", *notes]
     return "\n".join(lines)

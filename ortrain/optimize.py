@@ -19,7 +19,7 @@ a mismatch re-runs the passes one by one to name the pass to blame. Symbolic dim
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,24 +27,70 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxruntime as ort
-from onnxscript.rewriter.ort_fusions import (
-    bias_gelu,
-    fused_matmul_rule_sets,
-    rms_normalization,
-    skip_normalization,
-)
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+from onnxscript.rewriter.ort_fusions import bias_gelu, fused_matmul_rule_sets, rms_normalization
 
 from graph_passes.dropout_seed import seed_dropouts
 from graph_passes.forward_cleanup import clean_forward
-from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.fusions import gelu, layer_norm
+from graph_passes.fusions.skip_layer_norm import SKIP_LAYER_NORM_RULES, SKIP_RMS_NORM_RULES
 from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from graph_passes.pipeline import Pass, PassRecord, format_table, run_pipeline
 from graph_passes.pow_as_mul import pow_as_mul
 from ortrain.errors import OrtrainError, first_line
 
+MS_DOMAIN = "com.microsoft"
+
 
 class OptimizeError(OrtrainError):
     """An input that cannot be optimized, or a pass that changed the outputs."""
+
+
+class FusionPass:
+    """One fusion family's rule sets applied with onnxscript's matching tracer, so that a
+    fusion that found nothing says why: no partial match (the pattern is absent), or the
+    closest match and the check that rejected it."""
+
+    def __init__(self, rule_sets: Callable[[ir.Model], Sequence[pattern.RewriteRuleSet]]):
+        self.rule_sets = rule_sets
+        self.why_not: str | None = None
+
+    def __call__(self, model: ir.Model) -> int:
+        rule_sets = self.rule_sets(model)
+        count = sum(rules.apply_to_model(model) for rules in rule_sets)
+        if any(n.domain == MS_DOMAIN for n in model.graph):
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        self.why_not = None
+        if not count:  # a traced run changes nothing: it only records the closest matches
+            tracer = MatchingTracer()
+            for rules in rule_sets:
+                rules.apply_to_model(model, tracer=tracer)
+            self.why_not = why_not(tracer, model)
+        return count
+
+
+def why_not(tracer: MatchingTracer, model: ir.Model) -> str:
+    best = None
+    for rule, matches in tracer.best_matches_map.items():
+        for info in matches:
+            if best is None or info.score() > best[1].score():
+                best = (rule, info)
+    if best is None:
+        opset = model.opset_imports.get("", 0)
+        return f"pattern absent (opset {opset}: no node starts a match)"
+    rule, info = best
+    reason = info.match_result.reason or "no reason given"
+    where = f"node '{info.root_node.name}' ({info.root_node.op_type})"
+    if info.status is MatchStatus.CONDITION_FAILED:
+        return f"match rejected by {rule.name} at {where}: {reason}"
+    if info.status is MatchStatus.REPLACEMENT_FAILED:
+        return f"replacement failed for {rule.name} at {where}: {reason}"
+    return f"pattern absent (closest: {rule.name} at {where}: {reason})"
+
+
+def _one(rules: pattern.RewriteRuleSet) -> Callable[[ir.Model], list[pattern.RewriteRuleSet]]:
+    return lambda _model: [rules]
 
 
 def passes(level: str) -> list[Pass]:
@@ -53,7 +99,10 @@ def passes(level: str) -> list[Pass]:
         Pass("fold_constants", clean_forward),
         Pass("cse", ir.passes.common.CommonSubexpressionEliminationPass()),
         Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()),
-        Pass("fuse_gelu", fuse_gelu),
+        # shapes the exporter left out (TorchScript at opset 13-16): the fusions check them
+        Pass("infer_shapes", ir.passes.common.ShapeInferencePass(data_prop=True)),
+        Pass("fuse_gelu", FusionPass(lambda m: [gelu.rules_for(m)])),
+        Pass("fuse_layer_norm", FusionPass(layer_norm.rule_sets)),
         Pass("lower_cross_entropy", lower_softmax_cross_entropy),
     ]
     if level == "basic":
@@ -64,12 +113,12 @@ def passes(level: str) -> list[Pass]:
         *basic,
         Pass(
             "fuse_matmul_transpose",
-            lambda m: fused_matmul_rule_sets.fused_matmul_rule_sets().apply_to_model(m),
+            FusionPass(lambda _m: [fused_matmul_rule_sets.fused_matmul_rule_sets()]),
         ),
-        Pass("fuse_bias_gelu", bias_gelu.fuse_bias_gelu),
-        Pass("fuse_rms_norm", rms_normalization.fuse_rms_normalization),
-        Pass("fuse_skip_rms_norm", skip_normalization.fuse_skip_rms_normalization),
-        Pass("fuse_skip_layer_norm", skip_normalization.fuse_skip_layer_normalization),
+        Pass("fuse_bias_gelu", FusionPass(_one(bias_gelu.bias_gelu_rules))),
+        Pass("fuse_rms_norm", FusionPass(_one(rms_normalization.rms_normalization_ruleset))),
+        Pass("fuse_skip_rms_norm", FusionPass(_one(SKIP_RMS_NORM_RULES))),
+        Pass("fuse_skip_layer_norm", FusionPass(_one(SKIP_LAYER_NORM_RULES))),
         Pass("pow_as_mul", pow_as_mul),  # after the fusions whose patterns read Pow
         Pass("remove_unused_final", ir.passes.common.RemoveUnusedNodesPass()),
     ]

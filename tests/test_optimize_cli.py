@@ -214,3 +214,69 @@ def test_optimize_blames_a_pass_that_leaves_an_unloadable_model(bert_onnx, tmp_p
     with pytest.raises(OptimizeError, match=r"after pass 'broken': ONNX Runtime cannot run"):
         optimize.optimize_file(bert_onnx, out)
     assert not out.exists()
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@pytest.fixture(scope="module", params=[13, 15, 17])
+def torchscript_bert(request, tmp_path_factory) -> tuple[int, Path]:
+    """BERT-MLM as the TorchScript exporter writes it (its default opset is 17; older
+    exports sit at 13-16), with dynamic batch and sequence axes."""
+    opset = request.param
+    path = tmp_path_factory.mktemp("torchscript") / f"bert{opset}.onnx"
+    model = bert_mlm(hidden=64).eval()
+    batch = bert_batches(1, batch=2, seq=16)[0]
+    dynamic = {"batch": 0, "seq": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _Encoder(model),
+            (batch["input_ids"], batch["attention_mask"]),
+            str(path),
+            dynamo=False,
+            opset_version=opset,
+            input_names=["input_ids", "attention_mask"],
+            output_names=["logits"],
+            dynamic_axes={k: {v: n for n, v in dynamic.items()} for k in ("input_ids",
+                                                                          "attention_mask")},
+        )  # fmt: skip
+    return opset, path
+
+
+def test_optimize_fuses_below_opset_20_with_contrib_ops(torchscript_bert, tmp_path, capsys):
+    import json
+
+    opset, path = torchscript_bert
+    out, report = tmp_path / "opt.onnx", tmp_path / "report.json"
+    assert main(["optimize", str(path), "-o", str(out), "--report", str(report)]) == 0
+    before, after = _ops(path), _ops(out)
+    assert (before["LayerNormalization"] == 6) == (opset >= 17), before  # else decomposed
+    # GELU: 2 FFNs and the MLM head, erf chains -> com.microsoft Gelu -> BiasGelu
+    assert before["Erf"] == 3 and after["Erf"] == 0, (before, after)
+    assert after["BiasGelu"] + after["Gelu"] == 3 and after["BiasGelu"] >= 2, after
+    # LayerNorms: decomposed before opset 17, fused into LayerNormalization (ONNX Runtime
+    # runs it at any opset) or, with the residual Add, SkipLayerNormalization
+    norms = after["LayerNormalization"] + after["SkipLayerNormalization"]
+    assert norms == 6 and after["ReduceMean"] == 0, after
+    # the embeddings' Add reads a batch-broadcast position table: never a skip input
+    assert after["SkipLayerNormalization"] <= 4
+    records = {r["name"]: r for r in json.loads(report.read_text())}
+    for name, record in records.items():
+        if name.startswith("fuse_") and record["nodes_before"] == record["nodes_after"]:
+            assert record["note"].startswith(("pattern absent", "match rejected")), record
+    assert "found nothing:" in capsys.readouterr().out
+    batch = {
+        k: v.numpy()
+        for k, v in bert_batches(1, batch=3, seq=24, seed=9)[0].items()
+        if k in ("input_ids", "attention_mask")
+    }
+    ref = ort.InferenceSession(str(path)).run(None, batch)[0]
+    got = ort.InferenceSession(str(out)).run(None, batch)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

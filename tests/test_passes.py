@@ -385,6 +385,33 @@ def test_clean_forward_keeps_large_constants_computed():
                for v in model.graph.initializers.values())  # fmt: skip
 
 
+@pytest.mark.parametrize("eps", [1e-12, 1e-9, -1e-10])
+def test_clean_forward_keeps_tiny_constants_and_drops_exact_identities(eps):
+    # onnxscript's no-op rules match x + 0 within abs_tol 1e-8: a LayerNorm's 1e-12 eps
+    # vanished and a zero variance divided by zero. Exact identities still go.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    const = lambda name, v: helper.make_node(  # noqa: E731
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [v])
+    )
+    nodes = [
+        const("eps", eps), const("zero", 0.0), const("one", 1.0),
+        helper.make_node("Mul", ["x", "x"], ["sq"]),
+        helper.make_node("Add", ["sq", "eps"], ["v"]),
+        helper.make_node("Add", ["zero", "v"], ["v0"]),
+        helper.make_node("Mul", ["v0", "one"], ["v1"]),
+        helper.make_node("Sub", ["v1", "zero"], ["v2"]),
+        helper.make_node("Div", ["v2", "one"], ["v3"]),
+        helper.make_node("Reciprocal", ["v3"], ["y"]),
+    ]  # fmt: skip
+    model = _model(nodes, [x], [y])
+    clean_forward(model)
+    ops = _ops(model)
+    assert ops["Add"] == 1 and ops["Sub"] == 0 and ops["Div"] == 0 and ops["Mul"] == 1, ops
+    feeds = {"x": np.zeros((2, 3), np.float32)}
+    np.testing.assert_array_equal(_run(model, feeds)[0], np.float32(1) / np.float32(eps))
+
+
 def test_clean_forward_refuses_unseeded_dropout():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
