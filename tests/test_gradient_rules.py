@@ -416,6 +416,14 @@ SPECS: list[Spec] = [
     case("Slice-2-axes-step2", "Slice",
          [X(5, 4, 5), Const([0, 1]), Const([4, 4]), Const([2, 0]), Const([2, 1])],
          lambda x, *_: x[1:4, :, 0:4:2]),
+    case("Slice-reverse", "Slice",  # torch.flip as the exporter writes it (bidirectional RNN)
+         [X(4, 3), Const([-1]), Const([-(2**63)]), Const([0]), Const([-1])],
+         lambda x, *_: x.flip(0)),
+    case("Slice-step-neg2", "Slice", [X(3, 7), Const([5]), Const([0]), Const([1]), Const([-2])],
+         lambda x, *_: x[:, [5, 3, 1]]),
+    case("Slice-step-neg3-clamped", "Slice",
+         [X(2, 7, 3), Const([10, 0]), Const([-(2**62), 2]), Const([1, 2]), Const([-3, 1])],
+         lambda x, *_: x[:, [6, 3, 0], 0:2]),
     case("Tile", "Tile", [X(2, 3), Const([2, 3])], lambda x, r: x.repeat(2, 3)),
     case("Tile-3d", "Tile", [X(2, 1, 3), Const([1, 4, 2])], lambda x, r: x.repeat(1, 4, 2)),
     case("Pad-constant", "Pad", [X(2, 3), Const([1, 0, 2, 1]), Const(0.5, "float32")],
@@ -640,7 +648,7 @@ def _one_op_model(op: str, domain: str, name: str) -> tuple[ir.Model, str]:
 
 
 @pytest.mark.parametrize(
-    "op,domain", [("MyCustomOp", "test.custom"), ("Hardmax", "")], ids=["custom-op", "Hardmax"]
+    "op,domain", [("MyCustomOp", "test.custom"), ("Det", "")], ids=["custom-op", "Det"]
 )
 def test_op_without_rule_raises_naming_op_and_node(op: str, domain: str) -> None:
     model, loss = _one_op_model(op, domain, "the_node_without_rule")

@@ -73,9 +73,12 @@ def slice_(ctx: GradContext):
     for start, axis, step in zip(starts, axes, steps, strict=True):
         axis %= rank
         n = shape[axis]
-        if step <= 0:
-            raise NotImplementedError(f"Slice with step {step}")
+        if step == 0:
+            raise NotImplementedError("Slice with step 0")
         s = start + n if start < 0 else start
+        flip = step < 0  # x[s::-k] is x[::-1][n-1-s::k]: that gradient, reversed back below
+        if flip:
+            s, step = n - 1 - min(max(s, 0), n - 1), -step
         s = min(max(s, 0), n)
         m = out_shape[axis]
         if step > 1 and m > 0:
@@ -97,6 +100,9 @@ def slice_(ctx: GradContext):
         if any(pads):
             cur = ctx.op("Pad", cur, ctx.ints(pads))
         out_shape[axis] = n
+        if flip:
+            ends = ctx.ints([-(2**62)])
+            cur = ctx.op("Slice", cur, ctx.ints([-1]), ends, ctx.ints([axis]), ctx.ints([-1]))
     cur.shape = x.shape
     return {0: cur}
 
