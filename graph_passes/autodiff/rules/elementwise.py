@@ -167,25 +167,44 @@ def where(ctx: GradContext):
 
 @gradient("Max")
 def max_(ctx: GradContext):
-    return _select_extremum(ctx, "GreaterOrEqual")
+    return _select_extremum(ctx, "GreaterOrEqual", "Less")
 
 
 @gradient("Min")
 def min_(ctx: GradContext):
-    return _select_extremum(ctx, "LessOrEqual")
+    return _select_extremum(ctx, "LessOrEqual", "Greater")
 
 
-def _select_extremum(ctx: GradContext, cmp: str):
-    # Two-input form: the gradient goes to the winning input (ties to input 0, like torch.maximum
-    # splits; documented difference: ties are rare with continuous inputs).
-    if len(ctx.node.inputs) != 2:
-        raise NotImplementedError(f"{ctx.node.op_type} with {len(ctx.node.inputs)} inputs")
+def _select_extremum(ctx: GradContext, keeps: str, loses: str):
+    """torch.maximum / torch.minimum: the gradient goes to the inputs equal to the output,
+    spread evenly over tied ones (half each for two, as torch.maximum; n inputs as amax).
+    ``loses``: input 0 loses to input 1. The exported torch.clamp(x, min_t, max_t) (Max
+    then Min) gives x the whole gradient on a tie instead (``keeps``), as clamp does."""
+    from graph_passes.autodiff.rules.activation import CLAMP_OPS, clamp_bound, exported_from
+
+    n = len(ctx.node.inputs)
+    if n == 1:
+        return {0: ctx.GO(0)}
+    if n == 2 and exported_from(ctx.node) in CLAMP_OPS:
+        return clamp_bound(ctx, keeps, loses)
+    if n == 2:
+        return _extremum_of_two(ctx, loses)
+    y, g = ctx.O(0), ctx.GO(0)
+    wins = [ctx.cast_like(ctx.op("Equal", ctx.I(i), y), y) for i in range(n)]
+    share = ctx.op("Div", g, ctx.op("Sum", *wins, dtype=y.dtype))
+    return {i: _un(ctx, ctx.op("Mul", share, wins[i]), i) for i in range(n) if ctx.needs(i)}
+
+
+def _extremum_of_two(ctx: GradContext, loses: str):
+    # torch's own formula (inputs only, not the output): where(a == b, g / 2, g), zeroed
+    # where the input loses; a NaN input gets g on both sides, as in torch.
     a, b, g = ctx.I(0), ctx.I(1), ctx.GO(0)
     zero = ctx.scalar_like(0.0, ctx.O(0))
-    first = ctx.op(cmp, a, b, dtype=None)
+    half = ctx.op("Mul", g, ctx.scalar_like(0.5, ctx.O(0)))
+    share = ctx.op("Where", ctx.op("Equal", a, b), half, g, dtype=g.dtype)
+    swapped = {"Less": "Greater", "Greater": "Less"}[loses]
     out = {}
-    if ctx.needs(0):
-        out[0] = _un(ctx, ctx.op("Where", first, g, zero, dtype=g.dtype), 0)
-    if ctx.needs(1):
-        out[1] = _un(ctx, ctx.op("Where", first, zero, g, dtype=g.dtype), 1)
+    for i, cmp in ((0, loses), (1, swapped)):
+        if ctx.needs(i):
+            out[i] = _un(ctx, ctx.op("Where", ctx.op(cmp, a, b), zero, share, dtype=g.dtype), i)
     return out
