@@ -9,6 +9,7 @@ left out with ``optimize=False``):
 
 1.  seed_dropout       each Dropout gets its own seed (before anything could merge two)
     masked_attention_rows  fully masked attention rows give 0, as torch's SDPA (export fix)
+    stable_log_sigmoid Log(Sigmoid(x)) as -Softplus(-x): finite where Sigmoid rounds to 0
     inline_control_flow  Loops with a constant trip count unrolled, constant Ifs inlined
     unroll_rnn         LSTM / GRU / RNN nodes as standard ops (autodiff differentiates those)
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
@@ -86,6 +87,7 @@ from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
 from graph_passes.forward_cleanup import clean_forward
 from graph_passes.fusions import training_fusions
 from graph_passes.fusions.gelu import fuse_gelu
+from graph_passes.fusions.log_sigmoid import stable_log_sigmoid
 from graph_passes.gelu_value import take_gelu_values
 from graph_passes.inline_control_flow import inline_control_flow
 from graph_passes.label_sparsity import shrink_label_rows
@@ -150,6 +152,7 @@ def training_passes(build: TrainingBuild) -> list[Pass]:
     passes = [
         Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed)),
         Pass("masked_attention_rows", fix_masked_attention_rows),
+        Pass("stable_log_sigmoid", stable_log_sigmoid),
         Pass("inline_control_flow", inline_control_flow),
         Pass("unroll_rnn", unroll_rnns),
     ]
@@ -246,6 +249,7 @@ def eval_passes(
     passes = [
         Pass("seed_dropout", lambda m: seed_dropouts(m, 0)),
         Pass("masked_attention_rows", fix_masked_attention_rows),
+        Pass("stable_log_sigmoid", stable_log_sigmoid),
     ]
     if optimize:
         passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
