@@ -19,6 +19,7 @@ a mismatch re-runs the passes one by one to name the pass to blame. Symbolic dim
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -229,6 +230,9 @@ def optimize_file(
     atol: float = 1e-5,
     dims: Mapping[str, int] | None = None,
 ) -> list[PassRecord]:
+    for path, what in ((dst, "output"), (report, "report")):
+        if path is not None:
+            _check_writable(Path(path), what)
     original = load(src)
     model = load(src)
     try:
@@ -252,10 +256,27 @@ def optimize_file(
     if problem is not None:
         blame = _blame(src, pipeline, feeds, rtol, atol)
         raise OptimizeError(f"outputs changed after pass '{blame}': {problem}")
-    ir.save(model, dst)
-    if report is not None:
-        Path(report).write_text(json.dumps([r.__dict__ for r in records], indent=1))
+    try:
+        ir.save(model, dst)
+        if report is not None:
+            Path(report).write_text(json.dumps([r.__dict__ for r in records], indent=1))
+    except OSError as exc:
+        raise OptimizeError(f"cannot write {exc.filename or dst}: {exc.strerror or exc}") from exc
     return records
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """Before any work: the folder exists and a file can be created in it (a missing
+    folder, a file in its place or a read-only filesystem fail here, in one line)."""
+    folder = path.parent
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise OptimizeError(f"{what} {path}: folder {folder} {problem}")
+    try:
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".ortrain-write-check-")
+        probe.close()
+    except OSError as exc:
+        raise OptimizeError(f"{what} {path}: cannot write in {folder}: {exc.strerror}") from exc
 
 
 def _blame(src, pipeline: Sequence[Pass], feeds: dict, rtol: float, atol: float) -> str:

@@ -86,6 +86,27 @@ def test_optimize_bad_files_give_one_line_errors(tmp_path, content, expected):
     assert not (tmp_path / "o.onnx").exists()
 
 
+@pytest.mark.parametrize("where", ["missing-folder", "file-as-folder", "read-only-fs", "report"])
+def test_optimize_unwritable_output_is_one_line(bert_onnx, tmp_path, where):
+    (tmp_path / "a-file").write_text("x")
+    out, report = tmp_path / "o.onnx", None
+    if where == "missing-folder":
+        out = tmp_path / "no" / "such" / "o.onnx"
+    elif where == "file-as-folder":
+        out = tmp_path / "a-file" / "o.onnx"
+    elif where == "read-only-fs":
+        out = Path("/proc/ortrain-out.onnx")  # procfs takes no new files, even from root
+    else:
+        report = tmp_path / "missing" / "report.json"
+    cmd = [sys.executable, "-m", "ortrain.cli", "optimize", str(bert_onnx), "-o", str(out)]
+    cmd += ["--report", str(report)] if report else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ortrain optimize: error:"), proc.stderr
+    assert ("report" if report else "output") in lines[0] and "Traceback" not in proc.stderr
+
+
 def test_optimize_invalid_model(tmp_path):
     import onnx
     from onnx import TensorProto, helper

@@ -15,6 +15,8 @@ With y = conv(x, w) over the spatial axes:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import onnx_ir as ir
 
 from graph_passes.autodiff.context import GradContext
@@ -114,3 +116,38 @@ def _weight_grad(ctx, x, gy, xs, gys, o, cg, ks, group, strides, dilations, pads
             shape=(cg, o, *ks),
         )
     return ctx.op("Transpose", corr, perm=[1, 0, *range(2, 2 + nd)], shape=(o, cg, *ks))
+
+
+# --- shared with ConvTranspose and the pooling rules (rules/pooling.py) -----------------------
+
+
+def explicit_pads(
+    ctx: GradContext,
+    xs: Sequence[int],
+    ks: Sequence[int],
+    ys: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+) -> list[int]:
+    """Begin/end pads of a windowed op over spatial sizes ``xs`` -> ``ys`` (``auto_pad``
+    resolved from the static shapes, as for Conv)."""
+    return _pads(ctx, list(xs), list(ks), list(ys), list(strides), list(dilations))
+
+
+def weight_grad(
+    ctx: GradContext,
+    x: ir.Value,
+    gy: ir.Value,
+    w_shape: Sequence[int],
+    group: int,
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads: Sequence[int],
+) -> ir.Value:
+    """dw of ``y = Conv(x, w)`` with ``w_shape`` = [O, Cg, *kernel]: the correlation of x
+    with dy over the batch. ConvTranspose's dw is this with x and dy swapped."""
+    xs, gys = ctx.shape(x), ctx.shape(gy)
+    o, cg, ks = w_shape[0], w_shape[1], list(w_shape[2:])
+    return _weight_grad(
+        ctx, x, gy, xs, gys, o, cg, ks, group, list(strides), list(dilations), list(pads)
+    )
