@@ -15,7 +15,12 @@ from ortrain.options import TrainerOptions
 
 # The trainer is imported on first use: graph_passes imports ortrain's small modules
 # (roles, optimizer spec), and an eager import here would make that a cycle.
-_LAZY = {"ORTTrainer": "ortrain.trainer", "StepOutputs": "ortrain.trainer"}
+# ORTHFTrainer subclasses transformers.Trainer: importing ortrain does not import transformers.
+_LAZY = {
+    "ORTTrainer": "ortrain.trainer",
+    "StepOutputs": "ortrain.trainer",
+    "ORTHFTrainer": "ortrain.hf_trainer",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -32,6 +37,7 @@ __all__ = [
     "ExportError",
     "GradientError",
     "NonFiniteLossError",
+    "ORTHFTrainer",
     "ORTTrainer",
     "OrtrainError",
     "RankFailureError",

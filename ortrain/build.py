@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graph_passes.interface import LabelSite, label_rows_bucket
+from ortrain.buffer_updates import check_updates
+from ortrain.build_cache import stage
 from ortrain.export import ExportedForward, LossFn, export_here
+from ortrain.index_check import index_ranges
 from ortrain.roles import GraphIO, Role
 
 if TYPE_CHECKING:
@@ -89,6 +92,8 @@ class BuiltGraph:
     planned_peak_bytes: int = 0
     blas_gemm: bool = False  # has ortrain.blas.Gemm nodes: the session needs that library
     cpu_kernels: bool = False  # has ortrain.cpu nodes: the session needs the library too
+    # batch input -> its uses as an index: checked before a batch is bound (index_check.py)
+    index_checks: dict[str, list] = dataclasses.field(default_factory=dict)
 
     def model(self) -> ir.Model:
         import onnx
@@ -153,6 +158,7 @@ class _Log:
     ) -> ExportedForward:
         import time
 
+        stage("export")  # the line a long build prints (ortrain/build_cache.py)
         t = time.perf_counter()
         ex = export_here(module, batch, train, loss_fn, not train)
         seconds = time.perf_counter() - t
@@ -170,6 +176,7 @@ class _Log:
                 ir.save(m, self.dir / f"{self.graph}.{self.next:02d}.{name}.onnx")
             self.next += 1
 
+        stage("passes")
         for r in run_pipeline(model, passes, after_each=save):
             self.records.append(
                 StageRecord(
@@ -246,6 +253,7 @@ def build_train(
     else:
         ex = ExportedForward.from_wire(forward.wire)
     rows = label_rows(forward.sites, batch, headroom=True)
+    checks = index_ranges(ex.model, ex.io)  # of the exported forward, before the passes
     model = ex.model  # from_wire / a fresh export: the passes may rewrite it in place
     inputs = {r.name for r in ex.io}
     build = TrainingBuild(
@@ -265,6 +273,7 @@ def build_train(
     )
     log.run(model, training_passes(build))
     assert build.gradient is not None
+    check_updates(model, ex.io)  # the buffer updates the trainer writes back
     graph = _built(
         model,
         ex,
@@ -273,6 +282,7 @@ def build_train(
         grad_outputs=dict(build.gradient.grad_outputs),
         accumulators=dict(build.accumulators),
         shared_outputs=dict(build.shared_outputs),
+        index_checks=checks,
         update_outputs=dict(build.update_outputs),
     )
     return forward, rows, graph
@@ -312,5 +322,6 @@ def build_eval(
         settings.cpu_kernels,
         settings.blas_batch,
     )
+    checks = index_ranges(ex.model, ex.io)
     log.run(ex.model, passes)
-    return _built(ex.model, ex, log)
+    return _built(ex.model, ex, log, index_checks=checks)

@@ -2,12 +2,26 @@
 
 ``state_dict()`` is ``{"model": module.state_dict(), "optimizer": <torch optimizer
 state_dict format>}``, so it loads into eager PyTorch too (and an eager optimizer's
-state dict loads here). Checkpoint files add a header and are written atomically.
+state dict loads here). Tensors that share memory in the module (tied weights) share it in
+the state dict too, so ``torch.save`` stores them once.
+
+Checkpoint files (``write_file``/``read_file``, also used by the sharded checkpoints):
+1. carry a CRC-32 of every tensor's bytes and a SHA-256 of everything else (names,
+   shapes, dtypes, settings), checked on load: a damaged file raises ``CheckpointError``
+   naming the damaged tensor; files written before checksums load with a warning;
+2. are written to ``<name>.tmp``, synced, then renamed: a failed or interrupted write
+   never touches the previous checkpoint, and the partial file is removed;
+3. are refused before writing anything when the filesystem has less space free than
+   their tensors need.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import warnings
+import zlib
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,18 +29,41 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graph_passes.interface import state_key
-from ortrain.errors import CheckpointError
+from ortrain.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer
 
 FORMAT = "ortrain.checkpoint/1"
+PAYLOAD_KEYS = frozenset({"format", "model_class", "optimizer_kind", "state"})
+CHECKSUMS = "checksums"  # top-level key of every file write_file makes
+# Bytes a file needs at least beyond its tensors' (zip headers, the pickle): an estimate on
+# the low side, so that the space check never refuses a checkpoint that would fit.
+_OVERHEAD_PER_TENSOR = 256
+_OVERHEAD = 16 << 10
 
 
 def index_names(trainer: ORTTrainer) -> list[str]:
     """Parameter names in torch's optimizer-state index order."""
     by_id = {id(p): n for n, p in trainer.module.named_parameters()}
     return [by_id[id(p)] for g in trainer.optimizer.param_groups for p in g["params"]]
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _clone_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` cloned, tensors that are one tensor in the module (tied
+    weights) cloned once: both keys hold the same tensor, stored once by torch.save."""
+    clones: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for k, v in module.state_dict().items():
+        key = _view_key(v)
+        if key not in clones:
+            clones[key] = v.detach().clone()
+        out[k] = clones[key]
+    return out
 
 
 def trainer_state_dict(
@@ -36,7 +73,7 @@ def trainer_state_dict(
     (ZeRO-1 gathers its shards); default ``trainer.opt_state``."""
     opt_state = trainer.opt_state if opt_state is None else opt_state
     trainer.sync_to_module()
-    model = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+    model = _clone_model_state(trainer.module)
     names = index_names(trainer)
     state: dict[int, dict[str, torch.Tensor]] = {}
     group_of = {n: g for g in trainer.spec.groups for n in g.params}
@@ -70,7 +107,9 @@ def trainer_state_dict(
     }
 
 
-def _check_model(trainer: ORTTrainer, model: Mapping[str, torch.Tensor]) -> None:
+def _check_model(trainer: ORTTrainer, model: Any) -> None:
+    if not isinstance(model, Mapping):
+        raise CheckpointError(f"the state dict's 'model' is a {type(model).__name__}, not a dict")
     own = trainer.module.state_dict()
     missing = sorted(set(own) - set(model))
     extra = sorted(set(model) - set(own))
@@ -80,6 +119,8 @@ def _check_model(trainer: ORTTrainer, model: Mapping[str, torch.Tensor]) -> None
             f"unexpected {extra[:5]}"
         )
     for k, v in own.items():
+        if not isinstance(model[k], torch.Tensor):
+            raise CheckpointError(f"checkpoint entry '{k}' is not a tensor")
         if tuple(model[k].shape) != tuple(v.shape):
             raise CheckpointError(
                 f"checkpoint tensor '{k}' has shape {tuple(model[k].shape)}, the model expects "
@@ -87,19 +128,11 @@ def _check_model(trainer: ORTTrainer, model: Mapping[str, torch.Tensor]) -> None
             )
 
 
-def load_trainer_state_dict(
-    trainer: ORTTrainer,
-    state: Mapping[str, Any],
-    *,
-    opt_state: MutableMapping[str, torch.Tensor] | None = None,
-) -> None:
-    """``opt_state``: where the full per-parameter optimizer state goes (ZeRO-1 passes an
-    empty dict and keeps its shard of it); default ``trainer.opt_state``."""
-    opt_state = trainer.opt_state if opt_state is None else opt_state
-    if "model" not in state or "optimizer" not in state:
-        raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
-    _check_model(trainer, state["model"])
-    opt = state["optimizer"]
+def _check_optimizer(trainer: ORTTrainer, opt: Any) -> None:
+    if not isinstance(opt, Mapping) or not {"state", "param_groups"} <= set(opt):
+        raise CheckpointError(
+            "the state dict's 'optimizer' needs torch's 'state' and 'param_groups' entries"
+        )
     names = index_names(trainer)
     if len(opt["param_groups"]) != len(trainer.optimizer.param_groups):
         raise CheckpointError(
@@ -111,8 +144,27 @@ def load_trainer_state_dict(
         if idx >= len(names):
             raise CheckpointError(f"optimizer state index {idx} has no parameter")
         for s, t in entry.items():
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"optimizer state '{s}' of {names[idx]} is not a tensor")
             if s != "step" and tuple(t.shape) != tuple(trainer.params[names[idx]].shape):
                 raise CheckpointError(f"optimizer state '{s}' of {names[idx]} has wrong shape")
+
+
+def load_trainer_state_dict(
+    trainer: ORTTrainer,
+    state: Mapping[str, Any],
+    *,
+    opt_state: MutableMapping[str, torch.Tensor] | None = None,
+) -> None:
+    """``opt_state``: where the full per-parameter optimizer state goes (ZeRO-1 passes an
+    empty dict and keeps its shard of it); default ``trainer.opt_state``."""
+    opt_state = trainer.opt_state if opt_state is None else opt_state
+    if not isinstance(state, Mapping) or "model" not in state or "optimizer" not in state:
+        raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
+    _check_model(trainer, state["model"])
+    opt = state["optimizer"]
+    _check_optimizer(trainer, opt)
+    names = index_names(trainer)
     # Validated: now change things.
     with torch.no_grad():
         trainer.module.load_state_dict(state["model"])
@@ -140,18 +192,226 @@ def load_trainer_state_dict(
             g.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def save(trainer: ORTTrainer, path: str | os.PathLike) -> None:
+# ---------------------------------------------------------------------------------------
+# Checksums
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes (in row-major order, whatever its strides)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy())
+
+
+def _join(where: str, key: Any) -> str:
+    return f"{where}/{key}" if where else str(key)
+
+
+def _describe(obj: Any, where: str, sums: dict[str, int], memo: dict[tuple, int]) -> str:
+    """A canonical text of ``obj`` (tensors as dtype, shape and CRC); fills ``sums`` with
+    each tensor's CRC by its path (``state/model/lm_head.weight``)."""
+    if isinstance(obj, torch.Tensor):
+        key = _view_key(obj)
+        if key not in memo:  # a tied tensor is summed once
+            memo[key] = tensor_checksum(obj)
+        sums[where] = memo[key]
+        return f"T({obj.dtype},{tuple(obj.shape)},{memo[key]})"
+    if isinstance(obj, Mapping):
+        items = (f"{k!r}:{_describe(v, _join(where, k), sums, memo)}" for k, v in obj.items())
+        return "{" + ",".join(items) + "}"
+    if isinstance(obj, (list, tuple)):
+        parts = ",".join(_describe(v, _join(where, i), sums, memo) for i, v in enumerate(obj))
+        return f"[{parts}]" if isinstance(obj, list) else f"({parts})"
+    return f"{type(obj).__name__}:{obj!r}"
+
+
+def checksums(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"tensors": {path: crc32}, "structure": sha256}`` of ``obj``."""
+    sums: dict[str, int] = {}
+    text = _describe(obj, "", sums, {})
+    return {"tensors": sums, "structure": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def verify(obj: Mapping[str, Any], expected: Any, path: Path) -> None:
+    """Raise CheckpointError naming what in ``obj`` differs from ``expected`` checksums."""
+    if not isinstance(expected, Mapping) or not {"tensors", "structure"} <= set(expected):
+        raise CheckpointError(f"checkpoint {path} is damaged: its checksum table is unreadable")
+    actual = checksums(obj)
+    for name, crc in expected["tensors"].items():
+        if name in actual["tensors"] and actual["tensors"][name] != crc:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: tensor '{name}' does not match its checksum"
+            )
+    if actual["structure"] != expected["structure"]:
+        missing = sorted(set(expected["tensors"]) - set(actual["tensors"]))
+        what = f"tensors {missing[:3]} are missing" if missing else "names, shapes or settings"
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: its contents do not match their checksum ({what})"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Files
+
+
+def _needed_bytes(obj: Any) -> int:
+    """About how many bytes torch.save writes for ``obj`` (tensor storages counted once)."""
+    storages: dict[int, int] = {}
+    count = 0
+
+    def walk(o: Any) -> None:
+        nonlocal count
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            count += 1
+        elif isinstance(o, Mapping):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return sum(storages.values()) + count * _OVERHEAD_PER_TENSOR + _OVERHEAD
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (torch's writer reports a failed write as a RuntimeError
+    whose context is the file object's OSError)."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _previous(path: Path) -> str:
+    return (
+        f"the previous checkpoint at {path} is intact"
+        if path.exists()
+        else f"nothing was written at {path}"
+    )
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable; some filesystems cannot sync a directory (then it is moot)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file(obj: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """``torch.save(obj + checksums)`` to ``path`` atomically; any failure removes the
+    partial file and raises CheckpointError, leaving what was at ``path`` as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    needed = _needed_bytes(obj)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the directory of {path}: {exc}") from exc
+    free = _free_bytes(path.parent)
+    if free is not None and free < needed:
+        raise CheckpointError(
+            f"not enough space for checkpoint {path}: it needs about {_size(needed)}, "
+            f"{_size(free)} are free; {_previous(path)}"
+        )
+    payload = {**obj, CHECKSUMS: checksums(obj)}
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt & co.: cleaned up, not ours to translate
+        os_error = _os_error(exc)
+        cause = os_error.strerror if os_error is not None and os_error.strerror else None
+        free = _free_bytes(path.parent)
+        room = f" ({_size(free)} free, it needs about {_size(needed)})" if free is not None else ""
+        raise CheckpointError(
+            f"writing checkpoint {path} failed: {cause or first_line(exc)}{room}; the partial "
+            f"file was removed and {_previous(path)}"
+        ) from exc
+    _fsync_dir(path.parent)
+
+
+def read_file(path: str | os.PathLike, known: frozenset[str] | set[str]) -> dict[str, Any]:
+    """A file written by ``write_file`` (or an older, checksum-less one, with a warning),
+    its checksums verified and removed. ``known``: the top-level keys such a file holds
+    (more in a file without checksums means a damaged one)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {first_line(exc)}") from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path} is not an ortrain checkpoint")
+    sums = payload.pop(CHECKSUMS, None)
+    if sums is not None:
+        verify(payload, sums, path)
+    elif set(payload) - set(known):
+        raise CheckpointError(
+            f"{path} is not an ortrain checkpoint, or a damaged one: no checksums, unexpected "
+            f"entries {sorted(map(str, set(payload) - set(known)))[:3]}"
+        )
+    else:
+        warnings.warn(
+            f"checkpoint {path} has no checksums (written before ortrain kept them): its "
+            "contents cannot be verified",
+            stacklevel=3,
+        )
+    return payload
+
+
+def check_keys(payload: Mapping[str, Any], required: frozenset[str], path: Path) -> None:
+    missing = sorted(required - set(payload))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(map(repr, missing))}: not written by ortrain, "
+            "or damaged"
+        )
+
+
+def save(trainer: ORTTrainer, path: str | os.PathLike) -> None:
     payload = {
         "format": FORMAT,
         "model_class": type(trainer.module).__name__,
         "optimizer_kind": trainer.spec.kind,
         "state": trainer_state_dict(trainer),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
+    write_file(payload, path)
 
 
 def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
@@ -161,14 +421,10 @@ def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if sharded_checkpoint.is_sharded(path):
         return sharded_checkpoint.read_consolidated(trainer, path)
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+    payload = read_file(path, PAYLOAD_KEYS)
+    if payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an ortrain checkpoint ({FORMAT})")
+    check_keys(payload, PAYLOAD_KEYS, path)
     if payload["optimizer_kind"] != trainer.spec.kind:
         raise CheckpointError(
             f"{path} holds {payload['optimizer_kind']} optimizer state, this trainer uses "

@@ -15,13 +15,24 @@ import functools
 import inspect
 import io
 import logging
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ortrain.buffer_updates import (
+    WithBuffers,
+    batch_norm_translations,
+    buffer_targets,
+    drop_unread_buffers,
+    exportable_batch_norms,
+    lift_buffers,
+    updated_io,
+)
 from ortrain.errors import ExportError, first_line
+from ortrain.export_ops import custom_translations, export_hint
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
 from ortrain.roles import GraphIO, Role
@@ -55,34 +66,107 @@ class ExportedForward:
         return cls(ir.serde.deserialize_model(onnx.ModelProto.FromString(data)), roles, outs, keys)
 
 
+_P = inspect.Parameter
+
+
+def _var_positional(params: Mapping[str, inspect.Parameter]) -> str | None:
+    """The name of the forward's ``*args`` parameter, if it has one."""
+    return next((n for n, p in params.items() if p.kind is _P.VAR_POSITIONAL), None)
+
+
+def _takes_var_keyword(params: Mapping[str, inspect.Parameter]) -> bool:
+    return any(p.kind is _P.VAR_KEYWORD for p in params.values())
+
+
+def _positional_key(var: str, i: int) -> str:
+    """The batch key of the ``i``-th value of ``*var`` (``args_0``, ``args_1``, ...)."""
+    return f"{var}_{i}"
+
+
 def normalize_batch(
     module: torch.nn.Module, args: tuple, kwargs: dict, *, allow_extra: bool = False
 ) -> dict[str, Any]:
     """Positional and keyword batch arguments as one name -> value mapping.
 
-    ``allow_extra``: keywords the forward does not take (targets for a ``loss_fn``).
+    Values of ``*args`` are named by position (``args_0``, ``args_1``, ...), items of
+    ``**kwargs`` by key. ``allow_extra``: keywords the forward does not take (targets for a
+    ``loss_fn``). ``call_arguments`` turns the mapping back into the forward's call.
     """
     params = inspect.signature(module.forward).parameters
+    named = {n for n, p in params.items() if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
+    var = _var_positional(params)
+    if var is not None:
+        # A keyword spelled like a positional key would be read back as that position.
+        reserved = [k for k in kwargs if k not in named and re.fullmatch(rf"{var}_\d+", k)]
+        if reserved:
+            raise TypeError(
+                f"batch does not match {type(module).__name__}.forward: keyword {reserved[0]!r} "
+                f"names a value of *{var} (ortrain's name for positional inputs); pass it "
+                "positionally"
+            )
     extra = {}
-    if allow_extra and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        extra = {k: v for k, v in kwargs.items() if k not in params}
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    if allow_extra and not _takes_var_keyword(params):
+        extra = {k: v for k, v in kwargs.items() if k not in named}
+        kwargs = {k: v for k, v in kwargs.items() if k in named}
     try:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"batch does not match {type(module).__name__}.forward: {exc}") from exc
     out: dict[str, Any] = {}
     for name, value in bound.arguments.items():
-        kind = inspect.signature(module.forward).parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
+        kind = params[name].kind
+        if kind is _P.VAR_KEYWORD:
+            clash = sorted(set(value) & set(out))
+            if clash:  # def forward(self, x, /, **kw) called with kw["x"]
+                raise TypeError(
+                    f"batch does not match {type(module).__name__}.forward: {clash[0]!r} is "
+                    f"both a positional-only input and a key of **{name}"
+                )
             out.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise TypeError("ortrain does not support *args in forward; pass keywords")
+        elif kind is _P.VAR_POSITIONAL:
+            keys = [_positional_key(name, i) for i in range(len(value))]
+            if set(keys) & named:  # def forward(self, args_0, *args)
+                raise TypeError(
+                    f"{type(module).__name__}.forward: a parameter is named like a value of "
+                    f"*{name} ({sorted(set(keys) & named)[0]!r}); ortrain cannot name its inputs"
+                )
+            out.update(zip(keys, value))
         else:
             out[name] = value
     out.update(extra)
     return out
+
+
+def var_positional_keys(module: torch.nn.Module, batch: Mapping[str, Any]) -> list[str] | None:
+    """The keys of ``batch`` that hold the forward's ``*args`` values, in order (None: the
+    forward has no ``*args``)."""
+    var = _var_positional(inspect.signature(module.forward).parameters)
+    if var is None:
+        return None
+    keys: list[str] = []
+    while _positional_key(var, len(keys)) in batch:
+        keys.append(_positional_key(var, len(keys)))
+    return keys
+
+
+def call_arguments(module: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """The forward's positional and keyword arguments from a ``normalize_batch`` mapping;
+    keys the forward does not take (a ``loss_fn``'s targets) are left out."""
+    params = inspect.signature(module.forward).parameters
+    rest = dict(inputs)
+    varargs = [rest.pop(k) for k in var_positional_keys(module, inputs) or []]
+    args = []
+    for name, p in params.items():
+        # Before *args values, every named input goes by position (as it was bound).
+        by_position = p.kind is _P.POSITIONAL_ONLY or (
+            p.kind is _P.POSITIONAL_OR_KEYWORD and varargs
+        )
+        if not by_position or name not in rest:
+            break
+        args.append(rest.pop(name))
+    if not _takes_var_keyword(params):
+        rest = {k: v for k, v in rest.items() if k in params}
+    return (*args, *varargs), rest
 
 
 def find_loss(outputs: Any) -> torch.Tensor:
@@ -148,15 +232,11 @@ class _Functional(torch.nn.Module):
         state.update(zip(self.bnames, flat[n : n + nb]))
         batch = dict(zip(self.batch_keys, flat[n + nb :]))
         kwargs = {**self.const_kwargs, **batch}
-        if self.loss_fn is not None:
-            model_kwargs = {k: v for k, v in kwargs.items() if k in self._forward_params()}
-            outputs = torch.func.functional_call(
-                self.module, state, (), model_kwargs, tie_weights=True
-            )
-            loss = self.loss_fn(outputs, kwargs)
-        else:
-            outputs = torch.func.functional_call(self.module, state, (), kwargs, tie_weights=True)
-            loss = find_loss(outputs)
+        args, model_kwargs = call_arguments(self.module, kwargs)
+        outputs = torch.func.functional_call(
+            self.module, state, args, model_kwargs, tie_weights=True
+        )
+        loss = self.loss_fn(outputs, kwargs) if self.loss_fn is not None else find_loss(outputs)
         # Mutate in place: the exporter may not keep attribute assignments on the module.
         self.output_keys.clear()
         self.output_keys.append("loss")
@@ -165,12 +245,6 @@ class _Functional(torch.nn.Module):
         others = other_outputs(outputs)
         self.output_keys.extend(k for k, _ in others)
         return (loss, *[v for _, v in others])
-
-    def _forward_params(self) -> set[str]:
-        params = inspect.signature(self.module.forward).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return set(self.batch_keys) | set(self.const_kwargs)
-        return set(params)
 
 
 def _attention_dropout(module: torch.nn.Module) -> float:
@@ -271,21 +345,6 @@ def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_no_running_stats(module: torch.nn.Module) -> None:
-    """BatchNorm in training mode updates its running statistics in place; the training
-    graph takes buffers as read-only inputs (torch.export fails on the update with an
-    unrelated-looking AssertionError), so name the layer instead."""
-    for name, m in module.named_modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training:
-            if m.track_running_stats:
-                raise ExportError(
-                    f"{type(m).__name__} '{name or type(module).__name__}' updates its running "
-                    "statistics in training mode: ortrain's training graph does not write "
-                    "buffers (and has no BatchNormalization gradient), so BatchNorm layers "
-                    "cannot be trained with ortrain yet; LayerNorm can"
-                )
-
-
 def export_here(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
@@ -308,37 +367,46 @@ def export_here(
         tensors = {k: v.to(device) for k, v in tensors.items()}
     tensors = _unaliased(tensors)
     pnames, bnames, keys = list(params), list(buffers), list(tensors)
-    wrapper = _Functional(module, pnames, bnames, keys, consts, loss_fn, with_outputs)
-    flat = (
-        tuple(p.detach() for p in params.values())
-        + tuple(b.detach() for b in buffers.values())
-        + tuple(tensors.values())
-    )
+    # Buffers stay the module's: torch.export lifts them and lists the ones the forward
+    # updates (ortrain/buffer_updates.py makes them graph inputs, the updates outputs).
+    wrapper = _Functional(module, pnames, [], keys, consts, loss_fn, with_outputs)
+    returned = bnames if train else []
+    traced = WithBuffers(wrapper, module, returned) if returned else wrapper
+    flat = tuple(p.detach() for p in params.values()) + tuple(tensors.values())
     was_training = module.training
     module.train(train)
     sink = io.StringIO()
-    if train:
-        try:
-            _check_no_running_stats(module)
-        except ExportError:
-            module.train(was_training)
-            raise
     try:
         with (
             warnings.catch_warnings(),
             contextlib.redirect_stdout(sink),
             _eager_attention_for_dropout(module, train),
+            exportable_batch_norms(module),
         ):
             warnings.simplefilter("ignore")
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)
             program = torch.onnx.export(
-                wrapper,
+                traced,
                 flat,
                 dynamo=True,
-                optimize=True,
+                optimize=False,  # below, once the buffers are inputs (not folded)
                 verbose=False,
-                input_names=pnames + bnames + keys,
+                input_names=pnames + keys,
+                custom_translation_table={**custom_translations(), **batch_norm_translations()},
             )
+            signature = program.exported_program.graph_signature
+            first_batch = next(
+                (i for i, v in enumerate(program.model.graph.inputs) if v.name not in params),
+                len(program.model.graph.inputs),
+            )
+            updated = lift_buffers(
+                program.model,
+                signature,
+                buffer_targets(traced, module),
+                after=first_batch,
+                returned=returned,
+            )
+            program.optimize()
     except Exception as exc:
         root = _root_cause(exc)
         if isinstance(root, ExportError):  # ours, raised inside the trace (e.g. no loss)
@@ -346,11 +414,12 @@ def export_here(
         # The exporter wraps the model's own error in pages of advice: name the cause.
         raise ExportError(
             f"torch.onnx.export failed for {type(module).__name__}: "
-            f"{type(root).__name__}: {first_line(root)}"
+            f"{type(root).__name__}: {first_line(root)}{export_hint(module)}"
         ) from exc
     finally:
         module.train(was_training)
     model = program.model
+    drop_unread_buffers(model, set(bnames))
     model.graph.name = type(module).__name__
     tag_padding_rows(model, module)
     graph_inputs = {v.name: v for v in model.graph.inputs}
@@ -363,7 +432,8 @@ def export_here(
     roles += [GraphIO(n, Role.BATCH) for n in keys]
     # The exporter drops inputs that the graph does not read (e.g. an unused buffer).
     roles = [r for r in roles if r.name in graph_inputs]
-    outs = [v.name for v in model.graph.outputs]
+    roles += updated_io(model, updated)
+    outs = [v.name for v in model.graph.outputs[: len(model.graph.outputs) - len(updated)]]
     if len(outs) != len(wrapper.output_keys):
         raise ExportError(f"export produced {len(outs)} outputs, expected {wrapper.output_keys}")
     loss_v = model.graph.outputs[0]

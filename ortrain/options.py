@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
 import os
+import sys
+import types
+import typing
 from typing import Any
+
+import torch
 
 from ortrain.loss_scaler import DynamicLossScale
 
@@ -28,7 +36,8 @@ class TrainerOptions:
         single process, the graph otherwise.
     grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
         so N micro-batches of size b train like one batch of size N*b.
-    max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off.
+    max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off;
+        ``math.inf``: no clipping, ``last_grad_norm`` still reported.
     seed: seeds dropout masks in the graph (two runs with one seed are identical).
     intra_op_threads: ONNX Runtime threads per session (None: ORT's default). On CPU the
         BLAS products and ortrain's kernels run on torch's OpenMP threads instead
@@ -67,6 +76,20 @@ class TrainerOptions:
         "onnxruntime": chains of standard ONNX ops (stock onnxruntime has no training
         kernels); "auto" (default): "ortrain" when the library builds, with a warning
         and standard ops otherwise.
+    bucketing: "auto" (default): pad each batch's sequence axis to one of a few bucket
+        lengths (16, 32, 48, 64, 80, 96, 112, 128, 160, ...) so variable-length data builds
+        a few graphs instead of one per length, where padding is exact: batches with an
+        ``attention_mask`` whose loss and gradients (and ``eval_step``'s outputs, cut back
+        to the batch's length) are checked eagerly to be unchanged by padding
+        (``ortrain/bucketing.py``); "off": one graph per batch shape.
+    graph_cache: keep built graphs on disk, keyed by the model's structure and code, the
+        batch signature, the options and the library versions (not the weights), so a
+        second run of a script does not export and run the passes again
+        (``ortrain/build_cache.py``). True (default): ``$XDG_CACHE_HOME/ortrain/graphs``
+        (``ORTRAIN_GRAPH_CACHE=<dir>`` moves it, ``=0`` turns it off); a path: that
+        folder; False: off. Off with ``save_graphs_dir`` (its graphs need the passes run).
+    build_progress: while a build has run 2 s, print on stderr which stage it is in
+        (export, passes, session), one line per stage; False: quiet.
     """
 
     device: str = "cpu"
@@ -87,8 +110,12 @@ class TrainerOptions:
     memory_plan: bool = True
     cpu_gemm: str = "auto"
     cpu_kernels: str = "auto"
+    bucketing: str = "auto"
+    graph_cache: bool | str | os.PathLike = True
+    build_progress: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self)  # every field against its annotation; no NaN
         kind, _, index = self.device.partition(":")
         if (
             kind not in ("cpu", "cuda")
@@ -114,8 +141,10 @@ class TrainerOptions:
             raise ValueError(f"TrainerOptions.max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"TrainerOptions.zero_stage must be 0 or 1, got {self.zero_stage}")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"TrainerOptions.dist_timeout must be > 0, got {self.dist_timeout}")
+        if not 0 < self.dist_timeout < math.inf:
+            raise ValueError(
+                f"TrainerOptions.dist_timeout must be finite and > 0, got {self.dist_timeout}"
+            )
         if self.mixed_precision not in (None, "fp16", "bf16"):
             raise ValueError(
                 "TrainerOptions.mixed_precision must be 'fp16', 'bf16' or None, got "
@@ -144,9 +173,18 @@ class TrainerOptions:
                 "TrainerOptions.cpu_kernels must be 'auto', 'ortrain' or 'onnxruntime', got "
                 f"{self.cpu_kernels!r}"
             )
+        if self.bucketing not in ("auto", "off"):
+            raise ValueError(
+                f"TrainerOptions.bucketing must be 'auto' or 'off', got {self.bucketing!r}"
+            )
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise ValueError(
                 f"TrainerOptions.intra_op_threads must be >= 1, got {self.intra_op_threads}"
+            )
+        if self.process_group is not None and not _is_process_group(self.process_group):
+            raise TypeError(
+                "TrainerOptions.process_group must be a torch.distributed ProcessGroup or None, "
+                f"got {type(self.process_group).__name__}"
             )
 
     @property
@@ -155,3 +193,71 @@ class TrainerOptions:
         if self.loss_scale == "auto":
             return "dynamic" if self.mixed_precision == "fp16" else None
         return self.loss_scale
+
+
+# Type checks of TrainerOptions: from the annotations, so a new field is checked too.
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """Each field's annotation; one naming a type this module cannot see (imported for
+    type checking only) is not checked here rather than breaking every construction."""
+    try:
+        return typing.get_type_hints(cls)
+    except NameError:
+        pass
+    names = vars(sys.modules[cls.__module__])
+    hints = {}
+    for field in dataclasses.fields(cls):
+        try:  # the string annotation (``from __future__ import annotations``) evaluated
+            hints[field.name] = typing.get_type_hints(
+                types.SimpleNamespace(__annotations__={"x": field.type}), names
+            )["x"]
+        except NameError:
+            hints[field.name] = Any
+    return hints
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:  # bool is an int to Python, not to an option
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True  # an annotation this cannot read: the field's own check decides
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(tp))
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _check_types(options: TrainerOptions) -> None:
+    """TypeError for a value of the wrong type (``grad_accumulation_steps=2.5``, a bool
+    given as 1), ValueError for a NaN (it passes every ``<``/``>`` range check)."""
+    hints = _field_types(type(options))
+    for field in dataclasses.fields(options):
+        value, tp = getattr(options, field.name), hints[field.name]
+        if not _conforms(value, tp):
+            raise TypeError(
+                f"TrainerOptions.{field.name} must be {_type_name(tp)}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+        if is_float and math.isnan(value):
+            raise ValueError(f"TrainerOptions.{field.name} must be a number, got {value}")
+
+
+def _is_process_group(value: Any) -> bool:
+    dist = torch.distributed
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)

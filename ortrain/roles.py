@@ -22,6 +22,7 @@ class Role(str, enum.Enum):
     LOSS_SCALE = "loss_scale"  # the backward's seed (dynamic loss scaling)
     GRADS_FINITE = "grads_finite"  # whether the update was applied (no Inf/NaN gradient)
     UPDATE_APPLIED = "update_applied"  # 1 when a parameter's update in the backward ran
+    UPDATED_BUFFER = "updated_buffer"  # a buffer's new value (BatchNorm statistics), ``of`` it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from graph_passes.interface import (
     state_key,
 )
 from ortrain import checkpoint
+from ortrain.bucketing import Bucketing
 from ortrain.build import (
     BuildSettings,
     BuiltGraph,
@@ -40,6 +41,7 @@ from ortrain.build import (
     graph_for,
     label_rows,
 )
+from ortrain.build_cache import GraphCache
 from ortrain.distributed import Reducer, join_process_group
 from ortrain.errors import (
     BatchError,
@@ -47,8 +49,9 @@ from ortrain.errors import (
     UnsupportedOptimizerError,
     first_line,
 )
-from ortrain.export import LossFn, normalize_batch, warn_sdpa
+from ortrain.export import LossFn, normalize_batch, var_positional_keys, warn_sdpa
 from ortrain.forked import call_forked, can_fork
+from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
 from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
@@ -91,6 +94,10 @@ class _Compiled:
     output_keys: list[str]
     # CUDA graphs replay fixed addresses: each batch is copied into these buffers.
     static_batch: dict[str, torch.Tensor] | None = None
+    # (the graph's new value, the buffer) per buffer a training step updates
+    buffer_updates: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=list
+    )
 
     @functools.cached_property
     def model(self) -> ir.Model:
@@ -138,6 +145,8 @@ class ORTTrainer:
         self.optimizer = optimizer
         self.options = options or TrainerOptions()
         self.loss_fn = loss_fn
+        # variable lengths padded to a few bucket lengths where exact (ortrain/bucketing.py)
+        self.bucketing = Bucketing(model, loss_fn, self.options.bucketing, self.sync_to_module)
         self.device = torch.device(self.options.device)
         check_device(self.device)
         # fp32 products on the BLAS custom op (graph_passes/blas_gemm.py): decided (and the
@@ -183,6 +192,8 @@ class ORTTrainer:
         # builds from a copy of it) and its losses whose ignored rows can be dropped.
         self._forwards: dict[tuple, ForwardSource] = {}
         self.build_count = 0  # graphs built (training and eval): a build per step is a bug
+        # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
+        self._graph_cache = GraphCache(self.options, model, loss_fn)
         self._eval: dict[tuple, _Compiled] = {}
         self._update: BoundSession | None = None
         # the kernels (cuda_kernels/ or torch's) run the update instead of a graph
@@ -190,6 +201,10 @@ class ORTTrainer:
         self._update_graph: UpdateGraph | None = None
         self.grad_params: list[str] | None = None  # trainable params reached by the loss
         self.micro_step = 0
+        # The update also scales the accumulated gradients by this: a driver's loss weighting
+        # (ortrain/hf_trainer.py matches transformers.Trainer's). The in-backward update,
+        # which has no gradient buffers to scale, ignores it.
+        self.grad_multiplier = 1.0
         self.build_log: list[StageRecord] = []
         self._graph_dir = (
             Path(self.options.save_graphs_dir) if self.options.save_graphs_dir else None
@@ -283,7 +298,8 @@ class ORTTrainer:
         )
         new_shape = sig not in self._forwards
         try:
-            forward, rows, built = self._run_build(job, batch)
+            run = functools.partial(self._run_build, batch=batch)
+            forward, rows, built = self._graph_cache.build_train(run, *job.args)
         except UpdateInBackwardError as exc:
             if self.options.update_engine != "auto" or self.grad_params is not None:
                 raise
@@ -311,12 +327,14 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
-        session = self._session(built, graph_capture=True)
+        with self._graph_cache.session_stage("train"):
+            session = self._session(built, graph_capture=True)
         session.bind_inputs({**self.params, **self.buffers, LOSS_SCALE_INPUT: self._loss_scale})
         session.bind_inputs(
             {acc: self.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
         )
         session.bind_outputs({built.output_names[0]: self._loss})
+        updates = self._bind_buffer_updates(session, built)
         if self._in_backward:
             self._bind_backward_update(session, built)
         else:
@@ -328,10 +346,27 @@ class ORTTrainer:
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
-        compiled = _Compiled(session, built, batch_names, dtypes, built.output_keys, static)
+        compiled = _Compiled(
+            session, built, batch_names, dtypes, built.output_keys, static, updates
+        )
         self._train[(sig, rows)] = compiled
         self.build_count += 1
         return compiled
+
+    def _bind_buffer_updates(
+        self, session: BoundSession, built: BuiltGraph
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each buffer update (``Role.UPDATED_BUFFER``: BatchNorm statistics) into a tensor of
+        its own, copied into the buffer after the run: bound to the buffer itself, the new
+        value could be written while a later node (the backward) still reads the old one."""
+        updates = []
+        for r in built.io:
+            if r.role is Role.UPDATED_BUFFER:
+                assert r.of is not None
+                new = torch.empty_like(self.buffers[r.of])
+                session.bind_outputs({r.name: new})
+                updates.append((new, self.buffers[r.of]))
+        return updates
 
     def _build_update(self) -> None:
         assert self.grad_params is not None
@@ -525,9 +560,11 @@ class ORTTrainer:
         job = functools.partial(
             build_eval, self.module, batch, self.loss_fn, self._settings(), len(self.build_log) + 1
         )
-        built = self._run_build(job, batch)
+        run = functools.partial(self._run_build, batch=batch)
+        built = self._graph_cache.build_eval(run, *job.args)
         self.build_log.extend(built.log)
-        session = self._session(built)
+        with self._graph_cache.session_stage("eval"):
+            session = self._session(built)
         session.bind_inputs({**self.params, **self.buffers})
         for name in built.output_names:
             session.bind_output_to_cpu(name)
@@ -561,7 +598,22 @@ class ORTTrainer:
         for k, v in batch.items():
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
                 raise BatchError(f"batch input '{k}' is {v.dtype}; expected float32")
+        self._check_var_positional(batch)
         return batch
+
+    def _check_var_positional(self, batch: Mapping[str, Any]) -> None:
+        """A forward(*args) takes as many positional inputs on every step as on the first:
+        a different count is a different model call, most likely a collate bug."""
+        keys = var_positional_keys(self.module, batch)
+        if keys is None:
+            return
+        first = self.__dict__.setdefault("_var_positional_count", len(keys))
+        if len(keys) != first:
+            raise BatchError(
+                f"{type(self.module).__name__}.forward got {len(keys)} positional inputs for its "
+                f"*args ({', '.join(keys) or 'none'}), the first step {first}: its graphs take "
+                "the same positional inputs every step"
+            )
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward + backward (+ optimizer update at the end of an accumulation window)."""
@@ -569,8 +621,9 @@ class ORTTrainer:
             return self._train_step(args, kwargs)
 
     def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        batch = self._normalize(args, kwargs)
+        batch = self.bucketing.pad(self._normalize(args, kwargs), train=True).batch
         compiled = self._compiled(batch, train=True)
+        check_batch(compiled.graph.index_checks, batch)  # ids/labels in range, as eager
         keep = self._bind_batch(compiled, batch)
         accum = self.options.grad_accumulation_steps
         if accum > 1 and self.micro_step == 0:
@@ -587,16 +640,20 @@ class ORTTrainer:
             # A partial run may have written into the gradients: the window starts again
             # (its first micro-step zeroes them); parameters and optimizer state are untouched
             # unless the update runs in the backward and got that far.
-            self.micro_step = 0
+            discarded, self.micro_step = self.micro_step, 0
             updated = int(self._applied.sum()) if self._in_backward else 0
-            raise _run_failed("training", batch, exc, updated, len(self._applied)) from exc
+            n = len(self._applied)
+            raise _run_failed("training", batch, exc, updated, n, discarded) from exc
         del keep
+        for new, buffer in compiled.buffer_updates:  # as eager: every micro-step updates
+            buffer.copy_(new)
         loss = self._loss.clone()
         if self.options.check_finite and not math.isfinite(float(loss)):
-            self.micro_step = 0
+            discarded, self.micro_step = self.micro_step, 0  # its gradients are in the sums
             raise NonFiniteLossError(
                 f"loss is {float(loss)} at optimizer step {int(self.step_tensor)}; the update "
                 "was not applied and parameters/optimizer state are unchanged"
+                f"{_window_restarts(discarded)}"
             )
         self.micro_step += 1
         if self.micro_step == accum:
@@ -615,7 +672,9 @@ class ORTTrainer:
         # update scales them to the unscaled mean.
         world = self._reducer.world_size if self._reducer is not None else 1
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        grad_scale = 1.0 / (self.options.grad_accumulation_steps * world * scale)
+        grad_scale = self.grad_multiplier / (
+            self.options.grad_accumulation_steps * world * scale
+        )
         if self._fused is not None:
             self._fused.run(values, grad_scale)
         else:
@@ -635,6 +694,16 @@ class ORTTrainer:
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
+    def apply_update(self) -> None:
+        """End the accumulation window now: the optimizer update on the gradients of the
+        micro-steps taken so far (an epoch's last, shorter window), scaled as a full window's
+        (divided by ``grad_accumulation_steps``, times ``grad_multiplier``)."""
+        if self.micro_step == 0:
+            return
+        self.micro_step = 0  # the in-backward update needs accumulation 1: never open here
+        with self._on_stream():
+            self._apply_update()
+
     @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (before clipping) of the last update; None without clipping."""
@@ -644,6 +713,11 @@ class ORTTrainer:
     def loss_scale(self) -> float | None:
         """The loss scale the next step's backward uses (None without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else None
+
+    @property
+    def cache_hits(self) -> int:
+        """Graphs of ``build_count`` loaded from the on-disk graph cache, not built."""
+        return self._graph_cache.hits
 
     @property
     def skipped_steps(self) -> int:
@@ -677,9 +751,11 @@ class ORTTrainer:
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:
         """Forward only in eval mode (no dropout), no update: loss and other outputs
         (host tensors)."""
-        batch = self._normalize(args, kwargs)
+        padded = self.bucketing.pad(self._normalize(args, kwargs), train=False)
+        batch = padded.batch
         with self._on_stream():
             compiled = self._compiled(batch, train=False)
+            check_batch(compiled.graph.index_checks, batch)
             keep = self._bind_batch(compiled, batch)
             try:
                 compiled.session.run()
@@ -687,9 +763,11 @@ class ORTTrainer:
                 raise _run_failed("eval", batch, exc) from exc
             del keep
         values = compiled.session.binding.get_outputs()
-        return StepOutputs(
-            (k, torch.from_numpy(v.numpy())) for k, v in zip(compiled.output_keys, values)
-        )
+        # copies: the session's output buffers are reused by the next eval step
+        outputs = {
+            k: torch.from_numpy(v.numpy()).clone() for k, v in zip(compiled.output_keys, values)
+        }
+        return StepOutputs(padded.cut(outputs))  # back to the batch's own length
 
     # ------------------------------------------------------------------ state
     @torch.no_grad()
@@ -726,11 +804,25 @@ class ORTTrainer:
         checkpoint.load(self, path)
 
 
+def _window_restarts(discarded: int) -> str:
+    """A failed micro-step ends its accumulation window: say what that threw away."""
+    if not discarded:
+        return ""
+    some = "micro-batch" if discarded == 1 else f"{discarded} micro-batches"
+    return f"; the accumulation window starts over, discarding its earlier {some}"
+
+
 def _run_failed(
-    graph: str, batch: Mapping[str, Any], exc: Exception, updated: int = 0, params: int = 0
+    graph: str,
+    batch: Mapping[str, Any],
+    exc: Exception,
+    updated: int = 0,
+    params: int = 0,
+    discarded: int = 0,
 ) -> BatchError:
     """ONNX Runtime's error with the batch it failed on (its message names the node);
-    ``updated`` of ``params`` parameters had their update in the backward already."""
+    ``updated`` of ``params`` parameters had their update in the backward already;
+    ``discarded`` micro-steps of the accumulation window were thrown away with it."""
     shapes = ", ".join(
         f"{k}: {list(v.shape)} {v.dtype}".replace("torch.", "")
         for k, v in batch.items()
@@ -742,7 +834,8 @@ def _run_failed(
         else "no update was applied"
     )
     return BatchError(
-        f"the {graph} graph failed on this batch ({shapes}); {applied}: {first_line(exc)}"
+        f"the {graph} graph failed on this batch ({shapes}); {applied}"
+        f"{_window_restarts(discarded)}: {first_line(exc)}"
     )
 
 

@@ -125,6 +125,14 @@ def _threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_graph_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test (and the processes it starts) builds its own graphs: no on-disk graph cache
+    shared between tests or with the user's; tests/test_build_cache.py turns it on in a
+    temporary folder."""
+    monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", "0")
+
+
 # ----------------------------------------------------------- kernel libraries (cuda_kernels/)
 def cmake_build(dest: Path, *flags: str) -> float:
     """Configures and builds into ``dest``; returns the seconds it took."""

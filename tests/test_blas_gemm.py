@@ -225,6 +225,8 @@ def test_cpu_gemm_choices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unbuildable_op_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("ORTRAIN_CACHE_DIR", str(tmp_path))
+    # no installed library (an empty ORTRAIN_NATIVE_DIR): the development build runs
+    monkeypatch.setenv("ORTRAIN_NATIVE_DIR", str(tmp_path / "no-native"))
     cpu_ops.cache_clear()
     try:
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails

@@ -14,6 +14,7 @@ import torch
 from ortrain import ORTTrainer
 from ortrain.errors import ExportError
 from ortrain.export import export_forward
+from ortrain.roles import Role
 from tests.conftest import bert_batches, bert_mlm
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
@@ -77,10 +78,10 @@ def test_child_export_errors_reach_the_caller():
 
 
 class _BatchNormNet(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, norm: type[torch.nn.Module] = torch.nn.BatchNorm1d) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(6, 8)
-        self.norm = torch.nn.BatchNorm1d(8)
+        self.norm = norm(8)
         self.head = torch.nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -88,15 +89,40 @@ class _BatchNormNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h), y)
 
 
-def test_batch_norm_in_training_is_named_and_nothing_changes():
-    """torch.export fails on BatchNorm's in-place running-statistics update with an
-    AssertionError about compiled_fn; the trainer names the layer, leaves the module's
-    mode and weights alone, and an eval graph (no update) still builds."""
-    model = _BatchNormNet().eval()
+def test_batch_norm_running_statistics_are_graph_outputs():
+    """BatchNorm's running-statistics update (torch.export's buffer mutations) becomes
+    outputs with the UPDATED_BUFFER role; an eval graph reads the buffers and writes none
+    (training parity: tests/test_batch_norm.py)."""
+    model = _BatchNormNet()
+    batch = {"x": torch.randn(16, 6), "y": torch.randint(0, 2, (16,))}
+    ex = export_forward(model, batch, train=True)
+    stats = ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+    updated = {r.of: r.name for r in ex.io if r.role is Role.UPDATED_BUFFER}
+    assert sorted(updated) == sorted(stats)
+    outputs = [v.name for v in ex.model.graph.outputs]
+    assert outputs[0] == ex.output_names[0] and set(updated.values()) <= set(outputs)
+    assert [r.name for r in ex.io if r.role is Role.BUFFER] == stats
+    # normalized with the batch statistics, in inference mode (ortrain/buffer_updates.py)
+    (bn,) = [n for n in ex.model.graph if n.op_type == "BatchNormalization"]
+    assert bn.attributes.get_int("training_mode", 0) == 0
+    assert not any(v.is_graph_input() for v in bn.inputs[3:])
+    ev = export_forward(model, batch, train=False)
+    (bn,) = [n for n in ev.model.graph if n.op_type == "BatchNormalization"]
+    assert [v.name for v in bn.inputs[3:]] == stats[:2]
+    assert not [r for r in ev.io if r.role is Role.UPDATED_BUFFER]
+    assert len(ev.model.graph.outputs) == len(ev.output_names)
+    assert model.training and model.norm.num_batches_tracked.item() == 0
+
+
+def test_sync_batch_norm_in_training_is_named_and_nothing_changes():
+    """SyncBatchNorm would share statistics across ranks, which ortrain does not do: the
+    trainer names the layer, leaves the module's mode and weights alone, and an eval graph
+    (no update) still builds."""
+    model = _BatchNormNet(torch.nn.SyncBatchNorm).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     x, y = torch.randn(16, 6), torch.randint(0, 2, (16,))
-    with pytest.raises(ExportError, match=r"BatchNorm1d 'norm' updates its running statistics"):
+    with pytest.raises(ExportError, match=r"SyncBatchNorm 'norm' is not supported in training"):
         trainer.train_step(x, y)
     assert not model.training and not model.norm.training
     for k, v in model.state_dict().items():

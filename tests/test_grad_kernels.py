@@ -368,6 +368,8 @@ def test_cpu_kernels_choices(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     assert not cpu_ops.use_grad_kernels("onnxruntime")
     assert not cpu_ops.use_grad_kernels("ortrain", device_type="cuda")
     monkeypatch.setenv("ORTRAIN_CACHE_DIR", str(tmp_path))
+    # no installed library (an empty ORTRAIN_NATIVE_DIR): the development build runs
+    monkeypatch.setenv("ORTRAIN_NATIVE_DIR", str(tmp_path / "no-native"))
     cpu_ops.cache_clear()
     try:
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails

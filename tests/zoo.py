@@ -30,14 +30,23 @@ class Entry:
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], Batch]
     slow: bool = False  # export + build over ~20 s on a 2-core machine
+    # "sgd" where parameters with an exactly-zero gradient would make AdamW compare float
+    # noise blown up to lr-sized steps
+    optimizer: str = "adamw"
 
 
 ZOO: dict[str, Entry] = {}
 
 
-def entry(name: str, category: str, batch: Callable[[torch.Generator], Batch], slow=False):
+def entry(
+    name: str,
+    category: str,
+    batch: Callable[[torch.Generator], Batch],
+    slow: bool = False,
+    optimizer: str = "adamw",
+):
     def deco(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        ZOO[name] = Entry(name, category, build, batch, slow)
+        ZOO[name] = Entry(name, category, build, batch, slow, optimizer)
         return build
 
     return deco
@@ -311,8 +320,10 @@ class _ImageHead(nn.Module):
 class CnnBatchNorm(_ImageHead):
     def __init__(self):
         super().__init__(16)
-        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.c2, self.b2 = nn.Conv2d(8, 16, 3, stride=2), nn.BatchNorm2d(16, momentum=None)
+        # no conv bias before a BatchNorm (it subtracts it again: a zero gradient)
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 16, 3, stride=2, bias=False)
+        self.b2 = nn.BatchNorm2d(16, momentum=None)
 
     def trunk(self, x):
         return F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
@@ -337,7 +348,7 @@ class ResnetBlock(_ImageHead):
 class MlpBatchNorm1d(_Head):
     def __init__(self):
         super().__init__()
-        self.fc, self.bn = nn.Linear(H, H), nn.BatchNorm1d(H, affine=False)
+        self.fc, self.bn = nn.Linear(H, H, bias=False), nn.BatchNorm1d(H, affine=False)
 
     def body(self, x):
         return F.relu(self.bn(self.fc(x)))
@@ -504,9 +515,6 @@ HF = {
     "resnet": ("ResNetForImageClassification", "ResNetConfig",
                dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5,
                     layer_type="basic"), pixels),
-    "mobilenet_v2": ("MobileNetV2ForImageClassification", "MobileNetV2Config",
-                     dict(image_size=32, depth_multiplier=0.25, num_labels=5,
-                          classifier_dropout_prob=0.0), pixels),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig",
                 dict(DEC, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                      **EAGER), lm),
@@ -529,8 +537,12 @@ def _classify(g: torch.Generator) -> Batch:
             "labels": torch.randint(0, 5, (B,), generator=g)}  # fmt: skip
 
 
+_SGD: set[str] = set()
 for _name, (_model, _config, _kw, _batch) in HF.items():
-    entry(_name, _CATEGORY.get(_name, "hf"), _batch or _classify)(_hf(_model, _config, **_kw))
+    _opt = "sgd" if _name in _SGD else "adamw"
+    entry(_name, _CATEGORY.get(_name, "hf"), _batch or _classify, optimizer=_opt)(
+        _hf(_model, _config, **_kw)
+    )
 
 
 def _clip_batch(g: torch.Generator) -> Batch:

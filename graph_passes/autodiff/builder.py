@@ -9,7 +9,14 @@
 3. A value used several times (tied weights, residuals) gets its contributions
    merged by one ``Sum`` node.
 4. An op on a gradient path without a rule, or registered as not differentiable,
-   raises :class:`GradientError` naming the op, the node and its torch scope.
+   raises :class:`GradientError` naming the op, the node, its torch scope and the
+   trainable parameters behind it.
+5. Values a node's subgraphs (Loop/If/Scan bodies, nested too) read from the outer scope
+   count as that node's inputs for reachability: a parameter that reaches the loss only
+   through control flow that ``inline_control_flow`` could not inline is an error, never
+   a silently missing gradient.
+6. After the build, the parameters that reach the loss (declared and subgraph reads) must
+   be exactly those that got a gradient; ``unreachable`` is what eager leaves ``None``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import onnx_ir as ir
+import onnx_ir.traversal
 
 from graph_passes.autodiff import registry
 from graph_passes.autodiff.context import GradContext
@@ -73,7 +81,88 @@ class GradientGraphResult:
 
 
 def _is_float(v: ir.Value) -> bool:
-    return v.dtype in FLOAT_TYPES
+    # Untyped values (control-flow and sequence outputs) may carry a float: reachability
+    # must not stop there.
+    return v.dtype in FLOAT_TYPES or v.type is None
+
+
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.as_graph())
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.as_graphs())
+    return graphs
+
+
+def captured_values(graph: ir.Graph) -> dict[int, list[ir.Value]]:
+    """id(node) -> values of ``graph`` its subgraphs (nested ones too) read or return."""
+    captured = {id(node): _outer_reads(node, graph) for node in graph if _subgraphs(node)}
+    return {k: v for k, v in captured.items() if v}
+
+
+def _outer_reads(node: ir.Node, graph: ir.Graph) -> list[ir.Value]:
+    found: dict[int, ir.Value] = {}
+
+    def visit(values: Sequence[ir.Value | None]) -> None:
+        for v in values:
+            if v is not None and v.graph is graph:
+                found.setdefault(id(v), v)
+
+    for sub in _subgraphs(node):
+        walk = onnx_ir.traversal.RecursiveGraphIterator(sub, enter_graph=lambda g: visit(g.outputs))
+        for inner in walk:
+            visit(inner.inputs)
+    return list(found.values())
+
+
+def _params_behind(
+    graph: ir.Graph,
+    values: Sequence[ir.Value],
+    wrt: dict[int, str],
+    captured: dict[int, list[ir.Value]],
+) -> list[str]:
+    """Trainable inputs among the ancestors of ``values`` (subgraph reads included)."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if id(v) in wrt:
+            found.add(wrt[id(v)])
+        node = v.producer()
+        if node is not None and node.graph is graph:
+            stack.extend(x for x in node.inputs if x is not None)
+            stack.extend(captured.get(id(node), ()))
+    return sorted(found)
+
+
+def _params_reaching_loss(
+    graph: ir.Graph,
+    loss: ir.Value,
+    wrt: dict[int, str],
+    regs: dict[int, registry.Registration | None],
+    captured: dict[int, list[ir.Value]],
+) -> set[str]:
+    """Trainable inputs with a float path to the loss along edges eager differentiates
+    (declared differentiable inputs and subgraph reads; not through no-gradient ops)."""
+    reach = {id(loss)}
+    for node in reversed(list(graph)):
+        reg = regs[id(node)]
+        if reg is not None and reg.kind == "no_gradient":
+            continue
+        if not any(id(o) in reach for o in node.outputs):
+            continue
+        for i, v in enumerate(node.inputs):
+            differentiable = reg is None or reg.kind != "rule" or reg.input_differentiable(i)
+            if v is not None and _is_float(v) and differentiable:
+                reach.add(id(v))
+        reach.update(id(v) for v in captured.get(id(node), ()) if _is_float(v))
+    return {name for i, name in wrt.items() if i in reach}
 
 
 def _opset(model: ir.Model, node: ir.Node) -> int:
@@ -172,6 +261,9 @@ def build_gradient_graph(
     regs = {
         id(node): registry.lookup(node.op_type, node.domain, _opset(model, node)) for node in graph
     }
+    captured = captured_values(graph)
+    wrt_ids = {id(v): name for name, v in zip(wrt, wrt_values)}
+    expected = _params_reaching_loss(graph, loss_v, wrt_ids, regs, captured)
 
     # 1. forward reachability along differentiable edges.
     fwd: set[int] = {id(v) for v in wrt_values if _is_float(v)}
@@ -184,7 +276,7 @@ def build_gradient_graph(
             and id(v) in fwd
             and (reg is None or reg.kind != "rule" or reg.input_differentiable(i))
             for i, v in enumerate(node.inputs)
-        )
+        ) or any(id(v) in fwd for v in captured.get(id(node), ()))
         if live:
             fwd.update(id(o) for o in node.outputs if _is_float(o))
 
@@ -202,15 +294,13 @@ def build_gradient_graph(
             and id(v) in fwd
             and (reg is None or reg.kind != "rule" or reg.input_differentiable(i))
         ]
-        if not diff_inputs:
+        reads = [v for v in captured.get(id(node), ()) if id(v) in fwd]
+        if not diff_inputs and not reads:
             continue
-        if reg is None:
-            raise GradientError(
-                f"no gradient rule for {describe(node)}; it lies between a trainable "
-                f"parameter and the loss. Register one in graph_passes/autodiff/rules."
-            )
-        if reg.kind == "not_differentiable":
-            raise GradientError(f"{describe(node)} is not differentiable: {reg.reason}")
+        if reg is None or reg.kind == "not_differentiable" or reads:
+            live = [node.inputs[i] for i in diff_inputs] + reads
+            params = _params_behind(graph, live, wrt_ids, captured)
+            raise GradientError(_not_differentiable(node, reg, params, reads))
         on_path.append(node)
         needed.update(id(node.inputs[i]) for i in diff_inputs)
 
@@ -298,6 +388,32 @@ def build_gradient_graph(
         g.shape, g.dtype = v.shape, v.dtype
         graph.outputs.append(g)
         grad_outputs[name] = g.name
+    if set(grad_outputs) != expected:
+        raise GradientError(
+            f"trainable parameters reaching the loss {sorted(expected)} differ from those "
+            f"that got a gradient {sorted(grad_outputs)}: a rule returned no gradient for "
+            "an input it was asked for"
+        )
     count = len(em.nodes)
     em.flush_before(None)
     return GradientGraphResult(model, grad_outputs, unreachable, count)
+
+
+def _not_differentiable(
+    node: ir.Node,
+    reg: registry.Registration | None,
+    params: list[str],
+    reads: list[ir.Value],
+) -> str:
+    where = f"{describe(node)} lies between trainable parameter(s) {params} and the loss"
+    if reads:
+        names = [v.name for v in reads]
+        return (
+            f"{where} and its subgraph reads {names} from the outer scope: ortrain's autodiff "
+            "does not differentiate control flow (graph_passes/inline_control_flow.py unrolls "
+            "Loops with a constant trip count, inlines Ifs with a constant condition and "
+            "computes both branches of Ifs over safe ops; this one could not be)"
+        )
+    if reg is None:
+        return f"no gradient rule for {where}. Register one in graph_passes/autodiff/rules."
+    return f"{where} but is not differentiable: {reg.reason}"

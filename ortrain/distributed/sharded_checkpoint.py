@@ -5,18 +5,23 @@
     <dir>/<id>.rank<r>-of-<n>.pt      rank r: its shard of each optimizer-state buffer
 
 ``<id>`` is new for every save and the manifest names the files of its own save, so a
-crash in the middle of a save leaves the previous checkpoint whole; the next complete
-save removes files that no manifest names. Loading with the same world size and layout
-reads only the rank's own shard; any other world size (one process included, through
-``ortrain.checkpoint.load``) rebuilds the ordinary full state dict from all the shards.
+crash in the middle of a save leaves the previous checkpoint whole; a save that fails on
+any rank removes the files it wrote, and the next complete save removes files that no
+manifest names. The ``.pt`` files carry checksums (``ortrain.checkpoint.write_file``), the
+manifest a SHA-256 of its own contents; both are verified on load. Loading with the same
+world size and layout reads only the rank's own shard; any other world size (one process
+included, through ``ortrain.checkpoint.load``) rebuilds the ordinary full state dict from
+all the shards.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,25 +38,36 @@ if TYPE_CHECKING:
 FORMAT = "ortrain.sharded-checkpoint/1"
 MANIFEST = "manifest.json"
 _OWN_FILE = re.compile(r"^[0-9a-f]{12}\.(model|rank\d+-of-\d+)\.pt(\.tmp)?$")
+MODEL_KEYS = frozenset({"model", "optimizer", "ortrain"})
+SHARD_KEYS = frozenset({"rank", "state"})
+MANIFEST_KEYS = frozenset(
+    {"format", "optimizer_kind", "world_size", "step", "layout", "state_names"}
+    | {"index_names", "state_of", "model", "shards"}
+)
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _load(path: Path) -> Any:
+def _load(path: Path, keys: frozenset[str]) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"sharded checkpoint file {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    payload = checkpoint.read_file(path, keys)
+    checkpoint.check_keys(payload, keys, path)
+    return payload
+
+
+def _digest(manifest: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _remove(files: list[Path]) -> None:
+    for f in files:
+        try:
+            f.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) -> None:
@@ -63,28 +79,42 @@ def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
     shards = [f"{save_id}.rank{r:05d}-of-{n:05d}.pt" for r in range(n)]
     model = f"{save_id}.model.pt"
     error: Exception | None = None
-    try:
+    written = [path / shards[cfg.rank]] + ([path / model] if comm.rank == 0 else [])
+    try:  # any exception: a rank that raised alone would leave the others in comm.any
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_save({"rank": cfg.rank, "state": dict(sharded.state)}, path / shards[cfg.rank])
+        checkpoint.write_file({"rank": cfg.rank, "state": dict(sharded.state)}, written[0])
         if comm.rank == 0:
-            _atomic_save(checkpoint.trainer_state_dict(trainer, opt_state={}), path / model)
-    except OSError as exc:
+            checkpoint.write_file(checkpoint.trainer_state_dict(trainer, opt_state={}), written[1])
+    except Exception as exc:
         error = exc
     if comm.any(error is not None):
-        raise CheckpointError(f"a rank could not write its part of {path}: {error}") from error
+        _remove(written)  # this save's parts; the previous manifest's files are untouched
+        raise CheckpointError(
+            f"a rank could not write its part of {path}: {error}; the parts of this save were "
+            "removed, the previous checkpoint there (if any) is intact"
+        ) from error
+    committed = False
     if comm.rank == 0:
+        tmp = path / (MANIFEST + ".tmp")
         try:
             manifest = _manifest(trainer, sharded, model, shards)
-            tmp = path / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(manifest, indent=1))
+            manifest["sha256"] = _digest(manifest)
+            with open(tmp, "w") as f:
+                f.write(json.dumps(manifest, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path / MANIFEST)  # the commit point of the save
+            committed = True
             keep = {model, *shards}
             for f in path.iterdir():
                 if _OWN_FILE.match(f.name) and f.name not in keep:
                     f.unlink()
-        except OSError as exc:
+        except Exception as exc:
             error = exc
+            _remove([tmp])
     if comm.any(error is not None):  # also the barrier: nobody returns before the commit
+        if not comm.broadcast_object(committed if comm.rank == 0 else None):
+            _remove(written)  # not committed: this save's parts go
         raise CheckpointError(f"rank 0 could not write the manifest of {path}: {error}")
 
 
@@ -115,8 +145,20 @@ def read_manifest(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not a readable sharded checkpoint: {exc}") from exc
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an ortrain sharded checkpoint ({FORMAT})")
+    digest = manifest.pop("sha256", None)
+    if digest is None:
+        warnings.warn(
+            f"sharded checkpoint {path} has no manifest checksum (written before ortrain kept "
+            "them): its manifest cannot be verified",
+            stacklevel=3,
+        )
+    elif digest != _digest(manifest):
+        raise CheckpointError(
+            f"sharded checkpoint {path} is damaged: {MANIFEST} fails its checksum"
+        )
+    checkpoint.check_keys(manifest, MANIFEST_KEYS, path / MANIFEST)
     if manifest["optimizer_kind"] != trainer.spec.kind:
         raise CheckpointError(
             f"{path} holds {manifest['optimizer_kind']} optimizer state, this trainer uses "
@@ -128,9 +170,9 @@ def read_manifest(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any
 def consolidate(path: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, Any]:
     """The ordinary full state dict (torch formats) rebuilt from all the shards."""
     path = Path(path)
-    state = _load(path / manifest["model"])
+    state = _load(path / manifest["model"], MODEL_KEYS)
     layout = FlatLayout.from_json(manifest["layout"])
-    parts = [_load(path / f)["state"] for f in manifest["shards"]]
+    parts = [_load(path / f, SHARD_KEYS)["state"] for f in manifest["shards"]]
     views = {s: layout.views(torch.cat([p[s] for p in parts])) for s in manifest["state_names"]}
     step = torch.tensor(float(manifest["step"]))
     opt: dict[int, dict[str, torch.Tensor]] = {}
@@ -159,10 +201,10 @@ def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
     if FlatLayout.from_json(manifest["layout"]) != sharded.config.layout:
         sharded.load_state_dict(trainer, consolidate(path, manifest))  # other world size
         return
-    shard = _load(path / manifest["shards"][sharded.config.rank])
+    shard = _load(path / manifest["shards"][sharded.config.rank], SHARD_KEYS)
     n = sharded.config.layout.shard_numel
     for s in sharded.config.state_names:
         if s not in shard["state"] or shard["state"][s].numel() != n:
             raise CheckpointError(f"{manifest['shards'][sharded.config.rank]}: no {n}-element {s}")
-    base = _load(path / manifest["model"])
+    base = _load(path / manifest["model"], MODEL_KEYS)
     sharded.load_shards(trainer, base, shard["state"], set(manifest["state_of"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
@@ -49,16 +50,28 @@ class OptimizerSpec:
         return STATE_NAMES[self.kind]
 
 
+def _refuse_own_step(optimizer: torch.optim.Optimizer, base: type) -> None:
+    """A subclass's own ``step()`` would never run: the update is ``base``'s, in the graph."""
+    for cls in type(optimizer).__mro__:
+        if cls is base:
+            return
+        step = cls.__dict__.get("step")  # torch wraps step() in a profiling hook: unwrap
+        if step is not None and inspect.unwrap(step) is not inspect.unwrap(base.step):
+            raise UnsupportedOptimizerError(
+                f"optimizer {cls.__qualname__} overrides step(), which ortrain never calls (it "
+                f"runs {base.__qualname__}'s update inside its graphs); use {base.__qualname__} "
+                "itself (hyperparameters in param_groups are read every step)"
+            )
+
+
 def _kind(optimizer: torch.optim.Optimizer) -> str:
-    if isinstance(optimizer, Lamb):
-        return "lamb"
-    if isinstance(optimizer, torch.optim.AdamW):
-        return "adamw"
-    if isinstance(optimizer, torch.optim.Adam):
-        decoupled = optimizer.defaults.get("decoupled_weight_decay", False)
-        return "adamw" if decoupled else "adam"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "sgd"
+    kinds = ((Lamb, "lamb"), (torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"))
+    for base, kind in (*kinds, (torch.optim.SGD, "sgd")):
+        if isinstance(optimizer, base):
+            _refuse_own_step(optimizer, base)
+            if kind == "adam" and optimizer.defaults.get("decoupled_weight_decay", False):
+                return "adamw"
+            return kind
     raise UnsupportedOptimizerError(
         f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported "
         "by ortrain; use torch.optim.AdamW, Adam, SGD or ortrain.optim.Lamb"

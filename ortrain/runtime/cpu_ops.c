@@ -4,13 +4,41 @@
  *   ortrain.blas  the BLAS Gemm (blas_gemm.c) and BatchMatMul (blas_batch.c), once
  *                 ortrain_blas_set_sgemm was called.
  */
+#define _GNU_SOURCE /* RTLD_NOLOAD */
+#include <dlfcn.h>
+
 #include "kernel_util.h"
+
+#ifndef ORTRAIN_CPU_ISA /* CMakeLists.txt / cpu_ops.py name the variant they build */
+#define ORTRAIN_CPU_ISA "unknown"
+#endif
 
 const OrtApi* ortrain_api17 = NULL;
 int ortrain_omp_team = 0;
 long ortrain_team_runs = 0;
 
-int ortrain_cpu_ops_abi_version(void) { return 4; }
+/* ortrain/runtime/cpu_ops.py: ABI_VERSION, checked before any other symbol is used */
+int ortrain_cpu_ops_abi_version(void) { return 5; }
+/* the instruction-set variant this file was compiled as: baseline, avx2 or avx512 */
+const char* ortrain_cpu_ops_isa(void) { return ORTRAIN_CPU_ISA; }
+
+int ortrain_blas_set_sgemm(void* sgemm);     /* blas_gemm.c */
+int ortrain_blas_set_sgemm_batch(void* fn);  /* blas_batch.c */
+
+/* Binds ortrain.blas to the Fortran-interface sgemm_ (and, where it has one, MKL's
+ * sgemm_batch_) of the BLAS library at `path` (torch's libtorch_cpu: loaded already by
+ * `import torch`, so RTLD_NOLOAD finds that copy and no second BLAS is loaded). Returns 0,
+ * -1 when the library cannot be opened, -2 when it exports no sgemm_. */
+int ortrain_blas_bind(const char* path) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (lib == NULL) lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) return -1;
+  void* sgemm = dlsym(lib, "sgemm_");
+  if (sgemm == NULL) return -2;
+  ortrain_blas_set_sgemm(sgemm);
+  ortrain_blas_set_sgemm_batch(dlsym(lib, "sgemm_batch_")); /* NULL: one sgemm per matrix */
+  return 0;
+}
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -1,24 +1,28 @@
-"""ortrain's CPU custom-op library: compiled on first use, registered on CPU sessions.
+"""ortrain's CPU custom-op library: loaded through ``native``, registered on CPU sessions.
 
 One shared library from the C files beside this module (``ort_abi.h`` declares the ONNX
 Runtime ABI they use), with two op domains:
 
-- ``ortrain.cpu``: fused fp32 backward kernels (``grad_kernels.c``: GeluGrad,
-  FastGeluGrad, SoftmaxGrad, LayerNormGrad) that the gradient rules emit for CPU builds
-  (``use_grad_kernels``, ``TrainerOptions.cpu_kernels``);
+- ``ortrain.cpu``: fused fp32 kernels (``grad_kernels.c``: GeluGrad, FastGeluGrad,
+  SoftmaxGrad, LayerNormGrad; forward, layout, element-wise and update kernels) that CPU
+  builds emit (``use_grad_kernels``, ``TrainerOptions.cpu_kernels``);
 - ``ortrain.blas``: ``Gemm`` on the BLAS sgemm torch's CPU library exports (MKL in x86
   wheels; ``blas_gemm.c``): no second BLAS is loaded, and the products run on the same
-  OpenMP threads, at the same rates, as eager torch's. Registered only once torch's
-  ``sgemm_`` was handed over (``blas_library_path``).
+  OpenMP threads, at the same rates, as eager torch's. Registered only once the library
+  was bound to torch's ``libtorch_cpu`` (``blas_library_path``).
 
-The library is compiled with the system C compiler (``-O3 -march=native``, or ``-O3`` if
-the compiler refuses that) into ``$ORTRAIN_CACHE_DIR`` (default ``~/.cache/ortrain``),
-once per source, compiler and CPU (the file name carries a hash of all three), the way
-torch's C++ extensions build on first use.
+``CMakeLists.txt`` builds it at install time once per instruction set
+(``libortrain_cpu_ops_{baseline,avx2,avx512}.so``); ``native.cpu_isa()`` picks the variant
+once per process (``ORTRAIN_CPU_ISA`` overrides). Where no installed library is found (a
+source tree that was never installed), it is compiled on first use as a development
+fallback: the same per-ISA flags, with the system C compiler, into ``$ORTRAIN_CACHE_DIR``
+(default ``$XDG_CACHE_HOME/ortrain``, else ``~/.cache/ortrain``), a folder that only this
+user may write; the SHA-256 of what was built is stored beside it and checked before every
+load (a mismatch: rebuilt).
 
 ``use_blas_gemm(choice)`` resolves ``TrainerOptions.cpu_gemm``: "auto" takes the BLAS op
 on Intel CPUs when torch was built with MKL (on AMD EPYC, MLAS measured faster than
-MKL: DESIGN.md), "blas" takes it wherever it can be built (and fails with the reason
+MKL: DESIGN.md), "blas" takes it wherever the library loads (and fails with the reason
 otherwise), "onnxruntime" never.
 """
 
@@ -28,8 +32,8 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -38,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from ortrain.errors import OrtrainError
+from ortrain.runtime import native
+from ortrain.runtime.native import NativeLibraryError
 
 _HERE = Path(__file__).resolve().parent
 SOURCES = tuple(
@@ -56,17 +61,31 @@ SOURCES = tuple(
     )
 )
 HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h")
-ABI_VERSION = 4  # cpu_ops.c: ortrain_cpu_ops_abi_version
+ABI_VERSION = 5  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
 KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")
+# The compiler flags of each variant: CMakeLists.txt's ISA_FLAGS_* (the development build)
+ISA_FLAGS = {
+    "baseline": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mprefer-vector-width=512"],
+}  # fmt: skip
+
+CpuOpsLibraryError = NativeLibraryError  # the name this module's callers catch
 
 
-class CpuOpsLibraryError(OrtrainError):
-    """ortrain's CPU custom-op library cannot be built, or has no sgemm to call."""
+def library_name(isa: str) -> str:
+    return f"libortrain_cpu_ops_{isa}.so"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ORTRAIN_CACHE_DIR") or Path.home() / ".cache" / "ortrain")
+    """The development build's folder: ``$ORTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/ortrain``,
+    else ``~/.cache/ortrain``."""
+    if os.environ.get("ORTRAIN_CACHE_DIR"):
+        return Path(os.environ["ORTRAIN_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache") / "ortrain"
 
 
 def _compiler() -> str:
@@ -76,76 +95,61 @@ def _compiler() -> str:
     raise CpuOpsLibraryError("no C compiler (cc, gcc or clang on PATH, or $CC) to build it with")
 
 
+def _torch_cpu_library() -> Path:
+    """torch's CPU library, the declared provider of the BLAS ``ortrain.blas`` calls."""
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        if (lib_dir / name).is_file():
+            return lib_dir / name
+    raise CpuOpsLibraryError(f"no libtorch_cpu in {lib_dir}: torch's BLAS cannot be bound")
+
+
 def _torch_sgemm() -> int:
-    """The address of torch's exported ``sgemm_``."""
+    """The address of torch's exported ``sgemm_`` (raises where it has none)."""
     return _torch_blas()[0]
 
 
 def _torch_blas() -> tuple[int, int | None]:
-    """The addresses of torch's exported ``sgemm_`` and (MKL only) ``sgemm_batch_``."""
-    lib_dir = Path(torch.__file__).resolve().parent / "lib"
-    errors = []
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
-        path = lib_dir / name
-        if not path.is_file():
-            continue
-        try:
-            lib = ctypes.CDLL(str(path))
-            address = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
-        except (OSError, AttributeError) as exc:
-            errors.append(f"{path}: {exc}")
-            continue
-        if address:
-            batch = getattr(lib, "sgemm_batch_", None)
-            return address, ctypes.cast(batch, ctypes.c_void_p).value if batch else None
-        errors.append(f"{path}: sgemm_ resolves to a null address")
-    raise CpuOpsLibraryError(
-        f"torch's CPU library exports no sgemm_ ({'; '.join(errors) or f'none in {lib_dir}'})"
-    )
-
-
-def _cpu_identity() -> bytes:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    """The addresses of torch's exported ``sgemm_`` and (MKL only) ``sgemm_batch_``: what
+    ``ortrain_blas_bind`` finds with dlsym (tests, and whether sgemm_batch exists)."""
+    path = _torch_cpu_library()
     try:
-        with open("/proc/cpuinfo") as f:
-            keep = ("model name", "flags", "Features", "CPU part")
-            return "".join(sorted({ln for ln in f if ln.startswith(keep)})).encode()
-    except OSError:
-        return platform.machine().encode() + platform.processor().encode()
+        lib = ctypes.CDLL(str(path))
+        address = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError) as exc:
+        raise CpuOpsLibraryError(f"torch's CPU library exports no sgemm_ ({path}: {exc})") from None
+    if not address:
+        raise CpuOpsLibraryError(f"torch's CPU library exports no sgemm_ ({path}: null address)")
+    batch = getattr(lib, "sgemm_batch_", None)
+    return address, ctypes.cast(batch, ctypes.c_void_p).value if batch else None
 
 
 @functools.cache
 def _library() -> tuple[Path, ctypes.CDLL]:
-    cc = _compiler()
-    flags = _native_flags() + _openmp_flags()
-    digest = hashlib.sha256(cc.encode() + " ".join(flags).encode() + _cpu_identity())
-    for f in SOURCES + HEADERS:
-        digest.update(f.read_bytes())
-    path = cache_dir() / f"libortrain_cpu_ops-{digest.hexdigest()[:16]}.so"
-    if not path.is_file():
-        try:
-            _compile(cc, path)
-        except OSError as exc:  # an unwritable cache folder, a compiler that cannot run
-            raise CpuOpsLibraryError(f"cannot build {path}: {exc}") from None
-    lib = ctypes.CDLL(str(path))
-    if lib.ortrain_cpu_ops_abi_version() != ABI_VERSION:
-        raise CpuOpsLibraryError(
-            f"{path} has ABI {lib.ortrain_cpu_ops_abi_version()}, not {ABI_VERSION}"
-        )
+    isa = native.cpu_isa()
+    path = native.find(library_name(isa)) or _development_build(isa)
+    lib = native.load(path, "ortrain_cpu_ops_abi_version", ABI_VERSION)
+    lib.ortrain_cpu_ops_isa.restype = ctypes.c_char_p
+    built = lib.ortrain_cpu_ops_isa().decode()
+    if built != isa:
+        raise CpuOpsLibraryError(f"{path}: the {built} variant, expected {isa}")
     lib.ortrain_use_omp_team(int(_same_openmp(lib)))
     return path, lib
 
 
+def isa() -> str:
+    """The instruction-set variant of the loaded library (loading it if need be)."""
+    _library()
+    return native.cpu_isa()
+
+
 def _torch_openmp_symbol() -> int | None:
     """The address of the ``omp_get_max_threads`` torch's CPU library calls, or None."""
-    lib_dir = Path(torch.__file__).resolve().parent / "lib"
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
-        try:
-            lib = ctypes.CDLL(str(lib_dir / name))
-            return ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value
-        except (OSError, AttributeError):
-            continue
-    return None
+    try:
+        lib = ctypes.CDLL(str(_torch_cpu_library()))
+        return ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value
+    except (OSError, AttributeError, CpuOpsLibraryError):
+        return None
 
 
 def _same_openmp(lib: ctypes.CDLL) -> bool:
@@ -159,44 +163,46 @@ def _same_openmp(lib: ctypes.CDLL) -> bool:
 
 
 def omp_team() -> bool:
-    """Whether the built library runs its kernels on torch's OpenMP team."""
+    """Whether the loaded library runs its kernels on torch's OpenMP team."""
     return bool(ctypes.c_int.in_dll(_library()[1], "ortrain_omp_team").value)
 
 
 def library_path() -> Path:
-    """The built library, ready for ``register_custom_ops_library`` (built once per
-    process). Raises ``CpuOpsLibraryError`` with the reason."""
+    """The library, ready for ``register_custom_ops_library`` (loaded once per process).
+    Raises ``CpuOpsLibraryError`` with the reason."""
     return _library()[0]
 
 
 @functools.cache
 def blas_library_path() -> Path:
-    """``library_path()``, with torch's sgemm (and MKL's sgemm_batch) handed over so that
-    the library registers ``ortrain.blas.Gemm`` and ``BatchMatMul`` too."""
-    sgemm, batch = _torch_blas()
+    """``library_path()``, bound to torch's BLAS so that it registers ``ortrain.blas.Gemm``
+    and ``BatchMatMul`` too: the library itself opens ``libtorch_cpu`` (already loaded by
+    ``import torch``: no second copy) and looks up ``sgemm_`` (and MKL's ``sgemm_batch_``)
+    with dlsym, so only a symbol that file exports is ever called."""
     path, lib = _library()
-    lib.ortrain_blas_set_sgemm.argtypes = [ctypes.c_void_p]
-    if lib.ortrain_blas_set_sgemm(sgemm) != 0:
-        raise CpuOpsLibraryError(f"{path} refused the sgemm address {sgemm:#x}")
-    lib.ortrain_blas_set_sgemm_batch.argtypes = [ctypes.c_void_p]
-    lib.ortrain_blas_set_sgemm_batch(batch)  # None: one sgemm per matrix
+    torch_cpu = _torch_cpu_library()
+    lib.ortrain_blas_bind.argtypes = [ctypes.c_char_p]
+    lib.ortrain_blas_bind.restype = ctypes.c_int
+    rc = lib.ortrain_blas_bind(os.fsencode(torch_cpu))
+    if rc == -1:
+        raise CpuOpsLibraryError(f"{path} cannot open torch's CPU library {torch_cpu}")
+    if rc != 0:
+        raise CpuOpsLibraryError(f"torch's CPU library exports no sgemm_ ({torch_cpu})")
     return path
 
 
 def cache_clear() -> None:
-    """Forget the built library (tests: a changed cache folder or compiler)."""
+    """Forget the loaded library (tests: a changed cache folder, compiler or variant)."""
     _library.cache_clear()
     blas_library_path.cache_clear()
 
 
+# --------------------------------------------------------------------------- development build
+
+
 def _native_flags() -> list[str]:
-    """-march=native: the kernels' loops vectorize for this CPU's widest units (on x86,
-    512-bit ones where it has them: GCC prefers 256); -fopenmp-simd: the `omp simd`
-    pragmas. Without them, the build falls back to plain -O3."""
-    flags = ["-march=native", "-fopenmp-simd"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags.append("-mprefer-vector-width=512")
-    return flags
+    """-fopenmp-simd: the kernels' `omp simd` pragmas (the build drops it where refused)."""
+    return ["-fopenmp-simd"]
 
 
 def _openmp_flags() -> list[str]:
@@ -207,17 +213,63 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp"] if any(lib_dir.glob("libgomp*.so*")) else []
 
 
-def _compile(cc: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _private_dir(folder: Path) -> Path:
+    """``folder``, created if need be; refused when another user owns it or may write it
+    (they could swap the library ortrain is about to load)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{folder} is not a folder")
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CpuOpsLibraryError(
+            f"refusing the cache folder {folder}: other users can write it (mode "
+            f"{stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}); `chmod go-w` it or set "
+            "ORTRAIN_CACHE_DIR"
+        )
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _development_build(isa: str) -> Path:
+    """The library compiled from this folder's sources (no installed one was found): built
+    once per source, compiler and flags, its hash stored beside it and checked here."""
+    cc = _compiler()
+    flags = [*ISA_FLAGS[isa], *_native_flags(), *_openmp_flags()]
+    digest = hashlib.sha256(cc.encode() + " ".join(flags).encode())
+    for f in SOURCES + HEADERS:
+        digest.update(f.read_bytes())
+    path = cache_dir() / f"libortrain_cpu_ops_{isa}-{digest.hexdigest()[:16]}.so"
+    stamp = path.with_name(path.name + ".sha256")
+    try:
+        _private_dir(path.parent)
+        if path.is_file():
+            if stamp.is_file() and stamp.read_text().strip() == _sha256(path):
+                return path
+            warnings.warn(
+                f"ortrain: {path} does not match the hash stored when it was built; rebuilding it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _compile(cc, isa, path)
+        stamp.write_text(_sha256(path) + "\n")
+    except OSError as exc:  # an unwritable cache folder, a compiler that cannot run
+        raise CpuOpsLibraryError(f"cannot build {path}: {exc}") from None
+    return path
+
+
+def _compile(cc: str, isa: str, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         # no errno from sqrtf & co.: a loop calling them vectorizes (the kernels never read it)
         base = [cc, "-O3", "-fno-math-errno", "-shared", "-fPIC", "-o", str(out)]
-        base += [*map(str, SOURCES), "-lm"]
-        native, openmp = _native_flags(), _openmp_flags()
+        base += [f'-DORTRAIN_CPU_ISA="{isa}"', *map(str, SOURCES), "-lm", "-ldl"]
+        required, simd, openmp = ISA_FLAGS[isa], _native_flags(), _openmp_flags()
         # the fullest build the compiler accepts: a missing OpenMP runtime or an unknown
-        # -march drops those flags, not the library
-        tries = [[*native, *openmp], native, []] if openmp else [native, []]
+        # -fopenmp-simd drops those flags, never the variant's instruction set
+        tries = [[*required, *simd, *openmp], [*required, *simd], required]
         for extra in tries:
             done = subprocess.run([*base[:2], *extra, *base[2:]], capture_output=True, text=True)
             if done.returncode == 0:

@@ -2,8 +2,9 @@
 
 CPU tensors run the CPU reference library (``libortrain_kernels_cpu.so``), CUDA tensors
 the CUDA library (``libortrain_kernels_cuda.so``) on torch's current stream, with no host
-synchronisation. Both are built by the repository's ``CMakeLists.txt`` and looked up in
-``$ORTRAIN_KERNELS_DIR``, then this package's folder, then ``<repo>/build/``.
+synchronisation. Both are built by the repository's ``CMakeLists.txt`` at install time
+(the CUDA one where a toolkit is found) and loaded by ``ortrain.runtime.native`` from
+``$ORTRAIN_KERNELS_DIR`` where set, else where ``native.library_dirs()`` says.
 
 - ``adamw_``: Adam/AdamW (``decoupled``) over one flat fp32 shard, torch.optim semantics.
 - ``lamb_phase1_`` / ``lamb_phase2_`` (or ``lamb_`` for both): ``ortrain.optim.Lamb`` over a
@@ -32,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ortrain.errors import OrtrainError
+from ortrain.runtime import native
+from ortrain.runtime.native import NativeLibraryError
 
 ABI_VERSION = 1  # cuda_kernels/ortrain_kernels.h: ORTRAIN_KERNELS_ABI_VERSION
 LIBRARY_NAMES = {"cpu": "libortrain_kernels_cpu.so", "cuda": "libortrain_kernels_cuda.so"}
@@ -56,18 +58,17 @@ _SIGNATURES = {
 }
 
 
-class KernelLibraryError(OrtrainError):
-    """A kernel library is missing, stale, or reported a failure."""
+KernelLibraryError = NativeLibraryError  # the name this module's callers catch
 
 
 # --------------------------------------------------------------------------- loading
 
 
 def search_dirs() -> list[Path]:
-    """Where the libraries are looked for, in order."""
-    here = Path(__file__).resolve().parent
-    dirs = [Path(d) for d in [os.environ.get("ORTRAIN_KERNELS_DIR")] if d]
-    return [*dirs, here, here.parents[1] / "build"]
+    """Where the libraries are looked for: ``$ORTRAIN_KERNELS_DIR`` alone where set, else
+    ``native.library_dirs()`` (``$ORTRAIN_NATIVE_DIR``, else the installed package)."""
+    override = os.environ.get("ORTRAIN_KERNELS_DIR")
+    return [Path(override)] if override else native.library_dirs()
 
 
 def library(device_type: str) -> ctypes.CDLL:
@@ -81,29 +82,23 @@ def library(device_type: str) -> ctypes.CDLL:
 @functools.cache
 def _find(device_type: str, dirs: tuple[Path, ...]) -> ctypes.CDLL:
     name = LIBRARY_NAMES[device_type]
-    for d in dirs:
-        if (d / name).is_file():
-            return _open(d / name, device_type)
-    how = "cmake -S . -B build && cmake --build build -j"
-    if device_type == "cuda":
-        how += " (needs a CUDA toolkit: nvcc on PATH)"
+    path = native.find(name, list(dirs))
+    if path is not None:
+        return _open(path, device_type)
+    cuda = " (the CUDA one needs a CUDA toolkit: nvcc on PATH)" if device_type == "cuda" else ""
     raise KernelLibraryError(
-        f"{name} not found in {', '.join(map(str, dirs))}. Build it in the ortrain repository "
-        f"with `{how}`, or install with `ORTRAIN_BUILD_CUDA=1 pip install .`, or set "
-        "ORTRAIN_KERNELS_DIR to the folder that holds it."
+        f"{name} not found in {', '.join(map(str, dirs)) or 'no folder (ortrain is not installed)'}"
+        f": install ortrain (`pip install .` builds it{cuda}), or build it with "
+        "`cmake -S . -B build && cmake --build build -j` and set ORTRAIN_NATIVE_DIR=build"
     )
 
 
 def _open(path: Path, device_type: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.ortrain_kernels_abi_version.restype = ctypes.c_int
+    lib = native.load(path, "ortrain_kernels_abi_version", ABI_VERSION)
     lib.ortrain_kernels_device.restype = ctypes.c_char_p
-    version, device = lib.ortrain_kernels_abi_version(), lib.ortrain_kernels_device().decode()
-    if version != ABI_VERSION or device != device_type:  # checked before any newer symbol
-        raise KernelLibraryError(
-            f"{path} is a {device} library of ABI version {version}, expected a {device_type} "
-            f"library of version {ABI_VERSION}: rebuild it (cmake --build build)"
-        )
+    device = lib.ortrain_kernels_device().decode()
+    if device != device_type:  # checked before any newer symbol
+        raise KernelLibraryError(f"{path}: a {device} library, expected a {device_type} one")
     for fn, signature in _SIGNATURES.items():
         restype, args = signature.split(":")
         getattr(lib, fn).restype = _CTYPES[restype]

@@ -1,0 +1,185 @@
+"""Variable-length training: PyTorch eager vs ortrain bucketed vs ortrain one graph per shape.
+
+Real data comes in many lengths. The batches here are the GPT-2 recipe's corpus (the
+Python standard library's sources, ``recipes/data.py``) cut into paragraphs (blocks
+between blank lines: functions, classes, docstrings), tokenized with the recipe's BPE
+tokenizer (trained on the corpus and cached), truncated to ``--max-len`` tokens; each
+step draws ``--batch`` paragraphs at random and pads them to the longest with an
+``attention_mask`` and ``-100`` labels (what ``DataCollatorForLanguageModeling`` gives).
+
+Backends, one after the other in this process, on the same batches and initial weights:
+  torch             eager;
+  ortrain           ``TrainerOptions()`` (bucketing="auto": a few padded lengths);
+  ortrain-pershape  ``TrainerOptions(bucketing="off")``: an export + build per length.
+
+Reported per backend: total wall time of all steps, builds included (the number a user
+waits for), graphs built, the seconds the builds took, the median step without a build,
+and the largest relative difference of a step's loss from eager's.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/bench_varlen.py                 # 200 steps, batch 8
+    PYTHONPATH=. python benchmarks/bench_varlen.py --steps 24 --backends torch,ortrain
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hardware import cpu_description
+
+BACKENDS = ("torch", "ortrain", "ortrain-pershape")
+Batch = dict[str, torch.Tensor]
+
+
+def paragraphs(max_mb: float, max_len: int, min_len: int) -> tuple[list[list[int]], int, int]:
+    """Token ids of the recipe corpus's paragraphs; (paragraphs, vocab size, pad id)."""
+    from recipes import data
+
+    corpus = data.load_corpus(None, max_bytes=int(max_mb * 2**20))
+    tokenizer, _ = data.get_tokenizer(None, corpus, "bpe", 2048)
+    texts = [p for t in corpus.texts for p in re.split(r"\n\s*\n", t) if p.strip()]
+    encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+    rows = [e.ids[:max_len] for e in encoded if len(e.ids) >= min_len]
+    return rows, tokenizer.get_vocab_size(), tokenizer.token_to_id(data.GPT2_EOS)
+
+
+def make_batches(rows: list[list[int]], steps: int, batch: int, pad: int, seed: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        pick = [rows[int(i)] for i in torch.randint(0, len(rows), (batch,), generator=g)]
+        n = max(len(r) for r in pick)
+        ids = torch.full((batch, n), pad, dtype=torch.long)
+        mask = torch.zeros((batch, n), dtype=torch.long)
+        for i, r in enumerate(pick):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        )
+    return out
+
+
+def make_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=vocab,
+        n_positions=args.max_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def run(backend: str, model: torch.nn.Module, batches: list[Batch], lr: float) -> dict:
+    """Train ``model`` on ``batches``; times of every step (builds included)."""
+    from ortrain import ORTTrainer, TrainerOptions
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    trainer = None
+    if backend != "torch":
+        options = TrainerOptions(bucketing="off" if backend == "ortrain-pershape" else "auto")
+        trainer = ORTTrainer(model, opt, options)
+    losses, times, built = [], [], []
+    start = time.perf_counter()
+    for batch in batches:
+        t = time.perf_counter()
+        if trainer is None:
+            opt.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+        else:
+            before = trainer.build_count
+            loss = trainer.train_step(**batch)
+            built.append(trainer.build_count > before)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    plain = [s for s, b in zip(times, built or [False] * len(times)) if not b]
+    return {
+        "total": total,
+        "graphs": trainer.build_count if trainer else 0,
+        "build_s": sum(s for s, b in zip(times, built) if b),
+        "step_ms": 1e3 * statistics.median(plain) if plain else float("nan"),
+        "losses": losses,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--min-len", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="the recipe corpus's cap")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backends = args.backends.split(",")
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        p.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+
+    rows, vocab, pad = paragraphs(args.corpus_mb, args.max_len, args.min_len)
+    batches = make_batches(rows, args.steps, args.batch, pad, args.seed)
+    lengths = [b["input_ids"].shape[1] for b in batches]
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    print(
+        f"GPT-2 {args.layers} layers x {args.hidden}, vocab {vocab}, batch {args.batch}, "
+        f"{args.steps} steps; {len(rows)} paragraphs of the recipe corpus; batch lengths "
+        f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths):.0f}, "
+        f"{len(set(lengths))} distinct); real tokens {real / (args.batch * sum(lengths)):.0%} "
+        "of the batches' tokens"
+    )
+    initial = make_model(args, vocab)
+    results = {}
+    for backend in backends:
+        results[backend] = run(backend, copy.deepcopy(initial), batches, args.lr)
+        gc.collect()
+    ref = results.get("torch")
+    print()
+    print(
+        "| backend | total s (builds incl.) | vs eager | graphs | build s | step ms | loss diff |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for backend, r in results.items():
+        ratio = f"{r['total'] / ref['total']:.2f}x" if ref else "-"
+        diff = "-"
+        if ref and backend != "torch":
+            diff = f"{max(abs(a - b) / abs(b) for a, b in zip(r['losses'], ref['losses'])):.1e}"
+        print(
+            f"| {backend} | {r['total']:.1f} | {ratio} | {r['graphs']} | {r['build_s']:.1f} | "
+            f"{r['step_ms']:.0f} | {diff} |"
+        )
+    print(
+        f"\npython {platform.python_version()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {cpu_description()}"
+    )
+
+
+if __name__ == "__main__":
+    main()

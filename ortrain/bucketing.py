@@ -1,0 +1,327 @@
+"""Automatic bucketing: variable-length batches padded to a few lengths, exactly.
+
+The passes need static shapes, so every batch shape is a graph of its own (an export and
+a build). Real data comes in many lengths; padding each batch's sequence axis up to one
+of a few bucket lengths (``bucket_length``) bounds the builds, and for a model that takes
+an ``attention_mask`` and a loss that skips ``-100`` labels it changes nothing the user
+sees:
+
+1. Padding is appended on the right of the sequence axis (axis 1 of every batch tensor
+   that starts with the mask's ``[batch, length]``): ``attention_mask`` 0, ``labels``
+   -100, ``input_ids`` the model's pad token (else 0), ``token_type_ids`` 0,
+   ``position_ids`` continuing each row; never past the model's position table
+   (``max_position_embeddings``). Real tokens keep their positions (left-padded
+   batches too: their padding stays where it was), padded keys are masked out, and
+   padded labels are skipped, so the loss and every gradient equal the unpadded batch's
+   (up to float rounding).
+2. Not bucketed (one graph per shape, as ``bucketing="off"``): no 2-D ``attention_mask``
+   of 0/1 values, a batch tensor with the length on another axis or with an unknown
+   name, non-integer labels.
+3. "Exact" is a claim about the model, so it is checked, not assumed: the first time a
+   batch layout (its keys; right- or left-padded; training or evaluation) would be
+   padded, the module runs eagerly (eval mode: no dropout) on the batch and on it
+   padded to a larger bucket; loss, parameter gradients (training) and outputs cut back
+   (evaluation) must agree to float32 rounding. A layout whose results change warns
+   once and keeps one graph per shape: pooling over all positions, a loss averaged over
+   every token, a classifier reading the last position, or a left-padded causal LM
+   batch (a fully masked query row attends uniformly to every key, the appended ones
+   too, and GPT-2 predicts the first real label from such a row).
+4. ``eval_step``'s outputs are cut back to the batch's length on the axes that the check
+   saw grow with the padding (``logits``' sequence axis; attention maps' two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ortrain.errors import first_line
+from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
+
+MODES = ("auto", "off")
+IGNORE_INDEX = -100  # torch's cross_entropy default, what HF losses and ortrain's label sites skip
+MASK = "attention_mask"
+_SMALL = 64  # up to here buckets are multiples of _GRAIN
+_GRAIN = 16
+# The check's tolerances: padding that is exact changes results by float32 rounding only
+# (summation order of larger products), far below what a change of semantics moves.
+CHECK_RTOL = 1e-5
+
+
+def bucket_length(n: int) -> int:
+    """The smallest bucket length >= ``n``: multiples of 16 up to 64, then four per doubling
+    (multiples of an eighth of the next power of two: 80, 96, 112, 128, 160, 192, ...).
+
+    Padding adds under 25% (at most 15 tokens up to 64), and lengths up to ``L`` > 64 use
+    at most ``4 + 4 * ceil(log2(L / 64))`` buckets (8 up to 128, 20 up to 1024)."""
+    if n < 1:
+        raise ValueError(f"a sequence length must be >= 1, got {n}")
+    if n <= _SMALL:
+        return -(-n // _GRAIN) * _GRAIN
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def bucket_lengths(max_length: int) -> list[int]:
+    """Every bucket length a batch of at most ``max_length`` tokens can get."""
+    out: list[int] = []
+    n = 1
+    while n <= max_length:
+        out.append(bucket_length(n))
+        n = out[-1] + 1
+    return out
+
+
+PadFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _constant(value: int) -> PadFn:
+    def pad(t: torch.Tensor, extra: int) -> torch.Tensor:
+        shape = (t.shape[0], extra, *t.shape[2:])
+        return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
+
+    return pad
+
+
+def _continue_positions(t: torch.Tensor, extra: int) -> torch.Tensor:
+    step = torch.arange(1, extra + 1, dtype=t.dtype, device=t.device)
+    return torch.cat([t, t[:, -1:] + step], dim=1)
+
+
+def _integer(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How to pad one batch: its length and a pad function per sequence-axis tensor."""
+
+    length: int
+    pads: dict[str, PadFn]
+    right_padded: bool  # every row's mask is ones then zeros (or all ones)
+
+    def key(self, train: bool) -> tuple:
+        return (train, tuple(sorted(self.pads)), self.right_padded)
+
+    def apply(self, batch: Mapping[str, Any], to: int) -> dict[str, Any]:
+        extra = to - self.length
+        if extra <= 0:
+            return dict(batch)
+        return {k: self.pads[k](v, extra) if k in self.pads else v for k, v in batch.items()}
+
+
+def layout(batch: Mapping[str, Any], pad_id: int) -> Layout | str:
+    """The batch's padding plan, or why it cannot be padded exactly."""
+    mask = batch.get(MASK)
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+        return f"no 2-D {MASK}"
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return f"{MASK} holds values other than 0 and 1"
+    b, n = mask.shape
+    pads: dict[str, PadFn] = {}
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.ndim >= 2 and tuple(v.shape[:2]) == (b, n):
+            fn = _pad_fn(k, v, pad_id)
+            if isinstance(fn, str):
+                return fn
+            pads[k] = fn
+        elif n in tuple(v.shape[1:]):
+            return f"'{k}' {list(v.shape)} has the length {n} on an axis other than 1"
+    right = bool((mask[:, 1:] <= mask[:, :-1]).all())
+    return Layout(n, pads, right)
+
+
+def _pad_fn(key: str, t: torch.Tensor, pad_id: int) -> PadFn | str:
+    if key == MASK:
+        return _constant(0)
+    if not _integer(t):
+        return f"'{key}' is {t.dtype}, not token ids"
+    if key == "input_ids":
+        return _constant(pad_id)
+    if key == "labels":
+        return _constant(IGNORE_INDEX)
+    if key == "token_type_ids":
+        return _constant(0)
+    if key == "position_ids":
+        return _continue_positions
+    return f"no padding rule for batch input '{key}'"
+
+
+def max_positions(module: torch.nn.Module) -> int | None:
+    """The longest sequence the model's position table holds (HF configs), else None."""
+    cfg = getattr(module, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def pad_token_id(module: torch.nn.Module) -> int:
+    """The id padded ``input_ids`` get: the model config's pad token, else 0."""
+    pad = getattr(getattr(module, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) and pad >= 0 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The eager check of one batch layout: exact or not, and the output axes to cut."""
+
+    exact: bool
+    reason: str = ""
+    seq_axes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """A batch as it goes to the graph, with what ``cut`` needs to undo the padding."""
+
+    batch: dict[str, Any]
+    length: int | None = None  # the real length; None: not padded
+    seq_axes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def cut(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """In place: each output's padded axes narrowed to the real length."""
+        if self.length is None:
+            return outputs
+        for k, axes in self.seq_axes.items():
+            t = outputs.get(k)
+            if t is not None:
+                for axis in axes:
+                    t = t.narrow(axis, 0, self.length)
+                outputs[k] = t.contiguous()
+        return outputs
+
+
+class Bucketing:
+    """Pads batches to bucket lengths where that is exact (module docstring)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss_fn: LossFn | None,
+        mode: str = "auto",
+        sync: Callable[[], object] | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"TrainerOptions.bucketing must be 'auto' or 'off', got {mode!r}")
+        self.module = module
+        self.loss_fn = loss_fn
+        self.mode = mode
+        self._sync = sync  # the trainer's weights into the module before a check
+        self._pad_id = pad_token_id(module)
+        self._max = max_positions(module)  # buckets stop there: no position past the table
+        self.verdicts: dict[tuple, Verdict] = {}
+
+    def pad(self, batch: dict[str, Any], *, train: bool) -> Padded:
+        if self.mode == "off":
+            return Padded(batch)
+        plan = layout(batch, self._pad_id)
+        if isinstance(plan, str):
+            return Padded(batch)
+        to = self.bucket(plan.length)
+        if to == plan.length:  # its own bucket already
+            return Padded(batch)
+        key = plan.key(train)
+        verdict = self.verdicts.get(key)
+        if verdict is None:
+            verdict = self.verdicts[key] = self._check(batch, plan, to, train)
+            if not verdict.exact:
+                side = "" if plan.right_padded else "left-padded "
+                warnings.warn(
+                    f"ortrain: {side}batches with {', '.join(sorted(plan.pads))} are not padded "
+                    f"to bucket lengths ({'training' if train else 'evaluation'}): "
+                    f"{verdict.reason}; each length builds its own graph",
+                    stacklevel=4,
+                )
+        if not verdict.exact:
+            return Padded(batch)
+        return Padded(plan.apply(batch, to), plan.length, verdict.seq_axes)
+
+    def bucket(self, length: int) -> int:
+        """The length a batch of ``length`` tokens is padded to."""
+        to = bucket_length(length)
+        return min(to, self._max) if self._max is not None and length <= self._max else to
+
+    # ------------------------------------------------------------------ the check
+    def _check(self, batch: Mapping[str, Any], plan: Layout, to: int, train: bool) -> Verdict:
+        if self._sync is not None:
+            self._sync()
+        module = self.module
+        was_training = module.training
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and train]
+        params = [p for _, p in named]
+        devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        try:
+            module.eval()
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(train):
+                real = self._run(batch, params)
+                padded = self._run(plan.apply(batch, to), params)
+        except Exception as exc:  # the unpadded step will raise its own error, if any
+            why = f"{type(exc).__name__}: {first_line(exc)}"
+            return Verdict(False, f"the eager check failed ({why})")
+        finally:
+            module.train(was_training)
+        return compare(real, padded, plan.length, to, [n for n, _ in named])
+
+    def _run(
+        self, batch: Mapping[str, Any], params: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], list[torch.Tensor | None]]:
+        args, kwargs = call_arguments(self.module, batch)
+        outputs = self.module(*args, **kwargs)
+        loss = self.loss_fn(outputs, batch) if self.loss_fn is not None else find_loss(outputs)
+        others = [(k, v.detach()) for k, v in other_outputs(outputs)]
+        grads: list[torch.Tensor | None] = []
+        if params:
+            grads = list(torch.autograd.grad(loss, params, allow_unused=True))
+        return loss.detach(), others, grads
+
+
+Run = tuple[torch.Tensor, list[tuple[str, torch.Tensor]], list[torch.Tensor | None]]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+    return bool(((a.double() - b.double()).abs() <= CHECK_RTOL * scale).all())
+
+
+def compare(real: Run, padded: Run, length: int, to: int, names: Sequence[str] = ()) -> Verdict:
+    """Whether the padded run gave the real run's loss, gradients (of the parameters
+    ``names``) and outputs."""
+    loss_a, outs_a, grads_a = real
+    loss_b, outs_b, grads_b = padded
+    if loss_a.shape != loss_b.shape or not _close(loss_a, loss_b, float(loss_a.abs().max())):
+        return Verdict(False, f"padding changed the loss ({loss_a.tolist()} -> {loss_b.tolist()})")
+    scale = max((float(g.abs().max()) for g in grads_a if g is not None and g.numel()), default=0)
+    for name, ga, gb in zip(names, grads_a, grads_b, strict=True):
+        ga = ga if ga is not None else torch.zeros(())
+        gb = gb if gb is not None else torch.zeros(())
+        if ga.shape != gb.shape and ga.ndim and gb.ndim:
+            return Verdict(False, f"padding changed the shape of {name}'s gradient")
+        if not _close(ga, gb, scale):
+            return Verdict(False, f"padding changed the gradient of {name}")
+    axes: dict[str, tuple[int, ...]] = {}
+    if [k for k, _ in outs_a] != [k for k, _ in outs_b]:
+        return Verdict(False, "padding changed which outputs the model returns")
+    for (key, a), (_, b) in zip(outs_a, outs_b, strict=True):
+        if a.ndim != b.ndim:
+            return Verdict(False, f"padding changed the rank of output '{key}'")
+        grown = tuple(i for i in range(a.ndim) if a.shape[i] != b.shape[i])
+        if any(a.shape[i] != length or b.shape[i] != to for i in grown):
+            return Verdict(False, f"output '{key}' {list(a.shape)} grew other than its length")
+        for i in grown:
+            b = b.narrow(i, 0, length)
+        if a.is_floating_point():
+            ok = _close(a, b, float(a.abs().max()) if a.numel() else 0.0)
+        else:
+            ok = torch.equal(a, b)
+        if not ok:
+            return Verdict(False, f"padding changed output '{key}'")
+        if grown:
+            axes[key] = grown
+    return Verdict(True, seq_axes=axes)

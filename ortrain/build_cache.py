@@ -1,0 +1,666 @@
+"""Time to first step: built graphs cached on disk, and the stage a long build is in.
+
+A trainer's first step exports the module, runs the passes and creates an ONNX Runtime
+session. The first two depend only on what goes into them, so their result (the
+``BuiltGraph`` records of ``ortrain/build.py``) is kept on disk, keyed by a hash of:
+
+- the model's structure: each submodule's class and the source of the code that defines
+  it (the class's file; the whole package where it is local code, a package's version
+  where it is installed), its attributes (a tensor attribute by value: the export bakes it
+  in), its parameters' and buffers' names, shapes, dtypes and ``requires_grad``, its hooks;
+- the batch signature, ``loss_fn`` (its code and closure), every build setting;
+- the libraries: ortrain's own source, torch, onnx, onnxruntime, onnxscript, onnx_ir.
+
+Weights and buffer values are not part of the key: the exported graphs take them as
+inputs (``ortrain/export.py``). Entries live in ``$XDG_CACHE_HOME/ortrain/graphs``
+(``~/.cache/ortrain/graphs``); ``TrainerOptions(graph_cache=False)`` or
+``ORTRAIN_GRAPH_CACHE=0`` turns the cache off, ``ORTRAIN_GRAPH_CACHE=<dir>`` moves it.
+Each entry is written atomically (a temporary file renamed over it) with a SHA-256 of its
+content, checked before it is unpickled (by an unpickler that makes only ortrain's build
+records); a damaged entry is deleted with a warning and the graph is built again.
+
+A training graph is two entries: the exported forward of a batch signature (the label
+sites the labelled-row count is read from) and the graph of that forward, settings and
+labelled-row bucket; a new bucket builds from the cached forward without exporting.
+
+While a build has run ``PROGRESS_AFTER_S`` seconds the stage it is in (export, passes,
+session) is printed on stderr, one line per stage (``TrainerOptions(build_progress=False)``:
+nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import io
+import os
+import pickle
+import platform
+import re
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import types
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ortrain.build import BuildSettings, BuiltGraph, ForwardSource, StageRecord
+    from ortrain.export import LossFn
+    from ortrain.options import TrainerOptions
+
+T = TypeVar("T")
+CACHE_ENV = "ORTRAIN_GRAPH_CACHE"
+MAGIC = b"ortrain-graph-cache 1\n"
+PROGRESS_AFTER_S = 2.0
+# what an entry may hold besides plain containers (the restricted unpickler's list)
+_RECORDS = {
+    ("ortrain.build", "BuiltGraph"),
+    ("ortrain.build", "StageRecord"),
+    ("ortrain.build", "ForwardSource"),
+    ("ortrain.roles", "GraphIO"),
+    ("ortrain.roles", "Role"),
+    ("graph_passes.interface", "LabelSite"),
+}
+_LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnxscript", "onnx-ir", "numpy")
+_OFF = ("0", "off", "false", "no")
+_ON = ("", "1", "on", "true", "yes")
+
+
+def cache_dir(option: bool | str | os.PathLike | None) -> Path | None:
+    """Where entries live for ``TrainerOptions.graph_cache``; None: off.
+
+    ``ORTRAIN_GRAPH_CACHE`` "0"/"off" turns every trainer's cache off; another value than
+    "1"/"on" is the folder. An option path wins over the variable's folder."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    if option is False or option is None or env.lower() in _OFF:
+        return None
+    if option is not True:
+        return Path(option)
+    if env.lower() not in _ON:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "ortrain" / "graphs"
+
+
+# --------------------------------------------------------------------------- fingerprints
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    del mtime_ns, size  # the cache key: a changed file is read again
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _file_token(path: str | os.PathLike) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"{path}:missing"
+    return f"{Path(path).name}:{_file_digest(str(path), st.st_mtime_ns, st.st_size)}"
+
+
+def _tree_token(root: Path, suffixes: tuple[str, ...] = (".py",)) -> str:
+    """The content of every ``suffixes`` file under ``root`` (relative names, sorted)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()):
+        h.update(f"{path.relative_to(root)}={_file_token(path)}\n".encode())
+    return h.hexdigest()
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    return tuple(sorted(str(Path(r).resolve()) for r in roots if r))
+
+
+def _is_installed(path: str) -> bool:
+    resolved = str(Path(path).resolve())
+    return any(resolved.startswith(root + os.sep) for root in _installed_roots())
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def library_versions() -> str:
+    """Python, the machine, the libraries that export / run the passes, ortrain's source."""
+    import graph_passes
+    import ortrain
+
+    parts = [f"python={platform.python_version()}", f"machine={platform.machine()}"]
+    parts += [f"{d}={_version(d)}" for d in _LIBRARIES]
+    parts.append(f"ortrain={_version('ortrain')}")
+    for pkg in (ortrain, graph_passes):  # a development tree changes without a new version
+        for root in pkg.__path__:
+            parts.append(f"{pkg.__name__}:{_tree_token(Path(root), ('.py', '.c', '.h'))}")
+    return "\n".join(parts)
+
+
+def _module_code_token(name: str) -> str:
+    """The code of Python module ``name`` as a build sees it: an installed package's
+    version and the module's file; local code: every .py file of its top-level package."""
+    mod = sys.modules.get(name)
+    file = getattr(mod, "__file__", None)
+    if mod is None or file is None:
+        return f"{name}:?"
+    top = name.split(".")[0]
+    if top in ("torch", "ortrain", "graph_passes"):  # library_versions has them
+        return ""
+    if _is_installed(file):
+        top_mod = sys.modules.get(top)
+        version = _version(top) or getattr(top_mod, "__version__", None)
+        return f"{name}:{version}:{_file_token(file)}"
+    top_mod = sys.modules.get(top)
+    roots = list(getattr(top_mod, "__path__", []) or [])
+    if roots and top != "__main__":  # helpers anywhere in a local package count
+        return f"{name}:" + ",".join(_tree_token(Path(r)) for r in roots)
+    return f"{name}:{_file_token(file)}"
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_MAX_DEPTH = 8
+# nn.Module attributes that are not what the forward computes (they grow as it runs)
+_SKIPPED_ATTRS = {
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "warnings_issued",
+    "_compiled_call_impl",
+    "generation_config",  # an HF model's: generate() reads it, the forward does not
+}
+# values that differ from process to process and mean nothing to a build (hash() of a dict)
+_VOLATILE_KEYS = {"_original_object_hash"}
+
+
+class _Fingerprint:
+    """A hash of everything a build reads besides the weights (module docstring)."""
+
+    def __init__(self) -> None:
+        self.h = hashlib.sha256()
+        self.code_modules: set[str] = set()
+        self.seen: dict[int, str] = {}  # id -> token of the functions and classes hashed
+
+    def add(self, *parts: object) -> None:
+        for p in parts:
+            self.h.update(str(p).encode())
+            self.h.update(b"\x00")
+
+    def digest(self) -> str:
+        for name in sorted(self.code_modules):
+            self.add(_module_code_token(name))
+        return self.h.hexdigest()
+
+    def value(self, v: Any, depth: int = 0, path: frozenset[int] = frozenset()) -> str:
+        """A string that changes when ``v`` could change the exported graph."""
+        if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+            return f"{type(v).__name__}:{v!r}"
+        if isinstance(v, (torch.dtype, torch.device, torch.Size, enum.Enum)):
+            return repr(v)
+        if depth > _MAX_DEPTH or id(v) in path:
+            return f"<{type(v).__qualname__}>"
+        path = path | {id(v)}
+        if isinstance(v, torch.Tensor):  # an attribute, not a parameter: a graph constant
+            data = v.detach().cpu().contiguous()
+            digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+            return f"tensor{tuple(v.shape)}:{v.dtype}:{digest}"
+        if isinstance(v, torch.nn.Module):  # hashed where it sits in the module tree
+            return f"<module {type(v).__qualname__}>"
+        if isinstance(v, (list, tuple)):
+            return (
+                f"{type(v).__name__}[" + ",".join(self.value(x, depth + 1, path) for x in v) + "]"
+            )
+        if isinstance(v, (set, frozenset)):
+            return "set{" + ",".join(sorted(self.value(x, depth + 1, path) for x in v)) + "}"
+        if isinstance(v, Mapping):
+            items = sorted(
+                f"{self.value(k, depth + 1, path)}={self.value(x, depth + 1, path)}"
+                for k, x in v.items()
+                if k not in _VOLATILE_KEYS
+            )
+            return f"{type(v).__qualname__}{{" + ",".join(items) + "}"
+        if callable(v) and not isinstance(v, type):
+            return self.function(v, depth, path)
+        if isinstance(v, type):
+            self._code_of(v)
+            return f"class {v.__module__}.{v.__qualname__}"
+        state = getattr(v, "__dict__", None)
+        if isinstance(state, dict):
+            self._code_of(type(v))
+            return f"{type(v).__qualname__}(" + self.value(state, depth + 1, path) + ")"
+        return _ADDRESS.sub("", repr(v))
+
+    def function(self, fn: Callable, depth: int, path: frozenset[int]) -> str:
+        if isinstance(fn, functools.partial):
+            args = self.value((fn.args, fn.keywords), depth + 1, path)
+            return f"partial({self.function(fn.func, depth + 1, path)},{args})"
+        if isinstance(fn, types.MethodType):  # the instance: its type (a module: hashed)
+            owner = fn.__self__
+            return f"method({type(owner).__qualname__},{self.function(fn.__func__, depth, path)})"
+        code = getattr(fn, "__code__", None)
+        module = getattr(fn, "__module__", None)
+        if module:
+            self.code_modules.add(module)
+        name = f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+        if code is None:
+            if not hasattr(fn, "__qualname__"):  # a callable object
+                return self.value(getattr(fn, "__dict__", {}), depth + 1, path) + name
+            return name
+        if id(fn) in self.seen:  # hashed once (helpers call each other)
+            return f"{name}:{self.seen[id(fn)]}"
+        self.seen[id(fn)] = "<cycle>"
+        cells = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+        extra = self.value((fn.__defaults__, fn.__kwdefaults__, cells), depth + 1, path)
+        token = f"{_code_digest(code)}:{extra}"
+        if module and _is_user_code(module):  # a notebook has no file: what the code reads
+            token += ":" + self._globals(fn, code, depth, path)
+        self.seen[id(fn)] = hashlib.sha256(token.encode()).hexdigest()
+        return f"{name}:{token}"
+
+    def _globals(self, fn: Callable, code: types.CodeType, depth: int, path: frozenset[int]) -> str:
+        """The module-level functions, classes and values that ``code`` names."""
+        scope = getattr(fn, "__globals__", {})
+        parts = []
+        for n in sorted(_names(code)):
+            if n not in scope or isinstance(scope[n], types.ModuleType):
+                continue
+            parts.append(f"{n}={self.value(scope[n], depth + 1, path)}")
+        return ",".join(parts)
+
+    def _code_of(self, cls: type) -> None:
+        for c in cls.__mro__:
+            if c is torch.nn.Module or c is object:
+                break
+            self.code_modules.add(c.__module__)
+            if _is_user_code(c.__module__) and id(c) not in self.seen:
+                self.seen[id(c)] = "<class>"
+                for k, v in sorted(vars(c).items()):
+                    f = getattr(v, "__func__", getattr(v, "fget", v))
+                    if isinstance(f, types.FunctionType):
+                        self.add(f"{c.__qualname__}.{k}", self.function(f, 0, frozenset()))
+
+    def module(self, module: torch.nn.Module) -> None:
+        from torch.nn.modules import module as nn_module
+
+        for name in ("_global_forward_hooks", "_global_forward_pre_hooks"):
+            hooks = getattr(nn_module, name, {})
+            self.add(name, self.value(list(hooks.values())))
+        for name, m in module.named_modules(remove_duplicate=False):
+            cls = type(m)
+            self._code_of(cls)
+            self.add("module", name, f"{cls.__module__}.{cls.__qualname__}", m.training)
+            for k in sorted(vars(m)):
+                if k not in _SKIPPED_ATTRS and not k.startswith("_forward_hooks_with"):
+                    self.add(k, self.value(vars(m)[k]))
+            for k, p in m._parameters.items():
+                shape = None if p is None else (tuple(p.shape), p.dtype, p.requires_grad)
+                self.add("param", k, shape, None if p is None else p.device.type)
+            for k, b in m._buffers.items():
+                shape = None if b is None else (tuple(b.shape), b.dtype, b.device.type)
+                self.add("buffer", k, shape, k in m._non_persistent_buffers_set)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_user_code(name: str) -> bool:
+    """Whether module ``name`` is the user's (not installed: a script, a notebook, a local
+    package), whose functions' code is hashed with what they read."""
+    if name.split(".")[0] in ("torch", "ortrain", "graph_passes", "builtins"):
+        return False
+    file = getattr(sys.modules.get(name), "__file__", None)
+    return file is None or not _is_installed(file)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and its nested functions read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return names
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _code_digest(code: types.CodeType) -> str:
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_names).encode())
+    h.update(repr(code.co_varnames).encode())
+    for c in code.co_consts:
+        h.update((_code_digest(c) if isinstance(c, types.CodeType) else repr(c)).encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(module: torch.nn.Module, loss_fn: LossFn | None) -> str:
+    """The part of every key that depends on the model (and ``loss_fn``), not the batch."""
+    fp = _Fingerprint()
+    fp.add("default_dtype", torch.get_default_dtype())
+    fp.module(module)
+    fp.add("loss_fn", fp.value(loss_fn))
+    return fp.digest()
+
+
+def batch_token(batch: Mapping[str, Any]) -> str:
+    """Names, shapes and dtypes of the batch tensors; other values by value."""
+    fp = _Fingerprint()
+    parts = []
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{k}:{tuple(v.shape)}:{v.dtype}:{v.device.type}")
+        else:
+            parts.append(f"{k}={fp.value(v)}")
+    return ";".join(parts)
+
+
+def _key(*parts: object) -> str:
+    return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- entries
+class _Unpickler(pickle.Unpickler):
+    """Makes ortrain's build records and plain containers, nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _RECORDS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"unexpected {module}.{name} in a graph cache entry")
+
+
+class DamagedEntry(Exception):
+    """A cache entry that does not read back as written."""
+
+
+def write_entry(path: Path, key: str, value: Any) -> None:
+    """``(key, value)`` pickled, with its SHA-256, atomically at ``path``."""
+    data = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)
+    blob = MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_entry(path: Path, key: str) -> Any:
+    """The value stored under ``key`` at ``path``; raises DamagedEntry (with why) where the
+    file is not what ``write_entry`` wrote for that key."""
+    blob = path.read_bytes()
+    if not blob.startswith(MAGIC):
+        raise DamagedEntry("not a graph cache entry")
+    head, sep, data = blob[len(MAGIC) :].partition(b"\n")
+    if not sep or hashlib.sha256(data).hexdigest().encode() != head:
+        raise DamagedEntry("content hash mismatch")
+    try:
+        stored_key, value = _Unpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise DamagedEntry(f"unreadable: {exc}") from exc
+    if stored_key != key:
+        raise DamagedEntry("stored under another key")
+    return value
+
+
+# --------------------------------------------------------------------------- progress
+_current: BuildProgress | None = None
+
+
+def stage(name: str) -> None:
+    """The running build (in this process) has entered stage ``name``."""
+    if _current is not None:
+        _current.stage(name)
+
+
+class BuildProgress:
+    """Says which stage a build is in once it has run ``after`` seconds: a line when that
+    time comes, then one per new stage, and how long it took in all (``done``)."""
+
+    def __init__(self, what: str, enabled: bool, after: float | None = None) -> None:
+        self.what = what
+        self.enabled = enabled
+        self.after = PROGRESS_AFTER_S if after is None else after
+        self.start = time.monotonic()  # one clock for a forked build child and its parent
+        self.current: str | None = None
+        self.printed: set[str] = set()
+        self.lock = threading.Lock()
+        self.timer: threading.Timer | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def stage(self, name: str) -> None:
+        with self.lock:
+            self.current = name
+        if self.elapsed() >= self.after:
+            self._say()
+
+    def _say(self) -> None:
+        with self.lock:
+            name = self.current
+            if not self.enabled or name is None or name in self.printed:
+                return
+            self.printed.add(name)
+            print(
+                f"ortrain: {self.what}: {name}... ({self.elapsed():.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[BuildProgress]:
+        """This process runs the build's stages meanwhile (``stage`` reaches it)."""
+        global _current
+        previous, _current = _current, self
+        if self.enabled:
+            self.timer = threading.Timer(max(0.0, self.after - self.elapsed()), self._say)
+            self.timer.daemon = True
+            self.timer.start()
+        try:
+            yield self
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
+            _current = previous
+
+    def done(self, note: str = "") -> None:
+        if self.enabled and self.elapsed() >= self.after:
+            print(
+                f"ortrain: {self.what}: ready in {self.elapsed():.1f} s{note}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+# --------------------------------------------------------------------------- the cache
+class GraphCache:
+    """A trainer's built graphs on disk (module docstring); off: builds run as before."""
+
+    def __init__(
+        self, options: TrainerOptions, module: torch.nn.Module, loss_fn: LossFn | None
+    ) -> None:
+        # graphs saved after each pass (save_graphs_dir) need the passes to run
+        self.dir = None if options.save_graphs_dir else cache_dir(options.graph_cache)
+        self.progress_enabled = options.build_progress
+        self.module = module
+        self.loss_fn = loss_fn
+        self.hits = 0  # graphs taken from the cache instead of built
+        self.session_log: list[StageRecord] = []  # seconds each ONNX Runtime session took
+        self.progress: BuildProgress | None = None
+        self._model_key: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+    def _base(self, graph: str, batch: Mapping[str, Any]) -> str:
+        if self._model_key is None:  # once: the module keeps its structure while it trains
+            self._model_key = model_fingerprint(self.module, self.loss_fn)
+        return _key(graph, library_versions(), self._model_key, batch_token(batch))
+
+    def _path(self, key: str) -> Path:
+        assert self.dir is not None
+        return self.dir / key[:2] / f"{key}.pkl"
+
+    def load(self, key: str) -> Any:
+        """The entry under ``key``, or None (absent; damaged: deleted, with a warning)."""
+        path = self._path(key)
+        try:
+            value = read_entry(path, key)
+        except FileNotFoundError:
+            return None
+        except (OSError, DamagedEntry) as exc:
+            warnings.warn(
+                f"ortrain: graph cache entry {path} is damaged ({exc}); building the graph again",
+                stacklevel=4,
+            )
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # last used: what to delete first when pruning by hand
+        return value
+
+    def store(self, key: str, value: Any) -> None:
+        try:
+            write_entry(self._path(key), key, value)
+        except OSError as exc:  # a read-only or full disk: train on, uncached
+            warnings.warn(f"ortrain: could not write the graph cache ({exc})", stacklevel=4)
+
+    def _progress(self, what: str) -> BuildProgress:
+        name = type(self.module).__name__
+        self.progress = BuildProgress(f"{name} {what} graph", self.progress_enabled)
+        return self.progress
+
+    def _run(self, run: Callable[[Callable[[], T]], T], job: Callable[[], T]) -> T:
+        progress = self.progress
+        assert progress is not None
+
+        def tracked() -> T:
+            with progress.running():
+                return job()
+
+        return run(tracked)
+
+    def build_train(
+        self,
+        run: Callable[[Callable[[], Any]], Any],
+        module: torch.nn.Module,
+        batch: Mapping[str, Any],
+        loss_fn: LossFn | None,
+        settings: BuildSettings,
+        forward: ForwardSource | None,
+        first: int,
+    ) -> tuple[ForwardSource, tuple, BuiltGraph]:
+        """``ortrain.build.build_train``'s result, from the cache where it has it."""
+        from graph_passes.interface import UpdateInBackwardError
+        from ortrain.build import build_train, label_rows
+
+        self._progress("training")
+        if not self.enabled:
+            return self._run(
+                run,
+                functools.partial(build_train, module, batch, loss_fn, settings, forward, first),
+            )
+        t = time.perf_counter()
+        fkey = _key("forward", self._base("train", batch), settings.optimize)
+        if forward is None:
+            forward = self.load(fkey)
+        gkey = None
+        if forward is not None:
+            rows = label_rows(forward.sites, batch, headroom=True)
+            gkey = _key("graph", fkey, repr(settings), rows)
+            built = self.load(gkey)
+            if isinstance(built, str):  # a build that raised UpdateInBackwardError
+                raise UpdateInBackwardError(built)
+            if built is not None:
+                return forward, rows, self._hit(built, "train", t)
+        exports = forward is None
+        job = functools.partial(build_train, module, batch, loss_fn, settings, forward, first)
+        try:
+            new_forward, rows, built = self._run(run, job)
+        except UpdateInBackwardError as exc:  # deterministic: the next run skips the build
+            if gkey is not None:
+                self.store(gkey, str(exc))
+            raise
+        if exports:
+            self.store(fkey, new_forward)
+        self.store(_key("graph", fkey, repr(settings), rows), built)
+        return new_forward, rows, built
+
+    def build_eval(
+        self,
+        run: Callable[[Callable[[], Any]], Any],
+        module: torch.nn.Module,
+        batch: Mapping[str, Any],
+        loss_fn: LossFn | None,
+        settings: BuildSettings,
+        first: int,
+    ) -> BuiltGraph:
+        """``ortrain.build.build_eval``'s result, from the cache where it has it."""
+        from ortrain.build import build_eval
+
+        self._progress("eval")
+        job = functools.partial(build_eval, module, batch, loss_fn, settings, first)
+        if not self.enabled:
+            return self._run(run, job)
+        t = time.perf_counter()
+        key = _key("eval", self._base("eval", batch), repr(settings))
+        built = self.load(key)
+        if built is not None:
+            return self._hit(built, "eval", t)
+        built = self._run(run, job)
+        self.store(key, built)
+        return built
+
+    def _hit(self, built: BuiltGraph, graph: str, start: float) -> BuiltGraph:
+        from ortrain.build import StageRecord
+
+        self.hits += 1
+        # this process's log: the load, not the stages of the build that made the entry
+        built.log = [StageRecord(graph, "cache", time.perf_counter() - start, 0, 0)]
+        return built
+
+    @contextlib.contextmanager
+    def session_stage(self, graph: str) -> Iterator[None]:
+        """Around a built graph's session creation: its record in ``session_log`` (the
+        build log holds the graph's own stages) and its progress line."""
+        from ortrain.build import StageRecord
+
+        progress = self.progress or self._progress(graph)
+        t = time.perf_counter()
+        with progress.running():
+            progress.stage("session")
+            yield
+        self.session_log.append(StageRecord(graph, "session", time.perf_counter() - t, 0, 0))
+        note = f" (kept in {self.dir} for the next run)" if self.enabled else ""
+        progress.done(note)
+        self.progress = None

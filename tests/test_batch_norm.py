@@ -1,0 +1,380 @@
+"""BatchNorm trains through ORTTrainer as in eager: losses, parameters, running statistics
+(the training graph's buffer updates, ortrain/buffer_updates.py) and eval outputs.
+
+The convolutions / linear layers in front of a BatchNorm have no bias: BatchNorm subtracts
+the batch mean, so such a bias's exact gradient is zero and the computed one is float32
+rounding noise in both implementations, which AdamW normalises to steps of ~lr (the same
+reason tests/test_parity.py leaves out attention key biases).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.roles import Role
+
+STEPS = 8
+LOSS_RTOL = 1e-4
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
+STATS_TOL = 1e-6  # one update of the statistics from the same parameters and buffers
+CLASSES = 4
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Net(nn.Module):
+    """``body`` -> mean over the spatial axes -> linear head; returns (loss, logits)."""
+
+    def __init__(self, body: nn.Module, width: int):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        if h.dim() > 2:
+            h = h.mean(dim=tuple(range(2, h.dim())))
+        logits = self.head(h)
+        return F.cross_entropy(logits, y), logits
+
+
+def cnn2d(**bn) -> Net:
+    body = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8, **bn),
+        nn.ReLU(),
+        nn.Conv2d(8, 6, 3, bias=False),
+        nn.BatchNorm2d(6, **bn),
+        nn.ReLU(),
+    )
+    return Net(body, 6)
+
+
+def mlp(**bn) -> Net:
+    body = nn.Sequential(nn.Linear(10, 16, bias=False), nn.BatchNorm1d(16, **bn), nn.ReLU())
+    return Net(body, 16)
+
+
+def conv1d(**bn) -> Net:
+    """BatchNorm1d on (N, C, L)."""
+    body = nn.Sequential(nn.Conv1d(4, 6, 3, bias=False), nn.BatchNorm1d(6, **bn), nn.ReLU())
+    return Net(body, 6)
+
+
+def cnn3d(**bn) -> Net:
+    body = nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4, **bn), nn.ReLU()
+    )
+    return Net(body, 4)
+
+
+INPUTS: dict[Callable, tuple[int, ...]] = {
+    cnn2d: (6, 3, 8, 8),
+    mlp: (8, 10),
+    conv1d: (6, 4, 9),
+    cnn3d: (4, 2, 4, 4, 4),
+}
+
+
+def batches(make: Callable, n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = INPUTS[make]
+    # mean 0.5, std 2: the running statistics move visibly away from (0, 1)
+    return [
+        {
+            "x": 0.5 + 2 * torch.randn(shape, generator=g),
+            "y": torch.randint(0, CLASSES, (shape[0],), generator=g),
+        }
+        for _ in range(n)
+    ]
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def eager_step(ref: nn.Module, opt: torch.optim.Optimizer, micro: list[dict]) -> list[float]:
+    opt.zero_grad()
+    losses = []
+    for mb in micro:
+        loss = ref(**mb)[0]
+        (loss / len(micro)).backward()
+        losses.append(loss.item())
+    opt.step()
+    return losses
+
+
+def assert_buffers_equal(
+    got: dict[str, torch.Tensor], ref: nn.Module, rtol: float, atol: float
+) -> None:
+    """num_batches_tracked exactly, the running statistics within the tolerances."""
+    ref_buffers = dict(ref.named_buffers())
+    assert sorted(got) == sorted(ref_buffers)
+    for name, r in ref_buffers.items():
+        b = got[name]
+        if b.dtype == torch.int64:
+            assert torch.equal(b, r), f"{name}: {b} != {r}"
+        else:
+            torch.testing.assert_close(
+                b, r, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+@torch.no_grad()
+def eager_statistics(trainer: ORTTrainer, micro_batch: dict) -> nn.Module:
+    """An eager copy of the trainer's current parameters and buffers after one training
+    mode forward on ``micro_batch``: the statistics the trainer's step must write."""
+    shadow = copy.deepcopy(trainer.sync_to_module()).train()
+    shadow(**micro_batch)
+    return shadow
+
+
+def assert_params_close(model: nn.Module, ref: nn.Module) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(
+            p, q, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def train_both(make: Callable, bn: dict, accum: int = 1, eval_every: int = 0):
+    """Eager and ORTTrainer side by side, STEPS optimizer steps; returns both models and
+    the trainer (after sync_to_module). ``eval_every``: an eval step between steps that
+    must leave the buffers alone."""
+    torch.manual_seed(0)
+    ref = make(**bn)
+    model = copy.deepcopy(ref)
+    initial = [p.detach().clone() for p in ref.parameters()]
+    opt_ref = adamw(ref)
+    trainer = ORTTrainer(model, adamw(model), TrainerOptions(grad_accumulation_steps=accum))
+    data = batches(make, STEPS * accum + 1)
+    for step in range(STEPS):
+        micro = data[step * accum : (step + 1) * accum]
+        losses_ref = eager_step(ref, opt_ref, micro)
+        losses = []
+        for mb in micro:
+            expected = eager_statistics(trainer, mb)
+            losses.append(trainer.train_step(**mb).item())
+            assert_buffers_equal(trainer.buffers, expected, STATS_TOL, STATS_TOL)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(losses_ref), rtol=LOSS_RTOL, atol=0
+        )
+        if eval_every and step % eval_every == 0:
+            before = {n: b.clone() for n, b in trainer.buffers.items()}
+            trainer.eval_step(**data[-1])
+            for n, b in trainer.buffers.items():
+                assert torch.equal(b, before[n]), f"eval_step changed {n}"
+    trainer.sync_to_module()
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), initial))
+    assert moved > 1e-3  # the comparisons are not of initial values
+    return ref, model, trainer, data[-1]
+
+
+def check_against_eager(make: Callable, bn: dict, accum: int = 1, eval_every: int = 0):
+    ref, model, trainer, held_out = train_both(make, bn, accum, eval_every)
+    assert_params_close(model, ref)
+    # the statistics of activations of parameters that agree within PARAM_RTOL
+    assert_buffers_equal(dict(model.named_buffers()), ref, PARAM_RTOL, PARAM_ATOL)
+    if bn.get("track_running_stats", True):
+        tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+        assert tracked and all(int(t) == STEPS * accum for t in tracked)
+    # after training, eval mode reads the running statistics
+    ref.eval()
+    out = trainer.eval_step(**held_out)
+    loss_ref, logits_ref = ref(**held_out)
+    torch.testing.assert_close(out["output_1"], logits_ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out["loss"], loss_ref.detach(), rtol=1e-4, atol=0)
+    return trainer
+
+
+CASES = [
+    (cnn2d, {}),
+    (cnn2d, {"affine": False}),
+    (cnn2d, {"momentum": None}),
+    (cnn2d, {"affine": False, "momentum": None}),
+    (cnn2d, {"track_running_stats": False}),
+    (mlp, {}),
+    (mlp, {"affine": False, "momentum": None}),
+    (conv1d, {"momentum": None}),
+    (cnn3d, {}),
+    (cnn3d, {"affine": False, "momentum": None}),
+]
+
+
+def _id(case: tuple) -> str:
+    make, bn = case
+    return "-".join([make.__name__, *(f"{k}={v}" for k, v in bn.items())])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_trains_like_eager(case: tuple) -> None:
+    make, bn = case
+    check_against_eager(make, bn)
+
+
+def test_training_graph_writes_the_statistics_and_eval_graph_reads_them() -> None:
+    trainer = check_against_eager(cnn2d, {}, eval_every=3)
+    (compiled,) = trainer._train.values()
+    norms = [n for n in compiled.model.graph if n.op_type == "BatchNormalization"]
+    # batch statistics, never the buffers: ONNX Runtime's training-mode kernel would
+    # write into them (ortrain/buffer_updates.py)
+    assert len(norms) == 2
+    for n in norms:
+        assert n.attributes.get_int("training_mode", 0) == 0
+        assert not any(v.is_graph_input() for v in n.inputs[3:])
+    updated = {r.of for r in compiled.graph.io if r.role is Role.UPDATED_BUFFER}
+    assert updated == {n for n, _ in trainer.module.named_buffers()}
+    (ev,) = trainer._eval.values()
+    reads = {v.name for n in ev.model.graph if n.op_type == "BatchNormalization" for v in n.inputs}
+    assert {n for n in updated if not n.endswith("num_batches_tracked")} <= reads
+    assert not [r for r in ev.graph.io if r.role is Role.UPDATED_BUFFER]
+
+
+def test_gradient_accumulation_updates_statistics_every_micro_batch() -> None:
+    check_against_eager(cnn2d, {"momentum": None}, accum=2)
+
+
+class Tracker(nn.Module):
+    """In-place buffer updates besides BatchNorm's: a counter, an average of the input, and
+    a scale that the backward must read before its update (x * scale, then scale halves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("average", torch.zeros(5))
+        self.register_buffer("scale", torch.full((5,), 2.0))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.training:
+            self.steps.add_(1)
+            self.average.mul_(0.75).add_(0.25 * x.detach().mean(0))
+        h = x * self.scale
+        if self.training:
+            self.scale.mul_(0.5)
+        logits = self.lin(h)
+        return F.cross_entropy(logits, y), logits
+
+
+def test_any_buffer_update_is_written_back() -> None:
+    torch.manual_seed(0)
+    ref = Tracker()
+    model = copy.deepcopy(ref)
+    opt_ref = adamw(ref)
+    trainer = ORTTrainer(model, adamw(model))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        b = {"x": torch.randn(8, 5, generator=g), "y": torch.randint(0, 3, (8,), generator=g)}
+        loss_ref = eager_step(ref, opt_ref, [b])
+        loss = trainer.train_step(**b).item()
+        torch.testing.assert_close(loss, loss_ref[0], rtol=LOSS_RTOL, atol=0)
+    trainer.sync_to_module()
+    assert_params_close(model, ref)
+    assert_buffers_equal(dict(model.named_buffers()), ref, STATS_TOL, STATS_TOL)
+    assert int(model.steps) == STEPS
+
+
+# --------------------------------------------------------------------------- data parallel
+WORLD = 2
+
+
+def _worker(out: Path, zero_stage: int) -> None:
+    """One rank: data parallel (or ZeRO-1) on its own batches; saves its losses, parameters,
+    buffers."""
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = cnn2d()
+    options = TrainerOptions(intra_op_threads=1, zero_stage=zero_stage)
+    trainer = ORTTrainer(model, adamw(model), options)
+    losses = [trainer.train_step(**b).item() for b in batches(cnn2d, STEPS, seed=10 + rank)]
+    trainer.sync_to_module()
+    torch.save({"losses": losses, "state": model.state_dict()}, out / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _launch(out: Path, zero_stage: int) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+        }
+        log = open(out / f"log{rank}", "w")
+        cmd = [sys.executable, "-m", "tests.test_batch_norm", str(out), str(zero_stage)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, (out / f"log{rank}").read_text()[-4000:]
+
+
+def _eager_data_parallel() -> tuple[list[nn.Module], list[list[float]]]:
+    """Per-rank eager replicas (DDP without buffer broadcast): each rank's forward on its
+    own batch and statistics, the gradients averaged over ranks, the same AdamW step."""
+    torch.manual_seed(0)
+    first = cnn2d()
+    replicas = [first] + [copy.deepcopy(first) for _ in range(WORLD - 1)]
+    opts = [adamw(m) for m in replicas]
+    data = [batches(cnn2d, STEPS, seed=10 + r) for r in range(WORLD)]
+    losses: list[list[float]] = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        for r, m in enumerate(replicas):
+            opts[r].zero_grad()
+            loss = m(**data[r][step])[0]
+            loss.backward()
+            losses[r].append(loss.item())
+        for ps in zip(*(m.parameters() for m in replicas), strict=True):
+            mean = sum(p.grad for p in ps) / WORLD
+            for p in ps:
+                p.grad = mean.clone()
+        for o in opts:
+            o.step()
+    return replicas, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 1], ids=["data_parallel", "zero1"])
+def test_data_parallel_keeps_per_rank_statistics(tmp_path: Path, zero_stage: int) -> None:
+    _launch(tmp_path, zero_stage)
+    replicas, losses_ref = _eager_data_parallel()
+    stats = []
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(losses_ref[rank]), rtol=LOSS_RTOL, atol=0
+        )
+        model = cnn2d()
+        model.load_state_dict(got["state"])
+        assert_params_close(model, replicas[rank])
+        assert_buffers_equal(dict(model.named_buffers()), replicas[rank], PARAM_RTOL, PARAM_ATOL)
+        stats.append(got["state"]["body.1.running_mean"])
+    assert not torch.equal(stats[0], stats[1])  # each rank's own statistics
+
+
+if __name__ == "__main__":  # a rank of test_data_parallel_keeps_per_rank_statistics
+    _worker(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,361 @@
+"""ORTHFTrainer against transformers.Trainer on the same model, data and arguments (fp32,
+dropout 0): per-step losses, learning rates, gradient norms, eval metrics, final weights;
+checkpoints in Trainer's layout that resume (its own and Trainer's) on the same losses; two
+torchrun processes (data parallel and ZeRO-1) against one process on the combined batch;
+the Trainer features it refuses, at construction.
+
+Run as a script, this file is one torchrun rank of the two-process test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import BertForSequenceClassification, Trainer, TrainingArguments
+
+from ortrain import TrainerOptions
+from ortrain.hf_trainer import ORTHFTrainer, trainer_options
+from tests.conftest import bert_config, gpt2
+
+ROOT = Path(__file__).resolve().parent.parent
+LOSS_RTOL = 1e-4
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
+VOCAB, SEQ = 128, 16
+STEPS, SAVE_AT = 6, 3  # optimizer steps; the checkpoint the resume tests start from
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Causal LM rows (``labels`` = ``input_ids``), or with ``classes`` right-padded rows
+    with an attention mask and a class label."""
+
+    def __init__(self, n: int, seed: int, classes: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        self.mask = torch.ones(n, SEQ, dtype=torch.long)
+        self.classes = classes
+        if classes:
+            for i in range(n):
+                pad = int(torch.randint(0, SEQ // 2, (1,), generator=g))
+                if pad:
+                    self.mask[i, SEQ - pad :] = 0
+                    self.ids[i, SEQ - pad :] = 0
+            self.labels = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not self.classes:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def arguments(out: Path, **kw: Any) -> TrainingArguments:
+    base = dict(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=7,
+        learning_rate=3e-3,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+    )
+    return TrainingArguments(**{**base, **kw})
+
+
+def gpt2_arguments(out: Path, **kw: Any) -> TrainingArguments:
+    """Warmup + cosine, accumulation 2, clipping below the gradient norms; 11 batches per
+    epoch: the sixth update's window is one micro-batch (an epoch's short last window)."""
+    return arguments(
+        out,
+        max_steps=STEPS,
+        gradient_accumulation_steps=2,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        **kw,
+    )
+
+
+def steps(trainer: Trainer) -> list[dict[str, float]]:
+    return [h for h in trainer.state.log_history if "loss" in h and "step" in h]
+
+
+def assert_close(actual: list[float], expected: list[float], rtol: float = LOSS_RTOL) -> None:
+    assert len(actual) == len(expected) > 0
+    torch.testing.assert_close(
+        torch.tensor(actual, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        rtol=rtol,
+        atol=0,
+    )
+
+
+def assert_logs(actual: list[dict], expected: list[dict]) -> None:
+    """Same steps; losses and gradient norms within LOSS_RTOL; the same learning rates."""
+    assert [h["step"] for h in actual] == [h["step"] for h in expected]
+    assert_close([h["loss"] for h in actual], [h["loss"] for h in expected])
+    assert_close([h["grad_norm"] for h in actual], [h["grad_norm"] for h in expected])
+    assert [h["learning_rate"] for h in actual] == [h["learning_rate"] for h in expected]
+
+
+def assert_params(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(
+            p.detach(), q.detach(), rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: n + m
+        )
+
+
+def lm_trainer(cls: type[Trainer], out: Path, **kw: Any) -> Trainer:
+    return cls(
+        model=gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0),
+        args=gpt2_arguments(out),
+        train_dataset=TokenData(44, seed=3),
+        eval_dataset=TokenData(8, seed=4),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Trainer and ORTHFTrainer trained for STEPS (checkpoints every SAVE_AT), then evaluated."""
+    runs: dict[str, Any] = {}
+    for name, cls in (("torch", Trainer), ("ortrain", ORTHFTrainer)):
+        out = tmp_path_factory.mktemp(name)
+        trainer = lm_trainer(cls, out)
+        trainer.train()
+        runs[name] = {"trainer": trainer, "out": out, "eval": trainer.evaluate()}
+    return runs
+
+
+def test_gpt2_losses_learning_rates_and_grad_norms_match_trainer(gpt2_runs):
+    ours, ref = gpt2_runs["ortrain"]["trainer"], gpt2_runs["torch"]["trainer"]
+    assert len(steps(ref)) == STEPS
+    assert_logs(steps(ours), steps(ref))
+    assert ours.ortrainer.step == STEPS  # every Trainer step was one ortrain update
+    # the module is what ortrain trains, not a copy (accelerate's wrapping must not re-home it)
+    params = ours.ortrainer.params
+    assert all(p.data_ptr() == params[n].data_ptr() for n, p in ours.model.named_parameters())
+    assert_params(ours.model, ref.model)
+
+
+def test_gpt2_eval_loss_matches_trainer(gpt2_runs):
+    ours, ref = gpt2_runs["ortrain"]["eval"], gpt2_runs["torch"]["eval"]
+    assert_close([ours["eval_loss"]], [ref["eval_loss"]])
+
+
+def test_checkpoint_has_trainer_layout_and_torch_optimizer_state(gpt2_runs):
+    ours = gpt2_runs["ortrain"]["out"] / f"checkpoint-{SAVE_AT}"
+    ref = gpt2_runs["torch"]["out"] / f"checkpoint-{SAVE_AT}"
+    assert {p.name for p in ref.iterdir()} | {"ortrain_state.pt"} == {
+        p.name for p in ours.iterdir()
+    }
+    extra = torch.load(ours / "ortrain_state.pt", weights_only=True)
+    assert extra["step"] == SAVE_AT and extra["micro_step"] == 0
+    # optimizer.pt is torch's format: it loads into the optimizer Trainer creates, and its
+    # moments are Trainer's after the same steps
+    state = torch.load(ours / "optimizer.pt", weights_only=True)
+    ref_state = torch.load(ref / "optimizer.pt", weights_only=True)
+    fresh = Trainer(model=gpt2(layers=2, hidden=32, vocab=VOCAB), args=arguments(ours))
+    fresh.create_optimizer().load_state_dict(state)
+    assert state["state"].keys() == ref_state["state"].keys()
+    for i, entry in ref_state["state"].items():
+        for key, expected in entry.items():
+            torch.testing.assert_close(
+                state["state"][i][key].float(),
+                expected.float(),
+                rtol=PARAM_RTOL,
+                atol=PARAM_RTOL * expected.abs().max().item(),
+                msg=lambda m, i=i, key=key: f"state {i} {key}: {m}",
+            )
+
+
+@pytest.mark.parametrize("source", ["ortrain", "torch"])
+def test_resume_from_mid_run_checkpoint_continues_the_losses(gpt2_runs, tmp_path, source):
+    """From ORTHFTrainer's own checkpoint, and from a Trainer run's (no ortrain_state.pt)."""
+    run = gpt2_runs[source]
+    trainer = lm_trainer(ORTHFTrainer, tmp_path)
+    trainer.train(resume_from_checkpoint=str(run["out"] / f"checkpoint-{SAVE_AT}"))
+    expected, resumed = (
+        [h for h in steps(t) if h["step"] > SAVE_AT] for t in (run["trainer"], trainer)
+    )
+    assert_logs(resumed, expected)
+    assert trainer.ortrainer.step == STEPS
+    assert_params(trainer.model, run["trainer"].model)
+
+
+def accuracy(pred) -> dict[str, float]:
+    logits, labels = pred.predictions, pred.label_ids
+    return {
+        "accuracy": float((logits.argmax(-1) == labels).mean()),
+        "mean_logit": float(logits.astype("float64").mean()),
+    }
+
+
+def test_bert_classification_with_compute_metrics_matches_trainer(tmp_path):
+    """Padded batches, accumulation 2, evaluation every 2 steps. The model takes
+    num_items_in_batch but its loss is a mean: Trainer sums the window's gradients."""
+    runs = {}
+    for name, cls in (("torch", Trainer), ("ortrain", ORTHFTrainer)):
+        torch.manual_seed(0)
+        config = bert_config(vocab=VOCAB, hidden=32, layers=2)
+        config.num_labels = 3
+        model = BertForSequenceClassification(config)
+        args = arguments(
+            tmp_path / name,
+            max_steps=4,
+            gradient_accumulation_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            max_grad_norm=1.0,
+        )
+        trainer = cls(
+            model=model,
+            args=args,
+            train_dataset=TokenData(32, seed=5, classes=3),
+            eval_dataset=TokenData(12, seed=6, classes=3),
+            compute_metrics=accuracy,
+        )
+        trainer.train()
+        runs[name] = trainer
+    ours, ref = runs["ortrain"], runs["torch"]
+    assert_logs(steps(ours), steps(ref))
+    evals, ref_evals = ([h for h in t.state.log_history if "eval_loss" in h] for t in (ours, ref))
+    assert [h["step"] for h in evals] == [h["step"] for h in ref_evals] == [2, 4]
+    for h, r in zip(evals, ref_evals):
+        assert h["eval_accuracy"] == r["eval_accuracy"]
+        assert_close([h["eval_loss"], h["eval_mean_logit"]], [r["eval_loss"], r["eval_mean_logit"]])
+
+
+# --------------------------------------------------------------------- what it refuses
+class _OwnLoss(ORTHFTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def _adagrad(model: torch.nn.Module) -> dict[str, Any]:
+    return {"optimizers": (torch.optim.Adagrad(model.parameters()), None)}
+
+
+REFUSED = [
+    ("label_smoothing_factor", {"args": {"label_smoothing_factor": 0.1}}),
+    ("compute_loss_func", {"compute_loss_func": lambda outputs, labels, num_items_in_batch: 0}),
+    ("subclass's compute_loss", {"cls": _OwnLoss}),
+    ("torch.optim.adagrad.Adagrad", {"optimizers": _adagrad}),
+    ("optim='adafactor'", {"args": {"optim": "adafactor"}}),
+    ("activation_checkpointing", {"args": {"activation_checkpointing": True}}),
+    ("bf16=True: TrainerOptions.mixed_precision='bf16' needs a CUDA", {"args": {"bf16": True}}),
+    (
+        "ortrain_options.grad_accumulation_steps=4 disagrees",
+        {"ortrain_options": TrainerOptions(grad_accumulation_steps=4)},
+    ),
+]
+
+
+@pytest.mark.parametrize("expected, setup", REFUSED, ids=[r[0].split(":")[0] for r in REFUSED])
+def test_unsupported_trainer_features_raise_one_line_at_construction(tmp_path, expected, setup):
+    model = gpt2(layers=1, hidden=32, vocab=VOCAB)
+    kw = {k: v for k, v in setup.items() if k not in ("args", "cls")}
+    if callable(kw.get("optimizers")):
+        kw.update(kw.pop("optimizers")(model))
+    cls = setup.get("cls", ORTHFTrainer)
+    with pytest.raises(ValueError) as info:
+        cls(model=model, args=arguments(tmp_path, **setup.get("args", {})), **kw)
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+
+
+def test_training_arguments_set_the_trainer_options(tmp_path):
+    args = arguments(tmp_path, fp16=True, gradient_accumulation_steps=3, max_grad_norm=0.0)
+    options = trainer_options(args, TrainerOptions(zero_stage=1, cpu_kernels="onnxruntime"))
+    assert options.mixed_precision == "fp16" and options.resolved_loss_scale == "dynamic"
+    assert options.grad_accumulation_steps == 3 and options.seed == 7
+    assert options.max_grad_norm == float("inf")  # unclipped, the norm is still reported
+    assert options.zero_stage == 1 and options.cpu_kernels == "onnxruntime"
+    assert options.device == "cpu"
+    assert trainer_options(arguments(tmp_path, max_grad_norm=0.25)).max_grad_norm == 0.25
+
+
+# --------------------------------------------------------------------- torchrun
+WORLD = 2
+DIST_STEPS = 4
+
+
+def distributed_trainer(out: Path, batch: int, zero_stage: int) -> ORTHFTrainer:
+    args = arguments(
+        out,
+        per_device_train_batch_size=batch,
+        max_steps=DIST_STEPS,
+        gradient_accumulation_steps=2,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        max_grad_norm=0.5,
+        train_sampling_strategy="sequential",  # rank r's batch i: rows of combined batch i
+        save_strategy="steps",
+        save_steps=DIST_STEPS // 2,
+    )
+    return ORTHFTrainer(
+        model=gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0),
+        args=args,
+        train_dataset=TokenData(8 * DIST_STEPS, seed=3),
+        ortrain_options=TrainerOptions(zero_stage=zero_stage, intra_op_threads=1),
+    )
+
+
+def _rank_main(out: Path) -> None:
+    """One torchrun rank: data parallel, ZeRO-1, ZeRO-1 resumed from its checkpoint half-way
+    (``resume``); rank 0 writes the logs and the trained parameters."""
+    torch.set_num_threads(1)
+    logs = {}
+    for stage in (0, 1, "resume"):
+        zero = 0 if stage == 0 else 1
+        trainer = distributed_trainer(out / f"stage{stage}", 4 // WORLD, zero)
+        if stage == "resume":
+            trainer.train(resume_from_checkpoint=str(out / f"stage1/checkpoint-{DIST_STEPS // 2}"))
+        else:
+            trainer.train()
+        logs[stage] = [
+            h for h in steps(trainer) if stage != "resume" or h["step"] > DIST_STEPS // 2
+        ]
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        if trainer.args.process_index == 0:
+            torch.save(params, out / f"params{stage}.pt")
+    if int(os.environ["RANK"]) == 0:
+        (out / "logs.json").write_text(json.dumps(logs))
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_on_the_combined_batch(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={WORLD}", str(Path(__file__)), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = json.loads((tmp_path / "logs.json").read_text())
+    one = distributed_trainer(tmp_path / "one", 4, 0)
+    one.train()
+    assert len(steps(one)) == DIST_STEPS
+    for stage in ("0", "1", "resume"):
+        expected = steps(one)[DIST_STEPS // 2 :] if stage == "resume" else steps(one)
+        assert_logs(logs[stage], expected)
+        params = torch.load(tmp_path / f"params{stage}.pt", weights_only=True)
+        for name, p in one.model.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=PARAM_RTOL, atol=PARAM_ATOL)
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]))

@@ -1,0 +1,162 @@
+"""Index batch inputs are range-checked as eager checks them (ortrain/index_check.py):
+negative or too-large token ids and labels raise BatchError naming the input, the value,
+its position and the valid range, where ONNX Gather would read (and train) another row."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.errors import BatchError
+from ortrain.index_check import check_batch, index_ranges
+from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
+
+VOCAB = 128
+
+
+def _trainer(model: torch.nn.Module, accum: int = 2) -> ORTTrainer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return ORTTrainer(model, opt, TrainerOptions(grad_accumulation_steps=accum))
+
+
+def _snapshot(trainer: ORTTrainer) -> dict[str, torch.Tensor]:
+    state = {f"param:{n}": p.clone() for n, p in trainer.params.items()}
+    state.update({f"grad:{n}": g.clone() for n, g in trainer.grads.items()})
+    state.update({f"state:{n}": s.clone() for n, s in trainer.opt_state.items()})
+    return state
+
+
+def _assert_rejected(trainer, model, batch, name, value, where, valid) -> None:
+    """Eager raises IndexError on ``batch``; ortrain a BatchError that names it all, with
+    the trainer's state and accumulation window as they were."""
+    with pytest.raises(IndexError):
+        model(**batch)
+    before, micro, step = _snapshot(trainer), trainer.micro_step, trainer.step
+    with pytest.raises(BatchError) as err:
+        trainer.train_step(**batch)
+    msg = str(err.value)
+    assert f"'{name}' holds {value} at {name}{where}" in msg, msg
+    assert f"valid range {valid}" in msg, msg
+    assert (trainer.micro_step, trainer.step) == (micro, step)
+    after = _snapshot(trainer)
+    assert after.keys() == before.keys()
+    for k, t in before.items():
+        assert torch.equal(after[k], t), k
+
+
+@pytest.fixture(scope="module")
+def gpt2_trained():
+    model = gpt2(layers=1, hidden=64, vocab=VOCAB)
+    trainer = _trainer(model)
+    batch = lm_batches(1, batch=2, seq=16, vocab=VOCAB)[0]
+    trainer.train_step(**batch)  # one micro-step of a 2-step window: the window is open
+    assert trainer.micro_step == 1
+    return model, trainer, batch
+
+
+def test_gpt2_negative_and_too_large_token_ids(gpt2_trained):
+    model, trainer, batch = gpt2_trained
+    ids = batch["input_ids"].clone()
+    ids[1, 3] = -5
+    bad = {"input_ids": ids, "labels": batch["labels"]}
+    _assert_rejected(trainer, model, bad, "input_ids", -5, "[1, 3]", f"[0, {VOCAB})")
+    ids = batch["input_ids"].clone()
+    ids[0, 7] = VOCAB
+    bad = {"input_ids": ids, "labels": batch["labels"]}
+    _assert_rejected(trainer, model, bad, "input_ids", VOCAB, "[0, 7]", f"[0, {VOCAB})")
+
+
+def test_gpt2_negative_label_but_not_ignore_index(gpt2_trained):
+    model, trainer, batch = gpt2_trained
+    labels = batch["labels"].clone()
+    labels[0, 2:6] = -100  # ignore_index: allowed
+    labels[1, 9] = -3
+    bad = {"input_ids": batch["input_ids"], "labels": labels}
+    _assert_rejected(trainer, model, bad, "labels", -3, "[1, 9]", f"[0, {VOCAB}) or -100")
+    labels[1, 9] = 5  # only ignore_index besides valid labels: trains as eager does
+    trainer.train_step(input_ids=batch["input_ids"], labels=labels)
+    assert trainer.micro_step == 0 and trainer.step == 1
+
+
+def test_bert_negative_ids_token_types_and_labels():
+    model = bert_mlm(vocab=VOCAB, hidden=64, layers=1)
+    trainer = _trainer(model, accum=1)
+    batch = bert_batches(1, batch=2, seq=16, vocab=VOCAB)[0]
+    trainer.train_step(**batch)
+    cases = [
+        ("input_ids", (0, 4), -1, f"[0, {VOCAB})"),
+        ("token_type_ids", (1, 2), 2, "[0, 2)"),  # type_vocab_size 2
+        ("labels", (1, 1), -7, f"[0, {VOCAB}) or -100"),
+    ]
+    for name, (i, j), value, valid in cases:
+        bad = {k: v.clone() for k, v in batch.items()}
+        bad[name][i, j] = value
+        _assert_rejected(trainer, model, bad, name, value, f"[{i}, {j}]", valid)
+
+
+class _Guarded(torch.nn.Module):
+    """Ids sanitised before the lookup (left alone), and advanced indexing (wraps
+    negatives in eager as in ONNX: a negative index is valid there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.w = torch.nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(ids < 0, torch.zeros_like(ids), ids)
+        return self.emb(safe).square().mean() + self.w[rows].square().mean()
+
+
+def test_values_that_do_not_reach_an_index_unchanged_are_left_alone():
+    torch.manual_seed(0)
+    model = _Guarded()
+    ref = _Guarded()
+    ref.load_state_dict(model.state_dict())
+    trainer = _trainer(model, accum=1)
+    batch = {"ids": torch.tensor([[1, -4, 3]]), "rows": torch.tensor([2, -1, -10])}
+    loss = trainer.train_step(**batch)
+    expected = ref(**batch)  # eager accepts this batch
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    (graph,) = trainer._train.values()
+    checks = graph.graph.index_checks
+    assert "ids" not in checks  # went through Where first
+    assert [(lo, hi) for lo, hi, _, _ in checks["rows"]] == [(-10, 10)]
+    batch["rows"] = torch.tensor([2, 10, 0])
+    with pytest.raises(IndexError):
+        ref(**batch)
+    with pytest.raises(BatchError, match=re.escape("'rows' holds 10 at rows[1]")):
+        trainer.train_step(**batch)
+
+
+def test_index_ranges_of_exported_gpt2_and_check_cost():
+    """Which inputs are checked, against what; and what the check costs on a GPT-2
+    batch of 8 x 1024 tokens (printed: ``pytest -s``)."""
+    from ortrain.export import export_here
+
+    model = gpt2(layers=1, hidden=64, vocab=VOCAB)
+    batch = lm_batches(1, batch=2, seq=16, vocab=VOCAB)[0]
+    ex = export_here(model, batch, True, None, False)
+    checks = index_ranges(ex.model, ex.io)
+    assert sorted(checks) == ["input_ids", "labels"]
+    assert [(u[0], u[1], u[2]) for u in checks["input_ids"]] == [(0, VOCAB, ())]
+    assert [(u[0], u[1], u[2]) for u in checks["labels"]] == [(0, VOCAB, (-100,))]
+    assert "Gather" in checks["input_ids"][0][3] and "aten.embedding" in checks["input_ids"][0][3]
+    assert "SoftmaxCrossEntropyLoss" in checks["labels"][0][3]
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (8, 1024), generator=g)
+    labels = ids.clone()
+    labels[:, :100] = -100
+    big = {"input_ids": ids, "labels": labels}
+    check_batch(checks, big)
+    n = 200
+    start = time.perf_counter()
+    for _ in range(n):
+        check_batch(checks, big)
+    per_batch = (time.perf_counter() - start) / n
+    print(f"index check of an 8x1024 GPT-2 batch (labels with ignore_index): {per_batch*1e6:.0f} us")
