@@ -37,6 +37,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import onnx_ir.traversal
 
+from graph_passes.autodiff.builder import subgraphs
 from graph_passes.constant_value import constant_tensor
 
 MAX_ITERATIONS = 1024
@@ -76,16 +77,6 @@ def inline_control_flow(model: ir.Model) -> int:
     return count
 
 
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
-    graphs: list[ir.Graph] = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs.append(attr.as_graph())
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attr.as_graphs())
-    return graphs
-
-
 class _Undo(Exception):
     """A loop that cannot be unrolled after all: its partial unrolling is removed."""
 
@@ -109,7 +100,7 @@ class _Inliner:
         for node in onnx_ir.traversal.RecursiveGraphIterator(self.graph):
             self.names.update(o.name for o in node.outputs if o.name)
         for node in self.graph:
-            for sub in _subgraphs(node):
+            for sub in subgraphs(node):
                 self.names.update(v.name for v in sub.inputs if v.name)
                 self.names.update(sub.initializers)
 
@@ -157,7 +148,7 @@ class _Inliner:
     def fold(self, node: ir.Node) -> list[np.ndarray] | None:
         """Evaluate ``node`` if its inputs are small constants; its outputs become
         initializers. Returns the values, or None (left as it is)."""
-        if node.domain not in ("", "ai.onnx") or node.op_type in _NO_FOLD or _subgraphs(node):
+        if node.domain not in ("", "ai.onnx") or node.op_type in _NO_FOLD or subgraphs(node):
             return None
         if "Sequence" in node.op_type:
             return None
@@ -294,7 +285,7 @@ class _Inliner:
         for node in nodes:
             node.name = self.fresh(node.name)
             rename(node.outputs)
-            for sub in _subgraphs(node):
+            for sub in subgraphs(node):
                 walk = onnx_ir.traversal.RecursiveGraphIterator(
                     sub, enter_graph=lambda g: rename(g.inputs)
                 )
@@ -576,7 +567,7 @@ def _reads_outer_float(node: ir.Node) -> bool:
         # copies made by this pass are untyped until the final shape inference
         return v is not None and v.graph is node.graph and (v.dtype in _FLOATS or v.type is None)
 
-    for sub in _subgraphs(node):
+    for sub in subgraphs(node):
         if any(outer_float(v) for v in sub.outputs):
             return True
         for inner in onnx_ir.traversal.RecursiveGraphIterator(sub):
@@ -586,7 +577,7 @@ def _reads_outer_float(node: ir.Node) -> bool:
 
 
 def _selectable(node: ir.Node) -> bool:
-    if node.op_type not in _SELECTABLE or _subgraphs(node) or node.domain not in ("", "ai.onnx"):
+    if node.op_type not in _SELECTABLE or subgraphs(node) or node.domain not in ("", "ai.onnx"):
         return False
     if node.op_type == "Reshape":  # a run-time shape may not fit
         return _constant_tensor(node.inputs[1]) is not None
@@ -638,7 +629,7 @@ def _static_len(v: ir.Value) -> int | None:
 def _detach(node: ir.Node) -> None:
     """``node`` and the nodes of its subgraphs stop being uses of their inputs (the outer
     values a removed Loop body read must not look used)."""
-    for sub in _subgraphs(node):
+    for sub in subgraphs(node):
         for inner in onnx_ir.traversal.RecursiveGraphIterator(sub):
             for i in range(len(inner.inputs)):
                 inner.replace_input_with(i, None)

@@ -86,7 +86,8 @@ def _is_float(v: ir.Value) -> bool:
     return v.dtype in FLOAT_TYPES or v.type is None
 
 
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs a node's attributes hold (Loop / Scan bodies, If branches)."""
     graphs: list[ir.Graph] = []
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
@@ -98,7 +99,7 @@ def _subgraphs(node: ir.Node) -> list[ir.Graph]:
 
 def captured_values(graph: ir.Graph) -> dict[int, list[ir.Value]]:
     """id(node) -> values of ``graph`` its subgraphs (nested ones too) read or return."""
-    captured = {id(node): _outer_reads(node, graph) for node in graph if _subgraphs(node)}
+    captured = {id(node): _outer_reads(node, graph) for node in graph if subgraphs(node)}
     return {k: v for k, v in captured.items() if v}
 
 
@@ -110,7 +111,7 @@ def _outer_reads(node: ir.Node, graph: ir.Graph) -> list[ir.Value]:
             if v is not None and v.graph is graph:
                 found.setdefault(id(v), v)
 
-    for sub in _subgraphs(node):
+    for sub in subgraphs(node):
         walk = onnx_ir.traversal.RecursiveGraphIterator(sub, enter_graph=lambda g: visit(g.outputs))
         for inner in walk:
             visit(inner.inputs)
