@@ -218,6 +218,8 @@ def table(results: list[tuple[str, str, dict[str, Any]]]) -> str:
         if "error" in r:
             rows.append(f"| {workload} | {mode} | {r['error']} |  |  |  |  |  |  |  |")
             continue
+        if mode == "ortrain-warm" and r.get("cache_hits") == 0:  # say so, never hide it
+            mode += " (missed: the key changed between the runs)"
         parts = [r.get(k) for k in ("export", "passes", "session", "cache")]
         known = sum(p for p in parts if p is not None)
         other = r["total"] - known if any(p is not None for p in parts) else None

@@ -592,24 +592,25 @@ class GraphCache:
             )
         t = time.perf_counter()
         fkey = _key("forward", self._base("train", batch), settings.optimize)
+        # a build that raised UpdateInBackwardError ("auto" then builds without the update
+        # in the backward): deterministic, so the next run skips straight to that
+        refused_key = _key("refused", fkey, repr(settings))
+        refused = self.load(refused_key)
+        if isinstance(refused, str):
+            raise UpdateInBackwardError(refused)
         if forward is None:
             forward = self.load(fkey)
-        gkey = None
         if forward is not None:
             rows = label_rows(forward.sites, batch, headroom=True)
-            gkey = _key("graph", fkey, repr(settings), rows)
-            built = self.load(gkey)
-            if isinstance(built, str):  # a build that raised UpdateInBackwardError
-                raise UpdateInBackwardError(built)
+            built = self.load(_key("graph", fkey, repr(settings), rows))
             if built is not None:
                 return forward, rows, self._hit(built, "train", t)
         exports = forward is None
         job = functools.partial(build_train, module, batch, loss_fn, settings, forward, first)
         try:
             new_forward, rows, built = self._run(run, job)
-        except UpdateInBackwardError as exc:  # deterministic: the next run skips the build
-            if gkey is not None:
-                self.store(gkey, str(exc))
+        except UpdateInBackwardError as exc:
+            self.store(refused_key, str(exc))
             raise
         if exports:
             self.store(fkey, new_forward)

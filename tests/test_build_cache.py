@@ -274,6 +274,40 @@ def test_a_changed_loss_fn_misses(xdg: Path):
     assert [run(mse), run(mse), run(l1)] == [0, 1, 0]
 
 
+def test_a_refused_update_in_the_backward_is_remembered(xdg: Path, monkeypatch):
+    """update_engine="auto" builds again without the update in the backward where the
+    graph cannot run it; the next trainer skips the refused build (no export at all)."""
+    import graph_passes.update_in_backward as uib
+    import ortrain.build
+
+    # fc2's weight is read by fc1's input gradient: one reader to order the update after,
+    # more than this allows
+    monkeypatch.setattr(uib, "MAX_AFTER", 0)
+    monkeypatch.setenv("ORTRAIN_BUILD_IN_PROCESS", "1")  # builds counted here
+    builds = []
+    build_train = ortrain.build.build_train
+
+    def counted(*args, **kwargs):
+        builds.append(args[3].update_groups != ())  # settings: in the backward or not
+        return build_train(*args, **kwargs)
+
+    monkeypatch.setattr(ortrain.build, "build_train", counted)
+
+    def run() -> dict:
+        builds.clear()
+        with pytest.warns(UserWarning, match="update runs after the session"):
+            return train({})
+
+    first = run()
+    assert builds == [True, False]  # refused, then built without
+    assert first["cache_hits"] == 0 and not first["trainer"]._in_backward
+    second = run()
+    assert builds == []
+    assert second["cache_hits"] == 1 and not second["trainer"]._in_backward
+    assert second["stages"] == [["train", "cache"]]
+    assert second["losses"] == first["losses"]
+
+
 # ----------------------------------------------------------------------- keys and entries
 def test_model_fingerprint_follows_structure_not_weights():
     from ortrain.build_cache import model_fingerprint
