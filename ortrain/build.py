@@ -94,6 +94,8 @@ class BuiltGraph:
     cpu_kernels: bool = False  # has ortrain.cpu nodes: the session needs the library too
     # batch input -> its uses as an index: checked before a batch is bound (index_check.py)
     index_checks: dict[str, list] = dataclasses.field(default_factory=dict)
+    # ("input|output <name>", "dtype shape"): compared across ranks (distributed/fingerprint.py)
+    signature: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def model(self) -> ir.Model:
         import onnx
@@ -212,6 +214,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
     from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
     from graph_passes.memory_plan import planned_peak_bytes
     from graph_passes.tags import RECOMPUTE_OF
+    from ortrain.distributed.fingerprint import graph_signature
 
     proto = ir.serde.serialize_model(model)
     data = proto.SerializeToString()
@@ -227,6 +230,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
         planned_peak_bytes=planned_peak_bytes(model),
         blas_gemm=BLAS_DOMAIN in model.opset_imports,
         cpu_kernels=CPU_DOMAIN in model.opset_imports,
+        signature=graph_signature(model),
         **extra,
     )
 

@@ -316,6 +316,10 @@ class ORTTrainer:
         grad_params = sorted(built.grad_outputs, key=self.trainable.index)
         if self.device.type == "cpu":  # sized by this graph, before the update's session
             register_cpu_arena(built.planned_peak_bytes)
+        if self.grad_params is None and self._reducer is not None:  # before any gradient moves
+            from ortrain.distributed.fingerprint import agree_on_graph
+
+            agree_on_graph(self._reducer.comm, built, grad_params)  # type: ignore[attr-defined]
         if self.grad_params is None:
             self.grad_params = grad_params
             if self._in_backward:

@@ -20,7 +20,7 @@ VOCAB = 128
 
 def _trainer(model: torch.nn.Module, accum: int = 2) -> ORTTrainer:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return ORTTrainer(model, opt, TrainerOptions(grad_accumulation_steps=accum))
+    return ORTTrainer(model, opt, TrainerOptions(grad_accumulation_steps=accum, graph_cache=False))
 
 
 def _snapshot(trainer: ORTTrainer) -> dict[str, torch.Tensor]:
@@ -159,4 +159,4 @@ def test_index_ranges_of_exported_gpt2_and_check_cost():
     for _ in range(n):
         check_batch(checks, big)
     per_batch = (time.perf_counter() - start) / n
-    print(f"index check of an 8x1024 GPT-2 batch (labels with ignore_index): {per_batch*1e6:.0f} us")
+    print(f"index check of an 8x1024 GPT-2 batch (labels with ignore_index): {per_batch:.1e} s")

@@ -48,6 +48,7 @@ def join_process_group(trainer: ORTTrainer) -> Reducer | None:
     # Imported here: a single process does not load ZeRO's graph builders.
     from ortrain.distributed.comm import Comm
     from ortrain.distributed.data_parallel import DataParallel
+    from ortrain.distributed.fingerprint import agree_on_start
     from ortrain.distributed.sharded_state import ShardedState
 
     comm = Comm(options.process_group, options.dist_timeout)
@@ -58,6 +59,8 @@ def join_process_group(trainer: ORTTrainer) -> Reducer | None:
             f"distributed training on {trainer.device} is not supported yet: ortrain's "
             "collectives run on gloo over host memory (use device='cpu' per rank)"
         )
+    # Ranks holding other models/options stop here, all alike, before anything moves.
+    agree_on_start(trainer, comm)
     if options.zero_stage == 1:
         return ShardedState(trainer, comm)
     return DataParallel(trainer, comm)

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from ortrain.distributed.exits import ExitRecorder
+
 _PREFIX = "ortrain/health/"
 
 
@@ -32,6 +34,7 @@ class RankHealth:
         self._store = dist.PrefixStore(_PREFIX, store)
         self.rank = rank
         self.interval = interval
+        self.exits = ExitRecorder.for_rank(rank)  # how a dead peer ended (distributed/exits.py)
         self.seq = 0  # collectives entered; every rank enters them in the same order
         self._beats = 0
         self._stop = threading.Event()
@@ -88,7 +91,7 @@ class RankHealth:
             return [host] if host is not None else [], (
                 f"the c10d store is unreachable ({type(exc).__name__}): the process hosting it "
                 "(rank 0, or the launcher) has exited"
-            )
+            ) + self._ended([0] if host is not None else [])
         stopped = [r for r in peers if second[r] is None or second[r] == first[r]]
         behind = [
             r
@@ -99,7 +102,7 @@ class RankHealth:
         if stopped:
             parts.append(
                 f"{_ranks(stopped)} stopped responding (no heartbeat for {wait:.1f} s: the "
-                "process died or is stopped)"
+                "process died or is stopped)" + self._ended(stopped)
             )
         if behind:
             at = ", ".join(f"rank {r} at #{second[r][1]}" for r in behind)  # type: ignore[index]
@@ -110,6 +113,11 @@ class RankHealth:
         if not parts:
             return [], "every peer is alive and reached this collective"
         return stopped + behind, "; ".join(parts)
+
+    def _ended(self, ranks: Sequence[int]) -> str:
+        """How those ranks' processes ended, where this host can tell (aborted, killed...)."""
+        told = [t for r in ranks if (t := self.exits.how_ended(r)) is not None]
+        return "".join(f"; {t}" for t in told)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
