@@ -14,7 +14,9 @@ Backends, one after the other in this process, on the same batches and initial w
 
 Reported per backend: total wall time of all steps, builds included (the number a user
 waits for), graphs built, the seconds the builds took, the median step without a build,
-and the largest relative difference of a step's loss from eager's.
+and the largest relative difference of a step's loss from eager's. The on-disk graph cache
+(``ortrain/build_cache.py``) is off unless ``--graph-cache``: every build is a first run's
+(with it, the per-shape run would reuse the bucketed run's graphs of equal length).
 
 Usage::
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
 import platform
 import re
 import statistics
@@ -136,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--graph-cache", action="store_true", help="keep ortrain's on-disk cache on")
     args = p.parse_args(argv)
+    if not args.graph_cache:
+        os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
     if args.threads:
         torch.set_num_threads(args.threads)
     backends = args.backends.split(",")

@@ -26,12 +26,16 @@ sees:
    every token, a classifier reading the last position, or a left-padded causal LM
    batch (a fully masked query row attends uniformly to every key, the appended ones
    too, and GPT-2 predicts the first real label from such a row).
-4. ``eval_step``'s outputs are cut back to the batch's length on the axes that the check
+4. A length whose bucket has no graph yet runs on a longer bucket's graph, up to
+   ``BORROW_LIMIT`` times, then builds its own: a long tail of rare lengths costs no
+   builds (padding further is as exact).
+5. ``eval_step``'s outputs are cut back to the batch's length on the axes that the check
    saw grow with the padding (``logits``' sequence axis; attention maps' two).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +54,10 @@ _GRAIN = 16
 # The check's tolerances: padding that is exact changes results by float32 rounding only
 # (summation order of larger products), far below what a change of semantics moves.
 CHECK_RTOL = 1e-5
+# Batches a bucket without a graph runs padded into a longer one that has a graph, before
+# it gets its own: a build costs tens of steps on small models, each borrowed step wastes
+# a fraction of one.
+BORROW_LIMIT = 32
 
 
 def bucket_length(n: int) -> int:
@@ -218,6 +226,8 @@ class Bucketing:
         self._pad_id = pad_token_id(module)
         self._max = max_positions(module)  # buckets stop there: no position past the table
         self.verdicts: dict[tuple, Verdict] = {}
+        self._graphs: dict[tuple, set[int]] = {}  # per layout: the lengths given to the trainer
+        self._borrowed: collections.Counter[tuple] = collections.Counter()
 
     def pad(self, batch: dict[str, Any], *, train: bool) -> Padded:
         if self.mode == "off":
@@ -225,11 +235,14 @@ class Bucketing:
         plan = layout(batch, self._pad_id)
         if isinstance(plan, str):
             return Padded(batch)
-        to = self.bucket(plan.length)
-        if to == plan.length:  # its own bucket already
-            return Padded(batch)
         key = plan.key(train)
         verdict = self.verdicts.get(key)
+        to = self.bucket(plan.length)
+        if verdict is not None and verdict.exact:
+            to = self._borrow(key, to)
+        if to == plan.length:  # its own bucket already
+            self._graphs.setdefault(key, set()).add(to)
+            return Padded(batch)
         if verdict is None:
             verdict = self.verdicts[key] = self._check(batch, plan, to, train)
             if not verdict.exact:
@@ -242,7 +255,19 @@ class Bucketing:
                 )
         if not verdict.exact:
             return Padded(batch)
+        self._graphs.setdefault(key, set()).add(to)
         return Padded(plan.apply(batch, to), plan.length, verdict.seq_axes)
+
+    def _borrow(self, key: tuple, own: int) -> int:
+        """``own``, or the smallest longer length that has a graph already while ``own`` has
+        none and has borrowed fewer than ``BORROW_LIMIT`` times (rare lengths never pay a
+        build; a common one gets its graph after a bounded waste)."""
+        graphs = self._graphs.get(key, set())
+        longer = [n for n in graphs if n > own]
+        if own in graphs or not longer or self._borrowed[(key, own)] >= BORROW_LIMIT:
+            return own
+        self._borrowed[(key, own)] += 1
+        return min(longer)
 
     def bucket(self, length: int) -> int:
         """The length a batch of ``length`` tokens is padded to."""

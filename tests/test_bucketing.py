@@ -14,6 +14,7 @@ import torch
 
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.bucketing import (
+    BORROW_LIMIT,
     IGNORE_INDEX,
     Bucketing,
     Layout,
@@ -134,6 +135,19 @@ def test_check_accepts_exact_layouts_and_refuses_others():
     assert off.batch["input_ids"].shape == (4, 37)
 
 
+def test_rare_lengths_borrow_a_longer_graph_then_get_their_own():
+    b = Bucketing(gpt2(layers=1, hidden=32), None)
+    assert b.pad(varlen_batch([40, 7]), train=True).batch["input_ids"].shape[1] == 48
+    for _ in range(BORROW_LIMIT):  # bucket 32 has no graph: it runs on 48's
+        out = b.pad(varlen_batch([20, 7]), train=True)
+        assert out.batch["input_ids"].shape[1] == 48 and out.length == 20
+    assert b.pad(varlen_batch([20, 7]), train=True).batch["input_ids"].shape[1] == 32
+    assert b.pad(varlen_batch([30, 7]), train=True).batch["input_ids"].shape[1] == 32
+    # a shorter graph is never borrowed, and evaluation keeps its own graphs
+    assert b.pad(varlen_batch([60, 7]), train=True).batch["input_ids"].shape[1] == 64
+    assert b.pad(varlen_batch([20, 7]), train=False).batch["input_ids"].shape[1] == 32
+
+
 def test_check_leaves_module_state_alone():
     model = gpt2(layers=1, hidden=32, dropout=0.1)
     model.train()
@@ -204,7 +218,7 @@ def test_varlen_training_matches_eager_with_few_graphs(make_model, mlm):
     buckets = {bucket_length(max(ls)) for ls in lengths}
     distinct = {max(ls) for ls in lengths}
     assert len(distinct) > 2 * len(buckets)  # per-shape would build many more graphs
-    assert graph_lengths(trainer) == buckets and len(buckets) <= len(bucket_lengths(48))
+    assert graph_lengths(trainer) <= buckets and len(buckets) <= len(bucket_lengths(48))
     # BERT's masked-LM loss also builds a graph per labelled-row count (label_sparsity.py)
     assert trainer.build_count <= (2 if mlm else 1) * len(buckets)
 
@@ -292,5 +306,5 @@ def test_200_steps_of_realistic_lengths():
         f"({sorted(buckets)}); eager + ortrain {time.perf_counter() - start:.1f} s"
     )
     assert len(distinct) >= 20
-    assert graph_lengths(trainer) == buckets
-    assert trainer.build_count == len(buckets) <= len(bucket_lengths(128))
+    assert graph_lengths(trainer) <= buckets
+    assert trainer.build_count <= len(buckets) <= len(bucket_lengths(128))
