@@ -855,8 +855,9 @@ def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
     )
     warnings.warn(
         f"ortrain has built training graphs for {count} batch shapes (latest: {shapes}); "
-        "each new shape is exported and compiled again and keeps its own session. Pad "
-        "batches to a few lengths, e.g. DataCollatorWithPadding(tokenizer, "
-        "pad_to_multiple_of=64) or padding='max_length'.",
+        "each new shape is exported and compiled again and keeps its own session. "
+        "bucketing='auto' pads right-padded batches with an attention_mask and -100 labels "
+        "to a few lengths by itself; other batches: pad them to a few lengths, e.g. "
+        "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).",
         stacklevel=4,
     )
