@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ortrain.errors import ExportError, OrtrainError
 from ortrain.roles import GraphIO, Role
@@ -225,6 +226,15 @@ def exportable_batch_norms(module: torch.nn.Module) -> Iterator[None]:
     patched = []
     try:
         for name, m in module.named_modules():
+            if isinstance(m, _InstanceNorm) and m.training and m.track_running_stats:
+                # the exporter drops instance_norm's in-place statistics update (no mutated
+                # buffer in the graph signature): refuse rather than keep them at zero
+                raise ExportError(
+                    f"{type(m).__name__} '{name or type(module).__name__}' tracks running "
+                    "statistics in training, which ortrain's export cannot write back; use "
+                    "track_running_stats=False (normalizing by each batch's statistics in "
+                    "eval as well), or GroupNorm"
+                )
             if not isinstance(m, _BatchNorm) or not m.training:
                 continue
             if isinstance(m, torch.nn.SyncBatchNorm):

@@ -378,3 +378,24 @@ def test_data_parallel_keeps_per_rank_statistics(tmp_path: Path, zero_stage: int
 
 if __name__ == "__main__":  # a rank of test_data_parallel_keeps_per_rank_statistics
     _worker(Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_instance_norm_tracking_running_stats_is_refused_not_left_at_zero():
+    # eager updates InstanceNorm's running statistics in training; the export drops that
+    # update, so training would leave them at zero: refused, naming the layer
+    from ortrain import ORTTrainer
+    from ortrain.errors import ExportError
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, track_running_stats=True)
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_sum_loss)
+    with pytest.raises(ExportError, match=r"InstanceNorm2d '1' tracks running statistics"):
+        trainer.train_step(torch.randn(2, 3, 8, 8))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _sum_loss(outputs, batch):
+    return outputs.pow(2).mean()
