@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         except OrtrainError as exc:
             print(f"ortrain build-training: error: {exc}", file=sys.stderr)
             return 1
+        except OSError as exc:  # the artifact folder: missing parent, read-only, a file
+            where = exc.filename or args.output
+            print(f"ortrain build-training: error: cannot write {where}: {exc.strerror}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         print(
             f"{len(manifest['parameters'])} trainable, {len(manifest['frozen'])} frozen "
             f"tensors; batch inputs {manifest['batch']}; wrote {args.output}"

@@ -231,3 +231,26 @@ def test_build_training_symbolic_dims_errors(dynamic_gpt2, tmp_path, capsys, dim
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0]
     assert not (tmp_path / "a").exists()
+
+
+def test_build_training_unwritable_output_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]  # fmt: skip
+    w = helper.make_tensor("w", TensorProto.FLOAT, [3, 4], [0.1] * 12)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    loss = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
+    graph = helper.make_graph(nodes, "g", [x], [loss], [w])
+    src = tmp_path / "tiny.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), src)
+    cmd = [sys.executable, "-m", "ortrain.cli", "build-training", str(src), "--loss", "loss",
+           "--trainable-from-initializers", "-o", "/proc/ortrain-artifacts"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ortrain build-training: error: cannot write")
