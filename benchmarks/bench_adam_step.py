@@ -1,5 +1,5 @@
 """``ortrain.cpu.AdamStep`` with its gradient in the parameter's layout vs transposed
-(``grad_transposed``, graph_passes/transposed_weight_grad.py), side by side in one run.
+(``grad_transposed``, graph_passes/targets/cpu/transposed_weight_grad.py), side by side in one run.
 
 Each row: one AdamW step over a [rows, cols] parameter (default GPT-2 small's tied table,
 [50257, 768]) in its own ONNX Runtime session, the buffers bound in place, the median
@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from graph_passes.interface import CPU_DOMAIN, HYPER_NAMES
+from ortrain.core.names import CPU_DOMAIN, HYPER_NAMES
 from ortrain.runtime import cpu_ops
 
 NAMES = ["P", "G", "M", "V", "H", "L"]

@@ -2,7 +2,7 @@
 
 For one benchmark workload (``bench_train.WORKLOADS``), the model is exported once; each
 variant copies the export, runs the training build (``training_passes``) with a chosen
-subset of ``graph_passes.fusions.FUSIONS`` inserted (forward fusions after ``fuse_gelu``,
+subset of ``ortrain.graph_passes.fusions.FUSIONS`` inserted (forward fusions after ``fuse_gelu``,
 backward passes after ``lower_cross_entropy``), and gets its own ONNX Runtime session
 made like the trainer's (``ortrain.runtime.session.make_session``). Every variant must
 produce the baseline's loss and gradients (element-wise, rtol 1e-4 / atol 1e-5 x max,
@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds, wait_quiet
 
-from graph_passes.fusions import FUSIONS, training_fusions
-from graph_passes.pipeline import run_pipeline
-from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.export import export_forward
+from ortrain.graph_passes.fusions import FUSIONS, training_fusions
+from ortrain.graph_passes.infra.pipeline import run_pipeline
+from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.runtime.session import make_session
 
 

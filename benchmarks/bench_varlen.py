@@ -49,7 +49,7 @@ Batch = dict[str, torch.Tensor]
 
 def paragraphs(max_mb: float, max_len: int, min_len: int) -> tuple[list[list[int]], int, int]:
     """Token ids of the recipe corpus's paragraphs; (paragraphs, vocab size, pad id)."""
-    from recipes import data
+    from ortrain.recipes import data
 
     corpus = data.load_corpus(None, max_bytes=int(max_mb * 2**20))
     tokenizer, _ = data.get_tokenizer(None, corpus, "bpe", 2048)

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds
 
-from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
+from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain.runtime import cpu_ops
 from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED, serialize_for_ort
 
@@ -167,7 +167,9 @@ def profile(
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.enable_profiling = True
     so.profile_file_prefix = prefix
-    if BLAS_DOMAIN.encode() in data:  # ortrain.blas.Gemm nodes (graph_passes/blas_gemm.py)
+    if (
+        BLAS_DOMAIN.encode() in data
+    ):  # ortrain.blas.Gemm nodes (graph_passes/targets/cpu/blas_gemm.py)
         so.register_custom_ops_library(str(cpu_ops.blas_library_path()))
     elif CPU_DOMAIN.encode() in data:  # ortrain.cpu fused backward kernels
         so.register_custom_ops_library(str(cpu_ops.library_path()))

@@ -15,7 +15,7 @@ left out with ``optimize=False``):
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
     pad_as_concat*     integer Pads (the labels') as Concat: CUDA has no integer Pad
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
-4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``graph_passes.fusions``)
+4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``ortrain.graph_passes.fusions``)
     pow_as_mul*        Pow(x, 2 or 3) as products (after the fusions whose patterns read Pow)
     label_sparsity*    loss heads run on the labelled rows only (``label_rows`` given)
 5.  mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
@@ -71,42 +71,45 @@ import dataclasses
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from graph_passes.accumulate import accumulate_gradients
-from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
-from graph_passes.blas_batch_matmul import lower_batch_matmul
-from graph_passes.blas_gemm import lower_gemm_to_blas
-from graph_passes.causal_products import mark_causal_products
-from graph_passes.cpu_elementwise import lower_elementwise
-from graph_passes.cpu_gelu import lower_gelu
-from graph_passes.cpu_layer_norm import lower_layer_norm
-from graph_passes.cpu_scatter_last import lower_scatter_last
-from graph_passes.cpu_softmax import lower_softmax
-from graph_passes.cpu_split_concat import lower_split_concat
-from graph_passes.dropout_seed import seed_dropouts
-from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
-from graph_passes.forward_cleanup import clean_forward
-from graph_passes.fusions import training_fusions
-from graph_passes.fusions.gelu import fuse_gelu
-from graph_passes.fusions.log_sigmoid import stable_log_sigmoid
-from graph_passes.gelu_value import take_gelu_values
-from graph_passes.inline_control_flow import inline_control_flow
-from graph_passes.label_sparsity import shrink_label_rows
-from graph_passes.layer_norm_grad_sum import fold_layer_norm_grad_sums
-from graph_passes.loss_scaling import scale_loss
-from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
-from graph_passes.masked_attention_rows import fix_masked_attention_rows
-from graph_passes.mixed_precision import convert_to_mixed_precision
-from graph_passes.pad_as_concat import pad_as_concat
-from graph_passes.pipeline import Pass
-from graph_passes.pow_as_mul import pow_as_mul
-from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
-from graph_passes.recompute_attention import recompute_attention_probs
-from graph_passes.scatter_in_place import base_ready_leaves, scatter_into_gradients
-from graph_passes.scatter_rows import lower_scatter_add_rows
-from graph_passes.transposed_activations import write_activations_transposed
-from graph_passes.transposed_weight_grad import transpose_weight_gradients
-from graph_passes.unroll_rnn import unroll_rnns
-from graph_passes.update_in_backward import update_in_backward
+from ortrain.graph_passes.autodiff import GradientGraphResult, build_gradient_graph
+from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transpose_into_gemm
+from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
+from ortrain.graph_passes.cleanup.pad_as_concat import pad_as_concat
+from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
+from ortrain.graph_passes.fusions import training_fusions
+from ortrain.graph_passes.fusions.gelu import fuse_gelu
+from ortrain.graph_passes.fusions.log_sigmoid import stable_log_sigmoid
+from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
+from ortrain.graph_passes.infra.pipeline import Pass
+from ortrain.graph_passes.memory.recompute import RecomputePolicy, recompute_cheap_values
+from ortrain.graph_passes.memory.recompute_attention import recompute_attention_probs
+from ortrain.graph_passes.precision.loss_scaling import scale_loss
+from ortrain.graph_passes.precision.mixed_precision import convert_to_mixed_precision
+from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
+from ortrain.graph_passes.prepare.inline_control_flow import inline_control_flow
+from ortrain.graph_passes.prepare.masked_attention_rows import fix_masked_attention_rows
+from ortrain.graph_passes.prepare.unroll_rnn import unroll_rnns
+from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
+from ortrain.graph_passes.targets.cpu.blas_gemm import lower_gemm_to_blas
+from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_products
+from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
+from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
+from ortrain.graph_passes.targets.cpu.gelu_value import take_gelu_values
+from ortrain.graph_passes.targets.cpu.layer_norm import lower_layer_norm
+from ortrain.graph_passes.targets.cpu.layer_norm_grad_sum import fold_layer_norm_grad_sums
+from ortrain.graph_passes.targets.cpu.scatter_in_place import (
+    base_ready_leaves,
+    scatter_into_gradients,
+)
+from ortrain.graph_passes.targets.cpu.scatter_last import lower_scatter_last
+from ortrain.graph_passes.targets.cpu.scatter_rows import lower_scatter_add_rows
+from ortrain.graph_passes.targets.cpu.softmax import lower_softmax
+from ortrain.graph_passes.targets.cpu.split_concat import lower_split_concat
+from ortrain.graph_passes.targets.cpu.transposed_activations import write_activations_transposed
+from ortrain.graph_passes.targets.cpu.transposed_weight_grad import transpose_weight_gradients
+from ortrain.graph_passes.targets.cpu.update_in_backward import update_in_backward
+from ortrain.graph_passes.training.accumulate import accumulate_gradients
+from ortrain.graph_passes.training.label_sparsity import shrink_label_rows
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """ortrain: a graph-compiler training backend for PyTorch on ONNX Runtime."""
 
-from ortrain.errors import (
+from ortrain.core.errors import (
     BatchError,
     CheckpointError,
     ExportError,
@@ -12,15 +12,10 @@ from ortrain.errors import (
 )
 from ortrain.explain import explain
 from ortrain.options import TrainerOptions
+from ortrain.trainer import ORTTrainer, StepOutputs
 
-# The trainer is imported on first use: graph_passes imports ortrain's small modules
-# (roles, optimizer spec), and an eager import here would make that a cycle.
 # ORTHFTrainer subclasses transformers.Trainer: importing ortrain does not import transformers.
-_LAZY = {
-    "ORTTrainer": "ortrain.trainer",
-    "StepOutputs": "ortrain.trainer",
-    "ORTHFTrainer": "ortrain.hf_trainer",
-}
+_LAZY = {"ORTHFTrainer": "ortrain.hf_trainer"}
 
 
 def __getattr__(name: str) -> object:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ortrain.errors import first_line
+from ortrain.core.errors import first_line
 from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
 
 MODES = ("auto", "off")

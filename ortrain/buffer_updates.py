@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from ortrain.errors import ExportError, OrtrainError
-from ortrain.roles import GraphIO, Role
+from ortrain.core.errors import ExportError, OrtrainError
+from ortrain.core.roles import GraphIO, Role
 
 if TYPE_CHECKING:
     import onnx_ir as ir

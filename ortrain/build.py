@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graph_passes.interface import LabelSite, label_rows_bucket
 from ortrain.buffer_updates import check_updates
-from ortrain.build_cache import stage
+from ortrain.build_progress import stage
+from ortrain.core.names import LabelSite, label_rows_bucket
+from ortrain.core.roles import GraphIO, Role
 from ortrain.export import ExportedForward, LossFn, export_here
 from ortrain.index_check import index_ranges
-from ortrain.roles import GraphIO, Role
 
 if TYPE_CHECKING:
     import onnx
@@ -54,18 +54,18 @@ class BuildSettings:
     optimize: bool = True
     memory_plan: bool = True
     graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
-    blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/blas_gemm.py)
+    blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/targets/cpu/blas_gemm.py)
     blas_batch: bool = False  # batched products on ortrain.blas.BatchMatMul (blas_batch_matmul.py)
     cpu_kernels: bool = False  # fused ortrain.cpu kernels (backward rules, Softmax, scatters)
     # (param, param group) of each trainable parameter when the Adam/AdamW update runs in the
-    # backward (graph_passes/update_in_backward.py); empty: after the session
+    # backward (graph_passes/targets/cpu/update_in_backward.py); empty: after the session
     update_groups: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass
 class ForwardSource:
     """The exported training forward of one batch signature, kept to build the graph of
-    another labelled-row count (``graph_passes/label_sparsity.py``) without exporting."""
+    another labelled-row count (``graph_passes/training/label_sparsity.py``) without exporting."""
 
     wire: tuple  # ExportedForward.to_wire()
     sites: list[LabelSite]
@@ -83,12 +83,13 @@ class BuiltGraph:
     output_keys: list[str]
     grad_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> output
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> grad
-    # output -> the gradient output bound to the same buffer (graph_passes/scatter_in_place.py)
+    # output -> the gradient output bound to the same buffer
+    # (graph_passes/targets/cpu/scatter_in_place.py)
     shared_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     # param -> the ``done`` output of its update in the backward (update_in_backward.py)
     update_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     log: list[StageRecord] = dataclasses.field(default_factory=list)
-    # graph_passes/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
+    # graph_passes/memory/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
     planned_peak_bytes: int = 0
     blas_gemm: bool = False  # has ortrain.blas.Gemm nodes: the session needs that library
     cpu_kernels: bool = False  # has ortrain.cpu nodes: the session needs the library too
@@ -171,7 +172,7 @@ class _Log:
     def run(self, model: ir.Model, passes: list) -> None:
         import onnx_ir as ir
 
-        from graph_passes.pipeline import run_pipeline
+        from ortrain.graph_passes.infra.pipeline import run_pipeline
 
         def save(name: str, m: ir.Model) -> None:
             if self.dir is not None:
@@ -190,8 +191,8 @@ class _Log:
 def prepare_for_ort(graph: onnx.GraphProto) -> None:
     """In place: the node order ONNX Runtime should run (``ort_order``) and the kernels on
     the products' threads (``kernel_threads``); neither changes what the graph computes."""
-    from graph_passes.kernel_threads import place_kernel_threads
-    from graph_passes.ort_order import order_for_ort
+    from ortrain.graph_passes.memory.ort_order import order_for_ort
+    from ortrain.graph_passes.targets.cpu.kernel_threads import place_kernel_threads
 
     order_for_ort(graph)
     place_kernel_threads(graph)
@@ -201,20 +202,31 @@ def serialize_for_ort(model: ir.Model) -> tuple[bytes, bool]:
     """(the model prepared for ONNX Runtime, serialized; whether it has recomputed copies)."""
     import onnx_ir as ir
 
-    from graph_passes.tags import RECOMPUTE_OF
+    from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
 
     proto = ir.serde.serialize_model(model)
     prepare_for_ort(proto.graph)
     return proto.SerializeToString(), any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
 
 
+def _graph_signature(model: ir.Model) -> list[tuple[str, str]]:
+    """(name, "dtype shape") of each input and output of a built graph: what ranks compare
+    (``distributed/fingerprint.py``)."""
+    out = []
+    for kind, values in (("input", model.graph.inputs), ("output", model.graph.outputs)):
+        for v in values:
+            dims = [d if isinstance(d, int) else str(d) for d in v.shape.dims] if v.shape else None
+            dtype = v.dtype.name if v.dtype is not None else "?"
+            out.append((f"{kind} {v.name}", f"{dtype} {dims}"))
+    return out
+
+
 def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
     import onnx_ir as ir
 
-    from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
-    from graph_passes.memory_plan import planned_peak_bytes
-    from graph_passes.tags import RECOMPUTE_OF
-    from ortrain.distributed.fingerprint import graph_signature
+    from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
+    from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
+    from ortrain.graph_passes.memory.memory_plan import planned_peak_bytes
 
     proto = ir.serde.serialize_model(model)
     data = proto.SerializeToString()
@@ -230,7 +242,7 @@ def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> Bui
         planned_peak_bytes=planned_peak_bytes(model),
         blas_gemm=BLAS_DOMAIN in model.opset_imports,
         cpu_kernels=CPU_DOMAIN in model.opset_imports,
-        signature=graph_signature(model),
+        signature=_graph_signature(model),
         **extra,
     )
 
@@ -245,9 +257,9 @@ def build_train(
 ) -> tuple[ForwardSource, tuple, BuiltGraph]:
     """The gradient graph of ``batch``'s signature and labelled-row count, exporting the
     forward unless ``forward`` is given. Returns (forward, label rows, graph)."""
-    from graph_passes.label_sparsity import find_label_sites
-    from graph_passes.recompute import RecomputePolicy
-    from graph_passes.training_pipeline import TrainingBuild, training_passes
+    from ortrain.graph_passes.memory.recompute import RecomputePolicy
+    from ortrain.graph_passes.training.label_sparsity import find_label_sites
+    from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
 
     log = _Log("train", settings, first)
     if forward is None:
@@ -294,7 +306,7 @@ def build_train(
 
 def _update_io(done: Mapping[str, str], groups: Iterable[tuple[str, int]]) -> list[GraphIO]:
     """The inputs and outputs the update in the backward adds (update_in_backward.py)."""
-    from graph_passes.interface import IN_BACKWARD_STATES, hyper_name, state_key
+    from ortrain.core.names import IN_BACKWARD_STATES, hyper_name, state_key
 
     io = [
         GraphIO(state_key(s, p), Role.OPTIMIZER_STATE, of=p)
@@ -315,7 +327,7 @@ def build_eval(
     first: int,
 ) -> BuiltGraph:
     """The evaluation graph of ``batch``'s signature (loss and the model's outputs)."""
-    from graph_passes.training_pipeline import eval_passes
+    from ortrain.graph_passes.training_pipeline import eval_passes
 
     log = _Log("eval", settings, first)
     ex = log.export(module, batch, False, loss_fn)

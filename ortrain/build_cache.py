@@ -23,8 +23,8 @@ A training graph is two entries: the exported forward of a batch signature (the 
 sites the labelled-row count is read from) and the graph of that forward, settings and
 labelled-row bucket; a new bucket builds from the cached forward without exporting.
 
-While a build has run ``PROGRESS_AFTER_S`` seconds the stage it is in (export, passes,
-session) is printed on stderr, one line per stage (``TrainerOptions(build_progress=False)``:
+While a build has run ``build_progress.PROGRESS_AFTER_S`` seconds the stage it is in (export,
+passes, session) is printed on stderr, one line per stage (``TrainerOptions(build_progress=False)``:
 nothing).
 """
 
@@ -43,7 +43,6 @@ import re
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import types
 import warnings
@@ -53,6 +52,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ortrain.build_progress import BuildProgress
+
 if TYPE_CHECKING:
     from ortrain.build import BuildSettings, BuiltGraph, ForwardSource, StageRecord
     from ortrain.export import LossFn
@@ -61,15 +62,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 CACHE_ENV = "ORTRAIN_GRAPH_CACHE"
 MAGIC = b"ortrain-graph-cache 1\n"
-PROGRESS_AFTER_S = 2.0
 # what an entry may hold besides plain containers (the restricted unpickler's list)
 _RECORDS = {
     ("ortrain.build", "BuiltGraph"),
     ("ortrain.build", "StageRecord"),
     ("ortrain.build", "ForwardSource"),
-    ("ortrain.roles", "GraphIO"),
-    ("ortrain.roles", "Role"),
-    ("graph_passes.interface", "LabelSite"),
+    ("ortrain.core.roles", "GraphIO"),
+    ("ortrain.core.roles", "Role"),
+    ("ortrain.core.names", "LabelSite"),
 }
 _LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnxscript", "onnx-ir", "numpy")
 _OFF = ("0", "off", "false", "no")
@@ -139,15 +139,16 @@ def _version(dist: str) -> str | None:
 @functools.lru_cache(maxsize=1)
 def library_versions() -> str:
     """Python, the machine, the libraries that export / run the passes, ortrain's source."""
-    import graph_passes
-    import ortrain
+    import ortrain.graph_passes
 
     parts = [f"python={platform.python_version()}", f"machine={platform.machine()}"]
     parts += [f"{d}={_version(d)}" for d in _LIBRARIES]
     parts.append(f"ortrain={_version('ortrain')}")
-    for pkg in (ortrain, graph_passes):  # a development tree changes without a new version
-        for root in pkg.__path__:
-            parts.append(f"{pkg.__name__}:{_tree_token(Path(root), ('.py', '.c', '.h'))}")
+    # a development tree changes without a new version
+    roots = {"ortrain": [str(Path(__file__).parent)], "graph_passes": ortrain.graph_passes.__path__}
+    for name, paths in roots.items():
+        for root in paths:
+            parts.append(f"{name}:{_tree_token(Path(root), ('.py', '.c', '.h'))}")
     return "\n".join(parts)
 
 
@@ -159,7 +160,7 @@ def _module_code_token(name: str) -> str:
     if mod is None or file is None:
         return f"{name}:?"
     top = name.split(".")[0]
-    if top in ("torch", "ortrain", "graph_passes"):  # library_versions has them
+    if top in ("torch", "ortrain"):  # library_versions has them
         return ""
     if _is_installed(file):
         top_mod = sys.modules.get(top)
@@ -323,7 +324,7 @@ class _Fingerprint:
 def _is_user_code(name: str) -> bool:
     """Whether module ``name`` is the user's (not installed: a script, a notebook, a local
     package), whose functions' code is hashed with what they read."""
-    if name.split(".")[0] in ("torch", "ortrain", "graph_passes", "builtins"):
+    if name.split(".")[0] in ("torch", "ortrain", "builtins"):
         return False
     file = getattr(sys.modules.get(name), "__file__", None)
     return file is None or not _is_installed(file)
@@ -430,77 +431,6 @@ def read_entry(path: Path, key: str) -> Any:
     return value
 
 
-# --------------------------------------------------------------------------- progress
-_current: BuildProgress | None = None
-
-
-def stage(name: str) -> None:
-    """The running build (in this process) has entered stage ``name``."""
-    if _current is not None:
-        _current.stage(name)
-
-
-class BuildProgress:
-    """Says which stage a build is in once it has run ``after`` seconds: a line when that
-    time comes, then one per new stage, and how long it took in all (``done``)."""
-
-    def __init__(self, what: str, enabled: bool, after: float | None = None) -> None:
-        self.what = what
-        self.enabled = enabled
-        self.after = PROGRESS_AFTER_S if after is None else after
-        self.start = time.monotonic()  # one clock for a forked build child and its parent
-        self.current: str | None = None
-        self.printed: set[str] = set()
-        self.lock = threading.Lock()
-        self.timer: threading.Timer | None = None
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def stage(self, name: str) -> None:
-        with self.lock:
-            self.current = name
-        if self.elapsed() >= self.after:
-            self._say()
-
-    def _say(self) -> None:
-        with self.lock:
-            name = self.current
-            if not self.enabled or name is None or name in self.printed:
-                return
-            self.printed.add(name)
-            print(
-                f"ortrain: {self.what}: {name}... ({self.elapsed():.1f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[BuildProgress]:
-        """This process runs the build's stages meanwhile (``stage`` reaches it)."""
-        global _current
-        previous, _current = _current, self
-        if self.enabled:
-            self.timer = threading.Timer(max(0.0, self.after - self.elapsed()), self._say)
-            self.timer.daemon = True
-            self.timer.start()
-        try:
-            yield self
-        finally:
-            if self.timer is not None:
-                self.timer.cancel()
-            _current = previous
-
-    def done(self, note: str = "") -> None:
-        if self.enabled and self.elapsed() >= self.after:
-            print(
-                f"ortrain: {self.what}: ready in {self.elapsed():.1f} s{note}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-# --------------------------------------------------------------------------- the cache
 class GraphCache:
     """A trainer's built graphs on disk (module docstring); off: builds run as before."""
 
@@ -581,8 +511,8 @@ class GraphCache:
         first: int,
     ) -> tuple[ForwardSource, tuple, BuiltGraph]:
         """``ortrain.build.build_train``'s result, from the cache where it has it."""
-        from graph_passes.interface import UpdateInBackwardError
         from ortrain.build import build_train, label_rows
+        from ortrain.core.names import UpdateInBackwardError
 
         self._progress("training")
         if not self.enabled:

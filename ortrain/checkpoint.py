@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graph_passes.interface import state_key
-from ortrain.errors import CheckpointError, first_line
+from ortrain.core.errors import CheckpointError, first_line
+from ortrain.core.names import state_key
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer
@@ -415,12 +415,9 @@ def save(trainer: ORTTrainer, path: str | os.PathLike) -> None:
 
 
 def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
-    """The state dict in checkpoint ``path``, checked against ``trainer``'s optimizer."""
-    from ortrain.distributed import sharded_checkpoint  # (imports this module)
-
+    """The state dict in checkpoint file ``path``, checked against ``trainer``'s optimizer
+    (a sharded checkpoint's folder: ``distributed.sharded_checkpoint.read_any``)."""
     path = Path(path)
-    if sharded_checkpoint.is_sharded(path):
-        return sharded_checkpoint.read_consolidated(trainer, path)
     payload = read_file(path, PAYLOAD_KEYS)
     if payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an ortrain checkpoint ({FORMAT})")
@@ -434,4 +431,5 @@ def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load(trainer: ORTTrainer, path: str | os.PathLike) -> None:
+    """Load checkpoint file ``path`` (either kind: ``distributed.sharded_checkpoint.load_any``)."""
     load_trainer_state_dict(trainer, read(trainer, path))

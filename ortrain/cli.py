@@ -12,9 +12,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) >= 2 and argv[0] == "recipe" and argv[1] in RECIPES:
         # The recipe module parses its own flags (and answers --help itself).
-        import importlib
+        from ortrain.recipes import bert_pretrain, gpt2_pretrain
 
-        return importlib.import_module(f"recipes.{argv[1]}_pretrain").main(argv[2:])
+        recipe = {"gpt2": gpt2_pretrain, "bert": bert_pretrain}[argv[1]]
+        return recipe.main(argv[2:])
     parser = argparse.ArgumentParser(prog="ortrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small GPT-2 on built-in text, ortrain vs eager")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("flags", nargs=argparse.REMAINDER, help="the recipe's own flags")
     args = parser.parse_args(argv)
     if args.command == "build-training":
-        from ortrain.errors import OrtrainError
+        from ortrain.core.errors import OrtrainError
         from ortrain.offline import build_training
 
         hyper = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}

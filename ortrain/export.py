@@ -31,11 +31,11 @@ from ortrain.buffer_updates import (
     lift_buffers,
     updated_io,
 )
-from ortrain.errors import ExportError, first_line
+from ortrain.core.errors import ExportError, first_line
+from ortrain.core.roles import GraphIO, Role
 from ortrain.export_ops import custom_translations, export_hint
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
-from ortrain.roles import GraphIO, Role
 
 if TYPE_CHECKING:  # the training process does not import them (ortrain/build.py)
     import onnx_ir as ir

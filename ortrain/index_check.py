@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ortrain.errors import BatchError
-from ortrain.roles import GraphIO, Role
+from ortrain.core.errors import BatchError
+from ortrain.core.roles import GraphIO, Role
 
 if TYPE_CHECKING:
     import onnx_ir as ir

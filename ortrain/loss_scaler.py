@@ -2,7 +2,7 @@
 
 The gradient graph differentiates ``loss * scale``; the update graph unscales, checks
 that every gradient is finite and, if not, leaves parameters and optimizer state as
-they were (``graph_passes/loss_scaling.py``, ``optimizer/update_graph.py``). The host
+they were (``graph_passes/precision/loss_scaling.py``, ``optimizer/update_graph.py``). The host
 only moves the scale, after each update, from the graph's ``grads_finite`` flag:
 
 - dynamic (DeepSpeed's / torch GradScaler's rule): start at ``initial`` (2^16); after

@@ -21,24 +21,24 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import torch
 
-from graph_passes.blas_batch_matmul import lower_batch_matmul
-from graph_passes.blas_gemm import lower_gemm_to_blas
-from graph_passes.cpu_elementwise import lower_elementwise
-from graph_passes.cpu_gelu import lower_gelu
-from graph_passes.cpu_layer_norm import lower_layer_norm
-from graph_passes.cpu_scatter_last import lower_scatter_last
-from graph_passes.cpu_softmax import lower_softmax
-from graph_passes.cpu_split_concat import lower_split_concat
-from graph_passes.forward_cleanup import clean_forward
-from graph_passes.interface import GradientError
-from graph_passes.optimizer import build_update_graph
-from graph_passes.optimizer.update_graph import state_key
-from graph_passes.pipeline import run_pipeline
-from graph_passes.scatter_in_place import scatter_into_gradients
-from graph_passes.scatter_rows import lower_scatter_add_rows
-from graph_passes.training_pipeline import TrainingBuild, training_passes
-from ortrain.errors import OrtrainError
-from ortrain.optim.spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
+from ortrain.core.errors import OrtrainError
+from ortrain.core.names import GradientError
+from ortrain.core.optimizer_spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
+from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
+from ortrain.graph_passes.infra.pipeline import run_pipeline
+from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
+from ortrain.graph_passes.targets.cpu.blas_gemm import lower_gemm_to_blas
+from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
+from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
+from ortrain.graph_passes.targets.cpu.layer_norm import lower_layer_norm
+from ortrain.graph_passes.targets.cpu.scatter_in_place import scatter_into_gradients
+from ortrain.graph_passes.targets.cpu.scatter_last import lower_scatter_last
+from ortrain.graph_passes.targets.cpu.scatter_rows import lower_scatter_add_rows
+from ortrain.graph_passes.targets.cpu.softmax import lower_softmax
+from ortrain.graph_passes.targets.cpu.split_concat import lower_split_concat
+from ortrain.graph_passes.training.optimizer import build_update_graph
+from ortrain.graph_passes.training.optimizer.update_graph import state_key
+from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
 

@@ -32,14 +32,14 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
 from onnxscript.rewriter.ort_fusions import bias_gelu, fused_matmul_rule_sets, rms_normalization
 
-from graph_passes.dropout_seed import seed_dropouts
-from graph_passes.forward_cleanup import clean_forward
-from graph_passes.fusions import gelu, layer_norm
-from graph_passes.fusions.skip_layer_norm import SKIP_LAYER_NORM_RULES, SKIP_RMS_NORM_RULES
-from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
-from graph_passes.pipeline import Pass, PassRecord, format_table, run_pipeline
-from graph_passes.pow_as_mul import pow_as_mul
-from ortrain.errors import OrtrainError, first_line
+from ortrain.core.errors import OrtrainError, first_line
+from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
+from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
+from ortrain.graph_passes.fusions import gelu, layer_norm
+from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
+from ortrain.graph_passes.fusions.skip_layer_norm import SKIP_LAYER_NORM_RULES, SKIP_RMS_NORM_RULES
+from ortrain.graph_passes.infra.pipeline import Pass, PassRecord, format_table, run_pipeline
+from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
 
 MS_DOMAIN = "com.microsoft"
 

@@ -52,7 +52,7 @@ class TrainerOptions:
         RankFailureError naming the rank that died or hangs.
     mixed_precision: "fp16" or "bf16": the graphs compute in half precision from copies
         of the fp32 parameters (master weights); the fp32 op list is in
-        ``graph_passes/mixed_precision.py``. bf16 needs a CUDA device. None: fp32.
+        ``graph_passes/precision/mixed_precision.py``. bf16 needs a CUDA device. None: fp32.
     loss_scale: "dynamic" (or a ``DynamicLossScale`` with its settings), a fixed float, or
         None. "auto" (default): dynamic with fp16, none otherwise. With a loss scale,
         steps whose gradients overflow are skipped (see ``trainer.skipped_steps``).

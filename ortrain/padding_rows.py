@@ -29,8 +29,8 @@ _FX_EMBEDDING = re.compile(
 
 def tag_padding_rows(model: ir.Model, module: torch.nn.Module) -> int:
     """Returns the number of Gathers marked."""
-    from graph_passes.autodiff.builder import node_scope
-    from graph_passes.tags import PADDING_IDX
+    from ortrain.graph_passes.autodiff.builder import node_scope
+    from ortrain.graph_passes.infra.tags import PADDING_IDX
 
     params = {id(p): n for n, p in module.named_parameters()}
     by_scope = {

@@ -21,14 +21,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from graph_passes.interface import (
-    HYPER_NAMES,
-    IN_BACKWARD_STATES,
-    LOSS_SCALE_INPUT,
-    UpdateInBackwardError,
-    hyper_name,
-    state_key,
-)
 from ortrain import checkpoint
 from ortrain.bucketing import Bucketing
 from ortrain.build import (
@@ -42,20 +34,29 @@ from ortrain.build import (
     label_rows,
 )
 from ortrain.build_cache import GraphCache
-from ortrain.distributed import Reducer, join_process_group
-from ortrain.errors import (
+from ortrain.core.errors import (
     BatchError,
     NonFiniteLossError,
     UnsupportedOptimizerError,
     first_line,
 )
+from ortrain.core.names import (
+    HYPER_NAMES,
+    IN_BACKWARD_STATES,
+    LOSS_SCALE_INPUT,
+    UpdateInBackwardError,
+    hyper_name,
+    state_key,
+)
+from ortrain.core.optimizer_spec import OptimizerSpec
+from ortrain.core.roles import Role
+from ortrain.distributed import Reducer, join_process_group, sharded_checkpoint
 from ortrain.export import LossFn, normalize_batch, var_positional_keys, warn_sdpa
 from ortrain.forked import call_forked, can_fork
 from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
-from ortrain.optim.spec import OptimizerSpec, group_values, optimizer_spec
+from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
-from ortrain.roles import Role
 from ortrain.runtime import kernels
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.flat_update import flatten_update
@@ -76,8 +77,8 @@ from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from graph_passes.memory_plan import MemoryReport
-    from graph_passes.optimizer import UpdateGraph
+    from ortrain.graph_passes.memory.memory_plan import MemoryReport
+    from ortrain.graph_passes.training.optimizer import UpdateGraph
 
 __all__ = ["ORTTrainer", "StageRecord", "StepOutputs"]
 T = TypeVar("T")
@@ -149,8 +150,8 @@ class ORTTrainer:
         self.bucketing = Bucketing(model, loss_fn, self.options.bucketing, self.sync_to_module)
         self.device = torch.device(self.options.device)
         check_device(self.device)
-        # fp32 products on the BLAS custom op (graph_passes/blas_gemm.py): decided (and the
-        # op built) once, before any build
+        # fp32 products on the BLAS custom op (graph_passes/targets/cpu/blas_gemm.py): decided
+        # (and the op built) once, before any build
         self._blas_gemm = use_blas_gemm(self.options.cpu_gemm, self.device.type)
         self._blas_batch = self._blas_gemm and has_sgemm_batch()
         self._cpu_kernels = use_grad_kernels(self.options.cpu_kernels, self.device.type)
@@ -219,7 +220,7 @@ class ORTTrainer:
             kernels.library(self.device.type)
         elif self.options.update_engine == "torch":
             self._use_torch_kernels()
-        # Adam/AdamW updated in the backward (graph_passes/update_in_backward.py): no
+        # Adam/AdamW updated in the backward (graph_passes/targets/cpu/update_in_backward.py): no
         # gradient buffers; per param group the hyperparameters the graph reads, and per
         # parameter whether its update ran.
         self._in_backward = self._use_backward_update()
@@ -390,7 +391,9 @@ class ORTTrainer:
             self._eval.clear()
             self._fused = TorchFusedUpdate(self, flat)
             return
-        from graph_passes.optimizer import build_update_graph  # the graph libraries: only here
+        from ortrain.graph_passes.training.optimizer import (
+            build_update_graph,  # the graph libraries: only here
+        )
 
         flat = flatten_update(self)
         if flat is not None:  # one update chain per param group (memory moved: rebuild evals)
@@ -676,9 +679,7 @@ class ORTTrainer:
         # update scales them to the unscaled mean.
         world = self._reducer.world_size if self._reducer is not None else 1
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        grad_scale = self.grad_multiplier / (
-            self.options.grad_accumulation_steps * world * scale
-        )
+        grad_scale = self.grad_multiplier / (self.options.grad_accumulation_steps * world * scale)
         if self._fused is not None:
             self._fused.run(values, grad_scale)
         else:
@@ -731,7 +732,7 @@ class ORTTrainer:
     @property
     def train_graphs(self) -> list[ir.Model]:
         """The compiled gradient graphs, one per batch shape signature (and label-row
-        count, see ``graph_passes/label_sparsity.py``)."""
+        count, see ``graph_passes/training/label_sparsity.py``)."""
         return [c.model for c in self._train.values()]
 
     def memory_report(self, top: int = 10) -> MemoryReport:
@@ -739,7 +740,7 @@ class ORTTrainer:
         keeps from the forward; needs one ``train_step`` first."""
         if not self._train:
             raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
-        from graph_passes.memory_plan import memory_report
+        from ortrain.graph_passes.memory.memory_plan import memory_report
 
         return memory_report(self.train_graphs[0], top=top)
 
@@ -805,7 +806,7 @@ class ORTTrainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         if self._reducer is not None:
             return self._reducer.load_checkpoint(self, path)
-        checkpoint.load(self, path)
+        sharded_checkpoint.load_any(self, path)
 
 
 def _window_restarts(discarded: int) -> str:

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from recipes import RecipeError
-from recipes.config import TrainConfig
-from recipes.processes import Env
-from recipes.task import Batch, Task
+from ortrain.recipes import RecipeError
+from ortrain.recipes.config import TrainConfig
+from ortrain.recipes.processes import Env
+from ortrain.recipes.task import Batch, Task
 
 
 def _trainer_options_kwargs(cfg: TrainConfig, rank: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 phase 1 at a short sequence length, then phase 2 at a long one (the last --phase2-steps).
 
     ortrain recipe bert --preset tiny                  # CPU, minutes
-    python -m recipes.bert_pretrain --preset tiny      # the same
+    python -m ortrain.recipes.bert_pretrain --preset tiny      # the same
     ortrain recipe bert --preset tiny --data ./my_texts/ --steps 2000
     ortrain recipe bert --preset tiny --backend torch  # the same run in PyTorch eager
 
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from recipes import RecipeError, data, loop
-from recipes.config import TrainConfig, cli, field
-from recipes.masking import IGNORE_INDEX, mask_tokens
-from recipes.processes import setup
-from recipes.schedules import phased, warmup_poly
-from recipes.task import Batch, Task, count_params
+from ortrain.recipes import RecipeError, data, loop
+from ortrain.recipes.config import TrainConfig, cli, field
+from ortrain.recipes.masking import IGNORE_INDEX, mask_tokens
+from ortrain.recipes.processes import setup
+from ortrain.recipes.schedules import phased, warmup_poly
+from ortrain.recipes.task import Batch, Task, count_params
 
 
 @dataclasses.dataclass

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from recipes import RecipeError
-from recipes.backends import Backend
-from recipes.config import TrainConfig
-from recipes.processes import Env
-from recipes.task import Task
+from ortrain.recipes import RecipeError
+from ortrain.recipes.backends import Backend
+from ortrain.recipes.config import TrainConfig
+from ortrain.recipes.processes import Env
+from ortrain.recipes.task import Task
 
 
 def _checkpoint_dir(env: Env, step: int) -> Path:

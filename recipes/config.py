@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from recipes import RecipeError
+from ortrain.recipes import RecipeError
 
 
 def field(default: Any, help: str, **kw: Any) -> Any:

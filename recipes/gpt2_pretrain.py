@@ -1,9 +1,9 @@
 """GPT-2 pretraining: causal language modelling, AdamW, linear warmup + cosine decay.
 
     ortrain recipe gpt2 --preset tiny                  # CPU, minutes
-    python -m recipes.gpt2_pretrain --preset tiny      # the same
+    python -m ortrain.recipes.gpt2_pretrain --preset tiny      # the same
     ortrain recipe gpt2 --preset tiny --backend torch  # the same run in PyTorch eager
-    torchrun --nproc_per_node 2 -m recipes.gpt2_pretrain --preset tiny --zero 1
+    torchrun --nproc_per_node 2 -m ortrain.recipes.gpt2_pretrain --preset tiny --zero 1
 
 Reads top to bottom: config and presets, then ``train``: data (recipes/data.py), model,
 optimizer and schedule, batches, and the shared loop (recipes/loop.py). Without --data
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from recipes import RecipeError, data, loop
-from recipes.config import TrainConfig, cli, field
-from recipes.processes import setup
-from recipes.schedules import warmup_cosine
-from recipes.task import Batch, Task, count_params
+from ortrain.recipes import RecipeError, data, loop
+from ortrain.recipes.config import TrainConfig, cli, field
+from ortrain.recipes.processes import setup
+from ortrain.recipes.schedules import warmup_cosine
+from ortrain.recipes.task import Batch, Task, count_params
 
 
 @dataclasses.dataclass

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes.backends import Backend, make_backend
-from recipes.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
-from recipes.config import TrainConfig
-from recipes.metrics import Metrics, Timing, plot, summarize
-from recipes.processes import Env
-from recipes.task import Batch, Task
+from ortrain.recipes.backends import Backend, make_backend
+from ortrain.recipes.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from ortrain.recipes.config import TrainConfig
+from ortrain.recipes.metrics import Metrics, Timing, plot, summarize
+from ortrain.recipes.processes import Env
+from ortrain.recipes.task import Batch, Task
 
 
 def timed_step(backend: Backend, micro_batches: list[Batch]) -> tuple[float, float | None]:

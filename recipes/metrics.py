@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes.backends import Backend
-from recipes.config import TrainConfig
-from recipes.processes import Env
-from recipes.task import Task
+from ortrain.recipes.backends import Backend
+from ortrain.recipes.config import TrainConfig
+from ortrain.recipes.processes import Env
+from ortrain.recipes.task import Task
 
 
 class Metrics:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes.config import TrainConfig
+from ortrain.recipes.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)

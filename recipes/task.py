@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from recipes.schedules import Schedule
+from ortrain.recipes.schedules import Schedule
 
 Batch = dict[str, torch.Tensor]
 

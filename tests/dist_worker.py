@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ortrain import ORTTrainer, RankFailureError, TrainerOptions
-from ortrain.roles import Role
+from ortrain.core.roles import Role
 from tests.conftest import decay_groups, gpt2, lm_batches
 
 STEPS, ACCUM, RESUME_AT = 6, 2, 3  # optimizer steps; micro-steps per step; checkpoint step

@@ -26,8 +26,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from graph_passes.autodiff import GradientGraphResult, build_gradient_graph
-from graph_passes.emitter import MS_DOMAIN
+from ortrain.graph_passes.autodiff import GradientGraphResult, build_gradient_graph
+from ortrain.graph_passes.infra.emitter import MS_DOMAIN
 
 RTOL = 1e-5
 ATOL = 1e-5  # scaled by the largest magnitude of the reference

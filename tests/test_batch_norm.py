@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.roles import Role
+from ortrain.core.roles import Role
 
 STEPS = 8
 LOSS_RTOL = 1e-4
@@ -384,7 +384,7 @@ def test_instance_norm_tracking_running_stats_is_refused_not_left_at_zero():
     # eager updates InstanceNorm's running statistics in training; the export drops that
     # update, so training would leave them at zero: refused, naming the layer
     from ortrain import ORTTrainer
-    from ortrain.errors import ExportError
+    from ortrain.core.errors import ExportError
 
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, track_running_stats=True)

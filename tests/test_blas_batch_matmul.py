@@ -22,10 +22,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes import blas_batch_matmul
-from graph_passes.blas_batch_matmul import lower_batch_matmul
-from graph_passes.interface import BLAS_DOMAIN
 from ortrain import TrainerOptions
+from ortrain.core.names import BLAS_DOMAIN
+from ortrain.graph_passes.targets.cpu import blas_batch_matmul
+from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
 from ortrain.runtime import cpu_ops
 from tests.test_blas_gemm import _library
 from tests.test_model_families import FAMILIES, NO_DROPOUT, Family, _batch, _trains_like_eager

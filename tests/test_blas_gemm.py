@@ -19,9 +19,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes import blas_gemm
-from graph_passes.blas_gemm import BLAS_DOMAIN, lower_gemm_to_blas
 from ortrain import TrainerOptions
+from ortrain.graph_passes.targets.cpu import blas_gemm
+from ortrain.graph_passes.targets.cpu.blas_gemm import BLAS_DOMAIN, lower_gemm_to_blas
 from ortrain.runtime import cpu_ops
 from tests.test_model_families import FAMILIES, NO_DROPOUT, Family, _batch, _trains_like_eager
 

@@ -277,8 +277,8 @@ def test_a_changed_loss_fn_misses(xdg: Path):
 def test_a_refused_update_in_the_backward_is_remembered(xdg: Path, monkeypatch):
     """update_engine="auto" builds again without the update in the backward where the
     graph cannot run it; the next trainer skips the refused build (no export at all)."""
-    import graph_passes.update_in_backward as uib
     import ortrain.build
+    import ortrain.graph_passes.targets.cpu.update_in_backward as uib
 
     # fc2's weight is read by fc1's input gradient: one reader to order the update after,
     # more than this allows
@@ -435,7 +435,7 @@ def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 # ----------------------------------------------------------------------- visible stages
 def test_progress_prints_each_stage_once(capsys: pytest.CaptureFixture):
-    from ortrain.build_cache import BuildProgress
+    from ortrain.build_progress import BuildProgress
 
     progress = BuildProgress("Net training graph", enabled=True, after=0.0)
     with progress.running():

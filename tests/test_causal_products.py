@@ -22,10 +22,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes import blas_batch_matmul
-from graph_passes.causal_products import mark_causal_products
-from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain import TrainerOptions
+from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu import blas_batch_matmul
+from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_products
 from tests.test_blas_batch_matmul import (
     _batch_library,
     _logical,

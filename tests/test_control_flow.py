@@ -1,4 +1,4 @@
-"""Control flow never trains silently wrong (graph_passes/inline_control_flow.py and the
+"""Control flow never trains silently wrong (graph_passes/prepare/inline_control_flow.py and the
 builder's subgraph reachability): constant Loops unrolled and constant Ifs inlined before
 autodiff, what stays on a gradient path is a GradientError naming the node, and
 ``nn.EmbeddingBag`` (exported as a Loop reading the looked-up rows from the outer scope)
@@ -14,10 +14,10 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from graph_passes.autodiff import GradientError, build_gradient_graph, registry
-from graph_passes.inline_control_flow import inline_control_flow
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.errors import ExportError
+from ortrain.core.errors import ExportError
+from ortrain.graph_passes.autodiff import GradientError, build_gradient_graph, registry
+from ortrain.graph_passes.prepare.inline_control_flow import inline_control_flow
 from tests.gradcheck import TinyGraph, run_model
 
 LOSS_RTOL = 1e-4

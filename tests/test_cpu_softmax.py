@@ -18,9 +18,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.cpu_softmax import LONG_ROW, lower_softmax
-from graph_passes.interface import CPU_DOMAIN
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.softmax import LONG_ROW, lower_softmax
 from tests.test_grad_kernels import EPS32, _f32, _library, _run
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16

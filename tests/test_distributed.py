@@ -22,11 +22,11 @@ import torch
 
 from ortrain import TrainerOptions, UnsupportedOptimizerError
 from ortrain.checkpoint import index_names
+from ortrain.core.roles import Role
 from ortrain.distributed.health import RankHealth
 from ortrain.distributed.layout import FlatLayout
 from ortrain.optim import Lamb
-from ortrain.optim.spec import optimizer_spec
-from ortrain.roles import Role
+from ortrain.optim.from_torch import optimizer_spec
 from tests.dist_worker import (
     ACCUM,
     CLIP,
@@ -324,9 +324,10 @@ def test_flat_layout_aligns_pads_and_splits_into_pieces():
 
 
 def test_shard_graphs_take_the_global_norm_and_hold_pieces():
-    # Imported here: a module importing graph_passes.optimizer before ortrain hits their
-    # import cycle (graph_passes.optimizer needs ortrain.optim, ortrain needs it back).
-    from graph_passes.zero import build_partial_norm_graph, build_shard_update_graph
+    from ortrain.graph_passes.training.zero import (
+        build_partial_norm_graph,
+        build_shard_update_graph,
+    )
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -351,7 +352,7 @@ def test_shard_graphs_take_the_global_norm_and_hold_pieces():
 
 
 def test_partial_norm_graph_numerics():
-    from graph_passes.zero import build_partial_norm_graph
+    from ortrain.graph_passes.training.zero import build_partial_norm_graph
 
     g = torch.randn(64)
     proto = ir.serde.serialize_model(build_partial_norm_graph(64))

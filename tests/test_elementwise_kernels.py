@@ -17,8 +17,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.cpu_elementwise import MIN_ELEMENTS, lower_elementwise
-from graph_passes.interface import CPU_DOMAIN
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.elementwise import MIN_ELEMENTS, lower_elementwise
 from tests.conftest import lm_batches
 from tests.test_forward_kernels import _run, _same_outputs, train_against_eager
 from tests.test_grad_kernels import _f32, _library
@@ -115,7 +115,7 @@ def test_pass_moves_large_fp32_arithmetic() -> None:
 def test_llama_trains_like_eager_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from graph_passes import cpu_elementwise
+    from ortrain.graph_passes.targets.cpu import elementwise as cpu_elementwise
 
     _library()
     monkeypatch.setattr(cpu_elementwise, "MIN_ELEMENTS", 1024)  # the forked build inherits it

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer
-from ortrain.errors import ExportError
+from ortrain.core.errors import ExportError
+from ortrain.core.roles import Role
 from ortrain.export import export_forward
-from ortrain.roles import Role
 from tests.conftest import bert_batches, bert_mlm
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
@@ -191,7 +191,7 @@ def test_child_export_finalizes_nothing_it_inherited(tmp_path):
 def test_embedding_padding_idx_is_tagged_on_its_gather():
     """BERT's word embedding has padding_idx = pad_token_id (0); the position and token-type
     embeddings have none. The Gather gradient rule reads the tag."""
-    from graph_passes.tags import PADDING_IDX
+    from ortrain.graph_passes.infra.tags import PADDING_IDX
 
     model = bert_mlm()
     ex = export_forward(model, bert_batches(1)[0], train=True)
@@ -254,7 +254,7 @@ def test_pad_row_of_an_embedding_gets_no_gradient():
     ],
 )  # fmt: skip
 def test_padding_idx_from_fx_record_or_module_scope(fx, scopes, expected):
-    from graph_passes.tags import PADDING_IDX
+    from ortrain.graph_passes.infra.tags import PADDING_IDX
     from ortrain.padding_rows import tag_padding_rows
 
     module = torch.nn.Module()

@@ -23,11 +23,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.cpu_gelu import lower_gelu
-from graph_passes.cpu_layer_norm import lower_layer_norm
-from graph_passes.interface import CPU_DOMAIN
-from graph_passes.layer_norm_grad_sum import fold_layer_norm_grad_sums
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
+from ortrain.graph_passes.targets.cpu.layer_norm import lower_layer_norm
+from ortrain.graph_passes.targets.cpu.layer_norm_grad_sum import fold_layer_norm_grad_sums
 from ortrain.runtime import cpu_ops
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_gelu_value import _gelu64

@@ -22,8 +22,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from graph_passes.autodiff import GradientError, build_gradient_graph
-from graph_passes.backward_cleanup import (
+from ortrain.export import export_forward
+from ortrain.graph_passes.autodiff import GradientError, build_gradient_graph
+from ortrain.graph_passes.cleanup.backward_cleanup import (
     clean_backward,
     eliminate_common_subexpressions,
     fold_constants,
@@ -31,18 +32,17 @@ from graph_passes.backward_cleanup import (
     remove_dead_gradient_nodes,
     scatter_into_sums,
 )
-from graph_passes.fold_transpose_gemm import fold_transposes
-from graph_passes.fusions import FUSIONS, training_fusions
-from graph_passes.fusions.bias_gelu import fuse_bias_gelu
-from graph_passes.fusions.layer_norm import fuse_layer_norm
-from graph_passes.fusions.matmul_add import fuse_matmul_add
-from graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
-from graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
-from graph_passes.pipeline import run_pipeline
-from graph_passes.sink_row_scale import sink_row_scales
-from graph_passes.tags import GRAD_OF
-from graph_passes.training_pipeline import TrainingBuild, training_passes
-from ortrain.export import export_forward
+from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transposes
+from ortrain.graph_passes.fusions import FUSIONS, training_fusions
+from ortrain.graph_passes.fusions.bias_gelu import fuse_bias_gelu
+from ortrain.graph_passes.fusions.layer_norm import fuse_layer_norm
+from ortrain.graph_passes.fusions.matmul_add import fuse_matmul_add
+from ortrain.graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
+from ortrain.graph_passes.fusions.sink_row_scale import sink_row_scales
+from ortrain.graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
+from ortrain.graph_passes.infra.pipeline import run_pipeline
+from ortrain.graph_passes.infra.tags import GRAD_OF
+from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.gradcheck import TinyGraph, assert_close
 

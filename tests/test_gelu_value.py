@@ -21,10 +21,10 @@ import torch
 from onnx import TensorProto, helper
 from scipy.special import erf
 
-from graph_passes.gelu_value import take_gelu_values
-from graph_passes.interface import CPU_DOMAIN
-from graph_passes.tags import RECOMPUTE_OF
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
+from ortrain.graph_passes.targets.cpu.gelu_value import take_gelu_values
 from tests.test_grad_kernels import _assert_close, _f32, _library, _run
 
 F32 = TensorProto.FLOAT

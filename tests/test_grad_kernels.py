@@ -24,10 +24,10 @@ import torch
 from onnx import TensorProto, helper
 from scipy.special import erf
 
-from graph_passes.autodiff import build_gradient_graph
-from graph_passes.interface import CPU_DOMAIN
-from graph_passes.scatter_rows import lower_scatter_add_rows
 from ortrain import TrainerOptions
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.autodiff import build_gradient_graph
+from ortrain.graph_passes.targets.cpu.scatter_rows import lower_scatter_add_rows
 from ortrain.runtime import cpu_ops
 from tests.test_model_families import FAMILIES, NO_DROPOUT, Family, _batch, _trains_like_eager
 

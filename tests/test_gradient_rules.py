@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_passes.autodiff import GradientError, build_gradient_graph, registry
-from graph_passes.emitter import MS_DOMAIN
-from graph_passes.tags import PADDING_IDX
+from ortrain.graph_passes.autodiff import GradientError, build_gradient_graph, registry
+from ortrain.graph_passes.infra.emitter import MS_DOMAIN
+from ortrain.graph_passes.infra.tags import PADDING_IDX
 from tests.gradcheck import (
     Const,
     Fixed,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.errors import BatchError
+from ortrain.core.errors import BatchError
 from ortrain.index_check import check_batch, index_ranges
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 

@@ -1,4 +1,4 @@
-"""Which threads ortrain's CPU kernels run on (``graph_passes/kernel_threads.py``, the
+"""Which threads ortrain's CPU kernels run on (``graph_passes/targets/cpu/kernel_threads.py``, the
 ``omp_team`` attribute in ``ortrain/runtime/kernel_util.h``: ``for_blocks``).
 
 - the graph-level rule on hand-built graphs: kernels of graphs whose products are ONNX
@@ -20,9 +20,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
-from graph_passes.kernel_threads import ATTRIBUTE, place_kernel_threads
 from ortrain import TrainerOptions
+from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.kernel_threads import ATTRIBUTE, place_kernel_threads
 from ortrain.runtime import cpu_ops
 from tests.conftest import gpt2, lm_batches
 from tests.test_blas_gemm import _library as _blas_library

@@ -1,4 +1,4 @@
-"""Label sparsity (graph_passes/label_sparsity.py): loss heads on labelled rows only."""
+"""Label sparsity (graph_passes/training/label_sparsity.py): loss heads on labelled rows only."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.autodiff import build_gradient_graph
-from graph_passes.interface import label_rows_bucket
-from graph_passes.label_sparsity import find_label_sites, shrink_label_rows
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import label_rows_bucket
+from ortrain.graph_passes.autodiff import build_gradient_graph
+from ortrain.graph_passes.training.label_sparsity import find_label_sites, shrink_label_rows
 from tests.conftest import bert_batches, bert_mlm
 
 PARAMS = {"w1": [8, 8], "b1": [8], "g": [8], "beta": [8], "w2": [16, 8], "b2": [16]}
@@ -246,8 +246,8 @@ def test_a_batch_seen_before_never_builds_again(labelled):
 
 
 def test_graph_for_picks_the_smallest_graph_within_one_bucket():
-    from graph_passes.interface import LabelSite
     from ortrain.build import graph_for, label_rows
+    from ortrain.core.names import LabelSite
 
     a, b = LabelSite("a", "la", -100, 64), LabelSite("b", "lb", -100, 32)  # steps 4 and 2
     sites = [a, b]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.cpu_split_concat import lower_split_concat
-from graph_passes.interface import CPU_DOMAIN
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.split_concat import lower_split_concat
 from tests.conftest import gpt2, lm_batches
 from tests.test_forward_kernels import _run, _same_outputs, train_against_eager
 from tests.test_grad_kernels import _f32, _library

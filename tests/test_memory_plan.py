@@ -17,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from graph_passes.memory_plan import (
+from ortrain.export import export_forward
+from ortrain.graph_passes.infra.pipeline import run_pipeline
+from ortrain.graph_passes.infra.tags import GRAD_OF, RECOMPUTE_OF
+from ortrain.graph_passes.memory.memory_plan import (
     Lifetime,
     MemoryPlan,
     lifetimes,
@@ -26,11 +29,8 @@ from graph_passes.memory_plan import (
     plan_offsets,
     planned_peak_bytes,
 )
-from graph_passes.pipeline import run_pipeline
-from graph_passes.recompute import RecomputePolicy, recompute_cheap_values
-from graph_passes.tags import GRAD_OF, RECOMPUTE_OF
-from graph_passes.training_pipeline import TrainingBuild, training_passes
-from ortrain.export import export_forward
+from ortrain.graph_passes.memory.recompute import RecomputePolicy, recompute_cheap_values
+from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
 from tests.conftest import gpt2, lm_batches
 
 

@@ -9,12 +9,12 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from graph_passes.lower_cross_entropy import LOWERED_FROM
-from graph_passes.mixed_precision import FP32_OPS, LOW_OPS
-from graph_passes.pipeline import run_pipeline
-from graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.export import export_forward
+from ortrain.graph_passes.fusions.lower_cross_entropy import LOWERED_FROM
+from ortrain.graph_passes.infra.pipeline import run_pipeline
+from ortrain.graph_passes.precision.mixed_precision import FP32_OPS, LOW_OPS
+from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
 from ortrain.loss_scaler import DynamicLossScale, LossScaler
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
 

@@ -21,8 +21,8 @@ import dataclasses
 import pytest
 import torch
 
-from graph_passes.tags import is_backward
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.graph_passes.infra.tags import is_backward
 
 V, H, L, HEADS, S, B = 320, 64, 2, 4, 24, 4
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5  # atol scaled by the tensor's largest reference value

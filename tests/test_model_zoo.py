@@ -73,7 +73,7 @@ def train_against_eager(entry: Entry, steps: int = STEPS) -> ORTTrainer:
     for (name, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     # one graph for the one batch shape; masked-LM heads may add a graph per bucket of
-    # labelled rows (graph_passes/label_sparsity.py)
+    # labelled rows (graph_passes/training/label_sparsity.py)
     assert trainer.build_count <= 3, trainer.build_count
     return trainer
 

@@ -18,9 +18,9 @@ import dataclasses
 import pytest
 import torch
 
-from graph_passes.tags import is_backward
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.errors import ExportError
+from ortrain.core.errors import ExportError
+from ortrain.graph_passes.infra.tags import is_backward
 from tests.test_model_families import _assert_close_scaled, _assert_gradients
 
 V, H, L, E, K, B, S = 256, 64, 2, 4, 2, 2, 16

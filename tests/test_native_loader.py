@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_passes.interface import CPU_DOMAIN
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN
 from ortrain.runtime import cpu_ops, fused_update, kernels, native
 from tests.conftest import gpt2, lm_batches
 

@@ -154,8 +154,8 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
 
     import onnx
 
-    from graph_passes import blas_gemm
     from ortrain import offline
+    from ortrain.graph_passes.targets.cpu import blas_gemm
     from ortrain.runtime import cpu_ops
 
     model, path = dynamic_gpt2

@@ -1,4 +1,4 @@
-"""graph_passes/ort_order.py: the serialized node order that makes ONNX Runtime finish
+"""graph_passes/memory/ort_order.py: the serialized node order that makes ONNX Runtime finish
 each gradient output as soon as the graph's order would (and free what it reads)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from graph_passes.ort_order import order_for_ort
+from ortrain.graph_passes.memory.ort_order import order_for_ort
 
 H = 8
 

@@ -150,7 +150,7 @@ _CHILD = textwrap.dedent(
     on_path = [c for c in sys.argv[1].split(",") if shutil.which(c)]
     assert not on_path, f"compilers on PATH: {on_path}"
     import ortrain
-    from graph_passes.interface import CPU_DOMAIN
+    from ortrain.core.names import CPU_DOMAIN
     from ortrain import ORTTrainer, TrainerOptions
     from ortrain.runtime import cpu_ops
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -239,8 +239,11 @@ def test_wheel_trains_without_a_compiler(tmp_path: Path) -> None:
     wanted.append(kernels.LIBRARY_NAMES["cpu"])
     for lib in wanted:
         assert f"ortrain/_native/{lib}" in names, sorted(n for n in names if "_native" in n)
-    assert "graph_passes/__init__.py" in names and "recipes/__init__.py" in names
-    assert not any(n.startswith("tests/") for n in names)
+    # graph_passes/ and recipes/ install inside ortrain (linked there in a checkout)
+    assert "ortrain/graph_passes/__init__.py" in names and "ortrain/recipes/__init__.py" in names
+    assert "ortrain/graph_passes/targets/cpu/softmax.py" in names
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"ortrain"}, tops
 
     python = _venv_without_compiler(tmp_path, wheel)
     home, cache = tmp_path / "home", tmp_path / "cache"

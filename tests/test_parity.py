@@ -232,7 +232,8 @@ def test_frozen_parameters_get_no_gradient_nodes():
         n
         for n in graph.graph
         if (n.op_type == "ScatterElements" and n.attributes.get_int("axis", 0) == 0)
-        or n.op_type == "ScatterAddRows"  # the CPU kernel (graph_passes/scatter_rows.py)
+        or n.op_type
+        == "ScatterAddRows"  # the CPU kernel (graph_passes/targets/cpu/scatter_rows.py)
     ]
     assert len(row_scatters) == 1
     # No gradient node reads a frozen parameter's Gemm weight path: the first block's

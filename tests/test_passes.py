@@ -11,11 +11,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.dropout_seed import seed_dropouts
-from graph_passes.forward_cleanup import FOLD_OUTPUT_LIMIT, clean_forward
-from graph_passes.fusions.gelu import fuse_gelu
-from graph_passes.lower_cross_entropy import lower_softmax_cross_entropy
 from ortrain.export import export_forward
+from ortrain.graph_passes.cleanup.forward_cleanup import FOLD_OUTPUT_LIMIT, clean_forward
+from ortrain.graph_passes.fusions.gelu import fuse_gelu
+from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
+from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
 from tests.conftest import gpt2
 
 
@@ -275,7 +275,7 @@ def test_seed_dropouts_gives_distinct_reproducible_seeds():
 
 @pytest.mark.parametrize("ta,tb", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_fold_transpose_into_gemm(ta, tb):
-    from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
+    from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transpose_into_gemm
 
     m, k, n = 3, 4, 5
     a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [k, m] if ta else [m, k])
@@ -298,7 +298,7 @@ def test_fold_transpose_into_gemm(ta, tb):
 
 
 def test_fold_transpose_keeps_gemm_with_other_uses_or_bias():
-    from graph_passes.fold_transpose_gemm import fold_transpose_into_gemm
+    from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transpose_into_gemm
 
     a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 4])
     b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 5])
@@ -451,7 +451,7 @@ def _pad_model(dtype, shape, pads, value=None, axes=None, mode=None) -> ir.Model
     ],
 )
 def test_pad_as_concat_rewrites_integer_pads(dtype, pads, value, axes, concats):
-    from graph_passes.pad_as_concat import pad_as_concat
+    from ortrain.graph_passes.cleanup.pad_as_concat import pad_as_concat
 
     model = _pad_model(dtype, [3, 4], pads, value, axes)
     np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
@@ -475,7 +475,7 @@ def test_pad_as_concat_rewrites_integer_pads(dtype, pads, value, axes, concats):
     ],
 )
 def test_pad_as_concat_leaves_other_pads(dtype, pads, mode):
-    from graph_passes.pad_as_concat import pad_as_concat
+    from ortrain.graph_passes.cleanup.pad_as_concat import pad_as_concat
 
     model = _pad_model(dtype, [3, 4], pads, mode=mode)
     assert pad_as_concat(model) == 0
@@ -540,7 +540,7 @@ def _sdpa_feeds(np_dtype=np.float32) -> dict:
 
 @pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
 def test_masked_attention_rows_give_zero_like_torch_sdpa(dtype):
-    from graph_passes.masked_attention_rows import fix_masked_attention_rows
+    from ortrain.graph_passes.prepare.masked_attention_rows import fix_masked_attention_rows
 
     np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
     model = _sdpa_probs_model(float(np.finfo(np_dtype).min), dtype=dtype)
@@ -567,7 +567,7 @@ def test_masked_attention_rows_give_zero_like_torch_sdpa(dtype):
 def test_masked_attention_rows_leave_other_masks(lowest, keep):
     """A finite bias that does not swamp the scores, or a non-zero 'keep' value, is not
     torch.onnx's boolean SDPA mask: the guard stays."""
-    from graph_passes.masked_attention_rows import fix_masked_attention_rows
+    from ortrain.graph_passes.prepare.masked_attention_rows import fix_masked_attention_rows
 
     model = _sdpa_probs_model(lowest, keep)
     assert fix_masked_attention_rows(model) == 0
@@ -592,7 +592,7 @@ def _pow_model(exponent: float, x_shape, e_shape=(), dtype=TensorProto.FLOAT) ->
 
 @pytest.mark.parametrize("exponent, muls", [(2.0, 1), (3.0, 2), (2, 1)])
 def test_pow_as_mul_rewrites_squares_and_cubes(exponent, muls):
-    from graph_passes.pow_as_mul import pow_as_mul
+    from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
 
     model = _pow_model(exponent, [3, 5])
     feeds = {"x": np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)}
@@ -616,7 +616,7 @@ def test_pow_as_mul_rewrites_squares_and_cubes(exponent, muls):
     ],
 )
 def test_pow_as_mul_leaves_other_pows(exponent, x_shape, e_shape, dtype):
-    from graph_passes.pow_as_mul import pow_as_mul
+    from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
 
     model = _pow_model(exponent, x_shape, e_shape, dtype)
     assert pow_as_mul(model) == 0

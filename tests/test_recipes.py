@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ortrain.cli import main as ortrain_main
-from recipes import bert_pretrain, data, gpt2_pretrain
-from recipes.masking import IGNORE_INDEX, mask_tokens
+from ortrain.recipes import bert_pretrain, data, gpt2_pretrain
+from ortrain.recipes.masking import IGNORE_INDEX, mask_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--no-progress", "--peak-tflops", "0.1"]  # no matmul probe where it is not checked
@@ -88,8 +88,8 @@ def test_gpt2_tiny_learns_through_the_cli(tmp_path: Path) -> None:
 
 def test_bert_tiny_learns_both_phases(tmp_path: Path) -> None:
     out = tmp_path / "bert"
-    cmd = [sys.executable, "-m", "recipes.bert_pretrain", "--preset", "tiny", "--steps", "200",
-           "--phase2-steps", "40", "--out", str(out), *QUICK]  # fmt: skip
+    cmd = [sys.executable, "-m", "ortrain.recipes.bert_pretrain", "--preset", "tiny",
+           "--steps", "200", "--phase2-steps", "40", "--out", str(out), *QUICK]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_outputs(out, 200)

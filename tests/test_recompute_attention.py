@@ -1,4 +1,4 @@
-"""``graph_passes/recompute_attention.py`` on hand-built graphs: the probabilities' chain
+"""``graph_passes/memory/recompute_attention.py`` on hand-built graphs: the probabilities' chain
 (product, mask, Softmax) copied before their first backward reader, which reads the copy,
 outputs bit-identical; what stays (a product's output the backward reads itself, a mask
 as large as the probabilities made in the forward, a product of a value the backward does
@@ -11,8 +11,8 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from graph_passes.recompute_attention import recompute_attention_probs
-from graph_passes.tags import GRAD_OF, RECOMPUTE_OF
+from ortrain.graph_passes.infra.tags import GRAD_OF, RECOMPUTE_OF
+from ortrain.graph_passes.memory.recompute_attention import recompute_attention_probs
 
 F = ir.DataType.FLOAT
 

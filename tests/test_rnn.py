@@ -1,4 +1,4 @@
-"""LSTM / GRU / RNN unrolled into standard ops (graph_passes/unroll_rnn.py).
+"""LSTM / GRU / RNN unrolled into standard ops (graph_passes/prepare/unroll_rnn.py).
 
 1. The pass alone on one-node graphs: the unrolled graph against ONNX Runtime's own
    kernel (layout 1, which that kernel refuses, against a layout-0 node between
@@ -20,10 +20,10 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from graph_passes.autodiff import GradientError, build_gradient_graph
-from graph_passes.constant_value import constant_tensor
-from graph_passes.unroll_rnn import unroll_rnns
 from ortrain import ORTTrainer
+from ortrain.graph_passes.autodiff import GradientError, build_gradient_graph
+from ortrain.graph_passes.infra.constant_value import constant_tensor
+from ortrain.graph_passes.prepare.unroll_rnn import unroll_rnns
 from tests.gradcheck import IR_VERSION, assert_close, run_model
 from tests.test_parity import _check, adamw
 

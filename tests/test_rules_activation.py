@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_passes.autodiff import build_gradient_graph
-from graph_passes.autodiff.rules.activation import exported_from
+from ortrain.graph_passes.autodiff import build_gradient_graph
+from ortrain.graph_passes.autodiff.rules.activation import exported_from
 from tests import gradcheck
 from tests.gradcheck import (
     Const,
@@ -366,7 +366,7 @@ class _Activations(torch.nn.Module):
 
 
 def test_every_op_the_exporter_emits_for_activations_has_a_rule() -> None:
-    from graph_passes.autodiff import registry
+    from ortrain.graph_passes.autodiff import registry
 
     x = torch.linspace(-4, 4, 24).reshape(2, 3, 4)
     args = (x, torch.full((3,), 0.25), torch.full((4,), -0.5), torch.full((4,), 0.5), x / 4)

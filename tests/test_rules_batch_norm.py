@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_passes.autodiff import build_gradient_graph
-from graph_passes.interface import GradientError
+from ortrain.core.names import GradientError
+from ortrain.graph_passes.autodiff import build_gradient_graph
 from tests.gradcheck import IR_VERSION, In, Pos, Spec, TinyGraph, X, case, check_gradients
 
 SHAPES = {"NC": (6, 3), "NCL": (4, 3, 5), "2d": (2, 3, 4, 5), "3d": (2, 3, 2, 3, 2)}

@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_passes.autodiff import GradientError
-from graph_passes.tags import is_backward
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.graph_passes.autodiff import GradientError
+from ortrain.graph_passes.infra.tags import is_backward
 from tests import gradcheck
 from tests.gradcheck import Const, In, Spec, X, case, check_gradients
 

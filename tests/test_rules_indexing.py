@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_passes.autodiff import GradientError, build_gradient_graph, registry
-from graph_passes.tags import GRAD_OF, is_backward
 from ortrain import ORTTrainer
+from ortrain.graph_passes.autodiff import GradientError, build_gradient_graph, registry
+from ortrain.graph_passes.infra.tags import GRAD_OF, is_backward
 from tests import gradcheck
 from tests.gradcheck import Const, Fixed, In, Index, Spec, TinyGraph, X, case, check_gradients
 

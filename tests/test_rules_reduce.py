@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from graph_passes.autodiff import GradientError, build_gradient_graph
-from graph_passes.autodiff.rules.reduce_more import FX_NODE
-from graph_passes.tags import is_backward
+from ortrain.graph_passes.autodiff import GradientError, build_gradient_graph
+from ortrain.graph_passes.autodiff.rules.reduce_more import FX_NODE
+from ortrain.graph_passes.infra.tags import is_backward
 from tests import gradcheck
 from tests.gradcheck import Const, In, NonZero, Spec, TinyGraph, X, case, check_gradients
 

@@ -1,5 +1,5 @@
-"""graph_passes/scatter_in_place.py: a tied embedding's LM-head weight gradient written into
-the gradient buffer, the closing row scatter adding to it in place."""
+"""graph_passes/targets/cpu/scatter_in_place.py: a tied embedding's LM-head weight gradient
+written into the gradient buffer, the closing row scatter adding to it in place."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.interface import CPU_DOMAIN
-from graph_passes.scatter_in_place import BASE_PREFIX, READY_PREFIX, scatter_into_gradients
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.scatter_in_place import (
+    BASE_PREFIX,
+    READY_PREFIX,
+    scatter_into_gradients,
+)
 from ortrain.runtime import cpu_ops
 from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED, BoundSession
 from tests.test_grad_kernels import _library

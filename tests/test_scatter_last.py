@@ -19,8 +19,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.cpu_scatter_last import lower_scatter_last
-from graph_passes.interface import CPU_DOMAIN
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.scatter_last import lower_scatter_last
 from tests.conftest import gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library

@@ -321,7 +321,7 @@ def test_sdpa_attention_dropout_is_trained_through_eager_attention():
 def test_export_errors_name_their_cause_in_one_line():
     """No labels: the HF model returns loss=None; float ids: the model's own error, not
     the exporter's pages of advice around it."""
-    from ortrain.errors import ExportError
+    from ortrain.core.errors import ExportError
 
     model = tiny()
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -1,4 +1,4 @@
-"""graph_passes/transposed_activations.py and the kernels' ``out_transposed`` outputs:
+"""graph_passes/targets/cpu/transposed_activations.py and the kernels' ``out_transposed`` outputs:
 LayerNorm's Y, the GELUs' and GELU backwards' outputs and Mul / Add / Sub written
 transposed, held bit for bit to the plain kernels; the pass on hand-built graphs (what
 it rewrites, what it leaves); trainers whose products read transposed activations held
@@ -15,12 +15,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-import graph_passes.cpu_elementwise as cpu_elementwise
-import graph_passes.training_pipeline as tp
-import graph_passes.transposed_weight_grad as twg
-from graph_passes.interface import CPU_DOMAIN, HYPER_NAMES
-from graph_passes.transposed_activations import write_activations_transposed
+import ortrain.graph_passes.targets.cpu.elementwise as cpu_elementwise
+import ortrain.graph_passes.targets.cpu.transposed_weight_grad as twg
+import ortrain.graph_passes.training_pipeline as tp
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN, HYPER_NAMES
+from ortrain.graph_passes.targets.cpu.transposed_activations import write_activations_transposed
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library

@@ -1,4 +1,4 @@
-"""graph_passes/transposed_weight_grad.py and the kernels it uses: ``AdamStep`` reading
+"""graph_passes/targets/cpu/transposed_weight_grad.py and the kernels it uses: ``AdamStep`` reading
 its gradient transposed and ``ScatterAddColumns``, each held bit for bit to the
 untransposed kernel; the pass on hand-built graphs (what it rewrites, what it leaves);
 trainers whose weight gradients are made transposed (the size threshold lowered so that
@@ -13,8 +13,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-import graph_passes.transposed_weight_grad as twg
-from graph_passes.interface import CPU_DOMAIN, HYPER_NAMES
+import ortrain.graph_passes.targets.cpu.transposed_weight_grad as twg
+from ortrain.core.names import CPU_DOMAIN, HYPER_NAMES
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library

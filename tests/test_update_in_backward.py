@@ -1,4 +1,4 @@
-"""The Adam / AdamW update inside the backward (``graph_passes/update_in_backward.py``,
+"""The Adam / AdamW update inside the backward (``graph_passes/targets/cpu/update_in_backward.py``,
 ``ortrain/runtime/update_kernels.c``).
 
 - ``ortrain.cpu.AdamStep`` against torch's fused Adam / AdamW kernels on the same arrays,
@@ -24,15 +24,15 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from graph_passes.interface import CPU_DOMAIN, HYPER_NAMES, hyper_name, state_key
-from graph_passes.update_in_backward import (
+from ortrain import NonFiniteLossError, ORTTrainer, TrainerOptions
+from ortrain.core.names import CPU_DOMAIN, HYPER_NAMES, hyper_name, state_key
+from ortrain.graph_passes.targets.cpu.update_in_backward import (
     LOSS_LEAF_PREFIX,
     MAX_AFTER,
     UpdateInBackwardError,
     done_name,
     update_in_backward,
 )
-from ortrain import NonFiniteLossError, ORTTrainer, TrainerOptions
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library
@@ -436,7 +436,7 @@ def test_auto_falls_back_where_the_graph_cannot_order_an_update(
     depends on it; with GELU the recomputed GELU value, its weight gradient's input, is
     the GELU backward's second output and does): "auto" warns and builds the graph again
     with the update after the session; "backward" raises."""
-    from graph_passes import update_in_backward as pass_module
+    from ortrain.graph_passes.targets.cpu import update_in_backward as pass_module
 
     _library()
     monkeypatch.setattr(pass_module, "MAX_AFTER", 0)  # the build runs in a forked child

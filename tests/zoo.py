@@ -557,10 +557,24 @@ def _clip_batch(g: torch.Generator) -> Batch:
 def clip() -> nn.Module:
     import transformers
 
-    text = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=S, attention_dropout=0.0)
-    vision = dict(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=16, patch_size=4, attention_dropout=0.0)
+    text = dict(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=S,
+        attention_dropout=0.0,
+    )
+    vision = dict(
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+        attention_dropout=0.0,
+    )
     cfg = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
     return _ReturnLoss(transformers.CLIPModel(cfg))  # fmt: skip
 

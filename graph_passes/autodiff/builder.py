@@ -27,14 +27,14 @@ from collections.abc import Sequence
 import onnx_ir as ir
 import onnx_ir.traversal
 
-from graph_passes.autodiff import registry
-from graph_passes.autodiff.context import GradContext
+from ortrain.core.names import GradientError
+from ortrain.graph_passes.autodiff import registry
+from ortrain.graph_passes.autodiff.context import GradContext
 
 # Import for registration side effects.
-from graph_passes.autodiff.rules import register_all
-from graph_passes.emitter import Emitter, static_shape
-from graph_passes.interface import GradientError
-from graph_passes.tags import GRAD_OF
+from ortrain.graph_passes.autodiff.rules import register_all
+from ortrain.graph_passes.infra.emitter import Emitter, static_shape
+from ortrain.graph_passes.infra.tags import GRAD_OF
 
 register_all()
 
@@ -411,7 +411,8 @@ def _not_differentiable(
         names = [v.name for v in reads]
         return (
             f"{where} and its subgraph reads {names} from the outer scope: ortrain's autodiff "
-            "does not differentiate control flow (graph_passes/inline_control_flow.py unrolls "
+            "does not differentiate control flow (graph_passes/prepare/inline_control_flow.py "
+            "unrolls "
             "Loops with a constant trip count, inlines Ifs with a constant condition and "
             "computes both branches of Ifs over safe ops; this one could not be)"
         )

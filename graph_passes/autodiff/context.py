@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from graph_passes.constant_value import constant_tensor
-from graph_passes.emitter import Emitter, static_shape
-from graph_passes.interface import CPU_DOMAIN
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.infra.constant_value import constant_tensor
+from ortrain.graph_passes.infra.emitter import Emitter, static_shape
 
 
 class GradContext:

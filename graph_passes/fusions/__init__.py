@@ -38,15 +38,15 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from graph_passes.backward_cleanup import clean_backward
-from graph_passes.fusions.bias_gelu import fuse_bias_gelu
-from graph_passes.fusions.layer_norm import fuse_layer_norm
-from graph_passes.fusions.matmul_add import fuse_matmul_add
-from graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
-from graph_passes.fusions.rms_norm import fuse_rms_norm
-from graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
-from graph_passes.pipeline import Pass
-from graph_passes.sink_row_scale import sink_row_scales
+from ortrain.graph_passes.cleanup.backward_cleanup import clean_backward
+from ortrain.graph_passes.fusions.bias_gelu import fuse_bias_gelu
+from ortrain.graph_passes.fusions.layer_norm import fuse_layer_norm
+from ortrain.graph_passes.fusions.matmul_add import fuse_matmul_add
+from ortrain.graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
+from ortrain.graph_passes.fusions.rms_norm import fuse_rms_norm
+from ortrain.graph_passes.fusions.sink_row_scale import sink_row_scales
+from ortrain.graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
+from ortrain.graph_passes.infra.pipeline import Pass
 
 
 @dataclasses.dataclass(frozen=True)

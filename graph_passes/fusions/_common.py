@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from graph_passes.constant_value import constant_tensor
+from ortrain.graph_passes.infra.constant_value import constant_tensor
 
 MS_DOMAIN = "com.microsoft"
 STANDARD = ("", "ai.onnx")

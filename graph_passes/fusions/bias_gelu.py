@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions.bias_gelu import BiasGeluFusion
 
-from graph_passes.fusions._common import MS_DOMAIN, apply, dims, typed
+from ortrain.graph_passes.fusions._common import MS_DOMAIN, apply, dims, typed
 
 
 def _check_bias(result: pattern.MatchResult, x: ir.Value, bias: ir.Value):

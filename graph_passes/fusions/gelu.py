@@ -23,7 +23,7 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from graph_passes.fusions._common import MS_DOMAIN
+from ortrain.graph_passes.fusions._common import MS_DOMAIN
 
 # ``0.5 * x * (1 + f)`` in the three ways exporters associate the products: HF's
 # ``(x * 0.5) * (1 + f)``, TorchScript's ``(x * (1 + f)) * 0.5`` and ``x * ((1 + f) * 0.5)``

@@ -27,7 +27,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from graph_passes.fusions._common import apply, dims, ints, scalar
+from ortrain.graph_passes.fusions._common import apply, dims, ints, scalar
 
 _FLOATS = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from graph_passes.fusions._common import MS_DOMAIN, apply, dims, typed
+from ortrain.graph_passes.fusions._common import MS_DOMAIN, apply, dims, typed
 
 
 class MatMulAddToGemm(pattern.RewriteRuleClassBase):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from graph_passes.fusions._common import MS_DOMAIN, apply, dims, scalar, typed
+from ortrain.graph_passes.fusions._common import MS_DOMAIN, apply, dims, scalar, typed
 
 _FLAGS = ("transA", "transB")
 

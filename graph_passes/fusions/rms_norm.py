@@ -24,7 +24,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_ruleset
 
-from graph_passes.fusions._common import STANDARD, apply
+from ortrain.graph_passes.fusions._common import STANDARD, apply
 
 
 def fuse_rms_norm(model: ir.Model) -> int:

@@ -25,7 +25,7 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import (
     SkipRmsNormFusion,
 )
 
-from graph_passes.fusions._common import MS_DOMAIN, apply
+from ortrain.graph_passes.fusions._common import MS_DOMAIN, apply
 
 
 def provably_same_shape(a: ir.Value, b: ir.Value) -> bool:

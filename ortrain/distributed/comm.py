@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ortrain.core.errors import RankFailureError
 from ortrain.distributed.health import RankHealth
-from ortrain.errors import RankFailureError
 
 
 class Comm:

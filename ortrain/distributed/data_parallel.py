@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain import checkpoint
+from ortrain.core.errors import CheckpointError
+from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
 from ortrain.distributed.layout import FlatLayout
-from ortrain.errors import CheckpointError
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer
@@ -80,4 +81,4 @@ class DataParallel:
             raise CheckpointError(f"rank 0 could not write the checkpoint {path}") from error
 
     def load_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
-        checkpoint.load(trainer, path)
+        sharded_checkpoint.load_any(trainer, path)

@@ -29,12 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ortrain.errors import OrtrainError
-from ortrain.optim.spec import group_values
+from ortrain.core.errors import OrtrainError
+from ortrain.optim.from_torch import group_values
 
 if TYPE_CHECKING:
-    import onnx_ir as ir
-
     from ortrain.build import BuiltGraph
     from ortrain.distributed.comm import Comm
     from ortrain.trainer import ORTTrainer
@@ -98,17 +96,6 @@ def trainer_fields(trainer: ORTTrainer) -> Fields:
     scaling = options.resolved_loss_scale
     fields.append(("TrainerOptions.loss_scale", "None" if scaling is None else repr(scaling)))
     return fields
-
-
-def graph_signature(model: ir.Model) -> list[tuple[str, str]]:
-    """(name, "dtype shape") of each input and output of a built graph (build job side)."""
-    out = []
-    for kind, values in (("input", model.graph.inputs), ("output", model.graph.outputs)):
-        for v in values:
-            dims = [d if isinstance(d, int) else str(d) for d in v.shape.dims] if v.shape else None
-            dtype = v.dtype.name if v.dtype is not None else "?"
-            out.append((f"{kind} {v.name}", f"{dtype} {dims}"))
-    return out
 
 
 def graph_fields(built: BuiltGraph, grad_params: Sequence[str]) -> Fields:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain import checkpoint
+from ortrain.core.errors import CheckpointError
 from ortrain.distributed.layout import FlatLayout
-from ortrain.errors import CheckpointError
 
 if TYPE_CHECKING:
     from ortrain.distributed.sharded_state import ShardedState
@@ -188,6 +188,18 @@ def consolidate(path: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, 
 
 def read_consolidated(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
     return consolidate(path, read_manifest(trainer, path))
+
+
+def read_any(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
+    """The full state dict in a checkpoint of either kind: a file, or a sharded folder
+    (consolidated: any world size, a single process included, reads it)."""
+    if is_sharded(Path(path)):
+        return read_consolidated(trainer, path)
+    return checkpoint.read(trainer, path)
+
+
+def load_any(trainer: ORTTrainer, path: str | os.PathLike) -> None:
+    checkpoint.load_trainer_state_dict(trainer, read_any(trainer, path))
 
 
 def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) -> None:

@@ -8,7 +8,7 @@ shard of it, and of the equally laid out flat gradient buffer. Per optimizer ste
     reduce-scatter  -> this rank's shard of the flat gradients holds their sum
     partial norm    -> (clipping) sum of squares of the shard's scaled gradients
     all-reduce      -> (clipping) the global squared norm: every rank clips alike
-    update graph    -> the shard's pieces only (graph_passes/zero.py), in place;
+    update graph    -> the shard's pieces only (graph_passes/training/zero.py), in place;
                        moments exist for the shard only
     all-gather      -> every rank's updated shard into the flat parameters
 
@@ -25,13 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graph_passes.optimizer.update_graph import state_key
-from graph_passes.zero import build_partial_norm_graph, build_shard_update_graph, check_shardable
 from ortrain import checkpoint
+from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
 from ortrain.distributed.layout import FlatLayout, Piece
-from ortrain.optim.spec import OptimizerSpec
+from ortrain.graph_passes.training.optimizer.update_graph import state_key
+from ortrain.graph_passes.training.zero import (
+    build_partial_norm_graph,
+    build_shard_update_graph,
+    check_shardable,
+)
 from ortrain.runtime.session import BoundSession, make_session
 
 if TYPE_CHECKING:

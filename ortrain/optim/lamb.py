@@ -11,7 +11,7 @@ import torch
 class Lamb(torch.optim.Optimizer):
     r"""LAMB: Adam-style update rescaled per parameter tensor by a layer-wise trust ratio.
 
-    The training graph (``graph_passes/optimizer/lamb.py``) re-implements exactly these
+    The training graph (``graph_passes/training/optimizer/lamb.py``) re-implements exactly these
     semantics. For each parameter ``p`` whose ``.grad`` ``g`` is not None (sparse gradients
     raise ``RuntimeError``), with state ``step`` (float32 0-dim tensor), ``exp_avg`` ``m``
     and ``exp_avg_sq`` ``v`` (zeros like ``p``, created at its first step)::

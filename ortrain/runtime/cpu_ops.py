@@ -323,7 +323,7 @@ def use_blas_gemm(choice: str, device_type: str = "cpu") -> bool:
 
 def has_sgemm_batch() -> bool:
     """Whether torch's BLAS has MKL's ``sgemm_batch`` (``ortrain.blas.BatchMatMul`` pays
-    only with it: graph_passes/blas_batch_matmul.py)."""
+    only with it: graph_passes/targets/cpu/blas_batch_matmul.py)."""
     try:
         return _torch_blas()[1] is not None
     except CpuOpsLibraryError:

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graph_passes.interface import state_key
+from ortrain.core.names import state_key
+from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
 from ortrain.distributed.layout import FlatLayout
-from ortrain.optim.spec import GroupSpec, OptimizerSpec
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graph_passes.interface import state_key
-from ortrain.errors import UnsupportedOptimizerError
+from ortrain.core.errors import UnsupportedOptimizerError
+from ortrain.core.names import state_key
 from ortrain.runtime import kernels
 from ortrain.runtime.flat_update import FlatUpdate
 

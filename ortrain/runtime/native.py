@@ -21,7 +21,7 @@ import os
 import platform
 from pathlib import Path
 
-from ortrain.errors import OrtrainError
+from ortrain.core.errors import OrtrainError
 
 PACKAGE = "ortrain._native"
 ISAS = ("baseline", "avx2", "avx512")

@@ -19,9 +19,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from graph_passes.interface import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain.build import BuiltGraph, serialize_for_ort
-from ortrain.errors import DeviceError
+from ortrain.core.errors import DeviceError
+from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain.runtime import cpu_ops
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # Keep ONNX Runtime from deleting Dropout nodes: training graphs need live masks.
 DISABLED_OPTIMIZERS = ["EliminateDropout"]
-# Graphs with recomputed copies (graph_passes/recompute.py) also keep ONNX Runtime's CSE
+# Graphs with recomputed copies (graph_passes/memory/recompute.py) also keep ONNX Runtime's CSE
 # off: it would merge each copy back into the forward value it stands in for.
 RECOMPUTE_DISABLED = ["CommonSubexpressionElimination"]
 
@@ -97,7 +97,7 @@ def providers(
 
 
 # One CPU arena for all of ortrain's sessions (gradient graphs, update, eval), so that a
-# graph per label-row count (graph_passes/label_sparsity.py) does not keep an activation
+# graph per label-row count (graph_passes/training/label_sparsity.py) does not keep an activation
 # arena of its own. Sessions opt in one by one: other sessions of the process are
 # unaffected.
 #
@@ -166,7 +166,7 @@ def make_session(
     if threads is not None:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    if blas:  # ortrain.blas.Gemm nodes (graph_passes/blas_gemm.py)
+    if blas:  # ortrain.blas.Gemm nodes (graph_passes/targets/cpu/blas_gemm.py)
         so.register_custom_ops_library(str(cpu_ops.blas_library_path()))
     elif kernels:  # ortrain.cpu fused backward kernels (rules/nn.py)
         so.register_custom_ops_library(str(cpu_ops.library_path()))

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graph_passes.interface import state_key
+from ortrain.core.names import state_key
 from ortrain.runtime.flat_update import FlatUpdate
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ def register_all() -> None:
     if _done:
         return
     _done = True
-    from graph_passes.autodiff.rules import (  # noqa: F401
+    from ortrain.graph_passes.autodiff.rules import (  # noqa: F401
         activation,
         batch_norm,
         contrib,

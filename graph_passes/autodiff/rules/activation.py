@@ -24,8 +24,8 @@ import re
 import numpy as np
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
 
 _FX_TARGET = re.compile(r"target=torch\.ops\.aten\.(\w+)\.")
 _HIERARCHY_OP = re.compile(r"'aten\.(\w+)\.\w+'\]$")

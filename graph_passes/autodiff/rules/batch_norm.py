@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
 
 
 @gradient("BatchNormalization", opsets=(9, 13))

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.autodiff.rules.nn import gelu_grad, layer_norm_backward
-from graph_passes.emitter import MS_DOMAIN
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.rules.nn import gelu_grad, layer_norm_backward
+from ortrain.graph_passes.infra.emitter import MS_DOMAIN
 
 
 def _biased(ctx: GradContext) -> ir.Value:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
 
 
 def _un(ctx: GradContext, g, i: int):
@@ -180,7 +180,7 @@ def _select_extremum(ctx: GradContext, keeps: str, loses: str):
     spread evenly over tied ones (half each for two, as torch.maximum; n inputs as amax).
     ``loses``: input 0 loses to input 1. The exported torch.clamp(x, min_t, max_t) (Max
     then Min) gives x the whole gradient on a tie instead (``keeps``), as clamp does."""
-    from graph_passes.autodiff.rules.activation import CLAMP_OPS, clamp_bound, exported_from
+    from ortrain.graph_passes.autodiff.rules.activation import CLAMP_OPS, clamp_bound, exported_from
 
     n = len(ctx.node.inputs)
     if n == 1:

@@ -11,9 +11,9 @@ import string
 import numpy as np
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient, no_gradient
-from graph_passes.autodiff.rules.reduce_more import graph_opset
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient, no_gradient
+from ortrain.graph_passes.autodiff.rules.reduce_more import graph_opset
 
 # Hardmax's one-hot output is piecewise constant in its input.
 no_gradient("Hardmax")

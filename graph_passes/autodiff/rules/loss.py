@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
 
 
 def _sample_coefficients(ctx: GradContext, labels_i: int, weights_i: int):

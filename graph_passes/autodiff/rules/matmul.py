@@ -3,9 +3,9 @@ transA/transB, com.microsoft FusedMatMul) instead of explicit Transpose nodes.""
 
 from __future__ import annotations
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.emitter import MS_DOMAIN
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.infra.emitter import MS_DOMAIN
 
 
 def _prod(xs) -> int:

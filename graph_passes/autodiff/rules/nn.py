@@ -12,9 +12,9 @@ import math
 
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.interface import CPU_DOMAIN
+from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
 
 
 @gradient("Softmax", opsets=(13, None))

@@ -1,6 +1,6 @@
 """Ops through which no gradient flows, and ops that must not be differentiated."""
 
-from graph_passes.autodiff.registry import no_gradient, not_differentiable
+from ortrain.graph_passes.autodiff.registry import no_gradient, not_differentiable
 
 # Piecewise-constant or integer-valued outputs: nothing flows back.
 no_gradient(

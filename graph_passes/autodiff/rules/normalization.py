@@ -18,9 +18,9 @@ import math
 
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.autodiff.rules.nn import layer_norm_backward
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.rules.nn import layer_norm_backward
 
 
 def _grouped_norm(

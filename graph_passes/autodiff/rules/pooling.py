@@ -28,10 +28,10 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.autodiff.rules.conv import explicit_pads, weight_grad
-from graph_passes.constant_value import constant_tensor
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.rules.conv import explicit_pads, weight_grad
+from ortrain.graph_passes.infra.constant_value import constant_tensor
 
 
 def _unsupported(ctx: GradContext, what: str) -> NotImplementedError:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
 
 
 def _axes(ctx: GradContext) -> list[int]:

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.autodiff.rules.reduce import _axes
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.autodiff.rules.reduce import _axes
 
 # The exporter's record of the aten op a node came from. ``torch.max(x, dim)`` and
 # ``torch.min(x, dim)`` export to ReduceMax/ReduceMin like ``amax``/``amin``, but torch sends

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from graph_passes.autodiff.context import GradContext
-from graph_passes.autodiff.registry import gradient
-from graph_passes.tags import PADDING_IDX
+from ortrain.graph_passes.autodiff.context import GradContext
+from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.infra.tags import PADDING_IDX
 
 
 def _reshape_back(ctx: GradContext):

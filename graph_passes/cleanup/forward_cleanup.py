@@ -1,0 +1,119 @@
+"""Forward cleanup before autodiff: constant folding, CSE and dead-code removal.
+
+onnxscript's optimizer does all three (with its default no-op rewrites: identity
+Reshape/Cast/Expand, collapsed Slices): constant subexpressions the exporter left
+(shape arithmetic, causal masks built from ``arange``) become initializers, so autodiff
+never sees them. Parameters are graph inputs, never initializers, so no weight is
+folded into a constant. The size limits keep big constants computed: folding a
+[seq, seq] mask is fine, folding a broadcast [batch, heads, seq, seq] one would add
+megabytes to the model.
+
+Run it after ``seed_dropouts``: every Dropout then carries its own seed, so CSE cannot
+merge two independent Dropouts that read one input.
+
+The pass list is onnxscript's ``optimize_ir`` with one change: its no-op rules match the
+constant with a tolerance (``x + 0`` also matches ``x + 1e-12``, which deleted a
+LayerNorm's epsilon and divided by a zero variance); here ``x + c``, ``x - c``, ``x * c``
+and ``x / c`` are dropped only for a one-element ``c`` exactly 0 or 1 that does not
+broadcast ``x``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript import rewriter
+from onnxscript.optimizer import _constant_folding
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter.rules.common import _no_op
+
+from ortrain.graph_passes.infra.constant_value import constant_tensor
+
+FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
+FOLD_OUTPUT_LIMIT = 1 << 20  # elements: folded results larger than this are not kept
+
+
+def clean_forward(model: ir.Model) -> None:
+    unseeded = [
+        n.name for n in model.graph if n.op_type == "Dropout" and "seed" not in n.attributes
+    ]
+    if unseeded:
+        raise ValueError(
+            f"clean_forward: Dropout nodes {unseeded[:3]} have no seed; run seed_dropouts "
+            "first or CSE may merge independent masks"
+        )
+    cleanup = ir.passes.Sequential(
+        common_passes.InlinePass(),
+        ir.passes.PassManager(
+            [
+                _constant_folding.FoldConstantsPass(
+                    shape_inference=True,
+                    input_size_limit=FOLD_INPUT_LIMIT,
+                    output_size_limit=FOLD_OUTPUT_LIMIT,
+                ),
+                rewriter.RewritePass(CLEANUP_RULES),
+                common_passes.RemoveUnusedNodesPass(),
+                common_passes.RemoveUnusedFunctionsPass(),
+                common_passes.RemoveUnusedOpsetsPass(),
+            ],
+            steps=2,
+            early_stop=True,
+        ),
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common_passes.LiftSubgraphInitializersToMainGraphPass(),
+        common_passes.DeduplicateInitializersPass(),
+        common_passes.CommonSubexpressionEliminationPass(),
+        common_passes.OutputFixPass(),
+        common_passes.NameFixPass(),
+    )
+    cleanup(model)
+
+
+class ExactNoOp(pattern.RewriteRuleClassBase):
+    """``x op c`` → ``x`` where ``c`` is exactly the identity element of ``op``."""
+
+    def __init__(self, op_type: str, identity: float):
+        super().__init__(name=f"Exact{op_type}{identity:g}")
+        self.op_type, self.identity = op_type, identity
+
+    def pattern(self, op, x, c):
+        return getattr(op, self.op_type)(x, c)
+
+    def check(self, context, x, c) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        t = constant_tensor(c)
+        if t is None:
+            return result.fail("not a constant", c)
+        arr = np.asarray(t.numpy())
+        if arr.size != 1 or float(arr.reshape(-1)[0]) != self.identity:
+            return result.fail(f"not exactly {self.identity:g}", c)
+        if x.shape is None or len(arr.shape) > len(x.shape):
+            return result.fail("the constant may broadcast x", c)
+        return result
+
+    def rewrite(self, op, x, c):
+        return op.Identity(x)
+
+
+_EXACT_NO_OPS = [
+    *ExactNoOp.rule("Add", 0.0).commute(),
+    *ExactNoOp.rule("Mul", 1.0).commute(),
+    ExactNoOp.rule("Sub", 0.0),
+    ExactNoOp.rule("Div", 1.0),
+]
+
+
+def _arithmetic(rule: pattern.RewriteRule) -> bool:
+    """Whether one of onnxscript's no-op rules is x+0, x-0, x*1 or x/1 (tolerant matches;
+    tests/test_passes.py checks that ``x + 1e-12`` survives, should this stop finding them)."""
+    root = rule._target_pattern.outputs[0].producer()
+    return root is not None and root.op_type in ("Add", "Sub", "Mul", "Div")
+
+
+_TOLERANT = {id(r) for r in _no_op.rules.rules if _arithmetic(r)}
+CLEANUP_RULES = (
+    *_EXACT_NO_OPS,
+    *(r for r in rewriter._DEFAULT_REWRITE_RULES if id(r) not in _TOLERANT),
+)

@@ -1,0 +1,61 @@
+"""Errors a user of ortrain can meet; each message says what and where."""
+
+from ortrain.core.names import GradientError
+
+
+class OrtrainError(RuntimeError):
+    """Base class of ortrain's own errors."""
+
+
+class ExportError(OrtrainError):
+    """The module could not be exported to ONNX."""
+
+
+class UnsupportedOptimizerError(OrtrainError, TypeError):
+    """The torch optimizer or one of its options has no in-graph implementation."""
+
+
+class BatchError(OrtrainError, ValueError):
+    """A batch the compiled graph cannot take (names, dtypes)."""
+
+
+class NonFiniteLossError(OrtrainError, FloatingPointError):
+    """The loss became NaN/Inf; the step was not applied."""
+
+
+class DeviceError(OrtrainError):
+    """The requested device cannot run ONNX Runtime sessions here."""
+
+
+class CheckpointError(OrtrainError, ValueError):
+    """A checkpoint that does not belong to this model/optimizer."""
+
+
+class RankFailureError(OrtrainError):
+    """Another rank died, or did not reach a collective within ``TrainerOptions.dist_timeout``.
+
+    ``ranks`` holds the global ranks found responsible (empty when none could be named).
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "ExportError",
+    "GradientError",
+    "NonFiniteLossError",
+    "OrtrainError",
+    "RankFailureError",
+    "UnsupportedOptimizerError",
+]
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (ONNX Runtime and the exporter write
+    pages), or its type name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
