@@ -304,8 +304,8 @@ def export_forward(
     """Export ``module`` on ``batch`` (a normalized name -> value mapping).
 
     On Linux CPU the exporter runs in a forked child that sends the graph back
-    (``ortrain/forked.py``): what dynamo and the exporter leave behind (~60 MB for GPT-2
-    tiny, ~100 MB for GPT-2 small, never returned to the OS) stays out of this process.
+    (``ortrain/forked.py``): what dynamo and the exporter leave behind (never returned to
+    the OS) stays out of this process.
     """
     warn_sdpa(module)
     export = functools.partial(export_here, module, batch, train, loss_fn, with_outputs)

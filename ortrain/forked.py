@@ -2,8 +2,8 @@
 
 The ONNX export and the graph passes allocate a lot that Python and the C libraries
 never hand back to the OS (dynamo's and the exporter's caches, onnxscript's rewriter,
-protobuf arenas, ~100 MB for GPT-2 small), and importing the pass libraries alone costs
-the process ~30 MB. A job run in a fork of the training process sees the module and the
+protobuf arenas), and importing the pass libraries alone costs the process memory it
+keeps. A job run in a fork of the training process sees the module and the
 batch as they are (copy-on-write) and sends back only its pickled result, so none of
 that lands in the process that trains.
 

@@ -30,10 +30,10 @@ class TrainerOptions:
         CMake); "torch": torch's fused Adam/AdamW kernels (``fused=True``'s) over flat
         buffers; "backward": each parameter's Adam/AdamW update inside the training
         graph, right after its gradient is made (CPU, one process, fp32, no accumulation,
-        clipping or loss scaling): no gradient buffers at all (GPT-2 small's peak RSS
-        2793 -> 2393 MiB), and ``trainer.grads`` stays empty; "auto" (default): "backward" where it
-        applies, else on CUDA the kernels when built, on CPU torch's for Adam/AdamW in a
-        single process, the graph otherwise.
+        clipping or loss scaling): no gradient buffers at all (a gradient dies at its
+        update, which lowers the peak), and ``trainer.grads`` stays empty; "auto" (default):
+        "backward" where it applies, else on CUDA the kernels when built, on CPU torch's
+        for Adam/AdamW in a single process, the graph otherwise.
     grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
         so N micro-batches of size b train like one batch of size N*b.
     max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off;
@@ -65,13 +65,13 @@ class TrainerOptions:
         (``RecomputePolicy.CHEAP_OPS``); ``trainer.memory_report()`` shows what is kept.
     cpu_gemm: what runs the fp32 matrix products of CPU graphs. "onnxruntime": ONNX
         Runtime's own (MLAS); "blas": ``ortrain.blas.Gemm``, a custom op calling the BLAS
-        torch loaded (MKL on x86), compiled on first use with the system C compiler
-        (``ortrain/runtime/cpu_ops.py``); "auto" (default): "blas" on Intel CPUs when
+        torch loaded (MKL on x86), built with the package (``CMakeLists.txt``; loaded by
+        ``ortrain/runtime/native.py``); "auto" (default): "blas" on Intel CPUs when
         torch has MKL and the op builds, MLAS elsewhere (MLAS is the faster one on AMD).
     cpu_kernels: what runs the fp32 GELU, LayerNorm and Softmax backwards, the Softmaxes
         (with an attention mask's Add) and the embedding gradients of CPU graphs.
         "ortrain": fused kernels of ortrain's CPU op library (``ortrain.cpu`` domain,
-        ``ortrain/runtime/grad_kernels.c``, ``softmax.c``, built on first use like
+        ``ortrain/runtime/grad_kernels.c``, ``softmax.c``, the same library as
         ``cpu_gemm``'s op);
         "onnxruntime": chains of standard ONNX ops (stock onnxruntime has no training
         kernels); "auto" (default): "ortrain" when the library builds, with a warning
