@@ -24,10 +24,11 @@ from onnx import TensorProto, helper
 
 from ortrain import TrainerOptions
 from ortrain.core.names import BLAS_DOMAIN
-from ortrain.graph_passes.targets.cpu import blas_batch_matmul
 from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
+from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
 from ortrain.runtime import cpu_ops
 from tests.test_blas_gemm import _library
+from tests.test_cpu_cost_model import cost
 from tests.test_model_families import FAMILIES, NO_DROPOUT, Family, _batch, _trains_like_eager
 
 F32 = TensorProto.FLOAT
@@ -186,7 +187,7 @@ def test_pass_folds_head_transposes_into_the_products() -> None:
     lib = _batch_library()
     proto = _attention()
     model = _typed(proto, 2, 16, 4, 8)
-    assert lower_batch_matmul(model, min_flops=0) == 3
+    assert lower_batch_matmul(model, cost(batch_matmul_min_flops=0)) == 3
     ops = {n.outputs[0].name: n for n in model.graph}
     scores, ctx, pp = ops["scores"], ops["out"].inputs[0].producer(), ops["pp"]
     assert ctx is not None and ctx.op_type == "BatchMatMul" and ctx.domain == BLAS_DOMAIN
@@ -210,8 +211,8 @@ def test_pass_folds_head_transposes_into_the_products() -> None:
 def test_pass_threshold_counts_flops() -> None:
     model = _typed(_attention(b=1, s=8, h=2, d=4), 1, 8, 2, 4)
     # Q K^T: 2 * 2 heads * 8 * 8 * 4 = 1024 flops; P V the same; P P: 2048
-    assert lower_batch_matmul(model, min_flops=1025) == 1
-    assert lower_batch_matmul(model, min_flops=1024) == 2
+    assert lower_batch_matmul(model, cost(batch_matmul_min_flops=1025)) == 1
+    assert lower_batch_matmul(model, cost(batch_matmul_min_flops=1024)) == 2
 
 
 # --------------------------------------------------------------------------- training
@@ -230,7 +231,7 @@ def test_trains_like_eager_with_batched_products_on_mkl(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _batch_library()
-    monkeypatch.setattr(blas_batch_matmul, "MIN_FLOPS", 0.0)  # the forked build inherits it
+    monkeypatch.setenv(COST_ENV, "batch_matmul_min_flops=0")  # the forked build inherits it
     family = MODELS[name]
     g = torch.Generator().manual_seed(3)
     batches = [_batch(family.batch, g) for _ in range(3)]

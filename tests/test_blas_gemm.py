@@ -20,9 +20,10 @@ import torch
 from onnx import TensorProto, helper
 
 from ortrain import TrainerOptions
-from ortrain.graph_passes.targets.cpu import blas_gemm
 from ortrain.graph_passes.targets.cpu.blas_gemm import BLAS_DOMAIN, lower_gemm_to_blas
+from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV, CpuCostModel
 from ortrain.runtime import cpu_ops
+from tests.test_cpu_cost_model import cost
 from tests.test_model_families import FAMILIES, NO_DROPOUT, Family, _batch, _trains_like_eager
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -83,7 +84,7 @@ def test_pass_moves_eligible_products_and_keeps_the_rest() -> None:
             "xd": (F32, ["batch", 8]),
         },
     )
-    assert lower_gemm_to_blas(model, min_flops=0) == 4
+    assert lower_gemm_to_blas(model, cost(gemm_min_flops=0)) == 4
     moved = {n.outputs[0].name for n in model.graph if n.domain == BLAS_DOMAIN}
     assert moved == {"linear", "gemm", "gemm_t", "fused"}
     assert all(n.op_type == "Gemm" for n in model.graph if n.domain == BLAS_DOMAIN)
@@ -107,10 +108,10 @@ def test_pass_threshold_counts_flops() -> None:
     """2 M N K: [2, 3, 8] x [8, 4] is 384 FLOPs; the default threshold keeps it."""
     inputs = {"x": (F32, [2, 3, 8]), "w": (F32, [8, 4])}
     model = _graph([helper.make_node("MatMul", ["x", "w"], ["y"])], inputs)
-    assert lower_gemm_to_blas(model) == 0 and blas_gemm.MIN_FLOPS > 384
+    assert lower_gemm_to_blas(model) == 0 and CpuCostModel.for_machine().gemm_min_flops > 384
     assert BLAS_DOMAIN not in model.opset_imports
-    assert lower_gemm_to_blas(model, min_flops=385) == 0
-    assert lower_gemm_to_blas(model, min_flops=384) == 1
+    assert lower_gemm_to_blas(model, cost(gemm_min_flops=385)) == 0
+    assert lower_gemm_to_blas(model, cost(gemm_min_flops=384)) == 1
 
 
 # --------------------------------------------------------------------------- the op
@@ -194,7 +195,7 @@ MODELS = {
 def test_trains_like_eager_on_the_blas_op(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every eligible product of the gradient and eval graphs on the op (threshold 0)."""
     _library()
-    monkeypatch.setattr(blas_gemm, "MIN_FLOPS", 0.0)  # the forked build inherits it
+    monkeypatch.setenv(COST_ENV, "gemm_min_flops=0")  # the forked build inherits it
     family = MODELS[name]
     g = torch.Generator().manual_seed(1)
     batches = [_batch(family.batch, g) for _ in range(3)]

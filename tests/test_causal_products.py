@@ -24,8 +24,8 @@ from onnx import TensorProto, helper
 
 from ortrain import TrainerOptions
 from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
-from ortrain.graph_passes.targets.cpu import blas_batch_matmul
 from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_products
+from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
 from tests.test_blas_batch_matmul import (
     _batch_library,
     _logical,
@@ -232,7 +232,7 @@ def test_gpt2_trains_like_eager_on_triangular_products(
     padded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _batch_library()
-    monkeypatch.setattr(blas_batch_matmul, "MIN_FLOPS", 0.0)  # the forked build inherits it
+    monkeypatch.setenv(COST_ENV, "batch_matmul_min_flops=0")  # the forked build inherits it
     trainer = _trains_like_eager(
         GPT2.build(), _lm_batches(3, 80, padded), options=TrainerOptions(cpu_gemm="blas")
     )

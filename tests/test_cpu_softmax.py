@@ -16,11 +16,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.names import CPU_DOMAIN
-from ortrain.graph_passes.targets.cpu.softmax import LONG_ROW, lower_softmax
+from ortrain.graph_passes.fusions.lower_cross_entropy import LOWERED_FROM
+from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel
+from ortrain.graph_passes.targets.cpu.softmax import BELOW_EXP, can_hold_masked, lower_softmax
+from tests.test_cpu_cost_model import cost
 from tests.test_grad_kernels import EPS32, _f32, _library, _run
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -132,9 +135,19 @@ def _same_outputs(proto: onnx.ModelProto, model: ir.Model, feeds: dict[str, np.n
         np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
 
 
+def _const(name: str, value: float | np.ndarray) -> onnx.NodeProto:
+    array = np.asarray(value, dtype=np.float32)
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name))
+
+
 def test_pass_takes_in_the_mask_add() -> None:
+    """The mask as torch.onnx exports it, ``Where(keep, 0, finfo.min)``: the graph shows
+    it holds masked logits."""
     mk = helper.make_node
     nodes = [
+        _const("zero", 0.0),
+        _const("lowest", MIN32),
+        mk("Where", ["keep", "zero", "lowest"], ["mask"]),
         mk("Add", ["scores", "mask"], ["z"]),
         mk("Softmax", ["z"], ["p"], axis=-1),
         mk("Add", ["mask", "scores"], ["z2"]),  # the mask first
@@ -142,15 +155,18 @@ def test_pass_takes_in_the_mask_add() -> None:
         mk("Add", ["scores", "mask"], ["z3"]),  # also an output: the Add stays
         mk("Softmax", ["z3"], ["p3"], axis=3),
     ]
-    inputs = {"scores": (F32, [2, 4, 6, 6]), "mask": (F32, [2, 1, 6, 6])}
+    inputs = {"scores": (F32, [2, 4, 6, 6]), "keep": (TensorProto.BOOL, [2, 1, 6, 6])}
     proto, model = _graph(nodes, inputs, ["p", "p2", "p3", "z3"])
     assert lower_softmax(model) == 3
-    ops = [(n.domain, n.op_type, len(n.inputs)) for n in model.graph]
-    assert ops == [(CPU_DOMAIN, "Softmax", 2)] * 2 + [("", "Add", 2), (CPU_DOMAIN, "Softmax", 1)]
+    ops = [(n.domain, n.op_type, len(n.inputs)) for n in model.graph if n.op_type != "Constant"]
+    assert ops == [("", "Where", 3)] + [(CPU_DOMAIN, "Softmax", 2)] * 2 + [
+        ("", "Add", 2),
+        (CPU_DOMAIN, "Softmax", 1),
+    ]
     assert model.opset_imports[CPU_DOMAIN] == 1
     rng = np.random.default_rng(0)
-    mask = np.where(np.triu(np.ones((6, 6), bool), 1), MIN32, 0).astype(np.float32)
-    feeds = {"scores": _f32(rng, (2, 4, 6, 6)), "mask": np.broadcast_to(mask, (2, 1, 6, 6)).copy()}
+    keep = np.tril(np.ones((6, 6), bool))
+    feeds = {"scores": _f32(rng, (2, 4, 6, 6)), "keep": np.broadcast_to(keep, (2, 1, 6, 6)).copy()}
     _same_outputs(proto, model, feeds)
 
 
@@ -165,23 +181,29 @@ def test_pass_leaves_dense_other_axis_and_half_softmaxes() -> None:
         mk("Add", ["h", "h"], ["hz"]),
         mk("Softmax", ["hz"], ["half"]),
         mk("Cast", ["half"], ["half32"], to=F32),
+        _const("fill", MIN32),
         mk("Where", ["keep", "a", "fill"], ["filled"]),  # a masked fill: moves, alone
         mk("Softmax", ["filled"], ["wp"]),
-        mk("Add", ["a", "col"], ["zc"]),  # the bias broadcasts along the last axis:
+        _const("col", [[0.0], [MIN32], [0.0]]),  # a masked row, broadcast along it:
+        mk("Add", ["a", "col"], ["zc"]),
         mk("Softmax", ["zc"], ["cp"]),  # moves, its Add stays
+        mk("Add", ["a", "bias"], ["zb"]),  # a bias the graph does not show masks: dense
+        mk("Softmax", ["zb"], ["biased"]),
+        mk("Where", ["keep", "a", "bias"], ["wb"]),  # a fill of unknown values: dense
+        mk("Softmax", ["wb"], ["wbp"]),
     ]
     inputs = {
         "a": (F32, [3, 5]),
         "b": (F32, [5, 5]),
         "bias": (F32, [1, 5]),
         "keep": (TensorProto.BOOL, [3, 5]),
-        "fill": (F32, []),
-        "col": (F32, [3, 1]),
     }
-    proto, model = _graph(nodes, inputs, ["dense", "axis0", "half32", "wp", "cp"])
+    outputs = ["dense", "axis0", "half32", "wp", "cp", "biased", "wbp"]
+    proto, model = _graph(nodes, inputs, outputs)
     assert lower_softmax(model) == 2
     by_out = {n.outputs[0].name: (n.domain, n.op_type, len(n.inputs)) for n in model.graph}
     assert by_out["dense"] == by_out["axis0"] == by_out["half"] == ("", "Softmax", 1)
+    assert by_out["biased"] == by_out["wbp"] == ("", "Softmax", 1)
     assert by_out["wp"] == by_out["cp"] == (CPU_DOMAIN, "Softmax", 1)
     assert by_out["zc"] == ("", "Add", 2)
     rng = np.random.default_rng(3)
@@ -190,23 +212,57 @@ def test_pass_leaves_dense_other_axis_and_half_softmaxes() -> None:
         "b": _f32(rng, (5, 5)),
         "bias": _f32(rng, (1, 5)),
         "keep": rng.random((3, 5)) < 0.5,
-        "fill": np.array(MIN32, np.float32),
-        "col": _f32(rng, (3, 1)),
     }
     _same_outputs(proto, model, feeds)
 
 
-def test_pass_moves_a_vocabulary_softmax() -> None:
-    """Dense rows of >= LONG_ROW (a loss head's vocabulary) move; shorter ones stay."""
+def test_pass_moves_a_loss_heads_long_rows() -> None:
+    """A loss head's dense Softmax (tagged by lower_cross_entropy.py) moves from the cost
+    model's row length; shorter rows stay, and so does an untagged one of any length."""
+    row = CpuCostModel.for_machine().softmax_loss_min_row
     mk = helper.make_node
-    nodes = [mk("Softmax", ["x"], ["p"]), mk("Softmax", ["y"], ["q"])]
-    inputs = {"x": (F32, [3, LONG_ROW]), "y": (F32, [3, LONG_ROW - 1])}
-    proto, model = _graph(nodes, inputs, ["p", "q"])
+    nodes = [mk("Softmax", [x], [y]) for x, y in (("x", "p"), ("y", "q"), ("u", "r"))]
+    for node in nodes[:2]:
+        entry = node.metadata_props.add()
+        entry.key, entry.value = LOWERED_FROM, "SoftmaxCrossEntropyLoss"
+    inputs = {"x": (F32, [3, row]), "y": (F32, [3, row - 1]), "u": (F32, [3, row])}
+    proto, model = _graph(nodes, inputs, ["p", "q", "r"])
     assert lower_softmax(model) == 1
     by_out = {n.outputs[0].name: (n.domain, n.op_type) for n in model.graph}
-    assert by_out == {"p": (CPU_DOMAIN, "Softmax"), "q": ("", "Softmax")}
+    assert by_out == {"p": (CPU_DOMAIN, "Softmax"), "q": ("", "Softmax"), "r": ("", "Softmax")}
     rng = np.random.default_rng(6)
     _same_outputs(proto, model, {n: _f32(rng, tuple(s), 4.0) for n, (_, s) in inputs.items()})
+    # the threshold moved by one: the shorter head moves too
+    _, model = _graph(nodes, inputs, ["p", "q", "r"])
+    assert lower_softmax(model, cost(softmax_loss_min_row=row - 1)) == 2
+
+
+@pytest.mark.parametrize(
+    "make,masked",
+    [
+        (lambda mk: [_const("m", MIN32), mk("Add", ["s", "m"], ["z"])], True),
+        (lambda mk: [_const("m", -1e4), mk("Add", ["s", "m"], ["z"])], True),
+        (lambda mk: [_const("m", float("-inf")), mk("Add", ["s", "m"], ["z"])], True),
+        (lambda mk: [_const("m", BELOW_EXP / 2), mk("Add", ["s", "m"], ["z"])], False),
+        # (1 - mask) * -10000, the older BERT spelling
+        (lambda mk: [_const("one", 1.0), _const("big", -1e4), mk("Sub", ["one", "f"], ["inv"]),
+                     mk("Mul", ["inv", "big"], ["m"]), mk("Add", ["s", "m"], ["z"])], True),
+        (lambda mk: [_const("m", MIN32), mk("Expand", ["m", "shape"], ["e"]),
+                     mk("Add", ["s", "e"], ["z"])], True),
+        (lambda mk: [mk("Add", ["s", "f"], ["z"])], False),  # unknown values
+        (lambda mk: [_const("m", 0.5), mk("Mul", ["s", "m"], ["z"])], False),
+    ],
+    ids=["finfo-min", "minus-1e4", "minus-inf", "above-exp-range", "scaled-mask", "expanded",
+         "graph-input", "scaled-scores"],
+)  # fmt: skip
+def test_masked_logits_are_what_the_graph_shows(make, masked: bool) -> None:
+    nodes = make(helper.make_node)
+    shape_const = numpy_helper.from_array(np.array([2, 5], np.int64), "shape")
+    nodes.insert(0, helper.make_node("Constant", [], ["shape"], value=shape_const))
+    inputs = {"s": (F32, [2, 5]), "f": (F32, [2, 5])}
+    _, model = _graph(nodes, inputs, ["z"])
+    z = next(n.outputs[0] for n in model.graph if n.outputs[0].name == "z")
+    assert can_hold_masked(z) is masked
 
 
 def test_softmax_in_its_inputs_buffer() -> None:
@@ -240,12 +296,14 @@ def test_softmax_in_its_inputs_buffer() -> None:
 def test_pass_on_opset_11_last_axis_only() -> None:
     mk = helper.make_node
     nodes = [
+        _const("m", np.where(np.arange(7) > 4, MIN32, 0.0)),
         mk("Add", ["x", "m"], ["z"]),
         mk("Softmax", ["z"], ["p"]),  # opset 11's default axis 1 is the last of a 2-D input
+        _const("m3", np.where(np.arange(4) > 2, MIN32, 0.0)),
         mk("Add", ["x3", "m3"], ["z3"]),
         mk("Softmax", ["z3"], ["p3"]),  # axis 1 of 3: flattens the last two axes
     ]
-    inputs = {"x": (F32, [4, 7]), "m": (F32, [7]), "x3": (F32, [2, 3, 4]), "m3": (F32, [4])}
+    inputs = {"x": (F32, [4, 7]), "x3": (F32, [2, 3, 4])}
     proto, model = _graph(nodes, inputs, ["p", "p3"], opset=11)
     assert lower_softmax(model) == 1
     rng = np.random.default_rng(5)

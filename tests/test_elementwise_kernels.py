@@ -18,7 +18,8 @@ import torch
 from onnx import TensorProto, helper
 
 from ortrain.core.names import CPU_DOMAIN
-from ortrain.graph_passes.targets.cpu.elementwise import MIN_ELEMENTS, lower_elementwise
+from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV, CpuCostModel
+from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
 from tests.conftest import lm_batches
 from tests.test_forward_kernels import _run, _same_outputs, train_against_eager
 from tests.test_grad_kernels import _f32, _library
@@ -73,7 +74,7 @@ def test_errors_name_the_op_and_shapes() -> None:
 # --------------------------------------------------------------------------- the pass
 def test_pass_moves_large_fp32_arithmetic() -> None:
     mk = helper.make_node
-    big, small = [8, 64, 128], [4, 8]  # 65536 elements (MIN_ELEMENTS) and 32
+    big, small = [8, 64, 128], [4, 8]  # 65536 elements (the default threshold) and 32
     nodes = [
         mk("Mul", ["x", "scale"], ["m"]),  # per-row scale: moves
         mk("Add", ["m", "w"], ["a"]),  # row vector: moves
@@ -99,7 +100,7 @@ def test_pass_moves_large_fp32_arithmetic() -> None:
     )
     proto = onnx.shape_inference.infer_shapes(proto)
     model = ir.serde.deserialize_model(proto)
-    assert 8 * 64 * 128 == MIN_ELEMENTS
+    assert 8 * 64 * 128 == CpuCostModel.for_machine().elementwise_min_elements
     assert lower_elementwise(model) == 4
     moved = [n.outputs[0].name for n in model.graph if n.domain == CPU_DOMAIN]
     assert moved == ["m", "a", "s", "t"]
@@ -115,10 +116,8 @@ def test_pass_moves_large_fp32_arithmetic() -> None:
 def test_llama_trains_like_eager_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ortrain.graph_passes.targets.cpu import elementwise as cpu_elementwise
-
     _library()
-    monkeypatch.setattr(cpu_elementwise, "MIN_ELEMENTS", 1024)  # the forked build inherits it
+    monkeypatch.setenv(COST_ENV, "elementwise_min_elements=1024")  # the forked build reads it
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=172, num_hidden_layers=2,

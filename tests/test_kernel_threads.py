@@ -52,14 +52,14 @@ def test_kernels_leave_the_team_where_the_products_are_onnxruntimes() -> None:
     assert [_team_attr(n) for n in graph.node] == [[], [0], [0], []]
     ln = graph.node[2]
     assert [a.name for a in ln.attribute] == ["epsilon", ATTRIBUTE]  # epsilon kept
-    assert place_kernel_threads(graph) == 2  # again: one attribute each, not two
+    assert place_kernel_threads(graph) == 0  # again: nothing to change, one attribute each
     assert [_team_attr(n) for n in graph.node] == [[], [0], [0], []]
 
 
 def test_kernels_stay_on_the_team_beside_blas_products() -> None:
     graph = _graph(blas=True)
     graph.node[1].attribute.append(helper.make_attribute(ATTRIBUTE, 0))  # a stale setting
-    assert place_kernel_threads(graph) == 0
+    assert place_kernel_threads(graph) == 1  # the stale one, removed
     assert all(_team_attr(n) == [] for n in graph.node)
 
 
@@ -94,7 +94,7 @@ def test_the_kernel_honours_the_attribute() -> None:
 def test_trainer_graphs_follow_their_products(gemm: str) -> None:
     if gemm == "blas":
         _blas_library()  # skips where a prerequisite is missing (no sgemm_ in torch)
-    batches = lm_batches(3, batch=8, seq=64)  # products above blas_gemm's MIN_FLOPS
+    batches = lm_batches(3, batch=8, seq=64)  # products above the cost model's gemm_min_flops
     options = TrainerOptions(cpu_gemm=gemm, cpu_kernels="ortrain")
     # SGD: parameters comparable element-wise after steps (train_against_eager's note)
     trainer = train_against_eager(

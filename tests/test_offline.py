@@ -155,7 +155,7 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
     import onnx
 
     from ortrain import offline
-    from ortrain.graph_passes.targets.cpu import blas_gemm
+    from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
     from ortrain.runtime import cpu_ops
 
     model, path = dynamic_gpt2
@@ -168,7 +168,7 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
             cpu_ops._torch_sgemm()
         except cpu_ops.CpuOpsLibraryError as exc:
             pytest.skip(f"the BLAS GEMM op cannot be built here: {exc}")
-        monkeypatch.setattr(blas_gemm, "MIN_FLOPS", 0.0)
+        monkeypatch.setenv(COST_ENV, "gemm_min_flops=0")
     moved: list[int] = []
     lower = offline.lower_gemm_to_blas
     monkeypatch.setattr(offline, "lower_gemm_to_blas", lambda m: moved.append(lower(m)))

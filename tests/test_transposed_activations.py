@@ -15,11 +15,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-import ortrain.graph_passes.targets.cpu.elementwise as cpu_elementwise
-import ortrain.graph_passes.targets.cpu.transposed_weight_grad as twg
 import ortrain.graph_passes.training_pipeline as tp
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.names import CPU_DOMAIN, HYPER_NAMES
+from ortrain.graph_passes.infra.tags import ORDERING_INPUTS_FROM
+from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV, CpuCostModel, CpuFacts
 from ortrain.graph_passes.targets.cpu.transposed_activations import write_activations_transposed
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
@@ -172,6 +172,7 @@ def _weight_grad_graph(
     other_reader: bool = False,
     output_index: int | None = None,
     ordering_reader: bool = False,
+    ordering_tag: bool = True,
     trans_a: int = 1,
     hidden: int = 12,
 ) -> tuple[ir.Model, dict[str, ir.Node]]:
@@ -223,7 +224,10 @@ def _weight_grad_graph(
         h, loss = _val("H", [len(HYPER_NAMES)]), _val("L", [])
         p, g, m, v = (_val(n, [hidden]) for n in ("P", "G", "M", "V"))
         inputs += [p, g, m, v, h, loss]
-        nodes["adam"] = ir.Node(CPU_DOMAIN, "AdamStep", [p, g, m, v, h, loss, act], name="adam")
+        tag = {ORDERING_INPUTS_FROM: "6"} if ordering_tag else {}  # as update_in_backward.py
+        nodes["adam"] = ir.Node(
+            CPU_DOMAIN, "AdamStep", [p, g, m, v, h, loss, act], name="adam", metadata_props=tag
+        )
         outputs.append(_out(nodes["adam"], 0, "done", []))
     graph = ir.Graph(inputs, outputs, nodes=list(nodes.values()), opset_imports={"": 17})
     if reshape:
@@ -297,14 +301,34 @@ def test_pass_has_the_kernel_write_the_operand_transposed(kw: dict) -> None:
         {"batch": 16, "seq": 64},  # 1024 rows: one page between rows of X^T
         {"other_reader": True},
         {"kernel": "FastGelu", "trans_a": 0},  # a plain product, rows not aliased: loses
+        # an AdamStep input the graph does not state to be ordering-only reads the data
+        {"kernel": "LayerNorm", "ordering_reader": True, "ordering_tag": False},
     ],
-    ids=["page-aliased-rows", "another-reader", "plain-product"],
+    ids=["page-aliased-rows", "another-reader", "plain-product", "untagged-update-input"],
 )
 def test_pass_leaves_what_it_should_not_rewrite(kw: dict) -> None:
     model, nodes = _weight_grad_graph(**kw)
     assert write_activations_transposed(model) == 0
     assert "out_transposed" not in nodes["kernel"].attributes
     assert nodes["gemm"].attributes["transA"].value == kw.get("trans_a", 1)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"batch": 16, "seq": 64}, {"kernel": "FastGelu", "trans_a": 0, "hidden": 1024}],
+    ids=["rows-4k-apart", "plain-product-4k-rows"],
+)
+def test_the_aliasing_stride_comes_from_the_l1_cache(kw: dict) -> None:
+    """Rows 4 KiB apart alias on a 48 KiB 12-way L1 (a 4 KiB way) but not on a 64 KiB
+    8-way one (an 8 KiB way): the decision follows the machine's facts."""
+    four_k = CpuCostModel.for_machine(CpuFacts(l1d_bytes=48 * 1024, l1d_ways=12))
+    eight_k = CpuCostModel.for_machine(CpuFacts(l1d_bytes=64 * 1024, l1d_ways=8))
+    assert (four_k.aliasing_stride, eight_k.aliasing_stride) == (4096, 8192)
+    plain = kw.get("trans_a", 1) == 0
+    # 4 KiB way: transposed rows alias (left alone) / the plain A aliases (rewritten)
+    assert write_activations_transposed(_weight_grad_graph(**kw)[0], four_k) == int(plain)
+    # 8 KiB way: nothing aliases: the transA product gains, the plain one would lose
+    assert write_activations_transposed(_weight_grad_graph(**kw)[0], eight_k) == int(not plain)
 
 
 def test_pass_leaves_an_operand_that_is_a_graph_output() -> None:
@@ -362,12 +386,11 @@ def test_a_transposed_head_gradient_reads_its_scaled_input_transposed(
 ) -> None:
     """The tied head's dW^T = Gemm(c * X, dY, transA=1) (transposed_weight_grad.py; its
     threshold lowered to this 300-row table, above the 256-row MLP): the row-scaled input
-    sink_row_scale.py made, on ortrain's Mul kernel (cpu_elementwise.py's threshold
+    sink_row_scale.py made, on ortrain's Mul kernel (elementwise.py's threshold
     lowered to its 8192 elements), is written transposed too. Adam in the backward
     against torch's kernels (eager Adam would amplify rounding noise of ~0 gradients)."""
     _library()
-    monkeypatch.setattr(twg, "MIN_ROWS", 257)
-    monkeypatch.setattr(cpu_elementwise, "MIN_ELEMENTS", 4096)
+    monkeypatch.setenv(COST_ENV, "transposed_grad_min_rows=257,elementwise_min_elements=4096")
     model = gpt2(layers=1, hidden=64, vocab=300)
     a, b = _pair(model, _adamw)
     _train_pair(a, b, lm_batches(3, vocab=300))
@@ -418,8 +441,10 @@ def test_page_aliased_token_counts_keep_the_transposed_product() -> None:
 def test_the_pass_runs_last_in_cpu_kernel_builds_only(cpu_kernels: bool) -> None:
     """Without ortrain's kernels no ``out_transposed`` can be asked for; with them it runs
     after every pass that could still move a product or its operand."""
-    build = tp.TrainingBuild("loss", [], cpu_kernels=cpu_kernels)
-    names = [p.name for p in tp.training_passes(build)]
+    passes = tp.build_pipeline(
+        tp.BuildConfig(cpu_kernels=cpu_kernels), tp.BuildInputs("loss"), tp.BuildProducts()
+    )
+    names = [p.name for p in passes if isinstance(p, tp.Pass)]  # the serialized ones: after
     assert ("transposed_activations" in names) == cpu_kernels
     if cpu_kernels:
         assert names[-1] == "transposed_activations"

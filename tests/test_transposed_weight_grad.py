@@ -15,7 +15,9 @@ from onnx import TensorProto, helper
 
 import ortrain.graph_passes.targets.cpu.transposed_weight_grad as twg
 from ortrain.core.names import CPU_DOMAIN, HYPER_NAMES
+from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
+from tests.test_cpu_cost_model import cost
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library
 from tests.test_update_in_backward import _adamw, _hyper, _pair, _train_pair, untied_llama
@@ -206,7 +208,7 @@ def _run_head(model: ir.Model, seed: int = 0) -> dict[str, np.ndarray]:
 def test_pass_makes_the_head_gradient_transposed_with_the_same_update(tied: bool) -> None:
     before = _run_head(_head_graph(tied=tied)[0])
     model, nodes = _head_graph(tied=tied)
-    assert twg.transpose_weight_gradients(model, min_rows=32) == 1
+    assert twg.transpose_weight_gradients(model, cost(transposed_grad_min_rows=32)) == 1
     gemm = nodes["gemm"]
     assert [v.name for v in gemm.inputs] == ["X", "dY"]
     assert gemm.attributes["transA"].value == 1
@@ -218,7 +220,8 @@ def test_pass_makes_the_head_gradient_transposed_with_the_same_update(tied: bool
     after = _run_head(model)
     for k in ("P", "M", "V"):  # the two products round differently: ~1 ulp of the sums
         np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    assert twg.transpose_weight_gradients(model, min_rows=32) == 0  # nothing left to do
+    # nothing left to do
+    assert twg.transpose_weight_gradients(model, cost(transposed_grad_min_rows=32)) == 0
 
 
 @pytest.mark.parametrize(
@@ -228,7 +231,7 @@ def test_pass_makes_the_head_gradient_transposed_with_the_same_update(tied: bool
 )
 def test_pass_leaves_what_it_cannot_rewrite(kw: dict, min_rows: int) -> None:
     model, nodes = _head_graph(**kw)
-    assert twg.transpose_weight_gradients(model, min_rows=min_rows) == 0
+    assert twg.transpose_weight_gradients(model, cost(transposed_grad_min_rows=min_rows)) == 0
     assert [v.name for v in nodes["gemm"].inputs] == ["dY", "X"]
     assert nodes["scatter"].op_type == "ScatterAddRows"
     assert "grad_transposed" not in nodes["adam"].attributes
@@ -237,7 +240,7 @@ def test_pass_leaves_what_it_cannot_rewrite(kw: dict, min_rows: int) -> None:
 def test_pass_leaves_a_gradient_that_is_a_graph_output() -> None:
     model, nodes = _head_graph(tied=False)
     model.graph.outputs.append(nodes["gemm"].outputs[0])
-    assert twg.transpose_weight_gradients(model, min_rows=32) == 0
+    assert twg.transpose_weight_gradients(model, cost(transposed_grad_min_rows=32)) == 0
 
 
 # ------------------------------------------------------------------------ in trainers
@@ -264,7 +267,7 @@ def test_gpt2_trains_like_torch_kernels_with_transposed_gradients(
     min_rows: int, want: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _library()
-    monkeypatch.setattr(twg, "MIN_ROWS", min_rows)
+    monkeypatch.setenv(COST_ENV, f"transposed_grad_min_rows={min_rows}")
     model = gpt2(layers=2, hidden=64, vocab=300)
     a, b = _pair(model, _adamw)
     _train_pair(a, b, lm_batches(3, vocab=300))
@@ -275,7 +278,8 @@ def test_bert_and_an_untied_llama_train_like_eager_with_transposed_gradients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _library()
-    monkeypatch.setattr(twg, "MIN_ROWS", 257)  # the 300-row tables, not the 256-row MLPs
+    # the 300-row tables, not the 256-row MLPs
+    monkeypatch.setenv(COST_ENV, "transposed_grad_min_rows=257")
     model = bert_mlm(hidden=64, layers=2, vocab=300)
     trainer = train_against_eager(model, bert_batches(3, vocab=300), torch.optim.AdamW, lr=1e-3)
     assert trainer._in_backward and _transposed(trainer) == (1, 1)

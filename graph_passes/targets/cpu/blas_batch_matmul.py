@@ -3,20 +3,19 @@
 Attention multiplies per head: ``Q @ K^T`` and ``P @ V`` in the forward, four more such
 products in the backward, each operand a batch [B, H, S, D] that a ``Transpose(0, 2, 1,
 3)`` split out of [B, S, H, D] and each result merged back by another. Under ONNX Runtime
-the products run on MLAS at half MKL's rate on Intel, and each Transpose is a copy
-(0.12 ms in gpt2-tiny's step, 32 of them). ``ortrain.blas.BatchMatMul``
-(``ortrain/runtime/blas_batch.c``) hands all of a product's matrices to MKL's
-``sgemm_batch`` in one call, reading a head of [B, S, H, D] in place (a row-major [S, D]
-matrix with leading dimension H*D): the Transposes on its operands and result fold into
-the op (``swapA`` / ``swapB`` / ``swapY``). Standalone, one product with its Transposes:
-0.41-0.48 ms on MLAS + copies, 0.22-0.26 ms here.
+the products run on MLAS, slower than MKL on Intel, and each Transpose is a copy.
+``ortrain.blas.BatchMatMul`` (``ortrain/runtime/blas_batch.c``) hands all of a product's
+matrices to MKL's ``sgemm_batch`` in one call, reading a head of [B, S, H, D] in place (a
+row-major [S, D] matrix with leading dimension H*D): the Transposes on its operands and
+result fold into the op (``swapA`` / ``swapB`` / ``swapY``), so no copy is made.
 
 A kernel choice like ``blas_gemm.py``, made right after it (it leaves batched products
 alone), on builds whose BLAS has ``sgemm_batch`` (MKL; one sgemm per matrix would be
 slower than MLAS). Rewritten: ``MatMul`` and ``FusedMatMul`` (transA, transB, alpha; no
 transBatch) of two float32 operands of equal static rank 3 or 4 with equal batch axes and
-at least ``MIN_FLOPS``. Folded (rank 4): a ``Transpose(perm=[0, 2, 1, 3])`` making an
-operand (it goes once nothing else reads it), and one that is the product's only reader.
+at least ``CpuCostModel.batch_matmul_min_flops``. Folded (rank 4): a ``Transpose(perm=[0,
+2, 1, 3])`` making an operand (it goes once nothing else reads it), and one that is the
+product's only reader.
 """
 
 from __future__ import annotations
@@ -26,17 +25,17 @@ import onnx_ir as ir
 from ortrain.core.names import BLAS_DOMAIN
 from ortrain.graph_passes.infra.emitter import MS_DOMAIN
 from ortrain.graph_passes.targets.cpu.blas_gemm import become_blas_op
+from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel, cost_or_default
 
-MIN_FLOPS = 1e7
 _STD = ("", "ai.onnx")
 _F32 = ir.DataType.FLOAT
 _SWAP = (0, 2, 1, 3)
 
 
-def lower_batch_matmul(model: ir.Model, min_flops: float | None = None) -> int:
-    """Returns the number of products rewritten (those of ``min_flops``, default
-    ``MIN_FLOPS``, or more)."""
-    least = MIN_FLOPS if min_flops is None else min_flops
+def lower_batch_matmul(model: ir.Model, cost: CpuCostModel | None = None) -> int:
+    """Returns the number of products rewritten (those of ``cost.batch_matmul_min_flops``
+    or more; ``cost`` None: this machine's model)."""
+    least = cost_or_default(cost).batch_matmul_min_flops
     graph = model.graph
     outputs = set(graph.outputs)
     count = 0

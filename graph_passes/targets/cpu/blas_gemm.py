@@ -2,22 +2,17 @@
 
 ``ortrain.blas.Gemm`` (``ortrain/runtime/blas_gemm.c``) is an ONNX Runtime custom op that
 calls the BLAS torch already loaded (MKL on x86) instead of ONNX Runtime's MLAS: on Intel
-CPUs MKL runs the products of a training step 1.1-2x faster (``benchmarks/bench_gemm.py``)
-and they are 70-85% of a transformer's gradient graph there. This is a kernel choice,
-made last on the finished graph (after autodiff, the fusions and the memory passes),
-so nothing upstream sees the custom op and no gradient rule is needed.
+CPUs MKL runs the products of a training step faster (``benchmarks/bench_gemm.py``), and
+they are most of a transformer's gradient graph there. This is a kernel choice, made last
+on the finished graph (after autodiff, the fusions and the memory passes), so nothing
+upstream sees the custom op and no gradient rule is needed.
 
-Only products of ``min_flops`` (2·M·N·K, default ``MIN_FLOPS`` = 0.1 GFLOP) or more move:
-below that MKL's gain is small against a call on its own (OpenMP) threads. Those threads
-keep spinning for a while after each call and compete for the cores with ONNX Runtime's
-threads on the ops that follow; while the backward's element-wise chains were standard
-ops that cost more than MKL gained on products under 1 GFLOP (gpt2-tiny's gradient graph
-on a 2-core Intel VM: 175.6 ms with MLAS, 176.9 ms with every product on the BLAS,
-157.5 ms with only its LM head's 4.3-GFLOP products). With the fused backward kernels
-(``ortrain.cpu``, far fewer ops after each product) the layer products (0.13-0.54 GFLOP)
-pay too: gpt2-tiny's training step 163.6 / 165.6 ms with a 1-GFLOP threshold, 156.0 /
-156.2 ms at 0.2 GFLOP, 151.9 / 150.7 ms with every product moved (``bench_train.py``,
-alternating; ``benchmarks/HISTORY.md``). GPT-2 small's products are all >= 1.2 GFLOP.
+Only products of ``CpuCostModel.gemm_min_flops`` (2·M·N·K) or more move: below that MKL's
+gain is small against a call on its own (OpenMP) threads, which keep spinning for a while
+after each call and compete for the cores with ONNX Runtime's threads on the ops that
+follow. The fused backward kernels (``ortrain.cpu``, far fewer ops after each product)
+make that competition cheaper, which is why the threshold sits below a transformer
+layer's products (``docs/benchmarks/history/`` has the runs that placed it).
 
 Cases rewritten (every operand and the result float32, the right operand 2-D, static
 shapes):
@@ -37,17 +32,18 @@ import onnx_ir as ir
 
 from ortrain.core.names import BLAS_DOMAIN
 from ortrain.graph_passes.infra.emitter import MS_DOMAIN
+from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel, cost_or_default
 
-__all__ = ["BLAS_DOMAIN", "MIN_FLOPS", "become_blas_op", "lower_gemm_to_blas"]
+__all__ = ["BLAS_DOMAIN", "become_blas_op", "lower_gemm_to_blas"]
 
-MIN_FLOPS = 1e8
 _STD = ("", "ai.onnx")
 _F32 = ir.DataType.FLOAT
 
 
-def lower_gemm_to_blas(model: ir.Model, min_flops: float | None = None) -> int:
-    """Returns the number of products rewritten (those of ``min_flops`` or more)."""
-    least = MIN_FLOPS if min_flops is None else min_flops
+def lower_gemm_to_blas(model: ir.Model, cost: CpuCostModel | None = None) -> int:
+    """Returns the number of products rewritten (those of ``cost.gemm_min_flops`` or more;
+    ``cost`` None: this machine's model)."""
+    least = cost_or_default(cost).gemm_min_flops
     count = 0
     for node in model.graph:
         attrs = _blas_attributes(node)

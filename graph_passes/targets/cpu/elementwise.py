@@ -2,15 +2,17 @@
 
 ONNX Runtime runs element-wise arithmetic on its intra-op threads, which share the cores
 with the BLAS products' OpenMP workers while those spin after each product; a Llama
-block's backward is mostly such products (rotary embeddings, RMSNorm, the SiLU gate:
-llama-tiny's gradient graph runs 141 Muls, 20 ms of 153). ortrain's kernels
-(``ortrain/runtime/elementwise_kernels.c``) run on the products' own team.
+block's backward holds many such ops (rotary embeddings, RMSNorm, the SiLU gate).
+ortrain's kernels (``ortrain/runtime/elementwise_kernels.c``) run on the products' own
+team.
 
-A kernel choice like ``cpu_softmax.py``: made last, on CPU builds with ortrain's kernel
+A kernel choice like ``softmax.py``: made last, on CPU builds with ortrain's kernel
 library. Rewritten: float32 ``Mul`` / ``Add`` / ``Sub`` whose operands have static shapes
-that broadcast (numpy rules, rank <= 8) and ``Sum`` of 2-8 float32 operands of one static
-shape, with outputs of at least ``MIN_ELEMENTS`` elements (below that ONNX Runtime's
-inline loop costs less than a hand-off to threads).
+that broadcast (numpy rules, rank <= ``MAX_RANK``) and ``Sum`` of 2 to ``MAX_SUM`` float32
+operands of one static shape, with outputs of at least
+``CpuCostModel.elementwise_min_elements`` elements (below that ONNX Runtime's inline loop
+costs less than a hand-off to threads). ``MAX_SUM`` / ``MAX_RANK`` are what the kernels
+accept (their ABI), not tuning.
 """
 
 from __future__ import annotations
@@ -18,19 +20,20 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel, cost_or_default
 
 _STD = ("", "ai.onnx")
 _F32 = ir.DataType.FLOAT
-MIN_ELEMENTS = 1 << 16
-MAX_SUM = 8  # elementwise_kernels.c
-MAX_RANK = 8
+MAX_SUM = 8  # kernel ABI: operands a Sum kernel takes (elementwise_kernels.c)
+MAX_RANK = 8  # kernel ABI: broadcast rank the kernels index (elementwise_kernels.c)
 
 
-def lower_elementwise(model: ir.Model) -> int:
-    """Returns the number of nodes rewritten."""
+def lower_elementwise(model: ir.Model, cost: CpuCostModel | None = None) -> int:
+    """Returns the number of nodes rewritten (``cost`` None: this machine's model)."""
+    least = cost_or_default(cost).elementwise_min_elements
     count = 0
     for node in model.graph:
-        if node.domain not in _STD or not _eligible(node):
+        if node.domain not in _STD or not _eligible(node, least):
             continue
         node.domain, node.version = CPU_DOMAIN, None
         count += 1
@@ -45,7 +48,7 @@ def _static(v: ir.Value | None) -> tuple[int, ...] | None:
     return tuple(int(d) for d in v.shape)
 
 
-def _eligible(node: ir.Node) -> bool:
+def _eligible(node: ir.Node, least: int) -> bool:
     if node.op_type not in ("Mul", "Add", "Sub", "Sum") or len(node.outputs) != 1:
         return False
     out = _static(node.outputs[0])
@@ -55,7 +58,7 @@ def _eligible(node: ir.Node) -> bool:
     size = 1
     for d in out:
         size *= d
-    if size < MIN_ELEMENTS:
+    if size < least:
         return False
     if node.op_type == "Sum":
         return 2 <= len(shapes) <= MAX_SUM and all(s == out for s in shapes)

@@ -2,11 +2,11 @@
 
 Between two products that run on torch's OpenMP team (``ortrain.blas``), ONNX Runtime's
 Gelu runs on its intra-op threads while the team's workers still spin, and the two share
-the cores: 0.67-1.26 ms per [512, 3072] GELU in GPT-2 small's gradient graph. ortrain's
-kernels (``ortrain/runtime/forward_kernels.c``) run on the team, with the exp the GELU
-backward kernels use.
+the cores: it takes several times what it takes alone. ortrain's kernels
+(``ortrain/runtime/forward_kernels.c``) run on the team, with the exp the GELU backward
+kernels use.
 
-A kernel choice like ``cpu_softmax.py``: made last (after ``gelu_value``, which reads the
+A kernel choice like ``softmax.py``: made last (after ``gelu_value``, which reads the
 standard op), on CPU builds with ortrain's kernel library. Rewritten: float32 ``Gelu``
 (opset 20; approximate "none" -> Gelu, "tanh" -> FastGelu) and ``com.microsoft``'s
 one-input ``Gelu`` / ``FastGelu``; a GELU with a bias input stays.

@@ -2,15 +2,15 @@
 
 In a CPU training graph the products run on torch's OpenMP team (``ortrain.blas``), whose
 workers spin a while after each product; ONNX Runtime's own LayerNormalization runs on
-its intra-op threads, which then share the cores with the spinning workers: 0.25-0.3 ms
-per call in GPT-2 small's gradient graph for one that takes 0.14 ms alone.
+its intra-op threads, which then share the cores with the spinning workers and run
+slower than alone.
 ``ortrain.cpu.LayerNorm`` (``ortrain/runtime/forward_kernels.c``) runs on the team, and
 takes in the residual stream's ``Add``: a pre-LN transformer normalizes
 ``h = x + sublayer(x)`` and keeps ``h`` for the next residual, so the kernel writes ``h``
 as its fourth output and normalizes each row while it is in cache (one pass over ``h``
 fewer, and no Add node).
 
-A kernel choice like ``cpu_softmax.py``: made last, on CPU builds with ortrain's kernel
+A kernel choice like ``softmax.py``: made last, on CPU builds with ortrain's kernel
 library (training and eval graphs). Rewritten: float32 LayerNormalization over the last
 axis only, with float32 scale (and bias). The ``Add`` is taken in when both its operands
 have its (static) shape, no broadcasting, its output is not a graph output, and the

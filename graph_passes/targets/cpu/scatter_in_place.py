@@ -5,14 +5,15 @@ weight gradient ``dW = Gemm(dLogits, X)`` plus the embedding's rows, scattered i
 ``ortrain.cpu.ScatterAddRows(dW, rows, updates)`` at the very end of the backward. Under
 ONNX Runtime's execution order (``ort_order.py``) a node that only that last scatter reads
 runs just before it, so ``dW`` is computed last and the [tokens x vocab] logit gradient
-it reads stays alive through the whole backward (gpt2-tiny: 32 MiB, GPT-2 small batch 2 x
-256: 98 MiB), and ``dW`` itself ([vocab x hidden]) is a temporary of the arena.
+it reads stays alive through the whole backward, and ``dW`` itself ([vocab x hidden]) is
+a temporary of the arena.
 
 ``scatter_into_gradients`` makes ``dW`` a graph output (``base:<grad>``) that the runtime
 binds to the same buffer as the gradient output, and the scatter adds its rows there in
 place (its kernel skips the copy when ``out`` is ``base``). An empty ``Slice`` of ``dW``,
-another graph output (``base_ready:<grad>``), is a leaf that ONNX Runtime reaches right
-after the head's other gradients, so ``dW`` runs there and the logit gradient dies early.
+another graph output (``base_ready:<grad>``, tagged ``EARLY_LEAF``), is a leaf that ONNX
+Runtime reaches right after the head's other gradients, so ``dW`` runs there and the logit
+gradient dies early.
 The graph keeps its ONNX meaning: bound apart, the outputs hold ``dW`` and ``dW`` + rows;
 the scatter still reads ``dW`` through an edge, so any execution order is correct and
 only the memory depends on ONNX Runtime's.
@@ -31,6 +32,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.infra.tags import EARLY_LEAF
 
 BASE_PREFIX = "base:"
 READY_PREFIX = "base_ready:"
@@ -56,8 +58,8 @@ def base_ready_leaves(model: ir.Model, grad_outputs: Iterable[str]) -> int:
     the sum, so ``dW`` is a temporary of the arena from where it is made to the end of
     the backward. The leaf that makes it early is added only where ``dW`` is smaller than
     what making it late keeps alive until then (the logit gradient and the head's input):
-    GPT-2 tiny's 8 MiB ``dW`` against 32 MiB of logit gradient, but not GPT-2 small's 154
-    MiB against 98, nor a label-sparse BERT head's 8 MiB against 6. Returns the leaves."""
+    a small vocabulary over many tokens, not a large one over few tokens nor a
+    label-sparse head. Returns the number of leaves added."""
     graph = model.graph
     count = 0
     for node, base, producer in _sites(graph, grad_outputs):
@@ -130,7 +132,8 @@ def _empty_slice(graph: ir.Graph, after: ir.Node, value: ir.Value, name: str) ->
         [value, zero, zero, axis],
         outputs=[out],
         name=f"{name}/Slice",
-        metadata_props=dict(after.metadata_props),  # a backward node, as its producer
+        # a backward node, as its producer; tagged so later passes know it reads no data
+        metadata_props={**after.metadata_props, EARLY_LEAF: "1"},
     )
     graph.insert_after(after, node)
     return out

@@ -2,12 +2,12 @@
 
 The cross-entropy gradient is the probabilities with -1 added at each row's label
 (``lower_cross_entropy.py``'s softmax form): ONNX Runtime's ScatterElements copies all
-[tokens x vocab] of them into a new buffer first (GPT-2 small: 98 MiB, 14.7 ms a step)
-while the probabilities die right there. ortrain's kernel offers its output in the
+[tokens x vocab] of them into a new buffer first while the probabilities die right
+there. ortrain's kernel offers its output in the
 data's buffer, so it writes only the labels' entries, and the head's backward starts with
 one [tokens x vocab] buffer instead of two (``layout_kernels.c``).
 
-A kernel choice like ``cpu_softmax.py``: CPU builds with ortrain's kernel library.
+A kernel choice like ``softmax.py``: CPU builds with ortrain's kernel library.
 Rewritten: standard ``ScatterElements`` with reduction "none" (``ScatterLast``) or "add"
 (``ScatterAddLast``; "mul" / "max" / "min" stay) along the last axis
 (``axis`` -1 or rank - 1) of float32 data of a static shape, float32 updates and int64

@@ -2,13 +2,13 @@
 
 A fused QKV projection's output is split into Q, K and V, and their gradients are
 concatenated back for the projection's backward. ONNX Runtime copies both on one
-thread (GPT-2 small: 0.46-0.6 ms per [2, 256, 2304], 12-15 ms a step); ortrain's kernels
+thread; ortrain's kernels
 (``ortrain/runtime/layout_kernels.c``) copy rows in blocks on the kernels' threads.
 
-A kernel choice like ``cpu_softmax.py``: made last, on CPU builds with ortrain's kernel
-library. Rewritten: float32 ``Split`` into 1-8 equal parts (``num_outputs``, or a
-``split`` input / attribute of equal constant sizes) and ``Concat`` of 2-8 inputs, along
-the last axis of a tensor of known rank.
+A kernel choice like ``softmax.py``: made last, on CPU builds with ortrain's kernel
+library. Rewritten: float32 ``Split`` into 1 to ``MAX_PARTS`` equal parts
+(``num_outputs``, or a ``split`` input / attribute of equal constant sizes) and ``Concat``
+of 2 to ``MAX_PARTS`` inputs, along the last axis of a tensor of known rank.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ortrain.core.names import CPU_DOMAIN
 
 _STD = ("", "ai.onnx")
 _F32 = ir.DataType.FLOAT
-MAX_PARTS = 8  # layout_kernels.c
+MAX_PARTS = 8  # kernel ABI, not tuning: the parts the kernels take (layout_kernels.c)
 
 
 def lower_split_concat(model: ir.Model) -> int:

@@ -4,13 +4,13 @@ MLAS (ONNX Runtime's CPU products) is slow on two operand layouts:
 
 - ``transA``: a Conv1D weight's gradient ``dW = X^T dY`` (``Gemm(X, dY, transA=1)``, X
   the layer's input [tokens, in]) transposes 12-column panels of X again for every 128
-  output columns; from X stored as ``X^T`` the same product is a plain one, 14-25%
-  faster on an AMD EPYC (GPT-2 small's four weight-gradient shapes at 512 tokens, one-node
-  sessions: 155-172 -> 183-201 GFLOP/s).
-- a plain A whose rows are a multiple of 4096 bytes apart (GPT-2's MLP width 3072:
-  12 KiB): the 12 rows the kernel reads at once share one set of the L1 cache. The
-  forward's ``G W_proj`` and the backward's ``dH W_fc^T`` ([512, 3072] x [3072, 768])
-  run 18.1-18.7 ms alone, 14.8-16.5 from a ``G^T`` read with ``transA`` (MLAS packs it).
+  output columns; from X stored as ``X^T`` the same product is a plain one, and faster.
+- a plain A whose rows are a multiple of the L1 way size apart
+  (``CpuCostModel.aliasing_stride``, from the machine's L1 size and associativity; GPT-2's
+  MLP width 3072 floats on a 4 KiB way): the 12 rows the kernel reads at once share one
+  set of the L1 cache and evict each other. The forward's ``G W_proj`` and the backward's
+  ``dH W_fc^T`` are such products; from a ``G^T`` read with ``transA`` MLAS packs it
+  without the conflict.
 
 Where such an operand is made by one of ortrain's kernels (the recomputed LayerNorm
 before a layer's first product, the GELU of the forward, the GELU backward's dX and the
@@ -21,14 +21,13 @@ transposed in registers, values bit for bit the plain ones) and every product th
 it flips that operand's trans flag. Only where every reader is a product's A or B
 (directly or through the Reshape to the 2-D view), some A gains and none loses (a plain
 A with unaliased rows would become ``transA``); a B only changes where MLAS packs it
-from (neutral alone: [768, 512] x [512, 3072] 12.50 vs 12.37 ms). The kernels pay a
-little for the strided writes (GPT-2 small's GELU backward 0.8 -> 1.2 ms, a LayerNorm
-0.15 -> 0.2 ms).
+from (neutral alone). The kernels pay a little for the strided writes.
 
-Not where the token count times 4 bytes is a multiple of 4096 (1024, 2048, 4096
-tokens): rows of the transposed output are then a page apart, and ``dW = (X^T) dY`` runs
-10-20% *slower* than the ``transA`` one. Products on the BLAS op (``blas_gemm.py``: MKL
-packs either way) are left alone.
+Not where the transposed output's rows (the token count times 4 bytes apart) would
+themselves be a multiple of the aliasing stride: then ``dW = (X^T) dY`` runs slower than
+the ``transA`` one. Products on the BLAS op (``blas_gemm.py``: MKL packs either way) are
+left alone. Inputs of a node past its ``ORDERING_INPUTS_FROM`` tag (an update's "run after
+this" inputs, ``update_in_backward.py``) read no data and take any shape.
 """
 
 from __future__ import annotations
@@ -38,12 +37,13 @@ import math
 import onnx_ir as ir
 
 from ortrain.core.names import CPU_DOMAIN
+from ortrain.graph_passes.infra.tags import ORDERING_INPUTS_FROM
+from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel, cost_or_default
 
-__all__ = ["ALIASING_BYTES", "write_activations_transposed"]
+__all__ = ["write_activations_transposed"]
 
-ALIASING_BYTES = 4096  # a row stride that is a multiple of this aliases in L1 (see above)
 _STD = ("", "ai.onnx")
-_ADAM_ORDERING = 6  # AdamStep(P, G, M, V, H, L, after0, ...)
+_F32_BYTES = 4
 # ortrain.cpu kernels with out_transposed, and which of their outputs it may mark
 _TRANSPOSABLE = {
     "LayerNorm": (0,), "Gelu": (0,), "FastGelu": (0,), "GeluGrad": (0, 1),
@@ -52,8 +52,10 @@ _TRANSPOSABLE = {
 _FLAG = ("transA", "transB")
 
 
-def write_activations_transposed(model: ir.Model) -> int:
-    """Returns the number of kernel outputs now written transposed."""
+def write_activations_transposed(model: ir.Model, cost: CpuCostModel | None = None) -> int:
+    """Returns the number of kernel outputs now written transposed (``cost`` None: this
+    machine's model)."""
+    stride = cost_or_default(cost).aliasing_stride
     count = 0
     for kernel in list(model.graph):
         if kernel.domain != CPU_DOMAIN or kernel.op_type not in _TRANSPOSABLE:
@@ -64,7 +66,7 @@ def write_activations_transposed(model: ir.Model) -> int:
                 continue
             value = kernel.outputs[index]
             readers = _product_readers(value)
-            if readers is None or not _pays(value, readers):
+            if readers is None or not _pays(value, readers, stride):
                 continue
             assert value.shape is not None
             rows = math.prod(value.shape.dims[:-1])
@@ -85,13 +87,15 @@ def write_activations_transposed(model: ir.Model) -> int:
 
 
 def _data_uses(value: ir.Value) -> list[tuple[ir.Node, int]]:
-    """The nodes that read ``value``'s data. An update's ordering inputs (``AdamStep``'s
-    after the sixth: "run after this", ``update_in_backward.py``) read none and take any
-    shape."""
-    return [
-        (node, i) for node, i in value.uses()
-        if not (node.op_type == "AdamStep" and node.domain == CPU_DOMAIN and i >= _ADAM_ORDERING)
-    ]  # fmt: skip
+    """The nodes that read ``value``'s data: not as an ordering input (past the reader's
+    ``ORDERING_INPUTS_FROM``), which reads none and takes any shape."""
+    return [(node, i) for node, i in value.uses() if i < _ordering_from(node)]
+
+
+def _ordering_from(node: ir.Node) -> int:
+    """The first of ``node``'s inputs that only orders it (past the last: none)."""
+    tag = node.metadata_props.get(ORDERING_INPUTS_FROM)
+    return int(tag) if tag is not None and tag.isdigit() else len(node.inputs)
 
 
 def _static(value: ir.Value) -> tuple[int, ...] | None:
@@ -132,20 +136,20 @@ def _product_readers(
     return readers or None
 
 
-def _pays(value: ir.Value, readers: list[tuple[ir.Node, int, ir.Node | None]]) -> bool:
+def _pays(value: ir.Value, readers: list[tuple[ir.Node, int, ir.Node | None]], stride: int) -> bool:
     """Some product gains and none loses: an A read with transA becomes plain, or an A
-    read plainly from rows a page apart (aliased) becomes transA; a B only changes where
-    MLAS packs it from. Never where the transposed rows would be a page apart."""
+    read plainly from rows a multiple of ``stride`` apart (aliased) becomes transA; a B
+    only changes where MLAS packs it from. Never where the transposed rows would alias."""
     dims = _static(value)
     assert dims is not None
     rows, cols = math.prod(dims[:-1]), dims[-1]
-    if rows * 4 % ALIASING_BYTES == 0:
+    if rows * _F32_BYTES % stride == 0:
         return False
     gains = False
     for gemm, i, _ in readers:
         if i != 0:
             continue
-        if gemm.attributes.get_int("transA", 0) or cols * 4 % ALIASING_BYTES == 0:
+        if gemm.attributes.get_int("transA", 0) or cols * _F32_BYTES % stride == 0:
             gains = True
         else:
             return False

@@ -3,11 +3,11 @@
 An LM head's weight gradient is ``dW = dY^T X`` (``Gemm(dY, X, transA=1)``, dY the logit
 gradient [tokens, vocab], X the head's input [tokens, hidden]). ONNX Runtime's MLAS runs
 that product by transposing 12-row panels of dY for every 128 output columns, each panel
-read across all the token rows of a [tokens, vocab] matrix (one page per row): GPT-2
-small's is its slowest product, 139 GFLOP/s against 193 for the same work as
-``dW^T = X^T dY`` (``Gemm(X, dY, transA=1)``, X's panels are small), 285 -> 205 ms on an
-AMD EPYC (BERT's 30522-row table 180 -> 123 ms; an 8192-row one 25 -> 24 ms, so only
-tables of ``MIN_ROWS`` rows or more are rewritten).
+read across all the token rows of a [tokens, vocab] matrix (one page per row), which makes
+it much slower than the same work as ``dW^T = X^T dY`` (``Gemm(X, dY, transA=1)``, X's
+panels are small). The gain grows with the rows of ``dW`` and is lost in noise on small
+tables, so only weight gradients of ``CpuCostModel.transposed_grad_min_rows`` rows or more
+are rewritten: a cost threshold on the product's size, whatever the weight is.
 
 Where the gradient's only reader is the parameter's update in the backward
 (``update_in_backward.py``; through the tied table's row scatter-add, which then adds to
@@ -15,8 +15,9 @@ columns), nothing needs ``dW`` in the parameter's layout: the product makes ``dW
 scatter becomes ``ortrain.cpu.ScatterAddColumns`` and the update reads the gradient
 transposed (``AdamStep``'s ``grad_transposed``: tiles of ``dW^T`` gathered in cache,
 the same arithmetic, bit-identical results). The early leaf ``scatter_in_place.py`` may
-hang on ``dW`` (an empty slice) only changes its declared shape. Anything else (the
-gradient a graph output, another reader, a ``C`` input, ``transB``) stays as it is.
+hang on ``dW`` (an empty slice tagged ``EARLY_LEAF``) only changes its declared shape.
+Anything else (the gradient a graph output, another reader, a ``C`` input, ``transB``)
+stays as it is.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ortrain.core.names import CPU_DOMAIN
-from ortrain.graph_passes.targets.cpu.scatter_in_place import READY_PREFIX
+from ortrain.graph_passes.infra.tags import EARLY_LEAF
+from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel, cost_or_default
 
-__all__ = ["MIN_ROWS", "transpose_weight_gradients"]
+__all__ = ["transpose_weight_gradients"]
 
-MIN_ROWS = 16384  # rows of dW from which the transposed product pays (measured above)
 _STD = ("", "ai.onnx")
 
 
-def transpose_weight_gradients(model: ir.Model, min_rows: int | None = None) -> int:
-    """Returns the number of weight gradients now made transposed."""
-    rows = MIN_ROWS if min_rows is None else min_rows
+def transpose_weight_gradients(model: ir.Model, cost: CpuCostModel | None = None) -> int:
+    """Returns the number of weight gradients now made transposed (``cost`` None: this
+    machine's model)."""
+    rows = cost_or_default(cost).transposed_grad_min_rows
     count = 0
     for node in list(model.graph):
         site = _site(node, rows)
@@ -63,7 +65,7 @@ def _is_leaf(node: ir.Node) -> bool:
     return (
         node.op_type == "Slice"
         and node.domain in _STD
-        and str(out.name).startswith(READY_PREFIX)
+        and EARLY_LEAF in node.metadata_props
         and out.is_graph_output()
         and not list(out.uses())
     )

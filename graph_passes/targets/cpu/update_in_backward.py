@@ -2,8 +2,8 @@
 is complete, so no gradient outlives its update.
 
 Without it every gradient is a graph output bound to a buffer of the trainer's, and the
-update runs after the session: the gradients of the whole model (GPT-2 small: 475 MiB)
-are resident all the time. Here each gradient is an ordinary value of the graph that an
+update runs after the session: the gradients of the whole model are resident all the
+time. Here each gradient is an ordinary value of the graph that an
 ``ortrain.cpu.AdamStep`` node (``ortrain/runtime/update_kernels.c``) reads right after it
 is made, updating the parameter and its two moments in place, and the gradient's buffer
 goes back to the arena: at most the gradients of the layer being differentiated are
@@ -20,8 +20,10 @@ and after the gradient's producers; a node that reads the parameter (or a view o
 ONNX Runtime's Reshape and friends alias their input) but is neither an ancestor of the
 gradient nor of the loss — the product with the weight that makes the layer's input
 gradient — must run before the parameter changes (views and Transposes of the parameter
-followed to their readers: ONNX Runtime aliases or folds them): its output is an extra input of the
-update ("after" inputs the kernel does not read). Each update's ``done`` output (1 when
+followed to their readers: ONNX Runtime aliases or folds them): its output is an extra
+input of the update ("after" inputs the kernel does not read; the node's
+``ORDERING_INPUTS_FROM`` tag says where they start, so later passes need not know the
+kernel's input list). Each update's ``done`` output (1 when
 applied) is a graph output no node reads: a leaf, which ``ort_order.py`` places so that
 ONNX Runtime runs it right after the gradient it reads, as it did the gradient outputs.
 """
@@ -48,10 +50,10 @@ __all__ = [
     "done_name",
     "update_in_backward",
 ]
-from ortrain.graph_passes.infra.tags import GRAD_OF
+from ortrain.graph_passes.infra.tags import GRAD_OF, ORDERING_INPUTS_FROM
 
 F = ir.DataType.FLOAT
-MAX_AFTER = 8  # ordering inputs the kernel takes (update_kernels.c)
+MAX_AFTER = 8  # kernel ABI, not tuning: ordering inputs AdamStep takes (update_kernels.c)
 DONE_PREFIX = "update_done:"
 LOSS_LEAF_PREFIX = "loss_leaf:"
 # Followed to their readers: ONNX Runtime makes these outputs aliases of their input
@@ -202,13 +204,14 @@ def update_in_backward(
             )
             graph.inputs.append(states[-1])
         done = ir.Value(name=done_name(param), shape=ir.Shape([]), type=ir.TensorType(F))
+        data = [value, grad, *states, hypers[groups[param]], loss_value]  # what it reads
         node = ir.Node(
             CPU_DOMAIN,
             "AdamStep",
-            [value, grad, *states, hypers[groups[param]], loss_value, *after],
+            [*data, *after],
             outputs=[done],
             name=f"update/{param}",
-            metadata_props={GRAD_OF: f"update of {param}"},
+            metadata_props={GRAD_OF: f"update of {param}", ORDERING_INPUTS_FROM: str(len(data))},
         )
         producers = [v.producer() for v in (grad, loss_value, *after)]
         last = max((p for p in producers if p is not None), key=lambda n: position[id(n)])
@@ -229,7 +232,7 @@ def _loss_leaf(graph: ir.Graph, loss: ir.Value) -> None:
     update's gradient, whose producer is later in the file: the loss's own reads of the
     probabilities (the labels' entries) would then wait until the head's backward had run,
     and keep them alive past the cross-entropy gradient, which could then not take their
-    buffer (gpt2-tiny: a second [tokens x vocab] buffer, +20 MiB of peak RSS). As the
+    buffer (a second [tokens x vocab] buffer). As the
     first leaf in graph order, this one makes ONNX Runtime finish the forward first."""
     producer = loss.producer()
     assert producer is not None
