@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -119,6 +120,36 @@ def decay_groups(model: torch.nn.Module, wd: float = 0.01) -> list[dict]:
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# ---------------------------------------------------------------------------- test kinds
+# Each test gets exactly one kind, from facts rather than by hand (pyproject.toml registers
+# them; tests/test_markers.py checks the result):
+#   e2e  - marked ``slow``: end-to-end runs (model training, several processes, a CLI),
+#          the tests the fast lane (``-m "not slow"``) leaves out;
+#   gpu  - in a CUDA test module (test_cuda_*.py) or with a skip mark saying it needs CUDA;
+#   unit - everything else.
+KINDS = ("unit", "e2e", "gpu")
+_NEEDS_CUDA = re.compile(r"\bneeds?\b.*\b(CUDA|GPU)\b", re.IGNORECASE)
+
+
+def kind_of(item: pytest.Item) -> str:
+    if item.get_closest_marker("slow") is not None:
+        return "e2e"
+    if item.path.name.startswith("test_cuda_"):
+        return "gpu"
+    for mark in item.iter_markers("skipif"):
+        if _NEEDS_CUDA.search(str(mark.kwargs.get("reason", ""))):
+            return "gpu"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        # A kind already marked by hand is kept, so that tests/test_markers.py sees a wrong
+        # one instead of this hook hiding it under a second kind.
+        if not any(item.get_closest_marker(k) for k in KINDS):
+            item.add_marker(kind_of(item))
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)
@@ -131,6 +162,15 @@ def _no_graph_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     shared between tests or with the user's; tests/test_build_cache.py turns it on in a
     temporary folder."""
     monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", "0")
+
+
+@pytest.fixture(autouse=True)
+def _build_child_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked build child that hangs (seen once: freeing an inherited ONNX Runtime
+    session) is killed and the build rerun in process after minutes, not the default
+    half hour; a test's builds take seconds."""
+    if "ORTRAIN_EXPORT_TIMEOUT" not in os.environ:
+        monkeypatch.setenv("ORTRAIN_EXPORT_TIMEOUT", "600")
 
 
 # ----------------------------------------------------------- kernel libraries (cuda_kernels/)

@@ -216,6 +216,7 @@ def _id(case: tuple) -> str:
     return "-".join([make.__name__, *(f"{k}={v}" for k, v in bn.items())])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_trains_like_eager(case: tuple) -> None:
     make, bn = case

@@ -226,6 +226,7 @@ MODELS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trains_like_eager_with_batched_products_on_mkl(
     name: str, monkeypatch: pytest.MonkeyPatch

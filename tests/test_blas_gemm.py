@@ -191,6 +191,7 @@ MODELS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trains_like_eager_on_the_blas_op(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every eligible product of the gradient and eval graphs on the op (threshold 0)."""

@@ -223,6 +223,7 @@ def test_varlen_training_matches_eager_with_few_graphs(make_model, mlm):
     assert trainer.build_count <= (2 if mlm else 1) * len(buckets)
 
 
+@pytest.mark.slow
 def test_eval_outputs_cut_back_to_the_batch_length():
     model = gpt2(layers=2, hidden=64)
     trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -241,6 +242,7 @@ def test_eval_outputs_cut_back_to_the_batch_length():
     assert ids.shape[1] == 48
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["no-mask", "off"])
 def test_refused_batches_build_one_graph_per_shape(case):
     model = gpt2(layers=1, hidden=32)

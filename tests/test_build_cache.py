@@ -146,6 +146,7 @@ print(model_fingerprint(gpt2(layers=2, hidden=64), None), model_fingerprint(bert
 """
 
 
+@pytest.mark.slow
 def test_fingerprints_are_the_same_in_another_process(tmp_path: Path):
     """Nothing of one process (hash seeds, addresses) gets into the key: HF models carry
     per-process values (a config's ``hash()``) that must be left out."""
@@ -274,6 +275,7 @@ def test_a_changed_loss_fn_misses(xdg: Path):
     assert [run(mse), run(mse), run(l1)] == [0, 1, 0]
 
 
+@pytest.mark.slow
 def test_a_refused_update_in_the_backward_is_remembered(xdg: Path, monkeypatch):
     """update_engine="auto" builds again without the update in the backward where the
     graph cannot run it; the next trainer skips the refused build (no export at all)."""

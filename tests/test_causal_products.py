@@ -227,6 +227,7 @@ def _lm_batches(count: int, seq: int, padded: bool) -> list[dict[str, torch.Tens
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
 def test_gpt2_trains_like_eager_on_triangular_products(
     padded: bool, monkeypatch: pytest.MonkeyPatch

@@ -128,6 +128,7 @@ FULL_DISK_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_save_onto_a_full_disk_leaves_the_old_checkpoint(tmp_path):
     """A write that runs out of room (a file-size limit) raises CheckpointError saying so,
     removes its partial file, and leaves the previous checkpoint as it was."""
@@ -212,6 +213,7 @@ def trained_checkpoint(tmp_path_factory):
     return trainer, path
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_detected(trained_checkpoint, tmp_path):
     """A bit flipped in a tensor's bytes names the tensor; one flipped anywhere else in the
     file either fails to load or changes nothing that is read."""

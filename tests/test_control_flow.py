@@ -444,6 +444,7 @@ BAG_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAG_CASES))
 def test_embedding_bag_trains_like_eager(case: str) -> None:
     bag, form, weights = BAG_CASES[case]
@@ -463,6 +464,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_embedding_bag_with_data_dependent_bags_is_refused(case: str) -> None:
     bag, form, last = REFUSED[case]
@@ -500,6 +502,7 @@ class CondModel(torch.nn.Module):
         return (h * h).mean()
 
 
+@pytest.mark.slow
 def test_torch_cond_on_a_batch_value_trains_like_eager() -> None:
     ref = CondModel()
     model = copy.deepcopy(ref)

@@ -323,6 +323,7 @@ def _gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
+@pytest.mark.slow
 def test_gpt2_attention_softmaxes_move_and_the_loss_softmax_stays() -> None:
     _library()
     model = _gpt2()

@@ -409,6 +409,7 @@ def test_missing_library_says_how_to_build(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------- CUDA
 
 
+@pytest.mark.slow
 def test_cuda_library_builds_with_nvcc(cuda_build, gpu_kernels):
     """What CI can check without a GPU: nvcc compiles every kernel and the library loads
     (the CUDA runtime is linked statically and only touches the driver when called)."""

@@ -130,6 +130,7 @@ def assert_params(params: dict[str, torch.Tensor], ref_model: torch.nn.Module) -
         assert_tensor(drop_key_bias(name, p, ref_model), drop_key_bias(name, q, ref_model), name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["dp", "zero"])
 def test_matches_single_process_on_combined_batch(trained, reference, stage):
     """Per micro-step, the mean of the ranks' losses is the single process's loss (with
@@ -145,6 +146,7 @@ def test_matches_single_process_on_combined_batch(trained, reference, stage):
     assert_params(torch.load(out / f"{stage}_params.pt"), ref_trainer.module)
 
 
+@pytest.mark.slow
 def test_one_rank_overflowing_makes_every_rank_skip_the_update(tmp_path):
     """Loss scaling across ranks: the overflow check reads the all-reduced gradients (data
     parallel) or the all-reduced sum of squares (ZeRO-1), so one rank's Inf makes every
@@ -156,6 +158,7 @@ def test_one_rank_overflowing_makes_every_rank_skip_the_update(tmp_path):
         assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
+@pytest.mark.slow
 def test_zero1_optimizer_state_is_sharded(trained, reference):
     """The OrtValues bound as optimizer state hold 1/N of the single-process state (plus
     alignment padding): each element's moments live on exactly one rank."""
@@ -172,6 +175,7 @@ def test_zero1_optimizer_state_is_sharded(trained, reference):
     assert sum(r["zero_state_bytes"]["bound"] for r in results) == single
 
 
+@pytest.mark.slow
 def test_zero1_consolidated_state_dict_equals_single_process(trained, reference):
     out, _ = trained
     ref_trainer, _ = reference
@@ -202,6 +206,7 @@ def test_zero1_consolidated_state_dict_equals_single_process(trained, reference)
                 )
 
 
+@pytest.mark.slow
 def test_zero1_sharded_checkpoint_resumes_identically(trained):
     """Save at step RESUME_AT, start both processes afresh, load: the same losses, bit for bit."""
     out, results = trained
@@ -217,6 +222,7 @@ def test_zero1_sharded_checkpoint_resumes_identically(trained):
         assert torch.equal(again[name], t), name
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoints_load_into_one_process(trained):
     """The consolidated state dict and the sharded directory both load into one rank,
     which then continues like the two ranks did."""
@@ -236,6 +242,7 @@ def test_two_rank_checkpoints_load_into_one_process(trained):
     assert_same_state(trainer.state_dict(), consolidated)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_into_three_ranks(trained):
     """3 ranks (a process group passed in) load the 2-rank shards: consolidated again on
     rank 0, the state is exactly the 2-rank one."""
@@ -260,6 +267,7 @@ def assert_same_state(loaded: dict, expected: dict) -> None:
             assert torch.equal(loaded["optimizer"]["state"][idx][s], t), (idx, s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fault,sig,timeout",
     [

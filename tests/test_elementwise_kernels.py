@@ -113,6 +113,7 @@ def test_pass_moves_large_fp32_arithmetic() -> None:
     _same_outputs(proto, model, feeds)
 
 
+@pytest.mark.slow
 def test_llama_trains_like_eager_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -30,6 +30,7 @@ def _run(model: ir.Model, feeds: dict) -> list[np.ndarray]:
     return sess.run(None, {v.name: feeds[v.name] for v in model.graph.inputs})
 
 
+@pytest.mark.slow
 def test_child_export_equals_in_process_export(monkeypatch):
     model = bert_mlm(hidden=64, layers=1)
     batch = bert_batches(1, batch=2, seq=16)[0]
@@ -171,6 +172,7 @@ print("exported", len(ex.model.graph), os.getpid())
 """
 
 
+@pytest.mark.slow
 def test_child_export_finalizes_nothing_it_inherited(tmp_path):
     # Garbage at fork time (here an ONNX Runtime session in a cycle) must not be
     # finalized in the child: a session's destructor joins thread-pool threads that the
@@ -207,6 +209,7 @@ def test_embedding_padding_idx_is_tagged_on_its_gather():
     }
 
 
+@pytest.mark.slow
 def test_pad_row_of_an_embedding_gets_no_gradient():
     """Left padding with the pad token's row in the loss (a causal LM predicting the first
     real token from the last pad): eager leaves the padding_idx row out of the gradient."""

@@ -30,6 +30,7 @@ print(*child, torch.cuda.is_available.__module__)
 """
 
 
+@pytest.mark.slow
 def test_the_child_sees_no_cuda_so_export_does_not_start_it():
     """torch.export saves the CUDA RNG state when CUDA is available; in a child forked
     after the parent asked for the device count that raised (seen on an H100 machine).
@@ -125,6 +126,7 @@ print("HEAVY", ",".join(heavy) or "-")
 """
 
 
+@pytest.mark.slow
 def test_training_process_never_imports_the_graph_libraries():
     # Export and every pass run in the child: the process that trains loads only the
     # ONNX Runtime session and the small interface module (tens of MB less resident).

@@ -366,6 +366,7 @@ def train_against_eager(
     return trainer
 
 
+@pytest.mark.slow
 def test_gpt2_trains_on_the_forward_kernels() -> None:
     _library()
     model = gpt2(layers=3, hidden=64, vocab=128)
@@ -384,6 +385,7 @@ def test_gpt2_trains_on_the_forward_kernels() -> None:
     assert len(fused) == 6  # every residual Add but the embeddings'
 
 
+@pytest.mark.slow
 def test_bert_trains_on_the_forward_kernels() -> None:
     _library()
     model = bert_mlm(hidden=64, layers=2, vocab=128)

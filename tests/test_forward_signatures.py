@@ -133,6 +133,7 @@ def _eager_loss(model, loss_fn, call, data) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_signature_trains_like_eager(case: str) -> None:
     cls, loss_fn, eager_call, our_call, names = CASES[case]

@@ -124,6 +124,7 @@ class _MLP(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h), labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_mlp_trains_like_eager_with_the_gelu_from_its_kernel(approximate: str) -> None:
     _library()

@@ -331,6 +331,7 @@ MODELS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trains_like_eager_on_the_kernels(name: str) -> None:
     _library()
@@ -351,6 +352,7 @@ def test_trains_like_eager_on_the_kernels(name: str) -> None:
         assert ops["gelu_value"] == {"Gelu": -2}, ops["gelu_value"]
 
 
+@pytest.mark.slow
 def test_onnxruntime_choice_emits_no_kernels() -> None:
     family = MODELS["gpt2"]
     batches = [_batch(family.batch, torch.Generator().manual_seed(1))]

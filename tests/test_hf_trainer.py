@@ -142,6 +142,7 @@ def gpt2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return runs
 
 
+@pytest.mark.slow
 def test_gpt2_losses_learning_rates_and_grad_norms_match_trainer(gpt2_runs):
     ours, ref = gpt2_runs["ortrain"]["trainer"], gpt2_runs["torch"]["trainer"]
     assert len(steps(ref)) == STEPS
@@ -153,11 +154,13 @@ def test_gpt2_losses_learning_rates_and_grad_norms_match_trainer(gpt2_runs):
     assert_params(ours.model, ref.model)
 
 
+@pytest.mark.slow
 def test_gpt2_eval_loss_matches_trainer(gpt2_runs):
     ours, ref = gpt2_runs["ortrain"]["eval"], gpt2_runs["torch"]["eval"]
     assert_close([ours["eval_loss"]], [ref["eval_loss"]])
 
 
+@pytest.mark.slow
 def test_checkpoint_has_trainer_layout_and_torch_optimizer_state(gpt2_runs):
     ours = gpt2_runs["ortrain"]["out"] / f"checkpoint-{SAVE_AT}"
     ref = gpt2_runs["torch"]["out"] / f"checkpoint-{SAVE_AT}"
@@ -184,6 +187,7 @@ def test_checkpoint_has_trainer_layout_and_torch_optimizer_state(gpt2_runs):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["ortrain", "torch"])
 def test_resume_from_mid_run_checkpoint_continues_the_losses(gpt2_runs, tmp_path, source):
     """From ORTHFTrainer's own checkpoint, and from a Trainer run's (no ortrain_state.pt)."""
@@ -206,6 +210,7 @@ def accuracy(pred) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_bert_classification_with_compute_metrics_matches_trainer(tmp_path):
     """Padded batches, accumulation 2, evaluation every 2 steps. The model takes
     num_items_in_batch but its loss is a mean: Trainer sums the window's gradients."""

@@ -90,6 +90,7 @@ def test_the_kernel_honours_the_attribute() -> None:
     assert runs.value == before + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gemm", ["onnxruntime", "blas"])
 def test_trainer_graphs_follow_their_products(gemm: str) -> None:
     if gemm == "blas":

@@ -221,6 +221,7 @@ def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
     assert sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs) == [8, 12, 64]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("labelled", [[55, 49, 55, 50], [2, 1, 3, 2], [30, 31, 29, 30]])
 def test_a_batch_seen_before_never_builds_again(labelled):
     # 55 labels of 64 rows: the build's headroom reaches every row (64), which spares more

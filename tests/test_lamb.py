@@ -127,6 +127,7 @@ def test_sparse_grad_raises() -> None:
         opt.step()
 
 
+@pytest.mark.slow
 def test_trains_tiny_mlp() -> None:
     torch.manual_seed(0)
     x = torch.randn(128, 4)

@@ -92,6 +92,7 @@ def test_pass_moves_last_axis_copies() -> None:
     _same_outputs(proto, model, feeds)
 
 
+@pytest.mark.slow
 def test_gpt2_qkv_copies_move_and_train_like_eager() -> None:
     _library()
     model = gpt2(layers=2, hidden=64, vocab=128)

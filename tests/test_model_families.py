@@ -146,6 +146,7 @@ def _batch(kind: str, g: torch.Generator) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_like_eager(family: str) -> None:
     kind = FAMILIES[family].batch
@@ -224,6 +225,7 @@ TASK_HEADS = {  # (model, the labels its batch carries)
 HEAD_PREFIXES = ("classifier.", "qa_outputs.", "score.")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", list(TASK_HEADS))
 def test_task_head_trains_like_eager(head: str) -> None:
     family, labels = TASK_HEADS[head]
@@ -297,6 +299,7 @@ def _assert_close_scaled(
     torch.testing.assert_close(got, ref, rtol=GRAD_RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow
 def test_lora_fine_tuning_trains_only_the_adapters() -> None:
     """PEFT LoRA on a Llama: the base weights are frozen (requires_grad=False), so only the
     adapters get gradients, the base stays bit-identical, and every loss equals eager's."""
@@ -366,6 +369,7 @@ CONV_FAMILIES = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(CONV_FAMILIES))
 def test_conv_family_trains_like_eager(family: str) -> None:
     """Gradients through Conv (graph_passes/autodiff/rules/conv.py) inside real models:

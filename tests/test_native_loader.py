@@ -210,6 +210,7 @@ def test_missing_library_says_how_to_install(native_dir: Path) -> None:
 # --------------------------------------------------------------------------- development build
 
 
+@pytest.mark.slow
 @needs_cc
 def test_development_build_in_xdg_cache(fresh: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fresh.setenv("ORTRAIN_NATIVE_DIR", str(tmp_path / "nothing-installed"))

@@ -147,6 +147,7 @@ def _build(path, out, *extra: str) -> int:
     return main([*args, "--weight-decay", "0.0", "-o", str(out), *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_gemm", ["onnxruntime", "blas"])
 def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_gemm, monkeypatch):
     """cpu_gemm="blas": every product of the loaded gradient graph on the BLAS op."""
@@ -195,6 +196,7 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
         session.train_step(input_ids=ids[:, :16], labels=ids[:, :16])
 
 
+@pytest.mark.slow
 def test_build_training_no_optimize_builds_the_plain_graph(dynamic_gpt2, tmp_path):
     import collections
     import subprocess
@@ -233,6 +235,7 @@ def test_build_training_symbolic_dims_errors(dynamic_gpt2, tmp_path, capsys, dim
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_build_training_unwritable_output_is_one_line(tmp_path):
     import subprocess
     import sys

@@ -197,6 +197,7 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["nan_loss", "run_error"])
 def test_failed_micro_batch_restarts_the_window(failure, monkeypatch):
     # the out-of-range id must fail inside ONNX Runtime, not in the batch's range check

@@ -96,6 +96,7 @@ def adamw(model):
     return torch.optim.AdamW(decay_groups(model, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,make_model,batches",
     [
@@ -124,6 +125,7 @@ def small_gpt2():
     return gpt2(layers=2, hidden=64, vocab=256)
 
 
+@pytest.mark.slow
 def test_sgd_momentum_nesterov_weight_decay():
     def opt(m):
         return torch.optim.SGD(
@@ -143,6 +145,7 @@ def test_sgd_momentum_nesterov_weight_decay():
     _check(small_gpt2, opt, lm_batches(12, vocab=256))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["auto", "graph"])
 def test_plain_sgd_and_adam_l2(engine):
     _check(small_gpt2, lambda m: torch.optim.SGD(m.parameters(), lr=0.3), lm_batches(6, vocab=256))
@@ -154,6 +157,7 @@ def test_plain_sgd_and_adam_l2(engine):
     )
 
 
+@pytest.mark.slow
 def test_lamb_matches_eager_lamb():
     from ortrain.optim import Lamb
 
@@ -164,6 +168,7 @@ def test_lamb_matches_eager_lamb():
 
 
 # "auto" updates Adam/AdamW on CPU with torch's fused kernels; "graph" with the update graph.
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["auto", "graph"])
 def test_gradient_clipping(engine):
     options = TrainerOptions(max_grad_norm=0.05, update_engine=engine)
@@ -172,6 +177,7 @@ def test_gradient_clipping(engine):
     assert (trainer.update_graph is None) == (engine == "auto")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["auto", "graph"])
 def test_gradient_accumulation_micro_batches(engine):
     _check(
@@ -182,6 +188,7 @@ def test_gradient_accumulation_micro_batches(engine):
     )
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch():
     ref = small_gpt2()
     model = copy.deepcopy(ref)
@@ -241,6 +248,7 @@ def test_frozen_parameters_get_no_gradient_nodes():
     assert f"grad:{frozen[1]}" not in outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["adamw-clip", "sgd-momentum"])
 def test_update_in_pieces_matches_eager(monkeypatch, which):
     """The update graph cuts each param group's flat buffer into chains of at most

@@ -35,6 +35,7 @@ def _model(nodes, inputs, outputs, opset=20) -> ir.Model:
     return ir.serde.deserialize_model(proto)
 
 
+@pytest.mark.slow
 def test_fuse_gelu_on_exported_gpt2_keeps_outputs():
     model = gpt2(layers=3, hidden=64, vocab=64)
     ids = torch.randint(0, 64, (2, 8))
@@ -482,6 +483,7 @@ def test_pad_as_concat_leaves_other_pads(dtype, pads, mode):
     assert _ops(model) == collections.Counter(Pad=1)
 
 
+@pytest.mark.slow
 def test_gpt2_training_graph_has_no_pad():
     """GPT-2's int64 label Pad would run on the CPU under ONNX Runtime's CUDA provider."""
     from ortrain import ORTTrainer, TrainerOptions

@@ -249,6 +249,7 @@ else:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how,told",
     [

@@ -65,6 +65,7 @@ def _check_outputs(out: Path, steps: int) -> None:
 
 
 # ----------------------------------------------------------------------------- learning
+@pytest.mark.slow
 def test_gpt2_tiny_learns_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "gpt2"
     cmd = ["ortrain", "recipe", "gpt2", "--preset", "tiny", "--steps", "200",
@@ -86,6 +87,7 @@ def test_gpt2_tiny_learns_through_the_cli(tmp_path: Path) -> None:
     assert "tokens/s" in line and "% of peak" in line and "measured" in line
 
 
+@pytest.mark.slow
 def test_bert_tiny_learns_both_phases(tmp_path: Path) -> None:
     out = tmp_path / "bert"
     cmd = [sys.executable, "-m", "ortrain.recipes.bert_pretrain", "--preset", "tiny",
@@ -129,6 +131,7 @@ def whole_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {recipe: _run(recipe, base / recipe) for recipe in RUNS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["gpt2", "bert"])
 def test_torch_backend_matches_ortrain(
     recipe: str, whole_runs: dict[str, Path], tmp_path: Path
@@ -154,6 +157,7 @@ def _interrupt_and_resume(recipe: str, out: Path, *extra: str) -> None:
     _run(recipe, out, "--resume", *extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["gpt2", "bert"])
 def test_resume_continues_the_loss_sequence_exactly(
     recipe: str, whole_runs: dict[str, Path], tmp_path: Path
@@ -164,6 +168,7 @@ def test_resume_continues_the_loss_sequence_exactly(
     assert got == _without_time(_records(whole_runs[recipe]))  # losses, lrs, grad norms, evals
 
 
+@pytest.mark.slow
 def test_resume_restores_the_torch_rng(tmp_path: Path) -> None:
     """Eager with dropout: the dropout masks after resuming come from the restored RNG."""
     extra = ("--backend", "torch", "--dropout", "0.1")
@@ -172,6 +177,7 @@ def test_resume_restores_the_torch_rng(tmp_path: Path) -> None:
     assert _without_time(_records(tmp_path / "broken")) == _without_time(_records(whole))
 
 
+@pytest.mark.slow
 def test_fp16_run_tracks_fp32_and_resumes_exactly(
     whole_runs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -528,6 +528,7 @@ E2E = {
 SLOW_E2E = {"lstm_lm_2layers_batch_first", "lstm_classifier_bidirectional_2layers_h0_c0"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_E2E else []) for n in E2E]
 )

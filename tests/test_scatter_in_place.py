@@ -171,6 +171,7 @@ def test_gpt2_tied_table_rewritten_and_trains_like_eager() -> None:
         torch.testing.assert_close(p, q, rtol=2e-4, atol=2e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_gpt2_head_gradient_runs_early_in_ort(tmp_path) -> None:
     """ONNX Runtime's profiled order: the node writing ``base:`` runs before the first
     LayerNorm backward (the last block's), so the logit gradient it reads dies there."""

@@ -137,6 +137,7 @@ def test_pass_moves_last_axis_scatters_and_states_the_shape(
     np.testing.assert_array_equal(got, want_out)
 
 
+@pytest.mark.slow
 def test_gpt2_cross_entropy_gradient_on_the_kernel() -> None:
     _library()
     model = gpt2(layers=2, hidden=64, vocab=128)

@@ -32,6 +32,7 @@ def _losses(seed: int, steps: int = 4) -> list[float]:
     return [trainer.train_step(**b).item() for b in lm_batches(steps, vocab=128)]
 
 
+@pytest.mark.slow
 def test_dropout_same_seed_identical_other_seed_differs():
     a, b, c = _losses(1), _losses(1), _losses(2)
     assert a == b
@@ -45,6 +46,7 @@ def test_dropout_same_seed_identical_other_seed_differs():
     assert first != second
 
 
+@pytest.mark.slow
 def test_dropout_training_lowers_loss_like_eager():
     """100 steps on a small fixed corpus with dropout 0.1: both backends learn it."""
     corpus = lm_batches(4, batch=4, seq=32, vocab=128, seed=7)
@@ -83,6 +85,7 @@ def test_eval_step_matches_eager_eval():
     assert trainer.step == step  # no update
 
 
+@pytest.mark.slow
 def test_new_batch_shape_compiles_a_second_graph_and_keeps_parity():
     ref = tiny()
     model = copy.deepcopy(ref)
@@ -235,6 +238,7 @@ def test_state_dict_roundtrip_and_eager_optimizer_compat():
         assert torch.equal(v, before[k])
 
 
+@pytest.mark.slow
 def test_explain_lists_build_stages_with_node_counts():
     from ortrain import explain
 
@@ -254,6 +258,7 @@ def test_explain_lists_build_stages_with_node_counts():
     assert f"Gelu +{layers}" in text
 
 
+@pytest.mark.slow
 def test_save_graphs_dir_writes_one_file_per_pass_in_order(tmp_path):
     model = tiny()
     options = TrainerOptions(save_graphs_dir=tmp_path)
@@ -267,6 +272,7 @@ def test_save_graphs_dir_writes_one_file_per_pass_in_order(tmp_path):
     assert (tmp_path / "update.onnx").exists()
 
 
+@pytest.mark.slow
 def test_one_tensor_passed_as_two_inputs_stays_two_graph_inputs():
     """``input_ids=ids, labels=ids`` on the first step, other labels later: the exporter
     made one graph input of the one tensor, and later steps fed the labels to the
@@ -318,6 +324,7 @@ def test_sdpa_attention_dropout_is_trained_through_eager_attention():
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_export_errors_name_their_cause_in_one_line():
     """No labels: the HF model returns loss=None; float ids: the model's own error, not
     the exporter's pages of advice around it."""
@@ -334,6 +341,7 @@ def test_export_errors_name_their_cause_in_one_line():
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_failing_run_applies_nothing_and_the_next_window_starts_clean(monkeypatch):
     """An out-of-range token id fails inside ONNX Runtime in the second micro-step of an
     accumulation window: a BatchError names the batch, parameters stay, and the partial
@@ -364,6 +372,7 @@ def test_failing_run_applies_nothing_and_the_next_window_starts_clean(monkeypatc
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_many_batch_shapes_warn_once_per_doubling():
     import warnings
 

@@ -359,6 +359,7 @@ def test_gpt2_trains_like_eager_with_transposed_activations() -> None:
     assert sum(n.attributes.get("transA", ir.AttrInt64("transA", 0)).value for n in gemms) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["step", "accumulate-2"])
 def test_gpt2_odd_shapes_train_like_eager_with_transposed_activations(accumulate: int) -> None:
     """111 rows (3 x 37), SGD; micro-batches accumulated into one step."""
@@ -397,6 +398,7 @@ def test_a_transposed_head_gradient_reads_its_scaled_input_transposed(
     assert _transposed(a) == {"LayerNorm": 2, "FastGeluGrad": 1, "Mul": 1}
 
 
+@pytest.mark.slow
 def test_an_aliased_mlp_width_reads_its_gelus_transposed() -> None:
     """An MLP 1024 wide (rows 4 KiB apart): the forward's GELU output (the projection's
     A) and the GELU backward's dX (the next product's A, the weight gradient's and the
@@ -414,6 +416,7 @@ def test_an_aliased_mlp_width_reads_its_gelus_transposed() -> None:
     assert bits["FastGeluGrad"] == 3 and bits["FastGelu"] == 1
 
 
+@pytest.mark.slow
 def test_bert_linear_weight_gradients_have_no_activation_operand() -> None:
     """nn.Linear's dW = dY^T X: the transA operand is the output's gradient, which the
     input's gradient reads too, so BERT at a 256-wide intermediate has no site; it trains

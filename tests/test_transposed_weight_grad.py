@@ -251,6 +251,7 @@ def _transposed(trainer) -> tuple[int, int]:
     return len(adam), len(cols)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab,want", [(16384, 1), (8192, 0)])
 def test_default_threshold_takes_vocabulary_sized_tables_only(vocab: int, want: int) -> None:
     _library()
@@ -262,6 +263,7 @@ def test_default_threshold_takes_vocabulary_sized_tables_only(vocab: int, want: 
 
 # every transA product (min_rows 1: per layer the four HF Conv1D weights, x^T dY, and the
 # tied table), or the table alone (300 rows; the MLP's c_proj has 256)
+@pytest.mark.slow
 @pytest.mark.parametrize("min_rows,want", [(1, 9), (257, 1)], ids=["every-weight", "table"])
 def test_gpt2_trains_like_torch_kernels_with_transposed_gradients(
     min_rows: int, want: int, monkeypatch: pytest.MonkeyPatch
@@ -274,6 +276,7 @@ def test_gpt2_trains_like_torch_kernels_with_transposed_gradients(
     assert _transposed(a) == (want, 1)  # the table's scatter adds into columns
 
 
+@pytest.mark.slow
 def test_bert_and_an_untied_llama_train_like_eager_with_transposed_gradients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

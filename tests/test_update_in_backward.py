@@ -280,6 +280,7 @@ def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
 
 
+@pytest.mark.slow
 def test_gpt2_updates_in_the_backward_like_torch_kernels() -> None:
     _library()
     model = gpt2(layers=2, hidden=64, vocab=128)
@@ -341,6 +342,7 @@ def untied_llama(vocab: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+@pytest.mark.slow
 def test_llama_untied_head_trains_like_eager() -> None:
     """ "auto" picks the update in the backward; losses and parameters follow eager
     AdamW (``train_against_eager``)."""
@@ -360,6 +362,7 @@ def _families() -> list[str]:
     return [*fam.FAMILIES, *fam.CONV_FAMILIES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", _families())
 def test_model_families_update_in_the_backward_like_torch_kernels(family: str) -> None:
     import transformers
@@ -409,6 +412,7 @@ def test_updates_are_leaves_onnx_runtime_runs_right_after_their_gradients() -> N
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("opt", "options"),
     [
