@@ -1,7 +1,7 @@
 """Gradient-graph run time with each training fusion on and off.
 
 For one benchmark workload (``bench_train.WORKLOADS``), the model is exported once; each
-variant copies the export, runs the training build (``training_passes``) with a chosen
+variant copies the export, runs the training build (``build_pipeline``) with a chosen
 subset of ``ortrain.graph_passes.fusions.FUSIONS`` inserted (forward fusions after ``fuse_gelu``,
 backward passes after ``lower_cross_entropy``), and gets its own ONNX Runtime session
 made like the trainer's (``ortrain.runtime.session.make_session``). Every variant must
@@ -39,10 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds, wait_quiet
 
+from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.export import export_forward
 from ortrain.graph_passes.fusions import FUSIONS, training_fusions
 from ortrain.graph_passes.infra.pipeline import run_pipeline
-from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
+from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
 from ortrain.runtime.session import make_session
 
 
@@ -52,10 +53,10 @@ def _copy(model: ir.Model) -> ir.Model:
 
 def build_variant(fwd: ir.Model, loss: str, wrt: list[str], names: list[str]):
     model = _copy(fwd)
-    build = TrainingBuild(loss=loss, wrt=wrt, fusions=tuple(names))
-    records = run_pipeline(model, training_passes(build))
-    assert build.gradient is not None
-    return model, build.gradient.grad_outputs, records
+    products = BuildProducts()
+    config = BuildConfig(fusions=tuple(names))
+    records = run_pipeline(model, build_pipeline(config, BuildInputs(loss, tuple(wrt)), products))
+    return model, products.grad_outputs(), records
 
 
 def variants(mode: str, only: list[str] | None) -> dict[str, list[str]]:

@@ -1,8 +1,15 @@
-"""The training build as one ordered list of passes, run by ``pipeline.run_pipeline``.
+"""The training build as one ordered list of passes, made by one function from the build
+configuration and the target, run by ``infra.pipeline.run_pipeline``.
 
-Every pass reads and writes one ``onnx_ir.Model``; what passes hand to later passes
-(the value to differentiate, the gradient outputs, the accumulator aliases) lives in
-one ``TrainingBuild`` record instead of flags spread through the trainer.
+``build_pipeline(config, inputs, products)`` lists every pass the pipeline has, in order,
+each with the gate that turns it on, and keeps those whose gate is on for ``config`` and
+whose target is ``config.target``. Every pass reads and writes one ``onnx_ir.Model``;
+what passes hand to later passes (the value to differentiate, the gradient outputs, the
+accumulator aliases, the shared and update outputs) lives in one ``BuildProducts`` record
+that they fill. ``eval_pipeline(config)`` is the same list's forward prefix (the passes
+before autodiff) followed by the lowerings that apply to a forward graph: the passes
+marked ``on_eval``. ``python -m ortrain.graph_passes.pass_table`` prints the whole list
+(``docs/passes.md``).
 
 Order (forward passes first, then autodiff, then backward passes; * = optimizations,
 left out with ``optimize=False``):
@@ -62,25 +69,35 @@ left out with ``optimize=False``):
 19. transposed_activations  kernel outputs (LayerNorm, GELU, GELU backward, Mul) written
                        transposed where the products reading them run faster so (MLAS's
                        ``transA``, rows 4 KiB apart); ``cpu_kernels=True``
+20. ort_order          (on the serialized copy for ONNX Runtime) leaves last, so ONNX
+                       Runtime finishes each weight gradient early; the ``onnx_ir`` model
+                       keeps its order
+    kernel_threads     (serialized) ``ortrain.cpu`` kernels on the products' threads
+
+Inline control flow and RNN unrolling exist for autodiff, and loss scaling and label
+sparsity for training, so evaluation graphs leave them out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transpose_into_gemm
 from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
 from ortrain.graph_passes.cleanup.pad_as_concat import pad_as_concat
 from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
-from ortrain.graph_passes.fusions import training_fusions
+from ortrain.graph_passes.fusions import FUSIONS, training_fusions
 from ortrain.graph_passes.fusions.gelu import fuse_gelu
 from ortrain.graph_passes.fusions.log_sigmoid import stable_log_sigmoid
 from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
-from ortrain.graph_passes.infra.pipeline import Pass
+from ortrain.graph_passes.infra.pipeline import AnyPass, Pass, SerializedPass
+from ortrain.graph_passes.memory.ort_order import order_for_ort
 from ortrain.graph_passes.memory.recompute import RecomputePolicy, recompute_cheap_values
 from ortrain.graph_passes.memory.recompute_attention import recompute_attention_probs
 from ortrain.graph_passes.precision.loss_scaling import scale_loss
@@ -95,6 +112,7 @@ from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_product
 from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
 from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
 from ortrain.graph_passes.targets.cpu.gelu_value import take_gelu_values
+from ortrain.graph_passes.targets.cpu.kernel_threads import place_kernel_threads
 from ortrain.graph_passes.targets.cpu.layer_norm import lower_layer_norm
 from ortrain.graph_passes.targets.cpu.layer_norm_grad_sum import fold_layer_norm_grad_sums
 from ortrain.graph_passes.targets.cpu.scatter_in_place import (
@@ -111,29 +129,22 @@ from ortrain.graph_passes.targets.cpu.update_in_backward import update_in_backwa
 from ortrain.graph_passes.training.accumulate import accumulate_gradients
 from ortrain.graph_passes.training.label_sparsity import shrink_label_rows
 
+__all__ = [
+    "BuildConfig",
+    "BuildInputs",
+    "BuildProducts",
+    "build_pipeline",
+    "eval_pipeline",
+    "pipeline_entries",
+    "serialized_passes",
+]
+
 
 @dataclasses.dataclass
-class TrainingBuild:
-    """Inputs of one training build and what its passes produce for later ones."""
+class BuildProducts:
+    """What a training build's passes produce for later passes and for the trainer."""
 
-    loss: str  # the model's (unscaled) loss output
-    wrt: list[str]  # trainable graph inputs
-    seed: int = 0
-    accumulate: bool = False
-    mixed_precision: str | None = None  # "fp16" | "bf16" | None
-    loss_scaling: bool = False
-    recompute: RecomputePolicy = RecomputePolicy.NOTHING
-    optimize: bool = True  # the optimization passes (* above); False: only what training needs
-    fusions: tuple[str, ...] | None = None  # names from ``fusions.FUSIONS``; None: the default set
-    # loss node -> rows to keep (label_sparsity.py); empty: every row
-    label_rows: dict[str, int] = dataclasses.field(default_factory=dict)
-    blas_gemm: bool = False  # fp32 products -> ortrain.blas.Gemm (blas_gemm.py)
-    blas_batch: bool = False  # batched products -> ortrain.blas.BatchMatMul
-    cpu_kernels: bool = False  # rules may emit fused ortrain.cpu backward kernels (CPU)
-    # param -> its param group: Adam/AdamW updates in the backward (update_in_backward.py)
-    update_groups: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Produced by the passes:
-    diff_loss: str = ""  # the value autodiff starts from
+    diff_loss: str = ""  # the value autodiff starts from ("": the inputs' loss)
     gradient: GradientGraphResult | None = None
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)
     # output -> the gradient output whose buffer it shares (scatter_in_place.py)
@@ -141,139 +152,301 @@ class TrainingBuild:
     # param -> its update's ``done`` output (update_in_backward.py)
     update_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.diff_loss = self.diff_loss or self.loss
-        if self.update_groups and not self.cpu_kernels:
-            raise ValueError("the update in the backward runs on ortrain's CPU kernels")
-        if self.update_groups and (self.accumulate or self.loss_scaling):
-            raise ValueError(
-                "the update in the backward takes one micro-step per update and no loss scaling"
-            )
+    def grad_outputs(self) -> dict[str, str]:
+        if self.gradient is None:
+            raise RuntimeError("a pass after autodiff ran before autodiff")
+        return self.gradient.grad_outputs
 
 
-def training_passes(build: TrainingBuild) -> list[Pass]:
-    passes = [
-        Pass("seed_dropout", lambda m: seed_dropouts(m, build.seed)),
-        Pass("masked_attention_rows", fix_masked_attention_rows),
-        Pass("stable_log_sigmoid", stable_log_sigmoid),
-        Pass("inline_control_flow", inline_control_flow),
-        Pass("unroll_rnn", unroll_rnns),
-    ]
-    if build.optimize:
-        passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
-        passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions(build.fusions).before_autodiff]
-        passes.append(Pass("pow_as_mul", pow_as_mul))
-        if build.label_rows:
-            rows = build.label_rows
-            passes.append(Pass("label_sparsity", lambda m: shrink_label_rows(m, rows)))
-    if build.mixed_precision is not None:
-        precision = build.mixed_precision
-        passes.append(Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, precision)))
-    if build.loss_scaling:
+Gate = Callable[[BuildConfig, BuildInputs], bool]
 
-        def _scale(m: ir.Model) -> None:
-            build.diff_loss = scale_loss(m, build.loss)
 
-        passes.append(Pass("loss_scaling", _scale))
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One pass of the full pipeline and the predicate behind its ``gate`` string."""
 
-    def _autodiff(m: ir.Model) -> None:
-        build.gradient = build_gradient_graph(
-            m, build.diff_loss, build.wrt, cpu_kernels=build.cpu_kernels
+    pass_: AnyPass
+    on: Gate
+
+
+def _always(c: BuildConfig, i: BuildInputs) -> bool:
+    return True
+
+
+def _optimize(c: BuildConfig, i: BuildInputs) -> bool:
+    return c.optimize
+
+
+def _cpu_kernels(c: BuildConfig, i: BuildInputs) -> bool:
+    return c.cpu_kernels
+
+
+def serialized_passes() -> list[SerializedPass]:
+    """The passes on the serialized copy handed to ONNX Runtime (every graph, the update
+    graphs included: ``ortrain.build.serialize_for_ort``)."""
+    return [
+        SerializedPass(
+            "ort_order", order_for_ort, stage="memory", test="tests/test_ort_order.py",
+            on_eval=True,
+        ),
+        SerializedPass(
+            "kernel_threads", place_kernel_threads, stage="target", target="cpu",
+            test="tests/test_kernel_threads.py", on_eval=True,
+        ),
+    ]  # fmt: skip
+
+
+def pipeline_entries(
+    config: BuildConfig, inputs: BuildInputs, products: BuildProducts
+) -> list[Entry]:
+    """Every pass of the pipeline in order, gates not applied (the pass table's source)."""
+    c = config
+    chosen = training_fusions(c.fusions)  # raises on an unknown fusion name
+    names = {p.name for p in (*chosen.before_autodiff, *chosen.after_autodiff)}
+
+    def fusion(name: str) -> Entry:
+        return Entry(FUSIONS[name].as_pass(), lambda c, i: c.optimize and name in names)
+
+    before = [fusion(f.name) for f in FUSIONS.values() if f.before_autodiff]
+    after = [fusion(f.name) for f in FUSIONS.values() if not f.before_autodiff]
+
+    def diff_loss() -> str:
+        return products.diff_loss or inputs.loss
+
+    def scale(m: ir.Model) -> bool:
+        products.diff_loss = scale_loss(m, inputs.loss)
+        return True
+
+    def autodiff(m: ir.Model) -> bool:
+        products.gradient = build_gradient_graph(
+            m, diff_loss(), list(inputs.wrt), cpu_kernels=c.cpu_kernels
         )
+        return bool(products.gradient.grad_outputs)
 
-    passes.append(Pass("autodiff", _autodiff))
-    if build.optimize:
-        passes += [
-            Pass("fold_transpose_gemm", fold_transpose_into_gemm),
-            Pass("lower_cross_entropy", lower_softmax_cross_entropy),
-            *training_fusions(build.fusions).after_autodiff,
-        ]
-    if build.accumulate:
+    def accumulate(m: ir.Model) -> bool:
+        products.accumulators = accumulate_gradients(m, products.grad_outputs())
+        return bool(products.accumulators)
 
-        def _accumulate(m: ir.Model) -> None:
-            assert build.gradient is not None
-            build.accumulators = accumulate_gradients(m, build.gradient.grad_outputs)
+    def in_place(m: ir.Model) -> int:
+        grads = products.grad_outputs().values()
+        if c.update_groups:
+            return base_ready_leaves(m, grads)
+        products.shared_outputs = scatter_into_gradients(m, grads)
+        return len(products.shared_outputs)
 
-        passes.append(Pass("accumulate", _accumulate))
-    if build.recompute is not RecomputePolicy.NOTHING:
-        policy = build.recompute
-        passes.append(Pass("recompute", lambda m: recompute_cheap_values(m, policy)))
-        passes.append(Pass("recompute_attention", recompute_attention_probs))
-    passes.append(Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()))
-    if build.blas_gemm:
-        passes.append(Pass("blas_gemm", lower_gemm_to_blas))
-    if build.blas_batch:
-        passes.append(Pass("blas_batch_matmul", lower_batch_matmul))
-    if build.cpu_kernels:
-        passes.append(Pass("scatter_rows", lower_scatter_add_rows))
-
-        def _in_place(m: ir.Model) -> None:
-            assert build.gradient is not None
-            grads = build.gradient.grad_outputs.values()
-            if build.update_groups:
-                base_ready_leaves(m, grads)
-            else:
-                build.shared_outputs = scatter_into_gradients(m, grads)
-
-        passes.append(Pass("scatter_in_place", _in_place))
-        passes.append(Pass("cpu_softmax", lower_softmax))
-        passes.append(Pass("cpu_scatter_last", lower_scatter_last))
-        if build.blas_batch:
-            passes.append(Pass("causal_products", mark_causal_products))
-        passes.append(Pass("gelu_value", take_gelu_values))
-        passes.append(Pass("cpu_layer_norm", lower_layer_norm))
-        passes.append(Pass("cpu_gelu", lower_gelu))
-        passes.append(Pass("layer_norm_grad_sum", fold_layer_norm_grad_sums))
-        passes.append(Pass("cpu_split_concat", lower_split_concat))
-        passes.append(Pass("cpu_elementwise", lower_elementwise))
-    if build.update_groups:
-
-        def _update(m: ir.Model) -> None:
-            assert build.gradient is not None
-            build.update_outputs = update_in_backward(
-                m, build.gradient.grad_outputs, build.update_groups, build.loss
-            )
-
-        passes.append(Pass("update_in_backward", _update))
-        passes.append(Pass("transposed_weight_grad", transpose_weight_gradients))
-    if build.cpu_kernels:
-        passes.append(Pass("transposed_activations", write_activations_transposed))
-    return passes
-
-
-def eval_passes(
-    mixed_precision: str | None,
-    optimize: bool = True,
-    blas_gemm: bool = False,
-    cpu_kernels: bool = False,
-    blas_batch: bool = False,
-) -> list[Pass]:
-    """Evaluation graphs: the same precision and forward passes as training, no gradients."""
-    passes = [
-        Pass("seed_dropout", lambda m: seed_dropouts(m, 0)),
-        Pass("masked_attention_rows", fix_masked_attention_rows),
-        Pass("stable_log_sigmoid", stable_log_sigmoid),
-    ]
-    if optimize:
-        passes += [Pass("clean_forward", clean_forward), Pass("pad_as_concat", pad_as_concat)]
-        passes += [Pass("fuse_gelu", fuse_gelu), *training_fusions().before_autodiff]
-        passes.append(Pass("pow_as_mul", pow_as_mul))
-    if mixed_precision is not None:
-        passes.append(
-            Pass("mixed_precision", lambda m: convert_to_mixed_precision(m, mixed_precision))
+    def update(m: ir.Model) -> bool:
+        products.update_outputs = update_in_backward(
+            m, products.grad_outputs(), dict(c.update_groups), inputs.loss
         )
-    if optimize:
-        passes.append(Pass("lower_cross_entropy", lower_softmax_cross_entropy))
-    if blas_gemm:
-        passes.append(Pass("blas_gemm", lower_gemm_to_blas))
-    if blas_batch:
-        passes.append(Pass("blas_batch_matmul", lower_batch_matmul))
-    if cpu_kernels:
-        passes.append(Pass("cpu_softmax", lower_softmax))
-        if blas_batch:
-            passes.append(Pass("causal_products", mark_causal_products))
-        passes.append(Pass("cpu_layer_norm", lower_layer_norm))
-        passes.append(Pass("cpu_gelu", lower_gelu))
-        passes.append(Pass("cpu_split_concat", lower_split_concat))
-        passes.append(Pass("cpu_elementwise", lower_elementwise))
-    return passes
+        return bool(products.update_outputs)
+
+    policy = RecomputePolicy[c.recompute]
+    rows = dict(inputs.label_rows)
+    opt = "optimize_graph"
+    kernels = "cpu_kernels"
+    batch = "cpu_gemm (with MKL's sgemm_batch)"
+    test_passes = "tests/test_passes.py"
+    fwd_kernels = "tests/test_forward_kernels.py"
+    return [
+        Entry(
+            Pass("seed_dropout", lambda m: seed_dropouts(m, c.seed), stage="prepare",
+                 test=test_passes, on_eval=True, impl=seed_dropouts),
+            _always,
+        ),
+        Entry(
+            Pass("masked_attention_rows", fix_masked_attention_rows, stage="prepare",
+                 test=test_passes, on_eval=True),
+            _always,
+        ),
+        Entry(
+            Pass("stable_log_sigmoid", stable_log_sigmoid, stage="fusions",
+                 test="tests/test_rules_activation.py", on_eval=True),
+            _always,
+        ),
+        Entry(
+            Pass("inline_control_flow", inline_control_flow, stage="prepare",
+                 test="tests/test_control_flow.py"),
+            _always,
+        ),
+        Entry(Pass("unroll_rnn", unroll_rnns, stage="prepare", test="tests/test_rnn.py"), _always),
+        Entry(
+            Pass("clean_forward", clean_forward, stage="cleanup", gate=opt, test=test_passes,
+                 on_eval=True),
+            _optimize,
+        ),
+        Entry(
+            Pass("pad_as_concat", pad_as_concat, stage="cleanup", gate=opt, test=test_passes,
+                 on_eval=True),
+            _optimize,
+        ),
+        Entry(
+            Pass("fuse_gelu", fuse_gelu, stage="fusions", gate=opt, test=test_passes,
+                 on_eval=True),
+            _optimize,
+        ),
+        *before,
+        Entry(
+            Pass("pow_as_mul", pow_as_mul, stage="cleanup", gate=opt, test=test_passes,
+                 on_eval=True),
+            _optimize,
+        ),
+        Entry(
+            Pass("label_sparsity", lambda m: shrink_label_rows(m, rows), stage="training",
+                 gate="optimize_graph, labelled rows", test="tests/test_label_sparsity.py",
+                 impl=shrink_label_rows),
+            lambda c, i: c.optimize and bool(i.label_rows),
+        ),
+        Entry(
+            Pass("mixed_precision",
+                 lambda m: convert_to_mixed_precision(m, c.mixed_precision or "fp16"),
+                 stage="precision", gate="mixed_precision", test="tests/test_mixed_precision.py",
+                 on_eval=True, impl=convert_to_mixed_precision),
+            lambda c, i: c.mixed_precision is not None,
+        ),
+        Entry(
+            Pass("loss_scaling", scale, stage="precision", gate="loss_scale (fp16)",
+                 test="tests/test_mixed_precision.py", impl=scale_loss),
+            lambda c, i: c.loss_scaling,
+        ),
+        Entry(
+            Pass("autodiff", autodiff, stage="autodiff", test="tests/test_gradient_rules.py",
+                 impl=build_gradient_graph),
+            _always,
+        ),
+        Entry(
+            Pass("fold_transpose_gemm", fold_transpose_into_gemm, stage="cleanup", gate=opt,
+                 test=test_passes),
+            _optimize,
+        ),
+        Entry(
+            Pass("lower_cross_entropy", lower_softmax_cross_entropy, stage="fusions", gate=opt,
+                 test=test_passes, on_eval=True),
+            _optimize,
+        ),
+        *after,
+        Entry(
+            Pass("accumulate", accumulate, stage="training", gate="grad_accumulation_steps > 1",
+                 test="tests/test_parity.py", impl=accumulate_gradients),
+            lambda c, i: c.accumulate,
+        ),
+        Entry(
+            Pass("recompute", lambda m: recompute_cheap_values(m, policy), stage="memory",
+                 gate="memory_plan", test="tests/test_memory_plan.py",
+                 impl=recompute_cheap_values),
+            lambda c, i: policy is not RecomputePolicy.NOTHING,
+        ),
+        Entry(
+            Pass("recompute_attention", recompute_attention_probs, stage="memory",
+                 gate="memory_plan", test="tests/test_recompute_attention.py"),
+            lambda c, i: policy is not RecomputePolicy.NOTHING,
+        ),
+        Entry(
+            Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass(), stage="cleanup",
+                 test="tests/test_memory_plan.py"),
+            _always,
+        ),
+        Entry(
+            Pass("blas_gemm", lower_gemm_to_blas, stage="target", target="cpu",
+                 gate="cpu_gemm", test="tests/test_blas_gemm.py", on_eval=True),
+            lambda c, i: c.blas_gemm,
+        ),
+        Entry(
+            Pass("blas_batch_matmul", lower_batch_matmul, stage="target", target="cpu",
+                 gate=batch, test="tests/test_blas_batch_matmul.py", on_eval=True),
+            lambda c, i: c.blas_batch,
+        ),
+        Entry(
+            Pass("scatter_rows", lower_scatter_add_rows, stage="target", target="cpu",
+                 gate=kernels, test="tests/test_grad_kernels.py"),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("scatter_in_place", in_place, stage="target", target="cpu", gate=kernels,
+                 test="tests/test_scatter_in_place.py", impl=scatter_into_gradients),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_softmax", lower_softmax, stage="target", target="cpu", gate=kernels,
+                 test="tests/test_cpu_softmax.py", on_eval=True),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_scatter_last", lower_scatter_last, stage="target", target="cpu",
+                 gate=kernels, test="tests/test_scatter_last.py"),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("causal_products", mark_causal_products, stage="target", target="cpu",
+                 gate=f"{kernels}, {batch}", test="tests/test_causal_products.py", on_eval=True),
+            lambda c, i: c.cpu_kernels and c.blas_batch,
+        ),
+        Entry(
+            Pass("gelu_value", take_gelu_values, stage="target", target="cpu", gate=kernels,
+                 test="tests/test_gelu_value.py"),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_layer_norm", lower_layer_norm, stage="target", target="cpu", gate=kernels,
+                 test=fwd_kernels, on_eval=True),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_gelu", lower_gelu, stage="target", target="cpu", gate=kernels,
+                 test=fwd_kernels, on_eval=True),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("layer_norm_grad_sum", fold_layer_norm_grad_sums, stage="target",
+                 target="cpu", gate=kernels, test=fwd_kernels),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_split_concat", lower_split_concat, stage="target", target="cpu",
+                 gate=kernels, test="tests/test_layout_kernels.py", on_eval=True),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_elementwise", lower_elementwise, stage="target", target="cpu",
+                 gate=kernels, test="tests/test_elementwise_kernels.py", on_eval=True),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("update_in_backward", update, stage="target", target="cpu",
+                 gate="update_engine=backward", test="tests/test_update_in_backward.py",
+                 impl=update_in_backward),
+            lambda c, i: bool(c.update_groups),
+        ),
+        Entry(
+            Pass("transposed_weight_grad", transpose_weight_gradients, stage="target",
+                 target="cpu", gate="update_engine=backward",
+                 test="tests/test_transposed_weight_grad.py"),
+            lambda c, i: bool(c.update_groups),
+        ),
+        Entry(
+            Pass("transposed_activations", write_activations_transposed, stage="target",
+                 target="cpu", gate=kernels, test="tests/test_transposed_activations.py"),
+            _cpu_kernels,
+        ),
+        *(Entry(p, _always) for p in serialized_passes()),
+    ]  # fmt: skip
+
+
+def _applies(entry: Entry, config: BuildConfig, inputs: BuildInputs) -> bool:
+    target = entry.pass_.target
+    return (target in ("any", config.target)) and entry.on(config, inputs)
+
+
+def build_pipeline(
+    config: BuildConfig, inputs: BuildInputs, products: BuildProducts
+) -> list[AnyPass]:
+    """The training pipeline for ``config`` (its options and target): the passes whose
+    gate is on, in order; they fill ``products``."""
+    entries = pipeline_entries(config, inputs, products)
+    return [e.pass_ for e in entries if _applies(e, config, inputs)]
+
+
+def eval_pipeline(config: BuildConfig) -> list[AnyPass]:
+    """Evaluation graphs: the training pipeline's forward prefix (the passes before
+    autodiff) and the lowerings that apply to a forward graph, no gradients."""
+    inputs = BuildInputs(loss="")
+    return [p for p in build_pipeline(config, inputs, BuildProducts()) if p.on_eval]

@@ -22,6 +22,7 @@ import torch
 
 from ortrain.buffer_updates import check_updates
 from ortrain.build_progress import stage
+from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.core.names import LabelSite, label_rows_bucket
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export import ExportedForward, LossFn, export_here
@@ -40,26 +41,6 @@ class StageRecord:
     nodes_before: int
     nodes_after: int
     op_delta: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class BuildSettings:
-    """What the passes take from the trainer's options and optimizer."""
-
-    trainable: tuple[str, ...]  # parameter names in optimizer order
-    seed: int = 0
-    accumulate: bool = False
-    mixed_precision: str | None = None
-    loss_scaling: bool = False
-    optimize: bool = True
-    memory_plan: bool = True
-    graph_dir: str | None = None  # TrainerOptions.save_graphs_dir
-    blas_gemm: bool = False  # products on ortrain.blas.Gemm (graph_passes/targets/cpu/blas_gemm.py)
-    blas_batch: bool = False  # batched products on ortrain.blas.BatchMatMul (blas_batch_matmul.py)
-    cpu_kernels: bool = False  # fused ortrain.cpu kernels (backward rules, Softmax, scatters)
-    # (param, param group) of each trainable parameter when the Adam/AdamW update runs in the
-    # backward (graph_passes/targets/cpu/update_in_backward.py); empty: after the session
-    update_groups: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass
@@ -150,9 +131,9 @@ def graph_for(sites: list[LabelSite], needed: tuple, built: Iterable[tuple]) -> 
 class _Log:
     """The build log of one job; with a graph directory, the graph after each pass."""
 
-    def __init__(self, graph: str, settings: BuildSettings, first: int):
+    def __init__(self, graph: str, config: BuildConfig, first: int):
         self.graph = graph
-        self.dir = Path(settings.graph_dir) if settings.graph_dir else None
+        self.dir = Path(config.graph_dir) if config.graph_dir else None
         self.next = first  # files are numbered in build order across the trainer's builds
         self.records: list[StageRecord] = []
 
@@ -169,18 +150,23 @@ class _Log:
         self.next += 1
         return ex
 
-    def run(self, model: ir.Model, passes: list) -> None:
+    def run(self, model: ir.Model, passes: list, serialized: _Serialized) -> None:
+        import onnx
         import onnx_ir as ir
 
         from ortrain.graph_passes.infra.pipeline import run_pipeline
 
-        def save(name: str, m: ir.Model) -> None:
+        def save(name: str, m: ir.Model | onnx.ModelProto) -> None:
             if self.dir is not None:
-                ir.save(m, self.dir / f"{self.graph}.{self.next:02d}.{name}.onnx")
+                path = self.dir / f"{self.graph}.{self.next:02d}.{name}.onnx"
+                if isinstance(m, onnx.ModelProto):
+                    onnx.save(m, str(path))
+                else:
+                    ir.save(m, path)
             self.next += 1
 
         stage("passes")
-        for r in run_pipeline(model, passes, after_each=save):
+        for r in run_pipeline(model, passes, after_each=save, serialize=serialized):
             self.records.append(
                 StageRecord(
                     self.graph, r.name, r.seconds, r.nodes_before, r.nodes_after, r.op_delta
@@ -188,25 +174,41 @@ class _Log:
             )
 
 
-def prepare_for_ort(graph: onnx.GraphProto) -> None:
-    """In place: the node order ONNX Runtime should run (``ort_order``) and the kernels on
-    the products' threads (``kernel_threads``); neither changes what the graph computes."""
-    from ortrain.graph_passes.memory.ort_order import order_for_ort
-    from ortrain.graph_passes.targets.cpu.kernel_threads import place_kernel_threads
+class _Serialized:
+    """The pipeline's serialization (``run_pipeline``'s ``serialize``): keeps the model's
+    bytes in its own order (``data``) and the proto the serialized passes then prepare for
+    ONNX Runtime (node order, kernel threads; neither changes what the graph computes)."""
 
-    order_for_ort(graph)
-    place_kernel_threads(graph)
+    def __init__(self, keep_data: bool = True) -> None:
+        self.keep_data = keep_data  # False: only the proto for ONNX Runtime is wanted
+        self.data = b""
+        self.proto: onnx.ModelProto | None = None
+
+    def __call__(self, model: ir.Model) -> onnx.ModelProto:
+        import onnx_ir as ir
+
+        self.proto = ir.serde.serialize_model(model)
+        if self.keep_data:
+            self.data = self.proto.SerializeToString()
+        return self.proto
+
+    def ort_data(self, model: ir.Model) -> bytes:
+        if self.proto is None:  # a pipeline without serialized passes
+            self(model)
+        assert self.proto is not None
+        return self.proto.SerializeToString()
 
 
 def serialize_for_ort(model: ir.Model) -> tuple[bytes, bool]:
     """(the model prepared for ONNX Runtime, serialized; whether it has recomputed copies)."""
-    import onnx_ir as ir
-
+    from ortrain.graph_passes.infra.pipeline import run_pipeline
     from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
+    from ortrain.graph_passes.training_pipeline import serialized_passes
 
-    proto = ir.serde.serialize_model(model)
-    prepare_for_ort(proto.graph)
-    return proto.SerializeToString(), any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
+    serialized = _Serialized(keep_data=False)
+    run_pipeline(model, serialized_passes(), serialize=serialized)
+    recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
+    return serialized.ort_data(model), recomputes
 
 
 def _graph_signature(model: ir.Model) -> list[tuple[str, str]]:
@@ -221,19 +223,17 @@ def _graph_signature(model: ir.Model) -> list[tuple[str, str]]:
     return out
 
 
-def _built(model: ir.Model, ex: ExportedForward, log: _Log, **extra: Any) -> BuiltGraph:
-    import onnx_ir as ir
-
+def _built(
+    model: ir.Model, ex: ExportedForward, log: _Log, serialized: _Serialized, **extra: Any
+) -> BuiltGraph:
     from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
     from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
     from ortrain.graph_passes.memory.memory_plan import planned_peak_bytes
 
-    proto = ir.serde.serialize_model(model)
-    data = proto.SerializeToString()
-    prepare_for_ort(proto.graph)
+    ort_data = serialized.ort_data(model)
     return BuiltGraph(
-        ort_data=proto.SerializeToString(),
-        data=data,
+        ort_data=ort_data,
+        data=serialized.data,
         recomputes=any(RECOMPUTE_OF in n.metadata_props for n in model.graph),
         io=extra.pop("io", ex.io),
         output_names=ex.output_names,
@@ -251,20 +251,19 @@ def build_train(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
     loss_fn: LossFn | None,
-    settings: BuildSettings,
+    config: BuildConfig,
     forward: ForwardSource | None,
     first: int,
 ) -> tuple[ForwardSource, tuple, BuiltGraph]:
     """The gradient graph of ``batch``'s signature and labelled-row count, exporting the
     forward unless ``forward`` is given. Returns (forward, label rows, graph)."""
-    from ortrain.graph_passes.memory.recompute import RecomputePolicy
     from ortrain.graph_passes.training.label_sparsity import find_label_sites
-    from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
+    from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
 
-    log = _Log("train", settings, first)
+    log = _Log("train", config, first)
     if forward is None:
         ex = log.export(module, batch, True, loss_fn)
-        sites = find_label_sites(ex.model) if settings.optimize else []
+        sites = find_label_sites(ex.model) if config.optimize else []
         forward = ForwardSource(ex.to_wire(), sites)
     else:
         ex = ExportedForward.from_wire(forward.wire)
@@ -272,34 +271,26 @@ def build_train(
     checks = index_ranges(ex.model, ex.io)  # of the exported forward, before the passes
     model = ex.model  # from_wire / a fresh export: the passes may rewrite it in place
     inputs = {r.name for r in ex.io}
-    build = TrainingBuild(
+    build_inputs = BuildInputs(
         loss=ex.output_names[0],
-        wrt=[n for n in settings.trainable if n in inputs],
+        wrt=tuple(n for n in config.trainable if n in inputs),
         label_rows=dict(rows),
-        seed=settings.seed,
-        accumulate=settings.accumulate,
-        mixed_precision=settings.mixed_precision,
-        loss_scaling=settings.loss_scaling,
-        optimize=settings.optimize,
-        recompute=RecomputePolicy.CHEAP_OPS if settings.memory_plan else RecomputePolicy.NOTHING,
-        blas_gemm=settings.blas_gemm,
-        blas_batch=settings.blas_batch,
-        cpu_kernels=settings.cpu_kernels,
-        update_groups=dict(settings.update_groups),
     )
-    log.run(model, training_passes(build))
-    assert build.gradient is not None
+    products = BuildProducts()
+    serialized = _Serialized()
+    log.run(model, build_pipeline(config, build_inputs, products), serialized)
     check_updates(model, ex.io)  # the buffer updates the trainer writes back
     graph = _built(
         model,
         ex,
         log,
-        io=ex.io + _update_io(build.update_outputs, settings.update_groups),
-        grad_outputs=dict(build.gradient.grad_outputs),
-        accumulators=dict(build.accumulators),
-        shared_outputs=dict(build.shared_outputs),
+        serialized,
+        io=ex.io + _update_io(products.update_outputs, config.update_groups),
+        grad_outputs=dict(products.grad_outputs()),
+        accumulators=dict(products.accumulators),
+        shared_outputs=dict(products.shared_outputs),
         index_checks=checks,
-        update_outputs=dict(build.update_outputs),
+        update_outputs=dict(products.update_outputs),
     )
     return forward, rows, graph
 
@@ -323,21 +314,15 @@ def build_eval(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
     loss_fn: LossFn | None,
-    settings: BuildSettings,
+    config: BuildConfig,
     first: int,
 ) -> BuiltGraph:
     """The evaluation graph of ``batch``'s signature (loss and the model's outputs)."""
-    from ortrain.graph_passes.training_pipeline import eval_passes
+    from ortrain.graph_passes.training_pipeline import eval_pipeline
 
-    log = _Log("eval", settings, first)
+    log = _Log("eval", config, first)
     ex = log.export(module, batch, False, loss_fn)
-    passes = eval_passes(
-        settings.mixed_precision,
-        settings.optimize,
-        settings.blas_gemm,
-        settings.cpu_kernels,
-        settings.blas_batch,
-    )
     checks = index_ranges(ex.model, ex.io)
-    log.run(ex.model, passes)
-    return _built(ex.model, ex, log, index_checks=checks)
+    serialized = _Serialized()
+    log.run(ex.model, eval_pipeline(config), serialized)
+    return _built(ex.model, ex, log, serialized, index_checks=checks)

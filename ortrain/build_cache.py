@@ -55,7 +55,8 @@ import torch
 from ortrain.build_progress import BuildProgress
 
 if TYPE_CHECKING:
-    from ortrain.build import BuildSettings, BuiltGraph, ForwardSource, StageRecord
+    from ortrain.build import BuiltGraph, ForwardSource, StageRecord
+    from ortrain.core.build_config import BuildConfig
     from ortrain.export import LossFn
     from ortrain.options import TrainerOptions
 
@@ -506,7 +507,7 @@ class GraphCache:
         module: torch.nn.Module,
         batch: Mapping[str, Any],
         loss_fn: LossFn | None,
-        settings: BuildSettings,
+        settings: BuildConfig,
         forward: ForwardSource | None,
         first: int,
     ) -> tuple[ForwardSource, tuple, BuiltGraph]:
@@ -553,7 +554,7 @@ class GraphCache:
         module: torch.nn.Module,
         batch: Mapping[str, Any],
         loss_fn: LossFn | None,
-        settings: BuildSettings,
+        settings: BuildConfig,
         first: int,
     ) -> BuiltGraph:
         """``ortrain.build.build_eval``'s result, from the cache where it has it."""

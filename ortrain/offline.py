@@ -21,11 +21,12 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import torch
 
+from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.core.errors import OrtrainError
 from ortrain.core.names import GradientError
 from ortrain.core.optimizer_spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
 from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
-from ortrain.graph_passes.infra.pipeline import run_pipeline
+from ortrain.graph_passes.infra.pipeline import Pass, run_pipeline
 from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
 from ortrain.graph_passes.targets.cpu.blas_gemm import lower_gemm_to_blas
 from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
@@ -38,7 +39,7 @@ from ortrain.graph_passes.targets.cpu.softmax import lower_softmax
 from ortrain.graph_passes.targets.cpu.split_concat import lower_split_concat
 from ortrain.graph_passes.training.optimizer import build_update_graph
 from ortrain.graph_passes.training.optimizer.update_graph import state_key
-from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
+from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
 
@@ -106,12 +107,16 @@ def build_training(
         if v.name != loss:
             graph.outputs.remove(v)
     fix_input_dims(model, dims or {}, set(floats))
-    build = TrainingBuild(loss=loss, wrt=trainable, optimize=optimize)
+    # the artifacts keep standard ops and the graph's own order: the CPU lowerings and the
+    # serialized passes run where a session is made (``TrainingSession.load``)
+    config = BuildConfig(trainable=tuple(trainable), optimize=optimize)
+    products = BuildProducts()
+    passes = build_pipeline(config, BuildInputs(loss, tuple(trainable)), products)
     try:
-        run_pipeline(model, training_passes(build))
+        run_pipeline(model, [p for p in passes if isinstance(p, Pass)])
     except (GradientError, ValueError) as exc:
         raise ArtifactError(f"{src.name}: cannot build its gradient graph: {exc}") from exc
-    result = build.gradient
+    result = products.gradient
     assert result is not None
     grads = [n for n in trainable if n in result.grad_outputs]
     spec = OptimizerSpec(optimizer, (GroupSpec(tuple(grads), momentum=True),))

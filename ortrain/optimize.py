@@ -38,7 +38,13 @@ from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
 from ortrain.graph_passes.fusions import gelu, layer_norm
 from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
 from ortrain.graph_passes.fusions.skip_layer_norm import SKIP_LAYER_NORM_RULES, SKIP_RMS_NORM_RULES
-from ortrain.graph_passes.infra.pipeline import Pass, PassRecord, format_table, run_pipeline
+from ortrain.graph_passes.infra.pipeline import (
+    Pass,
+    PassRecord,
+    Stage,
+    format_table,
+    run_pipeline,
+)
 from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
 
 MS_DOMAIN = "com.microsoft"
@@ -94,34 +100,58 @@ def _one(rules: pattern.RewriteRuleSet) -> Callable[[ir.Model], list[pattern.Rew
     return lambda _model: [rules]
 
 
+TEST = "tests/test_optimize_cli.py"
+
+
+def _pass(name: str, run: Callable[[ir.Model], object], stage: Stage, gate: str) -> Pass:
+    return Pass(name, run, stage=stage, gate=gate, test=TEST, on_eval=True)
+
+
 def passes(level: str) -> list[Pass]:
+    """This tool's own list: it optimizes inference graphs (any ONNX model, no gradients,
+    no trainer options), so it keeps its passes apart from the training pipeline
+    (``graph_passes/training_pipeline.py``) while following the same ``Pass`` contract."""
     basic = [
-        Pass("seed_dropouts", lambda m: seed_dropouts(m, 0)),
-        Pass("fold_constants", clean_forward),
-        Pass("cse", ir.passes.common.CommonSubexpressionEliminationPass()),
-        Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass()),
+        _pass("seed_dropouts", lambda m: seed_dropouts(m, 0), "prepare", "basic"),
+        _pass("fold_constants", clean_forward, "cleanup", "basic"),
+        _pass("cse", ir.passes.common.CommonSubexpressionEliminationPass(), "cleanup", "basic"),
+        _pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass(), "cleanup", "basic"),
         # shapes the exporter left out (TorchScript at opset 13-16): the fusions check them
-        Pass("infer_shapes", ir.passes.common.ShapeInferencePass(data_prop=True)),
-        Pass("fuse_gelu", FusionPass(lambda m: [gelu.rules_for(m)])),
-        Pass("fuse_layer_norm", FusionPass(layer_norm.rule_sets)),
-        Pass("lower_cross_entropy", lower_softmax_cross_entropy),
+        _pass(
+            "infer_shapes", ir.passes.common.ShapeInferencePass(data_prop=True), "prepare", "basic"
+        ),
+        _pass("fuse_gelu", FusionPass(lambda m: [gelu.rules_for(m)]), "fusions", "basic"),
+        _pass("fuse_layer_norm", FusionPass(layer_norm.rule_sets), "fusions", "basic"),
+        _pass("lower_cross_entropy", lower_softmax_cross_entropy, "fusions", "basic"),
     ]
     if level == "basic":
-        return [*basic, Pass("pow_as_mul", pow_as_mul)]
+        return [*basic, _pass("pow_as_mul", pow_as_mul, "cleanup", "basic")]
     if level != "extended":
         raise OptimizeError(f"unknown level {level!r}: use basic or extended")
     return [
         *basic,
-        Pass(
+        _pass(
             "fuse_matmul_transpose",
             FusionPass(lambda _m: [fused_matmul_rule_sets.fused_matmul_rule_sets()]),
+            "fusions",
+            "extended",
         ),
-        Pass("fuse_bias_gelu", FusionPass(_one(bias_gelu.bias_gelu_rules))),
-        Pass("fuse_rms_norm", FusionPass(_one(rms_normalization.rms_normalization_ruleset))),
-        Pass("fuse_skip_rms_norm", FusionPass(_one(SKIP_RMS_NORM_RULES))),
-        Pass("fuse_skip_layer_norm", FusionPass(_one(SKIP_LAYER_NORM_RULES))),
-        Pass("pow_as_mul", pow_as_mul),  # after the fusions whose patterns read Pow
-        Pass("remove_unused_final", ir.passes.common.RemoveUnusedNodesPass()),
+        _pass("fuse_bias_gelu", FusionPass(_one(bias_gelu.bias_gelu_rules)), "fusions", "extended"),
+        _pass(
+            "fuse_rms_norm",
+            FusionPass(_one(rms_normalization.rms_normalization_ruleset)),
+            "fusions",
+            "extended",
+        ),
+        _pass("fuse_skip_rms_norm", FusionPass(_one(SKIP_RMS_NORM_RULES)), "fusions", "extended"),
+        _pass(
+            "fuse_skip_layer_norm", FusionPass(_one(SKIP_LAYER_NORM_RULES)), "fusions", "extended"
+        ),
+        # after the fusions whose patterns read Pow
+        _pass("pow_as_mul", pow_as_mul, "cleanup", "extended"),
+        _pass(
+            "remove_unused_final", ir.passes.common.RemoveUnusedNodesPass(), "cleanup", "extended"
+        ),
     ]
 
 

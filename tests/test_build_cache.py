@@ -462,9 +462,9 @@ def test_progress_prints_each_stage_once(capsys: pytest.CaptureFixture):
 def test_a_long_build_says_its_stages(capfd: pytest.CaptureFixture, monkeypatch):
     """With the threshold at 0 every build is long: one line per stage (the export and
     the passes from the build's child process), then how long it took."""
-    import ortrain.build_cache as build_cache
+    import ortrain.build_progress as build_progress
 
-    monkeypatch.setattr(build_cache, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(build_progress, "PROGRESS_AFTER_S", 0.0)
     train({"options": {"graph_cache": False}})
     err = capfd.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("ortrain: Net training graph")]

@@ -42,7 +42,12 @@ from ortrain.graph_passes.fusions.sink_row_scale import sink_row_scales
 from ortrain.graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
 from ortrain.graph_passes.infra.pipeline import run_pipeline
 from ortrain.graph_passes.infra.tags import GRAD_OF
-from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
+from ortrain.graph_passes.training_pipeline import (
+    BuildConfig,
+    BuildInputs,
+    BuildProducts,
+    build_pipeline,
+)
 from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.gradcheck import TinyGraph, assert_close
 
@@ -573,15 +578,14 @@ class _Exported:
         self, fusions: list[str] | None, optimize: bool = True
     ) -> tuple[ir.Model, list[str], dict]:
         model = _copy(self.ex.model)
-        build = TrainingBuild(
-            loss=self.ex.output_names[0],
-            wrt=self.wrt,
+        config = BuildConfig(
             fusions=None if fusions is None else tuple(fusions),
             optimize=optimize,
         )
-        records = run_pipeline(model, training_passes(build))
-        assert build.gradient is not None
-        outs = [self.ex.output_names[0], *build.gradient.grad_outputs.values()]
+        products = BuildProducts()
+        inputs = BuildInputs(self.ex.output_names[0], tuple(self.wrt))
+        records = run_pipeline(model, build_pipeline(config, inputs, products))
+        outs = [self.ex.output_names[0], *products.grad_outputs().values()]
         return model, outs, {r.name: r for r in records}
 
     def run(
@@ -636,6 +640,7 @@ def _assert_same(after: dict, before: dict, what: str) -> None:
             assert_close(after[k], before[k], f"{what}: {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FUSIONS))
 @pytest.mark.parametrize("model_name", ["gpt2", "bert", "ln-mlp"])
 def test_pass_keeps_loss_and_gradients(exported, model_name, name):
@@ -650,6 +655,7 @@ def test_pass_keeps_loss_and_gradients(exported, model_name, name):
         assert records[name].modified
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["gpt2", "bert", "ln-mlp"])
 def test_proposed_pipeline_keeps_loss_and_gradients(exported, model_name):
     ex = exported[model_name]
@@ -697,7 +703,7 @@ def test_training_fusions_order():
     assert [p.name for p in plan.after_autodiff] == ["clean_backward", "sink_row_scale"]
     everything = training_fusions(list(FUSIONS))  # pipeline order, whatever the order asked
     assert [p.name for p in everything.before_autodiff][-1] == "fuse_skip_layer_norm"
-    passes = [p.name for p in training_passes(TrainingBuild("loss", []))]
+    passes = [p.name for p in build_pipeline(BuildConfig(), BuildInputs("loss"), BuildProducts())]
     assert passes.index("fuse_gelu") < passes.index("fuse_layer_norm")
     assert passes.index("fuse_bias_gelu") < passes.index("autodiff")
     assert passes.index("fuse_rms_norm") < passes.index("pow_as_mul")  # its pattern reads Pow

@@ -30,7 +30,12 @@ from ortrain.graph_passes.memory.memory_plan import (
     planned_peak_bytes,
 )
 from ortrain.graph_passes.memory.recompute import RecomputePolicy, recompute_cheap_values
-from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
+from ortrain.graph_passes.training_pipeline import (
+    BuildConfig,
+    BuildInputs,
+    BuildProducts,
+    build_pipeline,
+)
 from tests.conftest import gpt2, lm_batches
 
 
@@ -340,10 +345,9 @@ def test_recompute_on_gpt2_training_graph_is_exact_and_keeps_fewer_bytes():
 
     def build(policy: RecomputePolicy) -> tuple[ir.Model, dict[str, float]]:
         model = ir.serde.deserialize_model(ir.serde.serialize_model(ex.model))
-        b = TrainingBuild(
-            loss=ex.output_names[0], wrt=[n for n in params if n in inputs], recompute=policy
-        )
-        records = run_pipeline(model, training_passes(b))
+        b = BuildInputs(ex.output_names[0], tuple(n for n in params if n in inputs))
+        config = BuildConfig(recompute=policy.name)
+        records = run_pipeline(model, build_pipeline(config, b, BuildProducts()))
         return model, {r.name: r.nodes_after - r.nodes_before for r in records}
 
     off, off_log = build(RecomputePolicy.NOTHING)
@@ -380,6 +384,7 @@ def test_recompute_on_gpt2_training_graph_is_exact_and_keeps_fewer_bytes():
 
 
 # ----------------------------------------------------------------------- the arena
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("vocab", "batch", "seq", "sized"), [(4096, 4, 64, True), (128, 2, 16, False)]
 )
@@ -413,6 +418,7 @@ def test_arena_first_region_is_the_planned_peak(monkeypatch, vocab, batch, seq, 
         assert made[0].initial_chunk_size_bytes == -1  # ONNX Runtime's default
 
 
+@pytest.mark.slow
 def test_recompute_on_llama_redoes_the_gated_mlp_and_rms_norms():
     """Llama's SiLU-gated MLP (Sigmoid, x*sigmoid(x), *up) is element-wise products of
     values the backward keeps anyway (the projections), and its RMSNorms read the residual
@@ -433,10 +439,9 @@ def test_recompute_on_llama_redoes_the_gated_mlp_and_rms_norms():
 
     def build(policy: RecomputePolicy) -> ir.Model:
         model = ir.serde.deserialize_model(ir.serde.serialize_model(ex.model))
-        b = TrainingBuild(
-            loss=ex.output_names[0], wrt=[n for n in params if n in inputs], recompute=policy
-        )
-        run_pipeline(model, training_passes(b))
+        b = BuildInputs(ex.output_names[0], tuple(n for n in params if n in inputs))
+        config = BuildConfig(recompute=policy.name)
+        run_pipeline(model, build_pipeline(config, b, BuildProducts()))
         return model
 
     off, on = build(RecomputePolicy.NOTHING), build(RecomputePolicy.CHEAP_OPS)

@@ -14,7 +14,12 @@ from ortrain.export import export_forward
 from ortrain.graph_passes.fusions.lower_cross_entropy import LOWERED_FROM
 from ortrain.graph_passes.infra.pipeline import run_pipeline
 from ortrain.graph_passes.precision.mixed_precision import FP32_OPS, LOW_OPS
-from ortrain.graph_passes.training_pipeline import TrainingBuild, training_passes
+from ortrain.graph_passes.training_pipeline import (
+    BuildConfig,
+    BuildInputs,
+    BuildProducts,
+    build_pipeline,
+)
 from ortrain.loss_scaler import DynamicLossScale, LossScaler
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
 
@@ -30,13 +35,11 @@ def _pipeline_graph(model: torch.nn.Module, batch: dict, precision: str) -> tupl
     """The training graph as the trainer builds it (no ONNX Runtime session needed)."""
     ex = export_forward(model, batch, train=True)
     n_params = sum(1 for r in ex.io if r.role.value == "parameter")
-    build = TrainingBuild(
-        loss=ex.output_names[0],
-        wrt=[r.name for r in ex.io if r.role.value == "parameter"],
-        mixed_precision=precision,
-        loss_scaling=precision == "fp16",
+    inputs = BuildInputs(
+        ex.output_names[0], tuple(r.name for r in ex.io if r.role.value == "parameter")
     )
-    run_pipeline(ex.model, training_passes(build))
+    config = BuildConfig(mixed_precision=precision, loss_scaling=precision == "fp16")
+    run_pipeline(ex.model, build_pipeline(config, inputs, BuildProducts()))
     return ex.model, n_params
 
 
@@ -66,6 +69,7 @@ def _assert_precision_lists(model: ir.Model, low: ir.DataType) -> dict[str, int]
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("which", ["gpt2", "bert"])
 def test_structure_follows_documented_op_lists(precision, which):
@@ -124,6 +128,7 @@ def test_fp16_trains_like_fp32_for_200_steps(which):
     assert abs(end16 - end32) <= 0.02 * end32, (end16, end32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("which", "shape"), [("gpt2", dict(layers=2, hidden=128)), ("bert", dict(hidden=96))]
 )
@@ -161,6 +166,7 @@ def _snapshot(trainer: ORTTrainer) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", [None, "fp16"])
 def test_overflow_skips_the_update_bit_identically_and_halves_the_scale(precision):
     model = gpt2(layers=1, hidden=64, vocab=128)
@@ -196,6 +202,7 @@ def test_overflow_skips_the_update_bit_identically_and_halves_the_scale(precisio
     assert not torch.equal(after["step"], trainer.step_tensor)
 
 
+@pytest.mark.slow
 def test_static_loss_scale_in_fp32_matches_eager():
     """fp32 with a power-of-two loss scale: scaled and unscaled exactly, so the run is the
     eager one (with clipping and accumulation, which see the unscaled gradients)."""
@@ -211,6 +218,7 @@ def test_static_loss_scale_in_fp32_matches_eager():
     assert trainer.loss_scale == 1024.0 and trainer.skipped_steps == 0
 
 
+@pytest.mark.slow
 def test_fp16_with_accumulation_and_clipping_tracks_fp32():
     base = gpt2(layers=2, hidden=64, vocab=128)
     batches = lm_batches(10, batch=4, vocab=128)
@@ -224,6 +232,7 @@ def test_fp16_with_accumulation_and_clipping_tracks_fp32():
         torch.testing.assert_close(t16.params[k], p, rtol=0, atol=5e-3)
 
 
+@pytest.mark.slow
 def test_fp16_eval_returns_fp32_outputs_close_to_fp32():
     model = bert_mlm(vocab=128, hidden=64)
     batch = bert_batches(1, vocab=128)[0]
@@ -237,6 +246,7 @@ def test_fp16_eval_returns_fp32_outputs_close_to_fp32():
     torch.testing.assert_close(o16.loss, o32.loss, rtol=5e-3, atol=0)
 
 
+@pytest.mark.slow
 def test_loss_scaler_state_survives_a_checkpoint(tmp_path):
     model = gpt2(layers=1, hidden=64, vocab=128)
     batches = lm_batches(4, vocab=128)

@@ -43,6 +43,7 @@ def _ops(path: Path) -> collections.Counter:
     return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
 
 
+@pytest.mark.slow
 def test_optimize_bert_fewer_nodes_fused_ops_same_outputs(bert_onnx, tmp_path, capsys):
     out = tmp_path / "opt.onnx"
     report = tmp_path / "report.json"
@@ -66,6 +67,7 @@ def test_optimize_bert_fewer_nodes_fused_ops_same_outputs(bert_onnx, tmp_path, c
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "content,expected",
     [(None, "no such file"), (b"garbage", "not a readable ONNX model")],
@@ -86,6 +88,7 @@ def test_optimize_bad_files_give_one_line_errors(tmp_path, content, expected):
     assert not (tmp_path / "o.onnx").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["missing-folder", "file-as-folder", "read-only-fs", "report"])
 def test_optimize_unwritable_output_is_one_line(bert_onnx, tmp_path, where):
     (tmp_path / "a-file").write_text("x")
@@ -147,6 +150,7 @@ def _dims(path: Path) -> list[list]:
     ]
 
 
+@pytest.mark.slow
 def test_optimize_keeps_symbolic_dims(dynamic_gpt2_onnx, tmp_path, capsys):
     out = tmp_path / "opt.onnx"
     args = ["optimize", str(dynamic_gpt2_onnx), "-o", str(out), "--dim", "seq=24"]
@@ -185,6 +189,7 @@ def test_optimize_bad_dim_gives_one_line_error(dynamic_gpt2_onnx, tmp_path, dim,
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_optimize_llama_fuses_rms_norms(tmp_path, capsys):
     """Llama's RMSNorm chains (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul) become
     SimplifiedLayerNormalization, and the residual Add before one SkipSimplified..."""
@@ -223,14 +228,14 @@ def test_optimize_blames_a_pass_that_leaves_an_unloadable_model(bert_onnx, tmp_p
     from ortrain import optimize
     from ortrain.optimize import OptimizeError
 
-    def break_a_matmul(model: ir.Model) -> None:
+    def break_a_matmul(model: ir.Model) -> bool:
         node = next(n for n in model.graph if n.op_type == "MatMul" and len(n.inputs[0].shape) == 3)
         node.op_type = "Gemm"
+        return True
 
     real = optimize.passes
-    monkeypatch.setattr(
-        optimize, "passes", lambda level: [*real(level), optimize.Pass("broken", break_a_matmul)]
-    )
+    broken = optimize.Pass("broken", break_a_matmul, stage="fusions", test=optimize.TEST)
+    monkeypatch.setattr(optimize, "passes", lambda level: [*real(level), broken])
     out = tmp_path / "o.onnx"
     with pytest.raises(OptimizeError, match=r"after pass 'broken': ONNX Runtime cannot run"):
         optimize.optimize_file(bert_onnx, out)
@@ -271,6 +276,7 @@ def torchscript_bert(request, tmp_path_factory) -> tuple[int, Path]:
     return opset, path
 
 
+@pytest.mark.slow
 def test_optimize_fuses_below_opset_20_with_contrib_ops(torchscript_bert, tmp_path, capsys):
     import json
 

@@ -34,7 +34,8 @@ FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
 FOLD_OUTPUT_LIMIT = 1 << 20  # elements: folded results larger than this are not kept
 
 
-def clean_forward(model: ir.Model) -> None:
+def clean_forward(model: ir.Model) -> bool:
+    """Fold, rewrite, deduplicate and remove in place; returns whether anything changed."""
     unseeded = [
         n.name for n in model.graph if n.op_type == "Dropout" and "seed" not in n.attributes
     ]
@@ -68,7 +69,7 @@ def clean_forward(model: ir.Model) -> None:
         common_passes.OutputFixPass(),
         common_passes.NameFixPass(),
     )
-    cleanup(model)
+    return cleanup(model).modified
 
 
 class ExactNoOp(pattern.RewriteRuleClassBase):

@@ -46,7 +46,7 @@ from ortrain.graph_passes.fusions.matmul_transpose import fuse_matmul_transpose
 from ortrain.graph_passes.fusions.rms_norm import fuse_rms_norm
 from ortrain.graph_passes.fusions.sink_row_scale import sink_row_scales
 from ortrain.graph_passes.fusions.skip_layer_norm import fuse_skip_layer_norm
-from ortrain.graph_passes.infra.pipeline import Pass
+from ortrain.graph_passes.infra.pipeline import Pass, Stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,18 @@ class Fusion:
     run: Callable[[ir.Model], int]
     before_autodiff: bool
     default: bool  # proposed for the training pipeline (measured not to slow it down)
+    stage: Stage = "fusions"  # the pass table's stage: the folder of ``run``'s module
+
+    def as_pass(self) -> Pass:
+        gate = "optimize_graph" if self.default else f"optimize_graph, fusions={self.name}"
+        return Pass(
+            self.name,
+            self.run,
+            stage=self.stage,
+            test="tests/test_fusions.py",
+            gate=gate,
+            on_eval=self.before_autodiff,  # the forward fusions run on evaluation graphs too
+        )
 
 
 FUSIONS: dict[str, Fusion] = {
@@ -66,7 +78,7 @@ FUSIONS: dict[str, Fusion] = {
         Fusion("fuse_matmul_add", fuse_matmul_add, True, True),
         Fusion("fuse_bias_gelu", fuse_bias_gelu, True, True),
         Fusion("fuse_skip_layer_norm", fuse_skip_layer_norm, True, False),
-        Fusion("clean_backward", clean_backward, False, True),
+        Fusion("clean_backward", clean_backward, False, True, stage="cleanup"),
         Fusion("sink_row_scale", sink_row_scales, False, True),
     )
 }
@@ -85,6 +97,6 @@ def training_fusions(names: Sequence[str] | None = None) -> TrainingFusions:
     if unknown:
         raise ValueError(f"unknown fusions {sorted(unknown)}; known: {list(FUSIONS)}")
     return TrainingFusions(
-        [Pass(f.name, f.run) for f in chosen if f.before_autodiff],
-        [Pass(f.name, f.run) for f in chosen if not f.before_autodiff],
+        [f.as_pass() for f in chosen if f.before_autodiff],
+        [f.as_pass() for f in chosen if not f.before_autodiff],
     )
