@@ -378,6 +378,16 @@ def batch_token(batch: Mapping[str, Any]) -> str:
     return ";".join(parts)
 
 
+def _settings_token(settings: BuildConfig) -> str:
+    """The build options and, for the CPU target, its cost model: a graph built with other
+    thresholds (``ORTRAIN_CPU_COST``, another machine's caches) is another entry."""
+    if settings.target != "cpu":
+        return repr(settings)
+    from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel
+
+    return f"{settings!r} {CpuCostModel.for_machine()!r}"
+
+
 def _key(*parts: object) -> str:
     return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()
 
@@ -525,7 +535,7 @@ class GraphCache:
         fkey = _key("forward", self._base("train", batch), settings.optimize)
         # a build that raised UpdateInBackwardError ("auto" then builds without the update
         # in the backward): deterministic, so the next run skips straight to that
-        refused_key = _key("refused", fkey, repr(settings))
+        refused_key = _key("refused", fkey, _settings_token(settings))
         refused = self.load(refused_key)
         if isinstance(refused, str):
             raise UpdateInBackwardError(refused)
@@ -533,7 +543,7 @@ class GraphCache:
             forward = self.load(fkey)
         if forward is not None:
             rows = label_rows(forward.sites, batch, headroom=True)
-            built = self.load(_key("graph", fkey, repr(settings), rows))
+            built = self.load(_key("graph", fkey, _settings_token(settings), rows))
             if built is not None:
                 return forward, rows, self._hit(built, "train", t)
         exports = forward is None
@@ -545,7 +555,7 @@ class GraphCache:
             raise
         if exports:
             self.store(fkey, new_forward)
-        self.store(_key("graph", fkey, repr(settings), rows), built)
+        self.store(_key("graph", fkey, _settings_token(settings), rows), built)
         return new_forward, rows, built
 
     def build_eval(
@@ -565,7 +575,7 @@ class GraphCache:
         if not self.enabled:
             return self._run(run, job)
         t = time.perf_counter()
-        key = _key("eval", self._base("eval", batch), repr(settings))
+        key = _key("eval", self._base("eval", batch), _settings_token(settings))
         built = self.load(key)
         if built is not None:
             return self._hit(built, "eval", t)

@@ -232,6 +232,17 @@ def test_same_process_new_trainer_hits_then_options_and_shapes_miss(xdg: Path):
     assert train({"options": {"memory_plan": False}})["cache_hits"] == 1
 
 
+def test_another_cpu_cost_model_misses(xdg: Path, monkeypatch: pytest.MonkeyPatch):
+    # a graph lowered with other thresholds (ORTRAIN_CPU_COST, another machine's caches)
+    # is another graph
+    from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
+
+    assert train({})["cache_hits"] == 0
+    assert train({})["cache_hits"] == 1
+    monkeypatch.setenv(COST_ENV, "elementwise_min_elements=1")
+    assert train({})["cache_hits"] == 0
+
+
 def test_damaged_entries_are_rebuilt_with_a_warning(xdg: Path):
     first = train({})
     entries = _entries(xdg)
