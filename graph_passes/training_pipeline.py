@@ -68,7 +68,8 @@ left out with ``optimize=False``):
                        tied table's scatter reading it so
 19. transposed_activations  kernel outputs (LayerNorm, GELU, GELU backward, Mul) written
                        transposed where the products reading them run faster so (MLAS's
-                       ``transA``, rows 4 KiB apart); ``cpu_kernels=True``
+                       ``transA``, rows a multiple of the L1 way size apart);
+                       ``cpu_kernels=True``
 20. ort_order          (on the serialized copy for ONNX Runtime) leaves last, so ONNX
                        Runtime finishes each weight gradient early; the ``onnx_ir`` model
                        keeps its order

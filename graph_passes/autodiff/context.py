@@ -135,7 +135,7 @@ class GradContext:
             cols *= d
         if axes == list(range(lead)) and rows > 1 and grad.dtype == ir.DataType.FLOAT:
             # Summing over all leading axes (bias gradients): ones[1, R] @ g[R, C] runs on
-            # the GEMM kernel, about 2x faster than ReduceSum over axis 0 on the CPU EP.
+            # the GEMM kernel, which ran faster than ReduceSum over axis 0 on the CPU EP.
             g2 = grad
             if grad_shape != (rows, cols):
                 g2 = self.op("Reshape", grad, self.ints((rows, cols)), shape=(rows, cols))

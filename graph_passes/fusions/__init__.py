@@ -8,27 +8,29 @@ the gradient nodes) and whether it is proposed for the default training pipeline
 
 Order before autodiff (after seed_dropout and fuse_gelu, before mixed_precision):
 1. fuse_layer_norm        decomposed LayerNorm chains → LayerNormalization (no-op on the
-                          HF exports; a hand-written-LayerNorm model: -7% gradient graph)
+                          HF exports; a hand-written-LayerNorm model's gradient graph ran
+                          faster)
    fuse_rms_norm          RMSNorm chains (Llama, Qwen2, T5...) → SimplifiedLayerNormalization
-                          (no-op on GPT-2/BERT; llama-tiny gradient graph -2%, rms_norm.py)
+                          (no-op on GPT-2/BERT; llama-tiny's gradient graph ran faster,
+                          rms_norm.py)
 2. fuse_matmul_transpose  Transpose / scalar scale → FusedMatMul transA/transB/alpha
 3. fuse_matmul_add        MatMul(+FusedMatMul) + bias Add → Gemm (after 2: reads transB)
 4. fuse_bias_gelu         bias Add + Gelu → BiasGelu / FastGelu (after 3: a Gemm takes
                           the bias first, which leaves the GELU's gradient cheaper; alone
-                          on BERT it measured within noise, ±0.6%)
+                          on BERT it measured within noise)
 5. fuse_skip_layer_norm   residual Add + LayerNormalization → SkipLayerNormalization.
                           Not proposed: onnxruntime's CPU SkipLayerNormalization kernel
-                          took ~1.5 ms where Add + LayerNormalization took ~0.3 ms on
-                          [8, 128, 256]; the gradient graph got 0.7-1.9% slower.
+                          ran slower than Add + LayerNormalization, and the gradient graph
+                          got slower with it.
 Order after autodiff (after lower_cross_entropy, before accumulate / remove_unused):
 6. clean_backward         constant folding, dropout-safe CSE, Transpose folding and Sum
                           merging over the gradient nodes (within noise on both models)
 7. sink_row_scale         a per-row scale (the cross-entropy gradient's coefficient) moves
                           off the [tokens x vocab] operand of the LM head's gradient Gemms
-                          onto their narrow side (gpt2-tiny gradient graph -1.9%,
+                          onto their narrow side (gpt2-tiny's gradient graph ran faster,
                           interleaved A/B)
-The proposed set (1-4, 6) ran the gradient graph 1.6-2.4% faster than without it on
-both workloads (A/A noise of the measurement: about ±1%).
+The proposed set (1-4, 6) ran the gradient graph faster than without it on both
+workloads, by more than the A/A noise of the measurement.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ every layer's output gradient and saved input stay alive until the end of the ba
 ``order_for_ort(graph)`` moves the leaves to the end of the ``GraphProto`` handed to ONNX
 Runtime in reverse graph order, so the leaf the graph computes first has the highest index
 and ONNX Runtime finishes it first: each weight gradient right after the output gradient
-it reads (gpt2-tiny: the last block's weight-gradient Gemm at step 370 of 536 instead of
-473; bert-tiny batch 32: steady peak 1001 -> 874 MiB). The ``onnx_ir`` model and its
+it reads (gpt2-tiny: the last block's weight-gradient Gemm runs well before the end of
+the backward; bert-tiny: a lower steady peak). The ``onnx_ir`` model and its
 memory report keep the graph's order.
 
 A value whose only reader is a late leaf still waits for it: the LM head's weight

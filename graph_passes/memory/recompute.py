@@ -13,14 +13,14 @@ last forward reader. Which ops count as cheap is a named policy (JAX
   LeakyRelu, Elu, Sigmoid, Tanh, Erf, Softplus), element-wise arithmetic (Mul, Add, Sub,
   Div, Neg, Sqrt, Reciprocal) and LayerNormalization, also O(bytes). The arithmetic
   matters for Llama-style blocks: the SiLU-gated MLP (``x * sigmoid(x) * up``) and RMSNorm
-  (``x * 1/rms * w``) are products of values the backward keeps anyway (llama-tiny:
-  planned peak 173 -> 132 MB, peak RSS 689 -> 658 MiB, gradient graph 170-174 ms either
-  way; GPT-2 and BERT tiny: no new copies, their LayerNorm/GELU blocks are fused ops).
+  (``x * 1/rms * w``) are products of values the backward keeps anyway (llama-tiny: a
+  lower planned peak and peak RSS, the gradient graph's time unchanged; GPT-2 and BERT
+  tiny: no new copies, their LayerNorm/GELU blocks are fused ops).
   Under ONNX Runtime this is where memory is won: it makes a Reshape's output an alias
   of its input and folds a weight's Transpose into its Gemms anyway, so CHEAP_VIEWS
   moves bytes only on paper (GPT-2/BERT tiny: peak RSS unchanged), while CHEAP_OPS
-  changed the gradient graph's peak RSS by -7%..+2% (GPT-2 tiny batch 16/32/48:
-  -6%, -7%, 0%; BERT-MLM tiny: +2%, +2%, -7%): ONNX Runtime's default order runs the
+  lowered the gradient graph's peak RSS at some batch sizes and raised it at others
+  (GPT-2 tiny, BERT-MLM tiny): ONNX Runtime's default order runs the
   whole input-gradient chain before any weight-gradient Gemm, so a copy read by both
   lives through most of the backward, and its arena's peak is not monotonic in bytes.
 

@@ -3,11 +3,11 @@
 Each attention layer's probabilities ``P = Softmax(mask(Q K^T))`` ([batch, heads, seq,
 seq]) are read by its backward (the value product's gradient and SoftmaxGrad), so every
 layer's P stays alive from its forward to its backward: at the start of the backward all
-of them are (GPT-2 small 2 x 256: 12 x 6 MiB = 72 MiB; the tiny workloads 4 x 2 MiB). The
-backward reads Q and K anyway (for their own gradients), so P can be made again next to
-its first backward reader from the product, the mask and the Softmax: one batched
-product and one Softmax per layer (~1.5% of GPT-2 small's step), and only the layer
-being differentiated holds its P.
+of them are (one [batch, heads, seq, seq] tensor per layer). The backward reads Q and K
+anyway (for their own gradients), so P can be made again next to its first backward
+reader from the product, the mask and the Softmax: one batched product and one Softmax
+per layer (a small share of GPT-2 small's step), and only the layer being differentiated
+holds its P.
 
 Rewritten: a forward fp32 ``Softmax`` whose output a backward node reads, over an
 optional mask ``Add`` / ``Where`` and an optional ``Mul`` / ``Div`` by a constant, over a
