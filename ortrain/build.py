@@ -93,7 +93,7 @@ def label_rows(sites: list[LabelSite], batch: Mapping[str, Any], headroom: bool 
     sqrt(labelled). Labels drawn at random (masked-LM: each token with p = 0.15) vary by
     about sqrt(count) from batch to batch, so a graph built for one batch's exact count
     would sit on a bucket edge half the time and the next batch would build another
-    (bert-tiny: 128 then 136 labels, two graphs and +9 MiB of RSS); with headroom the
+    (on bert-tiny: a second graph, with the memory it holds); with headroom the
     next batches fit the first graph (``graph_for``)."""
     rows = []
     for site in sites:
