@@ -90,8 +90,8 @@ def workload_graph(
     else:
         path = save_dir / "update.onnx"
         feeds.update(trainer.opt_state)
-        feeds.update(trainer._hyper)
-        feeds.update(trainer._scalars)
+        feeds.update(trainer.update_engine.hyper)  # type: ignore[attr-defined]
+        feeds.update(trainer.state.scalars)
         feeds.update({f"grad:{p}": g for p, g in trainer.grads.items()})
         feeds["step"] = trainer.step_tensor
         assert trainer.update_graph is not None

@@ -8,51 +8,23 @@
 #pragma once
 #include <math.h>
 
+#include "../ortrain/runtime/adam_math.h"
 #include "common.h"
 
 namespace ortrain {
 
-// torch.optim.Adam/AdamW, single-tensor implementation (torch/optim/adam.py).
-struct AdamCoeffs {
-  int l2;              // Adam with weight decay: g = g + wd * p
-  int decay_param;     // AdamW with weight decay: p = p * (1 - lr * wd)
-  float wd, decay;
-  float one_minus_b1;  // exp_avg.lerp_(g, 1 - beta1)
-  float beta2, one_minus_b2;
-  float bc2_sqrt;      // sqrt(1 - beta2^t)
-  float eps;
-  float neg_step_size;  // -lr / (1 - beta1^t)
-};
+// torch.optim.Adam/AdamW: the element function the update in the backward's C kernel
+// (ortrain/runtime/update_kernels.c) compiles too, one definition in plain C.
+using AdamCoeffs = ortrain_adam_coeffs;
 
 inline AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double eps, double wd,
                               double step, int decoupled) {
-  AdamCoeffs c;
-  c.l2 = !decoupled && wd != 0.0;
-  c.decay_param = decoupled && wd != 0.0;
-  c.wd = static_cast<float>(wd);
-  c.decay = static_cast<float>(1.0 - lr * wd);
-  c.one_minus_b1 = static_cast<float>(1.0 - beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_b2 = static_cast<float>(1.0 - beta2);
-  c.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
-  c.eps = static_cast<float>(eps);
-  c.neg_step_size = static_cast<float>(-(lr / (1.0 - pow(beta1, step))));
-  return c;
-}
-
-// ATen's lerp (native/Lerp.h): the formula switches at 0.5 so both ends are exact.
-ORT_HD float torch_lerp(float a, float b, float w) {
-  return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+  return ortrain_adam_coeffs_of(lr, beta1, beta2, eps, wd, step, decoupled);
 }
 
 // g is the gradient already multiplied by grad_scale.
 ORT_HD void adam_element(float& p, float g, float& m, float& v, const AdamCoeffs& c) {
-  if (c.l2) g = g + c.wd * p;          // grad.add(param, alpha=wd)
-  if (c.decay_param) p = p * c.decay;  // param.mul_(1 - lr * wd)
-  m = torch_lerp(m, g, c.one_minus_b1);
-  v = v * c.beta2 + c.one_minus_b2 * g * g;  // mul_(beta2).addcmul_(g, g, value=1 - beta2)
-  const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
-  p = p + c.neg_step_size * m / denom;  // addcdiv_(m, denom, value=-step_size)
+  ortrain_adam_element(&p, g, &m, &v, &c);
 }
 
 // ortrain.optim.Lamb (ortrain/optim/lamb.py).

@@ -70,8 +70,9 @@ def trainer_state_dict(
     trainer: ORTTrainer, opt_state: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, Any]:
     """``opt_state``: full per-parameter optimizer state, where the trainer's is not
-    (ZeRO-1 gathers its shards); default ``trainer.opt_state``."""
-    opt_state = trainer.opt_state if opt_state is None else opt_state
+    (ZeRO-1 gathers its shards); default the trainer's state's."""
+    st = trainer.state
+    opt_state = st.opt_state if opt_state is None else opt_state
     trainer.sync_to_module()
     model = _clone_model_state(trainer.module)
     names = index_names(trainer)
@@ -79,7 +80,7 @@ def trainer_state_dict(
     group_of = {n: g for g in trainer.spec.groups for n in g.params}
     for idx, name in enumerate(names):
         group = group_of.get(name)
-        if group is None or trainer.step == 0:
+        if group is None or st.step == 0:
             continue  # frozen, or no update yet: torch has no state either
         tensors = {
             s: opt_state[state_key(s, name)].clone()
@@ -89,7 +90,7 @@ def trainer_state_dict(
         if not tensors:
             continue
         if trainer.spec.kind != "sgd":
-            tensors["step"] = torch.tensor(float(trainer.step))
+            tensors["step"] = torch.tensor(float(st.step))
         state[idx] = tensors
     groups = []
     start = 0
@@ -97,9 +98,9 @@ def trainer_state_dict(
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
-    extra: dict[str, Any] = {"step": trainer.step, "micro_step": trainer.micro_step}
-    if trainer.scaler is not None:
-        extra["loss_scaler"] = trainer.scaler.state_dict()
+    extra: dict[str, Any] = {"step": st.step, "micro_step": st.micro_step}
+    if st.scaler is not None:
+        extra["loss_scaler"] = st.scaler.state_dict()
     return {
         "model": model,
         "optimizer": {"state": state, "param_groups": groups},
@@ -146,7 +147,7 @@ def _check_optimizer(trainer: ORTTrainer, opt: Any) -> None:
         for s, t in entry.items():
             if not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"optimizer state '{s}' of {names[idx]} is not a tensor")
-            if s != "step" and tuple(t.shape) != tuple(trainer.params[names[idx]].shape):
+            if s != "step" and tuple(t.shape) != tuple(trainer.state.params[names[idx]].shape):
                 raise CheckpointError(f"optimizer state '{s}' of {names[idx]} has wrong shape")
 
 
@@ -157,8 +158,9 @@ def load_trainer_state_dict(
     opt_state: MutableMapping[str, torch.Tensor] | None = None,
 ) -> None:
     """``opt_state``: where the full per-parameter optimizer state goes (ZeRO-1 passes an
-    empty dict and keeps its shard of it); default ``trainer.opt_state``."""
-    opt_state = trainer.opt_state if opt_state is None else opt_state
+    empty dict and keeps its shard of it); default the trainer's state's."""
+    st = trainer.state
+    opt_state = st.opt_state if opt_state is None else opt_state
     if not isinstance(state, Mapping) or "model" not in state or "optimizer" not in state:
         raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
     _check_model(trainer, state["model"])
@@ -169,7 +171,7 @@ def load_trainer_state_dict(
     with torch.no_grad():
         trainer.module.load_state_dict(state["model"])
         for n, b in trainer.module.named_buffers():
-            trainer.buffers[n].copy_(b)
+            st.buffers[n].copy_(b)
         steps = [0.0]
         for idx, entry in opt["state"].items():
             name = names[int(idx)]
@@ -183,11 +185,10 @@ def load_trainer_state_dict(
                 else:
                     opt_state[key] = t.detach().to(torch.float32).clone().contiguous()
         step = int(state.get("ortrain", {}).get("step", max(steps)))
-        trainer.step_tensor.fill_(float(step))
-        trainer.micro_step = int(state.get("ortrain", {}).get("micro_step", 0))
+        st.set_counters(step, int(state.get("ortrain", {}).get("micro_step", 0)))
         scaler_state = state.get("ortrain", {}).get("loss_scaler")
-        if trainer.scaler is not None and scaler_state is not None:
-            trainer.scaler.load_state_dict(scaler_state)
+        if st.scaler is not None and scaler_state is not None:
+            st.scaler.load_state_dict(scaler_state)
         for g, saved in zip(trainer.optimizer.param_groups, opt["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -1,10 +1,12 @@
 """ORTTrainer: a PyTorch training loop's model + optimizer, run as ONNX Runtime graphs.
 
 Per batch shape signature the module is exported once and turned into a gradient
-graph (forward + minimal backward); one update graph (clipping + optimizer) serves
-all signatures. Parameters, gradients and optimizer state are tensors whose memory
-ONNX Runtime reads and writes in place through IOBinding; a step moves only the
-batch in and the loss out.
+graph (forward + minimal backward); one update engine (``runtime/update_engines.py``:
+the update graph, fused kernels, or the update inside the backward) serves all
+signatures. Parameters, gradients and optimizer state live in one ``TrainingState``
+(``runtime/training_state.py``) whose memory ONNX Runtime reads and writes in place
+through IOBinding; a step moves only the batch in and the loss out. The trainer builds,
+binds and steps; distributed/ and the checkpoints use the state and public methods.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 from ortrain import checkpoint
 from ortrain.bucketing import Bucketing
 from ortrain.build import (
-    BuildSettings,
     BuiltGraph,
     ForwardSource,
     StageRecord,
@@ -34,20 +35,9 @@ from ortrain.build import (
     label_rows,
 )
 from ortrain.build_cache import GraphCache
-from ortrain.core.errors import (
-    BatchError,
-    NonFiniteLossError,
-    UnsupportedOptimizerError,
-    first_line,
-)
-from ortrain.core.names import (
-    HYPER_NAMES,
-    IN_BACKWARD_STATES,
-    LOSS_SCALE_INPUT,
-    UpdateInBackwardError,
-    hyper_name,
-    state_key,
-)
+from ortrain.core.build_config import BuildConfig
+from ortrain.core.errors import BatchError, NonFiniteLossError, first_line
+from ortrain.core.names import LOSS_SCALE_INPUT, UpdateInBackwardError
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.core.roles import Role
 from ortrain.distributed import Reducer, join_process_group, sharded_checkpoint
@@ -57,28 +47,27 @@ from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
-from ortrain.runtime import kernels
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
-from ortrain.runtime.flat_update import flatten_update
-from ortrain.runtime.fused_update import (
-    KERNEL_KINDS,
-    FusedUpdate,
-    check_supported,
-    kernels_available,
-)
 from ortrain.runtime.session import (
     BoundSession,
+    CudaGraphCaptureError,
     check_device,
     make_session,
     register_cpu_arena,
 )
-from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
+from ortrain.runtime.training_state import TrainingState
+from ortrain.runtime.update_engines import (
+    EngineEnv,
+    EngineFacts,
+    UpdateEngine,
+    choose_engine,
+    make_engine,
+)
 
 if TYPE_CHECKING:
     import onnx_ir as ir
 
     from ortrain.graph_passes.memory.memory_plan import MemoryReport
-    from ortrain.graph_passes.training.optimizer import UpdateGraph
 
 __all__ = ["ORTTrainer", "StageRecord", "StepOutputs"]
 T = TypeVar("T")
@@ -162,32 +151,20 @@ class ORTTrainer:
             model.to(self.device)
         named = dict(model.named_parameters())
         self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
-        self.trainable = [n for g in self.spec.groups for n in g.params]
-        # Parameters share memory with the module on CPU: updates are visible in place.
-        self.params: dict[str, torch.Tensor] = {}
-        for n, p in named.items():
-            if p.dtype != torch.float32:
-                raise TypeError(f"parameter {n} is {p.dtype}; ortrain trains float32 parameters")
-            if not p.data.is_contiguous():
-                p.data = p.data.contiguous()
-            self.params[n] = p.data
-        self.buffers = {n: b.data.contiguous() for n, b in model.named_buffers()}
-        self.grads: dict[str, torch.Tensor] = {}
-        self.opt_state: dict[str, torch.Tensor] = {}
-        dev = self.device
-        self.step_tensor = torch.zeros((), dtype=torch.float32, device=dev)
-        self._scalars = {
-            "grad_scale": torch.ones((), dtype=torch.float32, device=dev),
-            "max_grad_norm": torch.zeros((), dtype=torch.float32, device=dev),
-        }
-        self._loss = torch.zeros((), dtype=torch.float32, device=dev)
-        self._grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
-        # Loss scaling: the backward is seeded with the scale; the update graph reports
-        # whether the gradients were finite (and skips the update if not).
+        # Loss scaling: the backward is seeded with the scale; the update reports whether
+        # the gradients were finite (and skips the update if not).
         ls = self.options.resolved_loss_scale
-        self.scaler: LossScaler | None = None if ls is None else LossScaler.from_option(ls)
-        self._loss_scale = torch.ones((), dtype=torch.float32, device=dev)
-        self._grads_finite = torch.ones((), dtype=torch.bool, device=dev)
+        # Parameters, gradients, optimizer state, counters, device scalars: one object that
+        # the update engines, distributed/ and the checkpoints use (runtime/training_state.py).
+        # Parameters share memory with the module on CPU: updates are visible in place.
+        self.state = TrainingState.of_module(
+            model,
+            self.spec,
+            self.device,
+            scaler=None if ls is None else LossScaler.from_option(ls),
+            max_grad_norm=self.options.max_grad_norm,
+            accumulation=self.options.grad_accumulation_steps,
+        )
         self._train: dict[tuple, _Compiled] = {}
         # Per batch signature: the exported training forward (each label-row count
         # builds from a copy of it) and its losses whose ignored rows can be dropped.
@@ -196,16 +173,6 @@ class ORTTrainer:
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self._graph_cache = GraphCache(self.options, model, loss_fn)
         self._eval: dict[tuple, _Compiled] = {}
-        self._update: BoundSession | None = None
-        # the kernels (cuda_kernels/ or torch's) run the update instead of a graph
-        self._fused: FusedUpdate | TorchFusedUpdate | None = None
-        self._update_graph: UpdateGraph | None = None
-        self.grad_params: list[str] | None = None  # trainable params reached by the loss
-        self.micro_step = 0
-        # The update also scales the accumulated gradients by this: a driver's loss weighting
-        # (ortrain/hf_trainer.py matches transformers.Trainer's). The in-backward update,
-        # which has no gradient buffers to scale, ignores it.
-        self.grad_multiplier = 1.0
         self.build_log: list[StageRecord] = []
         self._graph_dir = (
             Path(self.options.save_graphs_dir) if self.options.save_graphs_dir else None
@@ -215,17 +182,99 @@ class ORTTrainer:
         # torch.distributed (torchrun): data parallel or ZeRO-1 (ortrain.distributed);
         # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
         self._reducer: Reducer | None = join_process_group(self)
-        if self.options.update_engine == "kernels":  # fail now, not at the first step
-            self._use_kernels()
-            kernels.library(self.device.type)
-        elif self.options.update_engine == "torch":
-            self._use_torch_kernels()
-        # Adam/AdamW updated in the backward (graph_passes/targets/cpu/update_in_backward.py): no
-        # gradient buffers; per param group the hyperparameters the graph reads, and per
-        # parameter whether its update ran.
-        self._in_backward = self._use_backward_update()
-        self._hyper_in: list[torch.Tensor] = []
-        self._applied = torch.zeros(0, dtype=torch.float32, device=dev)
+        # What runs the optimizer update (runtime/update_engines.py), chosen in one place:
+        # here (an engine the options ask for and these facts cannot run fails now), and
+        # once more where a gradient graph cannot take the update in its backward.
+        self._engine: UpdateEngine = self._choose_engine()
+
+    # ------------------------------------------------------------------ state
+    # What a training loop, tests and tools read: views of ``self.state``.
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.state.params
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self.state.buffers
+
+    @property
+    def grads(self) -> dict[str, torch.Tensor]:
+        return self.state.grads
+
+    @property
+    def opt_state(self) -> dict[str, torch.Tensor]:
+        return self.state.opt_state
+
+    @property
+    def grad_params(self) -> list[str] | None:
+        """Trainable parameters the loss reaches (known after the first build)."""
+        return self.state.grad_params
+
+    @property
+    def trainable(self) -> list[str]:
+        return self.state.trainable
+
+    @property
+    def step_tensor(self) -> torch.Tensor:
+        return self.state.step_tensor
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        return self.state.scaler
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps taken in the open accumulation window."""
+        return self.state.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self.state.micro_step = value
+
+    @property
+    def grad_multiplier(self) -> float:
+        """What the update also scales the accumulated gradients by (a driver's loss
+        weighting; the update in the backward ignores it)."""
+        return self.state.grad_multiplier
+
+    @grad_multiplier.setter
+    def grad_multiplier(self, value: float) -> None:
+        self.state.grad_multiplier = value
+
+    @property
+    def update_engine(self) -> UpdateEngine:
+        """What runs the optimizer update (``update_engine.name``: "graph", "kernels",
+        "torch", "backward" or "zero1")."""
+        return self._engine
+
+    @property
+    def reducer(self) -> Reducer | None:
+        """The distributed reducer (data parallel or ZeRO-1); None in a single process."""
+        return self._reducer
+
+    @property
+    def _in_backward(self) -> bool:
+        return self._engine.in_backward
+
+    def _choose_engine(self, refused: UpdateInBackwardError | None = None) -> UpdateEngine:
+        facts = EngineFacts(
+            requested=self.options.update_engine,
+            device=self.device,
+            kind=self.spec.kind,
+            zero_stage=None if self._reducer is None else self.options.zero_stage,
+            cpu_kernels=self._cpu_kernels,
+            accumulation=self.options.grad_accumulation_steps,
+            clipping=self.options.max_grad_norm is not None,
+            fp32=self.options.mixed_precision is None and self.scaler is None,
+            refused=refused,
+            first_build=self.grad_params is None,
+        )
+        env = EngineEnv(
+            session=self._session,
+            save=self._save,
+            reducer=self._reducer,
+        )
+        return make_engine(choose_engine(facts), self.state, env)
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -260,15 +309,16 @@ class ORTTrainer:
 
             ir.save(model, self._graph_dir / f"{name}.onnx")
 
-    def _settings(self) -> BuildSettings:
-        return BuildSettings(
+    def _settings(self) -> BuildConfig:
+        return BuildConfig(
             trainable=tuple(self.trainable),
+            target="cuda" if self.device.type == "cuda" else "cpu",
             seed=self.options.seed,
             accumulate=self.options.grad_accumulation_steps > 1,
             mixed_precision=self.options.mixed_precision,
             loss_scaling=self.scaler is not None,
             optimize=self.options.optimize_graph,
-            memory_plan=self.options.memory_plan,
+            recompute="CHEAP_OPS" if self.options.memory_plan else "NOTHING",
             graph_dir=str(self._graph_dir) if self._graph_dir is not None else None,
             blas_gemm=self._blas_gemm,
             blas_batch=self._blas_batch,
@@ -288,28 +338,28 @@ class ORTTrainer:
         return job()
 
     def _build_train(self, sig: tuple, batch: Mapping[str, Any]) -> _Compiled:
-        job = functools.partial(
-            build_train,
-            self.module,
-            batch,
-            self.loss_fn,
-            self._settings(),
-            self._forwards.get(sig),
-            len(self.build_log) + 1,
-        )
         new_shape = sig not in self._forwards
-        try:
-            run = functools.partial(self._run_build, batch=batch)
-            forward, rows, built = self._graph_cache.build_train(run, *job.args)
-        except UpdateInBackwardError as exc:
-            if self.options.update_engine != "auto" or self.grad_params is not None:
-                raise
-            # "auto" takes the update after the session where the graph cannot run it
-            warnings.warn(
-                f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=3
+        run = functools.partial(self._run_build, batch=batch)
+        while True:  # twice at most: the settings change with the engine
+            job = functools.partial(
+                build_train,
+                self.module,
+                batch,
+                self.loss_fn,
+                self._settings(),
+                self._forwards.get(sig),
+                len(self.build_log) + 1,
             )
-            self._in_backward = False
-            return self._build_train(sig, batch)
+            try:
+                forward, rows, built = self._graph_cache.build_train(run, *job.args)
+                break
+            except UpdateInBackwardError as exc:
+                # "auto" takes the update after the session where the graph cannot run it
+                # (choose_engine raises the refusal where the engine may not change)
+                self._engine = self._choose_engine(refused=exc)
+                warnings.warn(
+                    f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=3
+                )
         self._forwards[sig] = forward
         if new_shape:
             _warn_many_shapes(len(self._forwards), batch)
@@ -322,11 +372,9 @@ class ORTTrainer:
 
             agree_on_graph(self._reducer.comm, built, grad_params)  # type: ignore[attr-defined]
         if self.grad_params is None:
-            self.grad_params = grad_params
-            if self._in_backward:
-                self._prepare_backward_update()
-            else:
-                self._build_update()
+            self.state.grad_params = grad_params
+            if self._engine.prepare():  # parameters or gradients moved: evals bind anew
+                self._eval.clear()
         elif grad_params != self.grad_params:
             raise BatchError(
                 "this batch reaches a different set of parameters than the first one "
@@ -334,20 +382,14 @@ class ORTTrainer:
             )
         with self._graph_cache.session_stage("train"):
             session = self._session(built, graph_capture=True)
-        session.bind_inputs({**self.params, **self.buffers, LOSS_SCALE_INPUT: self._loss_scale})
+        st = self.state
+        session.bind_inputs({**st.params, **st.buffers, LOSS_SCALE_INPUT: st.loss_scale})
         session.bind_inputs(
-            {acc: self.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
+            {acc: st.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
         )
-        session.bind_outputs({built.output_names[0]: self._loss})
+        session.bind_outputs({built.output_names[0]: st.loss})
         updates = self._bind_buffer_updates(session, built)
-        if self._in_backward:
-            self._bind_backward_update(session, built)
-        else:
-            session.bind_outputs({built.grad_outputs[p]: self.grads[p] for p in grad_params})
-            param_of = {out: p for p, out in built.grad_outputs.items()}
-            session.bind_outputs(
-                {out: self.grads[param_of[grad]] for out, grad in built.shared_outputs.items()}
-            )
+        self._engine.bind_train(session, built)
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
@@ -372,179 +414,6 @@ class ORTTrainer:
                 session.bind_outputs({r.name: new})
                 updates.append((new, self.buffers[r.of]))
         return updates
-
-    def _build_update(self) -> None:
-        assert self.grad_params is not None
-        # Distributed: gradients become views of one flat buffer; ZeRO-1 also builds and
-        # binds the update graph of this rank's shard instead of the one below.
-        if self._reducer is not None and self._reducer.prepare_update(self):
-            return
-        if self._use_kernels():
-            flat = flatten_update(self, KERNEL_KINDS, whole_groups=True)
-            assert flat is not None
-            self._eval.clear()
-            self._fused = FusedUpdate(self, flat, flat.segments)
-            return
-        if self._use_torch_kernels():
-            flat = flatten_update(self, TORCH_KINDS, whole_groups=True, move_params=False)
-            assert flat is not None
-            self._eval.clear()
-            self._fused = TorchFusedUpdate(self, flat)
-            return
-        from ortrain.graph_passes.training.optimizer import (
-            build_update_graph,  # the graph libraries: only here
-        )
-
-        flat = flatten_update(self)
-        if flat is not None:  # one update chain per param group (memory moved: rebuild evals)
-            self._eval.clear()
-            spec, shapes = flat.spec, flat.shapes
-            params, grads, states = flat.params, flat.grads, flat.states
-        else:
-            spec = self.spec
-            shapes = {p: tuple(self.params[p].shape) for p in self.grad_params}
-            for p in self.grad_params:
-                self.grads.setdefault(p, torch.zeros_like(self.params[p]))
-                for g in self.spec.groups:
-                    if p in g.params:
-                        for s in self.spec.state_names(g):
-                            key = state_key(s, p)
-                            self.opt_state.setdefault(key, torch.zeros_like(self.params[p]))
-            params = {p: self.params[p] for p in self.grad_params}
-            grads = {p: self.grads[p] for p in self.grad_params}
-            states = self.opt_state
-        ug = build_update_graph(
-            spec,
-            shapes,
-            clip_grad_norm=self.options.max_grad_norm is not None,
-            skip_nonfinite=self.scaler is not None,
-        )
-        self._save(ug.model, "update")
-        grads = {f"grad:{p}": t for p, t in grads.items()}
-        self._bind_update(ug, params, grads, states)
-
-    def _use_backward_update(self) -> bool:
-        """Whether each parameter's Adam/AdamW update runs in the backward: ``update_engine=
-        "backward"``, or "auto" wherever it can (it needs no look at all the gradients)."""
-        why = []
-        if self.device.type != "cpu" or not self._cpu_kernels:
-            why.append("ortrain's CPU kernels (device='cpu', cpu_kernels)")
-        if self.spec.kind not in TORCH_KINDS:
-            why.append(f"Adam or AdamW (not {self.spec.kind})")
-        if self._reducer is not None:
-            why.append("a single process")
-        if self.options.grad_accumulation_steps != 1:
-            why.append("grad_accumulation_steps=1")
-        if self.options.max_grad_norm is not None:
-            why.append("no clipping (max_grad_norm=None)")
-        if self.options.mixed_precision is not None or self.scaler is not None:
-            why.append("fp32 training without loss scaling")
-        if self.options.update_engine == "backward" and why:
-            raise ValueError("TrainerOptions.update_engine='backward' needs " + ", ".join(why))
-        return self.options.update_engine in ("auto", "backward") and not why
-
-    def _prepare_backward_update(self) -> None:
-        """The moments the graphs update in place, and the tensors they read and write."""
-        assert self.grad_params is not None
-        for p in self.grad_params:
-            for s in IN_BACKWARD_STATES:
-                self.opt_state.setdefault(state_key(s, p), torch.zeros_like(self.params[p]))
-        self._hyper_in = [
-            torch.zeros(len(HYPER_NAMES), dtype=torch.float32, device=self.device)
-            for _ in self.spec.groups
-        ]
-        self._applied = torch.zeros(len(self.grad_params), dtype=torch.float32, device=self.device)
-
-    def _bind_backward_update(self, session: BoundSession, built: BuiltGraph) -> None:
-        assert self.grad_params is not None
-        index = {p: i for i, p in enumerate(self.grad_params)}
-        states = {
-            r.name: self.opt_state[r.name] for r in built.io if r.role is Role.OPTIMIZER_STATE
-        }
-        session.bind_inputs(states)
-        session.bind_inputs({hyper_name(gi): t for gi, t in enumerate(self._hyper_in)})
-        session.bind_outputs(
-            {out: self._applied[index[p]] for p, out in built.update_outputs.items()}
-        )
-
-    def _fill_hyperparameters(self) -> None:
-        """This step's values of what ``hyper:group<i>`` holds (``HYPER_NAMES``)."""
-        step = float(self.step_tensor) + 1.0  # the 1-based t of this update
-        decoupled = 1.0 if self.spec.kind == "adamw" else 0.0
-        for t, hp in zip(self._hyper_in, group_values(self.optimizer, self.spec), strict=True):
-            values = [hp[h] for h in HYPER_NAMES[:5]] + [step, decoupled]
-            t.copy_(torch.tensor(values, dtype=torch.float32))
-
-    def _use_torch_kernels(self) -> bool:
-        """Whether torch's fused Adam/AdamW kernels run the update: ``update_engine="torch"``,
-        or "auto" on CPU in a single process."""
-        engine = self.options.update_engine
-        if engine == "torch":
-            if self.spec.kind not in TORCH_KINDS:
-                raise UnsupportedOptimizerError(
-                    f"update_engine='torch' supports {', '.join(TORCH_KINDS)}, not "
-                    f"{self.spec.kind}; use update_engine='graph'"
-                )
-            if self._reducer is not None:
-                raise ValueError(
-                    "TrainerOptions.update_engine='torch' is single-process only; distributed "
-                    "training updates through the update graph (use 'graph' or 'auto')"
-                )
-            return True
-        return (
-            engine == "auto"
-            and self.device.type == "cpu"
-            and self.spec.kind in TORCH_KINDS
-            and self._reducer is None
-        )
-
-    def _use_kernels(self) -> bool:
-        """Whether the fused kernels run the update (``TrainerOptions.update_engine``)."""
-        engine = self.options.update_engine
-        if engine in ("graph", "torch") or (engine == "auto" and self.device.type != "cuda"):
-            return False
-        if engine == "auto":  # CUDA: the kernels when built and they cover the optimizer
-            return self.spec.kind in KERNEL_KINDS and kernels_available(self.device)
-        check_supported(self.spec.kind)
-        if self._reducer is not None:
-            raise ValueError(
-                "TrainerOptions.update_engine='kernels' is single-process only; distributed "
-                "training updates through the update graph (use 'graph' or 'auto')"
-            )
-        return True
-
-    def _bind_update(
-        self,
-        ug: UpdateGraph,
-        params: Mapping[str, torch.Tensor],
-        grads: Mapping[str, torch.Tensor],
-        states: Mapping[str, torch.Tensor],
-        extra: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Session for an update graph; every aliased output bound to its input's buffer.
-
-        ``grads`` are keyed by graph input name (``grad:<param>``); ``extra`` holds other
-        inputs (ZeRO-1's ``global_sq_norm``).
-        """
-        self._update_graph = ug
-        self._hyper = {
-            io.name: torch.zeros((), dtype=torch.float32, device=self.device)
-            for io in ug.io
-            if io.role is Role.HYPERPARAMETER
-        }
-        sess = self._session(ug.model, graph_capture=True)
-        sess.bind_inputs({**params, **grads, **states, **self._hyper, **self._scalars})
-        sess.bind_inputs({"step": self.step_tensor, **(extra or {})})
-        outputs = {"new:step": self.step_tensor}
-        if self.options.max_grad_norm is not None:
-            outputs["grad_norm"] = self._grad_norm
-        if any(o.role is Role.GRADS_FINITE for o in ug.outputs):
-            outputs["grads_finite"] = self._grads_finite
-        for out, src in ug.aliases.items():
-            if src != "step":
-                outputs[out] = params[src] if src in params else states[src]
-        sess.bind_outputs(outputs)
-        self._update = sess
 
     def _compiled(self, batch: Mapping[str, Any], *, train: bool) -> _Compiled:
         sig = _signature(batch)
@@ -634,27 +503,25 @@ class ORTTrainer:
         keep = self._bind_batch(compiled, batch)
         accum = self.options.grad_accumulation_steps
         if accum > 1 and self.micro_step == 0:
-            for g in self.grads.values():
-                g.zero_()
+            self.state.zero_grads()
         if self.scaler is not None:
-            self._loss_scale.fill_(self.scaler.scale)
-        if self._in_backward:
-            self._fill_hyperparameters()
-            self._applied.zero_()
+            self.state.loss_scale.fill_(self.scaler.scale)
+        self._engine.before_run(group_values(self.optimizer, self.spec))
         try:
             compiled.session.run()
+        except CudaGraphCaptureError:  # its own message; the session restored the state
+            raise
         except Exception as exc:
             # A partial run may have written into the gradients: the window starts again
             # (its first micro-step zeroes them); parameters and optimizer state are untouched
             # unless the update runs in the backward and got that far.
             discarded, self.micro_step = self.micro_step, 0
-            updated = int(self._applied.sum()) if self._in_backward else 0
-            n = len(self._applied)
+            updated, n = self._engine.applied()
             raise _run_failed("training", batch, exc, updated, n, discarded) from exc
         del keep
         for new, buffer in compiled.buffer_updates:  # as eager: every micro-step updates
             buffer.copy_(new)
-        loss = self._loss.clone()
+        loss = self.state.loss.clone()
         if self.options.check_finite and not math.isfinite(float(loss)):
             discarded, self.micro_step = self.micro_step, 0  # its gradients are in the sums
             raise NonFiniteLossError(
@@ -665,37 +532,14 @@ class ORTTrainer:
         self.micro_step += 1
         if self.micro_step == accum:
             self.micro_step = 0
-            if self._in_backward:  # the graph ran the update (unless the loss was not finite)
-                if bool(self._applied.all()):
-                    self.step_tensor.add_(1.0)
-                self.optimizer._opt_called = True  # type: ignore[attr-defined]
-            else:
-                self._apply_update()
+            self._apply_update()
         return loss
 
     def _apply_update(self) -> None:
-        values = group_values(self.optimizer, self.spec)
-        # Gradients are sums over micro-steps (and ranks) of the loss-scaled gradients: the
-        # update scales them to the unscaled mean.
         world = self._reducer.world_size if self._reducer is not None else 1
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        grad_scale = self.grad_multiplier / (self.options.grad_accumulation_steps * world * scale)
-        if self._fused is not None:
-            self._fused.run(values, grad_scale)
-        else:
-            assert self._update is not None
-            for gi, group in enumerate(values):
-                for h, v in group.items():
-                    self._hyper[f"group{gi}.{h}"].fill_(v)
-            self._scalars["grad_scale"].fill_(grad_scale)
-            if self.options.max_grad_norm is not None:
-                self._scalars["max_grad_norm"].fill_(self.options.max_grad_norm)
-            if self._reducer is None:
-                self._update.run()
-            else:
-                self._reducer.update(self._update.run)
-        if self.scaler is not None:
-            self.scaler.update(bool(self._grads_finite))
+        values = group_values(self.optimizer, self.spec)
+        self._engine.step(values, self.state.grad_scale(world))
+        self.state.finish_update()
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -712,7 +556,7 @@ class ORTTrainer:
     @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (before clipping) of the last update; None without clipping."""
-        return float(self._grad_norm) if self.options.max_grad_norm is not None else None
+        return float(self.state.grad_norm) if self.options.max_grad_norm is not None else None
 
     @property
     def loss_scale(self) -> float | None:
@@ -746,11 +590,12 @@ class ORTTrainer:
 
     @property
     def update_graph(self) -> ir.Model | None:
-        return self._update_graph.model if self._update_graph is not None else None
+        graph = self._engine.update_graph
+        return graph.model if graph is not None else None
 
     @property
     def step(self) -> int:
-        return int(self.step_tensor)
+        return self.state.step
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:

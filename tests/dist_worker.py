@@ -29,6 +29,7 @@ import torch
 
 from ortrain import ORTTrainer, RankFailureError, TrainerOptions
 from ortrain.core.roles import Role
+from ortrain.runtime.update_engines import GraphUpdate
 from tests.conftest import decay_groups, gpt2, lm_batches
 
 STEPS, ACCUM, RESUME_AT = 6, 2, 3  # optimizer steps; micro-steps per step; checkpoint step
@@ -77,10 +78,12 @@ def run(trainer: ORTTrainer, sched, batches: list[dict], start: int, stop: int) 
 def state_bytes(trainer: ORTTrainer) -> dict[str, Any]:
     """Optimizer-state bytes of the OrtValues bound to the update graph, and of the
     storages behind them."""
-    graph = trainer._update_graph
-    assert graph is not None and trainer._update is not None
+    engine = trainer.update_engine
+    assert isinstance(engine, GraphUpdate) and engine.name == "zero1"
+    graph, session = engine.graph, engine.session
+    assert graph is not None and session is not None
     names = [io.name for io in graph.io if io.role is Role.OPTIMIZER_STATE]
-    values = [trainer._update.bound_inputs[n] for n in names]
+    values = [session.bound_inputs[n] for n in names]
     bound = sum(v.numel() * v.element_size() for v in values)
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -118,7 +121,7 @@ def scenario_train(rank: int, world: int, out: Path) -> dict[str, Any]:
     result["zero_losses"] = losses
     result["zero_grad_norm"] = trainer.last_grad_norm
     result["zero_state_bytes"] = state_bytes(trainer)
-    layout = trainer._reducer.config.layout  # type: ignore[union-attr]
+    layout = trainer.reducer.config.layout  # type: ignore[union-attr]
     result["layout"] = {"padding": layout.padding, "numel": layout.numel}
     final = trainer.state_dict()
     if rank == 0:
@@ -146,7 +149,7 @@ def scenario_reshard(rank: int, world: int, out: Path) -> dict[str, Any]:
     state = trainer.state_dict()
     if rank == 0:
         torch.save(state, out / f"resharded{world}.pt")
-    return {"empty": state == {}, "shard_numel": trainer._reducer.config.layout.shard_numel}
+    return {"empty": state == {}, "shard_numel": trainer.reducer.config.layout.shard_numel}
 
 
 def scenario_overflow(rank: int, world: int, out: Path) -> dict[str, Any]:

@@ -205,3 +205,72 @@ def test_cuda_graphs_run_entirely_on_the_gpu(which, precision):
             for sg in sess.get_provider_graph_assignment_info()
         }
         assert list(placed) == ["CUDAExecutionProvider"], placed
+
+
+# ------------------------------------------------ the predicted defects (issue 37), on a GPU
+# Each is rehearsed on CPU with stand-ins in tests/test_gpu_path.py; scripts/gpu-checks.sh
+# runs these (``-k probe``) as its defect probes.
+@needs_cuda
+def test_probe_the_cuda_provider_really_runs_the_sessions():
+    """A real session's providers, not onnxruntime's fixed list (defect 2)."""
+    from ortrain.runtime.session import cuda_unavailable_reason
+
+    assert cuda_unavailable_reason() is None
+    model = gpt2(layers=1, hidden=64, vocab=128)
+    trainer, _ = _run(model, lm_batches(1, vocab=128), TrainerOptions(device="cuda"))
+    for c in trainer._train.values():
+        assert c.session.session.get_providers()[0] == "CUDAExecutionProvider"
+
+
+@needs_cuda
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("engine", ["graph", "auto"])
+def test_probe_cuda_graph_applies_the_first_step_once(engine, accum):
+    """ONNX Runtime's first run of a capturing session runs the graph twice (defect 1): the
+    step counter, parameters, moments and accumulated gradients must still equal those of
+    plain runs, after the first step and after later ones."""
+    base, batches = gpt2(layers=2, hidden=64, vocab=128), lm_batches(3 * accum, vocab=128)
+    results = []
+    for graph in (False, True):
+        opts = TrainerOptions(
+            device="cuda", cuda_graph=graph, update_engine=engine, grad_accumulation_steps=accum
+        )
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = ORTTrainer(model, opt, opts)
+        steps = []
+        for i, b in enumerate(batches):
+            loss = trainer.train_step(**b).item()
+            if (i + 1) % accum == 0:
+                params = {k: v.detach().cpu().clone() for k, v in model.named_parameters()}
+                steps.append((loss, int(trainer.step_tensor), params))
+        results.append(steps)
+    for (l0, s0, p0), (l1, s1, p1) in zip(*results, strict=True):
+        assert s1 == s0  # 1 after the first step, not 2
+        np.testing.assert_allclose(l1, l0, rtol=1e-6, atol=0)
+        for k in p0:
+            torch.testing.assert_close(p1[k], p0[k], rtol=1e-6, atol=1e-7)
+    assert results[1][0][1] == 1
+
+
+@needs_cuda
+def test_probe_cuda_graph_refuses_dropout():
+    """Replayed seeds would freeze the masks (defect 5)."""
+    model = gpt2(layers=1, hidden=64, vocab=128, dropout=0.1)
+    opts = TrainerOptions(device="cuda", cuda_graph=True)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), opts)
+    with pytest.raises(DeviceError, match=r"draw random numbers.*dropout"):
+        trainer.train_step(**lm_batches(1, vocab=128)[0])
+
+
+@needs_cuda
+def test_probe_dropout_masks_change_between_steps_without_cuda_graph():
+    """The masks ONNX Runtime's CUDA Dropout draws move on from step to step: the losses of
+    one batch repeated with lr=0 differ (they would repeat if the seed were frozen)."""
+    model = gpt2(layers=1, hidden=64, vocab=128, dropout=0.3)
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), TrainerOptions(device="cuda")
+    )
+    batch = lm_batches(1, vocab=128)[0]
+    losses = [trainer.train_step(**batch).item() for _ in range(3)]
+    assert len(set(losses)) == 3, losses

@@ -11,7 +11,6 @@ import torch
 
 from ortrain import ORTTrainer, TrainerOptions, UnsupportedOptimizerError
 from ortrain.optim import Lamb
-from ortrain.runtime.torch_update import TorchFusedUpdate
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
 from tests.test_parity import _check
 from tests.update_engines import assert_engines_agree, assert_overflow_changes_nothing
@@ -25,13 +24,14 @@ def adam_l2(m):
     return torch.optim.Adam(decay_groups(m, 0.05), lr=1e-3, betas=(0.8, 0.99), eps=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["auto", "torch"])
 def test_cpu_default_is_torch_fused_and_matches_eager(engine):
     options = TrainerOptions(update_engine=engine, max_grad_norm=0.5)
     trainer = _check(
         lambda: gpt2(layers=2, hidden=64, vocab=256), adamw, lm_batches(8, vocab=256), options
     )
-    assert isinstance(trainer._fused, TorchFusedUpdate) and trainer.update_graph is None
+    assert trainer.update_engine.name == "torch" and trainer.update_graph is None
     assert trainer.last_grad_norm > 0.5  # clipping was active
     # Gradients are views of one flat buffer, each moment of one per param group; the
     # kernels take the parameters where they are.
@@ -53,17 +53,19 @@ def test_parameters_stay_where_the_module_has_them():
     initial = {n: t.clone() for n, t in before.items()}
     for batch in lm_batches(2, vocab=256):
         trainer.train_step(**batch)
-    assert isinstance(trainer._fused, TorchFusedUpdate)
+    assert trainer.update_engine.name == "torch"
     for n, p in model.named_parameters():
         assert p.data_ptr() == ptrs[n] == trainer.params[n].data_ptr(), n
         assert not torch.equal(before[n], initial[n]), f"{n} was not updated in place"
 
 
+@pytest.mark.slow
 def test_adam_l2_with_accumulation_on_bert():
     options = TrainerOptions(update_engine="torch", grad_accumulation_steps=2)
     _check(lambda: bert_mlm(vocab=256, hidden=64), adam_l2, bert_batches(6, vocab=256), options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_opt", [adamw, adam_l2], ids=["adamw", "adam"])
 def test_torch_update_equals_graph_update(make_opt):
     assert_engines_agree("torch", make_opt)
@@ -117,7 +119,7 @@ def test_non_transformer_regressor_with_frozen_layer():
         ours = trainer.train_step(x, y=y)
         assert ours.item() == pytest.approx(loss.item(), rel=1e-5)
         assert trainer.last_grad_norm == pytest.approx(norm.item(), rel=1e-5)
-    assert isinstance(trainer._fused, TorchFusedUpdate)
+    assert trainer.update_engine.name == "torch"
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -126,7 +128,7 @@ def test_other_optimizers_keep_the_update_graph_and_torch_names_what_it_runs():
     model = gpt2(layers=1, hidden=64, vocab=128)
     trainer = ORTTrainer(model, Lamb(model.parameters(), lr=1e-3))
     trainer.train_step(**lm_batches(1, vocab=128)[0])
-    assert trainer._fused is None and trainer.update_graph is not None  # auto: the graph
+    assert trainer.update_engine.name == "graph" and trainer.update_graph is not None  # auto
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(UnsupportedOptimizerError, match="update_engine='torch' supports adam"):
         ORTTrainer(model, sgd, TrainerOptions(update_engine="torch"))  # at construction

@@ -1,17 +1,23 @@
-"""The collectives the trainer runs, on its own gloo group with a timeout.
+"""The collectives the trainer runs, on its own groups with a timeout.
 
-The group spans the ranks of the default process group (the one torchrun set up) or of
-the group the user passes; being our own, it carries ``TrainerOptions.dist_timeout``
-whatever the user's group was created with, and it is gloo whatever the default backend,
-because the trainer's tensors live in host memory. Every collective is guarded: a
-failure (a peer died, or did not arrive within the timeout) becomes a
-``RankFailureError`` naming the rank, as told by ``RankHealth``.
+The groups span the ranks of the default process group (the one torchrun set up) or of
+the group the user passes; being our own, they carry ``TrainerOptions.dist_timeout``
+whatever the user's group was created with. Host tensors (the trainer's state on CPU,
+and the small control messages on every device: flags, fingerprints, objects) go over
+a gloo group; device tensors (the state of a trainer on CUDA: flat gradients,
+parameters, shards) stay on the device and go over an NCCL group, ordered on torch's
+current stream (the trainer's session stream) without host synchronisation. Each
+collective picks the group by its tensor's device (``group_for``): the rest of the
+distributed code is the same on both. Every collective is guarded: a failure (a peer
+died, or did not arrive within the timeout) becomes a ``RankFailureError`` naming the
+rank, as told by ``RankHealth``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,11 +29,23 @@ from ortrain.core.errors import RankFailureError
 from ortrain.distributed.health import RankHealth
 
 
-class Comm:
-    """This trainer's group: its rank, world size, and guarded collectives."""
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for tensors on ``device``."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
-    def __init__(self, parent: dist.ProcessGroup | None, timeout_s: float):
+
+class Comm:
+    """This trainer's groups: its rank, world size, and guarded collectives.
+
+    ``device``: where the trainer's state lives; on CUDA a second group (NCCL) carries
+    the tensors there, and this process must own that device alone.
+    """
+
+    def __init__(
+        self, parent: dist.ProcessGroup | None, timeout_s: float, device: torch.device | None = None
+    ):
         self.timeout_s = timeout_s
+        self.device = device or torch.device("cpu")
         ranks = (
             sorted(dist.get_process_group_ranks(parent))
             if parent is not None
@@ -44,6 +62,46 @@ class Comm:
             )
         self.rank = dist.get_rank(self.group)
         self.world_size = len(ranks)
+        self.device_group = self.group
+        self._check_devices()
+        if backend_for(self.device) != "gloo":
+            torch.cuda.set_device(self.device)  # NCCL's communicator binds the current device
+            with self._guard("new_group (nccl)"):
+                self.device_group = dist.new_group(
+                    ranks,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    backend=backend_for(self.device),
+                    use_local_synchronization=True,
+                )
+
+    def _check_devices(self) -> None:
+        """Every rank on the same kind of device, and on CUDA each on a GPU of its own
+        (NCCL needs that); otherwise every rank raises, naming the ranks."""
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        mine = (socket.gethostname(), self.device.type, self.device.index)
+        everyone = self.all_gather_object(mine)
+        kinds = [where[1] for where in everyone]
+        if len(set(kinds)) > 1:
+            raise ValueError(
+                f"rank {dist.get_rank()}: the ranks' trainers run on different kinds of device "
+                f"(device kind by group rank: {dict(enumerate(kinds))}); use one kind on every rank"
+            )
+        shared = [r for r, where in enumerate(everyone) if where == mine and r != self.rank]
+        if self.device.type == "cuda" and shared:
+            raise ValueError(
+                f"rank {dist.get_rank()}: device {self.device} on {mine[0]} is also used by "
+                f"group rank(s) {shared}; NCCL needs one GPU per rank: pass "
+                "TrainerOptions(device=f'cuda:{int(os.environ[\"LOCAL_RANK\"])}')"
+            )
+
+    def group_for(self, t: torch.Tensor) -> dist.ProcessGroup:
+        """The group that carries ``t``: NCCL for device tensors, gloo for host ones."""
+        return self.group if t.device.type == "cpu" else self.device_group
+
+    @property
+    def backend(self) -> str:
+        return backend_for(self.device)
 
     @contextlib.contextmanager
     def _guard(self, op: str) -> Iterator[None]:
@@ -51,7 +109,7 @@ class Comm:
         seq, start = self.health.seq, time.monotonic()
         try:
             yield
-        except RuntimeError as exc:  # gloo errors (DistBackendError is a RuntimeError)
+        except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is a RuntimeError)
             elapsed = time.monotonic() - start
             me = dist.get_rank()
             peers = [r for r in self.global_ranks if r != me]
@@ -59,22 +117,23 @@ class Comm:
             raise RankFailureError(
                 f"rank {me}: {op} (collective #{seq}) failed after {elapsed:.1f} s "
                 f"(TrainerOptions.dist_timeout={self.timeout_s:g} s): {why}. "
-                f"gloo said: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                f"{self.backend} said: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                 ranks=blamed,
             ) from exc
 
     def broadcast(self, t: torch.Tensor) -> None:
         """``t`` from group rank 0 to every rank, in place."""
         with self._guard("broadcast"):
-            dist.broadcast(t, src=self.global_ranks[0], group=self.group)
+            dist.broadcast(t, src=self.global_ranks[0], group=self.group_for(t))
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Group rank 0's values of ``tensors`` to every rank, in place; one broadcast per
-        dtype (gloo has no bool: those travel as bytes)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        device and dtype (gloo has no bool: those travel as bytes)."""
+        by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             t = t.view(torch.uint8) if t.dtype == torch.bool else t
-            by_dtype.setdefault(t.dtype, []).append(t)
+            by_dtype.setdefault((t.device, t.dtype), []).append(t)
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group])
             self.broadcast(flat)
@@ -89,15 +148,23 @@ class Comm:
             dist.broadcast_object_list(box, src=self.global_ranks[0], group=self.group)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in group rank order (over gloo)."""
+        out: list[Any] = [None] * self.world_size
+        with self._guard("all_gather_object"):
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def all_reduce(self, t: torch.Tensor) -> None:
         """In-place sum over ranks."""
         with self._guard("all_reduce"):
-            dist.all_reduce(t, group=self.group)
+            dist.all_reduce(t, group=self.group_for(t))
 
     def all_reduce_buckets(self, buckets: Sequence[torch.Tensor]) -> None:
-        """In-place sums, all buckets in flight at once (gloo runs them on its threads)."""
+        """In-place sums, all buckets in flight at once (gloo runs them on its threads;
+        NCCL queues them on its stream, and ``wait`` orders torch's current stream after)."""
         with self._guard(f"all_reduce of {len(buckets)} gradient buckets"):
-            works = [dist.all_reduce(b, group=self.group, async_op=True) for b in buckets]
+            works = [dist.all_reduce(b, group=self.group_for(b), async_op=True) for b in buckets]
             for w in works:
                 w.wait()
 
@@ -106,11 +173,16 @@ class Comm:
         becomes the sum over ranks of that shard; the other shards are left undefined.
 
         One reduce per shard, all in flight at once: on gloo that is faster than its
-        reduce_scatter (which also needs a separate output buffer)."""
+        reduce_scatter (which also needs a separate output buffer). NCCL reduce-scatters in
+        place (its output is the input's shard of this rank)."""
         shards = flat.view(self.world_size, -1)
+        group = self.group_for(flat)
         with self._guard("reduce_scatter"):
+            if group is not self.group:
+                dist.reduce_scatter_tensor(shards[self.rank], flat, group=group)
+                return
             works = [
-                dist.reduce(shards[i], dst=self.global_ranks[i], group=self.group, async_op=True)
+                dist.reduce(shards[i], dst=self.global_ranks[i], group=group, async_op=True)
                 for i in range(self.world_size)
             ]
             for w in works:
@@ -118,11 +190,16 @@ class Comm:
 
     def all_gather(self, flat: torch.Tensor) -> None:
         """In place: every rank's shard of ``flat`` to every rank (one broadcast per shard,
-        all in flight at once: on gloo several times faster than its all_gather)."""
+        all in flight at once: on gloo several times faster than its all_gather; NCCL
+        gathers in place)."""
         shards = flat.view(self.world_size, -1)
+        group = self.group_for(flat)
         with self._guard("all_gather"):
+            if group is not self.group:
+                dist.all_gather_into_tensor(flat, shards[self.rank], group=group)
+                return
             works = [
-                dist.broadcast(shards[i], src=self.global_ranks[i], group=self.group, async_op=True)
+                dist.broadcast(shards[i], src=self.global_ranks[i], group=group, async_op=True)
                 for i in range(self.world_size)
             ]
             for w in works:
@@ -132,11 +209,12 @@ class Comm:
         """Every rank's ``t`` on group rank 0 (None elsewhere)."""
         out = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
         with self._guard("gather"):
-            dist.gather(t, out, dst=self.global_ranks[0], group=self.group)
+            dist.gather(t, out, dst=self.global_ranks[0], group=self.group_for(t))
         return out
 
     def barrier(self) -> None:
-        # An all-reduce rather than dist.barrier: same guard, same timeout, no device hints.
+        # An all-reduce on the host group rather than dist.barrier: same guard, same timeout,
+        # no device hints.
         self.all_reduce(torch.zeros(1))
 
     def any(self, flag: bool) -> bool:

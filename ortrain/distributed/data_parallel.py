@@ -22,6 +22,8 @@ from ortrain.distributed.comm import Comm
 from ortrain.distributed.layout import FlatLayout
 
 if TYPE_CHECKING:
+    from ortrain.runtime.training_state import TrainingState
+    from ortrain.runtime.update_engines import GraphUpdate
     from ortrain.trainer import ORTTrainer
 
 
@@ -42,18 +44,19 @@ class DataParallel:
         self.buckets: list[torch.Tensor] = []
         self._grads: Mapping[str, torch.Tensor] = {}
         # Replicas start equal whatever each rank's seed was (as DDP does).
-        comm.broadcast_tensors([*trainer.params.values(), *trainer.buffers.values()])
+        state = trainer.state
+        comm.broadcast_tensors([*state.params.values(), *state.buffers.values()])
 
-    def prepare_update(self, trainer: ORTTrainer) -> bool:
-        assert trainer.grad_params is not None
-        shapes = {p: tuple(trainer.params[p].shape) for p in trainer.grad_params}
+    def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
+        assert state.grad_params is not None
+        shapes = {p: tuple(state.params[p].shape) for p in state.grad_params}
         layout = FlatLayout.build(shapes, align=self.config.align)
-        self.flat_grads = torch.zeros(layout.numel)
-        trainer.grads.update(layout.views(self.flat_grads))
-        self._grads = trainer.grads  # checked at the first update (see there)
+        self.flat_grads = torch.zeros(layout.numel, device=self.comm.device)
+        state.adopt_grads(layout.views(self.flat_grads))
+        self._grads = state.grads  # checked at the first update (see there)
         n = self.config.bucket_numel
         self.buckets = [self.flat_grads[i : i + n] for i in range(0, layout.numel, n)]
-        return False  # the trainer builds the ordinary update graph over these gradients
+        return False  # the engine builds the ordinary update graph over these gradients
 
     def update(self, run_update: Callable[[], None]) -> None:
         if self._grads:  # the update graph must read the very buffer that is all-reduced

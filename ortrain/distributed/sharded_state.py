@@ -36,9 +36,11 @@ from ortrain.graph_passes.training.zero import (
     build_shard_update_graph,
     check_shardable,
 )
-from ortrain.runtime.session import BoundSession, make_session
+from ortrain.runtime.session import BoundSession
 
 if TYPE_CHECKING:
+    from ortrain.runtime.training_state import TrainingState
+    from ortrain.runtime.update_engines import GraphUpdate
     from ortrain.trainer import ORTTrainer
 
 ALIGN = 16  # elements: every tensor and every shard starts on a 64-byte boundary
@@ -75,72 +77,64 @@ class ShardedState:
     """This rank's ZeRO-1 state and the steps around its update graph (a ``Reducer``)."""
 
     def __init__(self, trainer: ORTTrainer, comm: Comm):
-        check_shardable(trainer.spec)
-        shapes = {n: tuple(trainer.params[n].shape) for n in trainer.trainable}
-        self.config = ShardConfig.build(trainer.spec, shapes, comm.rank, comm.world_size)
+        state = trainer.state
+        check_shardable(state.spec)
+        shapes = {n: tuple(state.params[n].shape) for n in state.trainable}
+        self.config = ShardConfig.build(state.spec, shapes, comm.rank, comm.world_size)
         self.comm = comm
         self.world_size = comm.world_size
         layout = self.config.layout
-        self.flat_params = torch.zeros(layout.numel)
-        self._adopt_parameters(trainer)
+        self.flat_params = torch.zeros(layout.numel, device=comm.device)
+        # The trainable parameters move into the flat buffer; module and state see views.
+        state.move_params(layout.views(self.flat_params))
         comm.broadcast_tensors(
             [self.flat_params]
-            + [t for n, t in trainer.params.items() if n not in shapes]
-            + list(trainer.buffers.values())
+            + [t for n, t in state.params.items() if n not in shapes]
+            + list(state.buffers.values())
         )
         n = layout.shard_numel
-        self.flat_grads = torch.zeros(layout.numel)
+        self.flat_grads = torch.zeros(layout.numel, device=comm.device)
         self.grad_shard = self.flat_grads[self.config.shard]  # reduced here
-        self.state = {s: torch.zeros(n) for s in self.config.state_names}
-        self.sq_norm = torch.zeros(())
+        self.state = {s: torch.zeros(n, device=comm.device) for s in self.config.state_names}
+        self.sq_norm = torch.zeros((), device=comm.device)
         self._norm: BoundSession | None = None
         # Parameters whose optimizer state is live: those with gradients, and those a
         # loaded checkpoint had state for (before the first step says which get gradients).
         self.stateful: set[str] = set()
 
-    def _adopt_parameters(self, trainer: ORTTrainer) -> None:
-        """Move the trainable parameters into the flat buffer; module and trainer see views."""
-        module_params = dict(trainer.module.named_parameters())
-        # (Views made outside no_grad: a no_grad view may not be written in grad mode.)
-        for name, view in self.config.layout.views(self.flat_params).items():
-            view.copy_(trainer.params[name])  # plain data: no autograd involved
-            module_params[name].data = view
-            trainer.params[name] = view
-
     # ------------------------------------------------------------------ building
-    def prepare_update(self, trainer: ORTTrainer) -> bool:
-        """Bind the shard's update graph as the trainer's update session."""
-        assert trainer.grad_params is not None
-        cfg, spec = self.config, trainer.spec
-        reached = set(trainer.grad_params)
+    def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
+        """Lay out the gradients and bind the shard's update graph as ``engine``'s session."""
+        assert state.grad_params is not None
+        cfg, spec = self.config, state.spec
+        reached = set(state.grad_params)
         self.stateful |= reached
         views = cfg.layout.views(self.flat_grads)
-        trainer.grads = {p: views[p] for p in trainer.grad_params}
+        state.adopt_grads({p: views[p] for p in state.grad_params})
         pieces = [pc for pc in cfg.layout.pieces(cfg.rank) if pc.name in reached]
         group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
-        clip = trainer.options.max_grad_norm is not None
-        skip = trainer.scaler is not None
+        clip = state.max_grad_norm is not None
+        skip = state.scaler is not None
         ug = build_shard_update_graph(
             spec, {pc.name: pc.numel for pc in pieces}, clip_grad_norm=clip, skip_nonfinite=skip
         )
-        trainer._save(ug.model, "update.zero1")
+        engine.save_graph(ug.model, "update.zero1")
         params = {pc.name: self.flat_params[pc.start : pc.stop] for pc in pieces}
         grads = {f"grad:{pc.name}": self.grad_shard[cfg.local(pc)] for pc in pieces}
-        state = {
+        shard_state = {
             state_key(s, pc.name): self.state[s][cfg.local(pc)]
             for pc in pieces
             for s in group_states[pc.name]
         }
-        trainer.opt_state = state
-        trainer._bind_update(ug, params, grads, state, {"global_sq_norm": self.sq_norm})
+        state.adopt_opt_state(shard_state, replace=True)
+        engine.bind(ug, params, grads, shard_state, {"global_sq_norm": self.sq_norm})
 
         if clip or skip:  # both read the global sum of squares
             norm = build_partial_norm_graph(cfg.layout.shard_numel)
-            trainer._save(norm, "update.zero1_partial_norm")
-            threads = trainer.options.intra_op_threads
-            self._norm = BoundSession(make_session(norm, threads=threads))
+            engine.save_graph(norm, "update.zero1_partial_norm")
+            self._norm = engine.new_session(norm)  # the trainer's device and stream
             self._norm.bind_inputs(
-                {"grad_shard": self.grad_shard, "grad_scale": trainer._scalars["grad_scale"]}
+                {"grad_shard": self.grad_shard, "grad_scale": state.scalars["grad_scale"]}
             )
             self._norm.bind_outputs({"partial_sq_norm": self.sq_norm})
         return True

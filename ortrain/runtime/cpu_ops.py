@@ -60,7 +60,7 @@ SOURCES = tuple(
         "blas_batch.c",
     )
 )
-HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h")
+HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h", _HERE / "adam_math.h")
 ABI_VERSION = 5  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
 KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")

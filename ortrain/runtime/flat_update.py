@@ -29,7 +29,7 @@ from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
 from ortrain.distributed.layout import FlatLayout
 
 if TYPE_CHECKING:
-    from ortrain.trainer import ORTTrainer
+    from ortrain.runtime.training_state import TrainingState
 
 FLAT_KINDS = ("adam", "adamw", "sgd")
 ALIGN = 16  # elements: every tensor starts on a 64-byte boundary
@@ -64,7 +64,7 @@ def _shared_base(tensors: dict[str, torch.Tensor], layout: FlatLayout) -> torch.
 
 
 def flatten_update(
-    trainer: ORTTrainer,
+    state: TrainingState,
     kinds: tuple[str, ...] = FLAT_KINDS,
     whole_groups: bool = False,
     move_params: bool = True,
@@ -75,25 +75,18 @@ def flatten_update(
     ``move_params=False``: the parameters stay where they are (only gradients and state
     are flat; ``params`` is then empty and ``members`` lists each group's tensors) for an
     engine that takes lists of tensors."""
-    spec = trainer.spec
-    if spec.kind not in kinds or not trainer.grad_params:
+    spec = state.spec
+    if spec.kind not in kinds or not state.grad_params:
         return None
-    shapes = {p: tuple(trainer.params[p].shape) for p in trainer.grad_params}
+    shapes = {p: tuple(state.params[p].shape) for p in state.grad_params}
     layout = FlatLayout.build(shapes, align=ALIGN)
-    flat_g = _shared_base({p: trainer.grads[p] for p in shapes if p in trainer.grads}, layout)
+    flat_g = _shared_base({p: state.grads[p] for p in shapes if p in state.grads}, layout)
     if flat_g is None:
-        flat_g = torch.zeros(layout.numel, device=trainer.device)
-        trainer.grads.update(layout.views(flat_g))
+        flat_g = torch.zeros(layout.numel, device=state.device)
+        state.adopt_grads(layout.views(flat_g))
     if move_params:
-        flat_p = torch.zeros(layout.numel, device=trainer.device)
-        modules = dict(trainer.module.named_parameters())
-        # Views are made with grad mode on: views made under no_grad may not be written in
-        # place later (users do write parameters in place).
-        for name, view in layout.views(flat_p).items():
-            with torch.no_grad():
-                view.copy_(trainer.params[name])
-            modules[name].data = view
-            trainer.params[name] = view
+        flat_p = torch.zeros(layout.numel, device=state.device)
+        state.move_params(layout.views(flat_p))
     entries = {e.name: e for e in layout.entries}
     groups, pshapes, params, grads, states, segments, members = [], {}, {}, {}, {}, {}, {}
     for gi, group in enumerate(spec.groups):
@@ -120,16 +113,16 @@ def flatten_update(
         if len(pieces) == 1:  # the kernels' per-tensor segments
             segments[names[0]] = [b - a for a, b in itertools.pairwise(bounds)]
         for s in spec.state_names(group):
-            flat_s = torch.zeros(stop - start, device=trainer.device)
+            flat_s = torch.zeros(stop - start, device=state.device)
             for name, a, b in pieces:
                 states[state_key(s, name)] = flat_s[a - start : b - start]
             for e in mine:
                 view = flat_s[e.offset - start : e.stop - start].view(e.shape)
-                old = trainer.opt_state.get(state_key(s, e.name))
+                old = state.opt_state.get(state_key(s, e.name))
                 if old is not None:  # loaded from a checkpoint before the first step
                     with torch.no_grad():
                         view.copy_(old)
-                trainer.opt_state[state_key(s, e.name)] = view
+                state.opt_state[state_key(s, e.name)] = view
     return FlatUpdate(
         OptimizerSpec(spec.kind, tuple(groups)), pshapes, params, grads, states, segments, members
     )

@@ -27,7 +27,7 @@ from ortrain.runtime import kernels
 from ortrain.runtime.flat_update import FlatUpdate
 
 if TYPE_CHECKING:
-    from ortrain.trainer import ORTTrainer
+    from ortrain.runtime.training_state import TrainingState
 
 KERNEL_KINDS = ("adam", "adamw", "lamb")
 
@@ -49,34 +49,34 @@ def check_supported(kind: str) -> None:
 
 
 class FusedUpdate:
-    """Runs one optimizer update over the trainer's flat parameter/gradient/state buffers."""
+    """Runs one optimizer update over the state's flat parameter/gradient/state buffers."""
 
-    def __init__(self, trainer: ORTTrainer, flat: FlatUpdate, segments: dict[str, list[int]]):
-        check_supported(trainer.spec.kind)
-        self.trainer = trainer
+    def __init__(self, state: TrainingState, flat: FlatUpdate, segments: dict[str, list[int]]):
+        check_supported(state.spec.kind)
+        self.state = state
         self.flat = flat
-        dev = trainer.device
+        dev = state.device
         self.offsets = {p: kernels.segment_offsets(lens, dev) for p, lens in segments.items()}
         self.scratch = {
-            p: torch.empty_like(t) for p, t in flat.params.items() if trainer.spec.kind == "lamb"
+            p: torch.empty_like(t) for p, t in flat.params.items() if state.spec.kind == "lamb"
         }
         self.sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=dev)
-        self.check = trainer.options.max_grad_norm is not None or trainer.scaler is not None
+        self.check = state.checks_gradients
 
     def run(self, values: list[dict[str, float]], grad_scale: float) -> None:
-        tr, spec = self.trainer, self.flat.spec
+        st, spec = self.state, self.flat.spec
         grads = [self.flat.grads[p] for g in spec.groups for p in g.params]
         scale: float | torch.Tensor = grad_scale
         self.found_inf.zero_()
         if self.check and grads:
             kernels.all_finite_sq_norm(grads, sq_norm=self.sq_norm, found_inf=self.found_inf)
-            if tr.options.max_grad_norm is not None:
+            if st.max_grad_norm is not None:
                 norm = self.sq_norm.sqrt() * grad_scale  # ||s g|| = s ||g||
-                tr._grad_norm.copy_(norm)
-                coef = torch.clamp(tr.options.max_grad_norm / (norm + 1e-6), max=1.0)
+                st.record_grad_norm(norm)
+                coef = torch.clamp(st.max_grad_norm / (norm + 1e-6), max=1.0)
                 scale = (coef * grad_scale).reshape(1)
-        step = float(tr.step_tensor) + 1.0  # the kernels' bias corrections need t on the host
+        step = float(st.step_tensor) + 1.0  # the kernels' bias corrections need t on the host
         for gi, group in enumerate(spec.groups):
             hp = values[gi]
             for p in group.params:
@@ -113,6 +113,4 @@ class FusedUpdate:
                         decoupled=spec.kind == "adamw",
                         **common,
                     )
-        finite = self.found_inf == 0
-        tr._grads_finite.copy_(finite)
-        tr.step_tensor.add_(finite.to(torch.float32))
+        st.record_update(self.found_inf == 0)

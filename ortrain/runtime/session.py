@@ -10,9 +10,12 @@ kernels, collectives) is ordered with it without host synchronisation.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,8 +48,110 @@ _TORCH_TO_NP = {
 }
 
 
+class CudaGraphCaptureError(DeviceError):
+    """The first run of a session with ``cuda_graph=True`` (ONNX Runtime runs the graph,
+    then captures it) failed; the buffers the graph writes in place were restored."""
+
+
+_CUDA = "CUDAExecutionProvider"
+_PROVIDER_LIBRARY = "libonnxruntime_providers_cuda.so"
+
+
 def cuda_available() -> bool:
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+    """Whether a CUDA session really runs on ONNX Runtime's CUDA provider here (a probe
+    session is opened once: the provider list of a GPU build names CUDA whether or not
+    its libraries load)."""
+    return cuda_unavailable_reason() is None
+
+
+@functools.cache
+def cuda_unavailable_reason(device_index: int = 0) -> str | None:
+    """None when a tiny session on ``cuda:<device_index>`` runs on CUDAExecutionProvider;
+    otherwise why not, naming the library ONNX Runtime could not load where it can."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device on this machine"
+    if _CUDA not in ort.get_available_providers():
+        return (
+            f"this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; install "
+            "ortrain[gpu] (onnxruntime-gpu) instead of onnxruntime"
+        )
+    _preload_cuda_libraries()
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    with _captured_stderr() as log:
+        session = ort.InferenceSession(
+            _probe_model(),
+            opts,
+            providers=[(_CUDA, {"device_id": str(device_index)}), "CPUExecutionProvider"],
+        )
+    if session.get_providers()[0] == _CUDA:
+        return None
+    return (
+        f"onnxruntime {ort.__version__} lists CUDAExecutionProvider but could not create it "
+        f"and fell back to the CPU: {_provider_load_failure(log())}"
+    )
+
+
+def _probe_model() -> bytes:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x], [y])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    return proto.SerializeToString()
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[Callable[[], str]]:
+    """Capture what native code writes to file descriptor 2 (ONNX Runtime's log)."""
+    import os
+    import sys
+    import tempfile
+
+    text = ""
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: text
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+
+
+_LIBRARY = re.compile(r"(lib[\w.+-]+\.so(?:\.\d+)*)")
+
+
+def _provider_load_failure(log: str, library: Path | None = None) -> str:
+    """What kept ONNX Runtime's CUDA provider from loading: the dynamic loader's word on
+    its provider library (which names the first missing dependency), else its own log."""
+    library = library or Path(ort.__file__).parent / "capi" / _PROVIDER_LIBRARY
+    said = []
+    if not library.is_file():
+        said.append(f"{library.name} is not in {library.parent} (not an onnxruntime-gpu install)")
+    else:
+        try:
+            ctypes.CDLL(str(library))
+        except OSError as exc:
+            said.append(str(exc))
+    logged = [ln.strip() for ln in log.splitlines() if "CUDA" in ln or ".so" in ln]
+    said += logged[:1]
+    if not said:
+        return "ONNX Runtime gave no reason (run with log_severity_level=0 to see its log)"
+    # the first library named that is not ONNX Runtime's own
+    missing = [m for m in _LIBRARY.findall(" ".join(said)) if not m.startswith("libonnxruntime")]
+    hint = (
+        f"missing library {missing[0]} (install the CUDA/cuDNN libraries of the CUDA major "
+        "version this onnxruntime-gpu was built for, or import torch built for it first)"
+        if missing
+        else "the reason"
+    )
+    return f"{hint}: {'; '.join(said)}"
 
 
 def check_device(device: torch.device) -> None:
@@ -56,27 +161,51 @@ def check_device(device: torch.device) -> None:
         raise DeviceError(f"device {device}: ortrain runs on 'cpu' or 'cuda[:N]'")
     if not torch.cuda.is_available():
         raise DeviceError(f"device {device}: torch sees no CUDA device on this machine")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise DeviceError(
-            f"device {device}: this onnxruntime ({ort.__version__}) has no "
-            "CUDAExecutionProvider; install ortrain[gpu] (onnxruntime-gpu) instead of onnxruntime"
-        )
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise DeviceError(f"device {device}: only {torch.cuda.device_count()} CUDA devices")
-    _preload_cuda_libraries()
+    why = cuda_unavailable_reason(device.index or 0)
+    if why is not None:
+        raise DeviceError(f"device {device}: {why}")
+
+
+def torch_cuda_libraries(
+    ort_root: Path | None = None, torch_root: Path | None = None
+) -> list[Path]:
+    """The CUDA/cuDNN libraries of torch's nvidia-* wheels that ``onnxruntime.preload_dlls``
+    would look for beside onnxruntime, where onnxruntime sits elsewhere (a wheel installed
+    with ``pip install --target``): preload_dlls looks only in its own site-packages."""
+    ort_root = ort_root or Path(ort.__file__).resolve().parent.parent
+    torch_root = torch_root or Path(torch.__file__).resolve().parent.parent
+    if ort_root == torch_root:
+        return []
+    paths = getattr(ort, "_get_nvidia_dll_paths", None)  # onnxruntime >= 1.21
+    if paths is None:
+        return []
+    try:
+        relative = paths(False, True, True)
+    except Exception:
+        return []
+    found = (torch_root.joinpath(*parts) for parts in relative)
+    return [p for p in found if p.is_file()]
 
 
 @functools.cache
 def _preload_cuda_libraries() -> None:
     # onnxruntime-gpu finds CUDA/cuDNN through the loader's path; pip-installed ones (the
     # nvidia-* wheels torch brings) are not on it. preload_dlls loads them by path (torch
-    # imported first: its copies are reused).
+    # imported first: its copies are reused); torch's own, by path, where onnxruntime was
+    # installed apart from torch. A later dlopen by name finds the loaded ones.
+    for lib in torch_cuda_libraries():
+        try:
+            ctypes.CDLL(str(lib))
+        except OSError as e:
+            warnings.warn(f"loading {lib} failed: {e}", RuntimeWarning, stacklevel=3)
     preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
     if preload is None:
         return
     try:
         preload(msvc=False)
-    except Exception as e:  # the session's own load then reports what is missing
+    except Exception as e:  # the probe session then reports what is missing
         warnings.warn(f"onnxruntime.preload_dlls failed: {e}", RuntimeWarning, stacklevel=3)
 
 
@@ -142,6 +271,9 @@ def make_session(
     stream: torch.cuda.Stream | None = None,
     cuda_graph: bool = False,
 ) -> ort.InferenceSession:
+    device = device or torch.device("cpu")
+    if cuda_graph and device.type == "cuda":
+        refuse_random_nodes(model.model() if isinstance(model, BuiltGraph) else model)
     arena_bytes = 0
     if isinstance(model, BuiltGraph):  # built apart (ortrain/build.py): ordered already
         data, recomputes = model.ort_data, model.recomputes
@@ -159,7 +291,6 @@ def make_session(
     # A memory pattern planned on the first run is re-allocated on the second and the
     # first run's blocks are kept: ~25% more peak RSS and a slow second step.
     so.enable_mem_pattern = False
-    device = device or torch.device("cpu")
     # Two sessions (gradient, update) alternate every step; spinning idle threads of one
     # would steal the cores from the other.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -206,8 +337,63 @@ def make_session(
     return session
 
 
-_CUDA = "CUDAExecutionProvider"
 _RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
+
+# Ops that draw random numbers. ONNX Runtime's CUDA kernels take their Philox seed and
+# offset from a generator on the host as kernel arguments: a captured CUDA graph replays
+# the first step's arguments, so every replay draws the same numbers.
+RANDOM_OPS = frozenset(
+    {
+        "Dropout",
+        "BiasDropout",
+        "BitmaskDropout",
+        "BitmaskBiasDropout",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
+    }
+)
+
+
+def random_nodes(model: ir.Model) -> list[tuple[str, str]]:
+    """(op type, node name) of the nodes that draw random numbers when run, subgraphs
+    included. A Dropout whose ratio is a constant 0 or whose training_mode is a constant
+    False draws nothing and is left out."""
+    import onnx_ir as ir
+
+    def const(node: ir.Node, i: int) -> float | None:
+        v = node.inputs[i] if i < len(node.inputs) else None
+        t = ir.convenience.get_const_tensor(v) if v is not None else None
+        return None if t is None or t.size != 1 else float(t.numpy().reshape(-1)[0])
+
+    found = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type not in RANDOM_OPS:
+            continue
+        if node.op_type == "Dropout":
+            # absent ratio: 0.5; absent training_mode: inference (no draw)
+            ratio = const(node, 1) if len(node.inputs) > 1 and node.inputs[1] else 0.5
+            training = const(node, 2) if len(node.inputs) > 2 and node.inputs[2] else 0.0
+            if ratio == 0.0 or training == 0.0:
+                continue
+        found.append((node.op_type, node.name or ""))
+    return found
+
+
+def refuse_random_nodes(model: ir.Model) -> None:
+    """``cuda_graph=True`` would freeze the random draws (dropout masks) at the captured
+    first step's: refuse a graph that has any, naming them."""
+    nodes = random_nodes(model)
+    if nodes:
+        raise DeviceError(
+            f"cuda_graph=True: {_describe(nodes)} draw random numbers; a CUDA graph replays "
+            "the seeds captured at the first step, so every step would draw the same dropout "
+            "masks. Set the model's dropout probabilities to 0 (e.g. hidden_dropout_prob=0.0, "
+            "attention_probs_dropout_prob=0.0) or train with cuda_graph=False"
+        )
 
 
 def nodes_not_on(session: ort.InferenceSession, provider: str) -> list[tuple[str, str]]:
@@ -238,16 +424,66 @@ def _where(t: torch.Tensor) -> tuple[str, int]:
     return "cpu", 0
 
 
-class BoundSession:
-    """A session plus an IOBinding whose persistent inputs/outputs are bound once."""
+def captures_cuda_graph(session: ort.InferenceSession) -> bool:
+    """Whether ``session`` was created with ONNX Runtime's ``enable_cuda_graph``."""
+    get = getattr(session, "get_provider_options", None)
+    try:
+        options = get() if get is not None else {}
+    except Exception:
+        return False
+    return str(options.get(_CUDA, {}).get("enable_cuda_graph", "0")).lower() in ("1", "true")
 
-    def __init__(self, session: ort.InferenceSession):
+
+# What ONNX Runtime's messages say when CUDA graph capture itself failed (not a node).
+_CAPTURE_WORDS = re.compile(
+    r"captur|cudaGraph|cudaStream(Begin|End)Capture|cudaErrorStreamCapture", re.IGNORECASE
+)
+_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)'")
+
+
+def capture_error(exc: Exception) -> CudaGraphCaptureError:
+    """The error of a failed first run of a capturing session, naming the node and op
+    where ONNX Runtime's message does."""
+    text = str(exc).strip()
+    node = _NODE.search(text)
+    where = f" at node '{node.group(2)}' (op {node.group(1)})" if node else ""
+    what = (
+        "capturing the CUDA graph failed"
+        if _CAPTURE_WORDS.search(text)
+        else "the run before the capture failed"
+    )
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return CudaGraphCaptureError(
+        f"cuda_graph=True: the first run of this session (ONNX Runtime runs the graph, then "
+        f"captures it as a CUDA graph) failed: {what}{where}. Parameters, optimizer state and "
+        f"accumulated gradients are as before the step. Train with cuda_graph=False to run "
+        f"without capture. ONNX Runtime said: {first}"
+    )
+
+
+class BoundSession:
+    """A session plus an IOBinding whose persistent inputs/outputs are bound once.
+
+    A session that captures a CUDA graph (``enable_cuda_graph``) is run once more on its
+    first ``run``: ONNX Runtime's first run executes the graph N + 1 times within that
+    call (InferenceSession::Run: N plain runs to allocate, N = 1 for the CUDA provider,
+    then the capture, replayed at its end), so every buffer the graph writes in place (an
+    output bound to an input's memory: parameters, moments, the step counter, gradient
+    accumulators) would take N + 1 updates. Those buffers are saved before the first run
+    and put back after it; a second run replays the captured graph once.
+    """
+
+    def __init__(self, session: ort.InferenceSession, *, captures: bool | None = None):
         self.session = session
         self.binding = session.io_binding()
         self.input_names = {i.name for i in session.get_inputs()}
         self.output_names = [o.name for o in session.get_outputs()]
         self._keep: list[torch.Tensor] = []  # tensors whose memory is bound
         self.bound_inputs: dict[str, torch.Tensor] = {}  # persistent inputs, for inspection
+        self.bound_outputs: dict[str, torch.Tensor] = {}
+        self.captures = captures_cuda_graph(session) if captures is None else captures
+        self.captured = False
+        self._written: dict[str, torch.Tensor] = {}  # written in place beside the aliases
 
     @staticmethod
     def _check(name: str, t: torch.Tensor) -> None:
@@ -268,10 +504,27 @@ class BoundSession:
         for name, t in tensors.items():
             self._check(name, t)
             self._keep.append(t)
+            self.bound_outputs[name] = t
             kind, index = _where(t)
             self.binding.bind_output(
                 name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
             )
+
+    def mark_written(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Bound inputs the graph writes in place without an output bound to them (custom
+        kernels that update their input)."""
+        self._written.update(tensors)
+
+    def written_in_place(self) -> dict[str, torch.Tensor]:
+        """The bound tensors a run changes that it also reads: each output whose memory
+        overlaps a bound input's, and those ``mark_written`` named."""
+        spans = [_span(t) for t in self.bound_inputs.values()]
+        out = {
+            name: t
+            for name, t in self.bound_outputs.items()
+            if any(_overlap(_span(t), s) for s in spans)
+        }
+        return {**out, **self._written}
 
     def bind_batch(self, name: str, t: torch.Tensor) -> None:
         """Bind a tensor by pointer (no copy); the caller keeps ``t`` alive for the run."""
@@ -284,4 +537,41 @@ class BoundSession:
         self.binding.bind_output(name, "cpu")
 
     def run(self) -> None:
-        self.session.run_with_iobinding(self.binding)
+        if not self.captures or self.captured:
+            self.session.run_with_iobinding(self.binding)
+            return
+        written = list(self.written_in_place().values())
+        if not written:  # nothing read back: the first run's outputs are the replay's
+            self._first_run([], [])
+            self.captured = True
+            return
+        saved = [t.detach().to("cpu", copy=True) for t in written]  # host: no device peak
+        self._first_run(written, saved)
+        _restore(written, saved)
+        self.captured = True
+        self.session.run_with_iobinding(self.binding)  # the replay: one update
+
+    def _first_run(self, written: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+        """ONNX Runtime's first run of a capturing session: it runs, captures, replays."""
+        try:
+            self.session.run_with_iobinding(self.binding)
+        except Exception as exc:
+            _restore(written, saved)
+            raise capture_error(exc) from exc
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    start = t.data_ptr()
+    return (str(t.device), start, start + t.numel() * t.element_size())
+
+
+def _overlap(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _restore(tensors: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    for t, s in zip(tensors, saved, strict=True):
+        t.copy_(s)
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for d in devices:  # ONNX Runtime's stream may not be torch's current one
+        torch.cuda.current_stream(d).synchronize()

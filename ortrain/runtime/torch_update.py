@@ -29,24 +29,24 @@ from ortrain.core.names import state_key
 from ortrain.runtime.flat_update import FlatUpdate
 
 if TYPE_CHECKING:
-    from ortrain.trainer import ORTTrainer
+    from ortrain.runtime.training_state import TrainingState
 
 TORCH_KINDS = ("adam", "adamw")
 
 
 class TorchFusedUpdate:
-    """Runs one Adam/AdamW update over the trainer's flat buffers with torch's kernels."""
+    """Runs one Adam/AdamW update over the state's flat buffers with torch's kernels."""
 
-    def __init__(self, trainer: ORTTrainer, flat: FlatUpdate):
-        if trainer.spec.kind not in TORCH_KINDS:
-            raise ValueError(f"torch's fused kernels run {TORCH_KINDS}, not {trainer.spec.kind}")
-        self.trainer = trainer
+    def __init__(self, state: TrainingState, flat: FlatUpdate):
+        if state.spec.kind not in TORCH_KINDS:
+            raise ValueError(f"torch's fused kernels run {TORCH_KINDS}, not {state.spec.kind}")
+        self.state = state
         self.flat = flat
-        dev = trainer.device
-        self.kernel = torch._fused_adamw_ if trainer.spec.kind == "adamw" else torch._fused_adam_
+        dev = state.device
+        self.kernel = torch._fused_adamw_ if state.spec.kind == "adamw" else torch._fused_adam_
         self.step = torch.zeros((), dtype=torch.float32, device=dev)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=dev)
-        self.check = trainer.options.max_grad_norm is not None or trainer.scaler is not None
+        self.check = state.checks_gradients
 
     def _norm_and_finite(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the unscaled gradient sums; sets ``found_inf`` (1.0 when any
@@ -61,13 +61,13 @@ class TorchFusedUpdate:
     def _lists(self, p: str) -> tuple[list[torch.Tensor], ...]:
         """(parameters, gradients, exp_avg, exp_avg_sq) of pseudo-parameter ``p``: its flat
         slices, or, where the parameters were left in place, one tensor each."""
-        flat, tr = self.flat, self.trainer
+        flat, st = self.flat, self.state
         if p in flat.params:
             keys = [p]
             params, grads, states = flat.params, flat.grads, flat.states
         else:
             keys = flat.members[p]
-            params, grads, states = tr.params, tr.grads, tr.opt_state
+            params, grads, states = st.params, st.grads, st.opt_state
         return (
             [params[k] for k in keys],
             [grads[k] for k in keys],
@@ -76,21 +76,21 @@ class TorchFusedUpdate:
         )
 
     def run(self, values: list[dict[str, float]], grad_scale: float) -> None:
-        tr, spec = self.trainer, self.flat.spec
+        st, spec = self.state, self.flat.spec
         grads = [self.flat.grads[p] for g in spec.groups for p in g.params]
         # torch's kernels divide by their grad_scale: pass 1 / ours (None when it is 1).
         divisor: torch.Tensor | None = None
         if grad_scale != 1.0:
-            divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=tr.device)
+            divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=st.device)
         self.found_inf.zero_()
         if self.check and grads:
             norm = self._norm_and_finite(grads)
-            if tr.options.max_grad_norm is not None:
+            if st.max_grad_norm is not None:
                 norm = norm * grad_scale  # ||s g|| = s ||g||
-                tr._grad_norm.copy_(norm)
-                coef = torch.clamp(tr.options.max_grad_norm / (norm + 1e-6), max=1.0)
+                st.record_grad_norm(norm)
+                coef = torch.clamp(st.max_grad_norm / (norm + 1e-6), max=1.0)
                 divisor = 1.0 / (coef * grad_scale)
-        self.step.fill_(float(tr.step_tensor) + 1.0)  # the 1-based t of this update
+        self.step.fill_(float(st.step_tensor) + 1.0)  # the 1-based t of this update
         for gi, group in enumerate(spec.groups):
             hp = values[gi]
             for p in group.params:
@@ -112,6 +112,4 @@ class TorchFusedUpdate:
                     grad_scale=divisor,
                     found_inf=self.found_inf if self.check else None,
                 )
-        finite = self.found_inf == 0
-        tr._grads_finite.copy_(finite)
-        tr.step_tensor.add_(finite.to(torch.float32))
+        st.record_update(self.found_inf == 0)

@@ -3,10 +3,11 @@
  *   AdamStep(P, G, M, V, H, L[, after0 .. after7]) -> done
  *
  * updates parameter P and its Adam moments M (exp_avg) and V (exp_avg_sq) IN PLACE from
- * gradient G, as torch's fused Adam / AdamW kernels do (torch._fused_adamw_):
+ * gradient G, as torch's fused Adam / AdamW kernels do (torch._fused_adamw_), with the
+ * element function the CUDA kernel and its CPU reference share (adam_math.h):
  *
  *   AdamW  p *= 1 - lr wd          Adam  g += wd p
- *   m = m + (1 - beta1) (g - m);   v = beta2 v + (1 - beta2) g^2
+ *   m = lerp(m, g, 1 - beta1);     v = beta2 v + (1 - beta2) g^2
  *   p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
  *
  * H = [lr, beta1, beta2, eps, weight_decay, t, decoupled]: the group's hyperparameters,
@@ -26,6 +27,7 @@
  * cache line of G per column) and the same element loop runs on it: the same results.
  */
 #include <math.h>
+#include "adam_math.h"
 #include "kernel_util.h"
 
 enum { H_LR, H_BETA1, H_BETA2, H_EPS, H_WD, H_STEP, H_DECOUPLED, H_COUNT };
@@ -34,29 +36,16 @@ typedef struct {
   float *p, *m, *v;
   const float* g;
   int64_t n, rows; /* rows: P's first dim, where G is P's transpose */
-  float lr, beta1, beta2, eps, wd, step_size, bc2_sqrt;
-  int decoupled;
+  ortrain_adam_coeffs c;
 } Adam;
 
-/* decay: the decoupled weight decay factor (1 - lr wd; 1 without); l2: Adam's wd (0 for
- * AdamW). One loop for both, branch-free, so it vectorizes (the library is built with
- * -fno-math-errno: sqrtf is then a vector square root, as in torch's kernel). */
+/* One loop for Adam and AdamW; it vectorizes (the library is built with -fno-math-errno:
+ * sqrtf is then a vector square root, as in torch's kernel). */
 static inline void adam_span(const Adam* w, float* restrict p, float* restrict m,
                              float* restrict v, const float* restrict g, int64_t n) {
-  const float one_minus_b1 = 1.0f - w->beta1, one_minus_b2 = 1.0f - w->beta2, beta2 = w->beta2;
-  const float decay = w->decoupled ? 1.0f - w->lr * w->wd : 1.0f;
-  const float l2 = w->decoupled ? 0.0f : w->wd;
-  const float step_size = w->step_size, bc2_sqrt = w->bc2_sqrt, eps = w->eps;
+  const ortrain_adam_coeffs c = w->c;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float pi = p[i] * decay;
-    const float gi = g[i] + l2 * p[i];
-    const float mi = m[i] + one_minus_b1 * (gi - m[i]);
-    const float vi = beta2 * v[i] + one_minus_b2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-  }
+  for (int64_t i = 0; i < n; ++i) ortrain_adam_element(p + i, g[i], m + i, v + i, &c);
 }
 
 static void adam_block(void* work, size_t blk) {
@@ -124,11 +113,10 @@ OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx) {
     return NULL;
   }
   /* torch's kernels take the bias corrections in double, then the step in float */
-  double t = hv[H_STEP];
-  double bc1 = 1.0 - pow((double)hv[H_BETA1], t), bc2 = 1.0 - pow((double)hv[H_BETA2], t);
   Adam w = {(float*)p.data, (float*)m.data, (float*)v.data, (const float*)g.data, p.count,
-            p.rank ? p.dims[0] : 1, hv[H_LR], hv[H_BETA1], hv[H_BETA2], hv[H_EPS], hv[H_WD],
-            (float)((double)hv[H_LR] / bc1), (float)sqrt(bc2), hv[H_DECOUPLED] != 0.0f};
+            p.rank ? p.dims[0] : 1,
+            ortrain_adam_coeffs_of(hv[H_LR], hv[H_BETA1], hv[H_BETA2], hv[H_EPS], hv[H_WD],
+                                   hv[H_STEP], hv[H_DECOUPLED] != 0.0f)};
   if (k->grad_transposed && w.n > 0)
     for_blocks(k, ctx, adam_transposed_block, div_up((size_t)w.rows, TILE_ROWS), &w);
   else

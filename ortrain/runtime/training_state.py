@@ -1,0 +1,158 @@
+"""Everything a training run owns between steps, in one object.
+
+``ORTTrainer`` builds the graphs, binds them to these tensors and steps; the update
+engines (``update_engines.py``), the distributed reducers (``ortrain/distributed``) and the
+checkpoints (``ortrain/checkpoint.py``) read and change the state through this object:
+
+1. parameters and buffers: the module's own memory on CPU (updates are visible in
+   place); ``move_params`` re-homes trainable parameters into views of a flat buffer and
+   the module's parameters follow;
+2. gradients (``grads``, per trained parameter; ``grad_params`` lists the parameters the
+   loss reaches, known after the first gradient graph) and optimizer state
+   (``opt_state``, keyed ``state_key(state, param)``);
+3. counters: ``micro_step`` on the host, the optimizer step as a device scalar
+   (``step_tensor``) that the update graph increments in place;
+4. device scalars the graphs read or write: the loss, the loss scale, the gradient norm,
+   whether the last update's gradients were finite, the update's ``grad_scale`` and
+   ``max_grad_norm``;
+5. the loss scaler and the host hyperparameters: ``max_grad_norm``, accumulation steps,
+   ``grad_multiplier``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from ortrain.core.optimizer_spec import OptimizerSpec
+from ortrain.loss_scaler import LossScaler
+
+
+def _scalar(device: torch.device, value: float = 0.0, dtype: torch.dtype = torch.float32):
+    return torch.full((), value, dtype=dtype, device=device)
+
+
+@dataclasses.dataclass(eq=False)
+class TrainingState:
+    module: torch.nn.Module
+    spec: OptimizerSpec
+    device: torch.device
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    scaler: LossScaler | None = None
+    max_grad_norm: float | None = None
+    accumulation: int = 1  # micro-steps per optimizer step
+    # The update also scales the accumulated gradients by this: a driver's loss weighting
+    # (ortrain/hf_trainer.py matches transformers.Trainer's). The in-backward update,
+    # which has no gradient buffers to scale, ignores it.
+    grad_multiplier: float = 1.0
+    grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    opt_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    grad_params: list[str] | None = None  # trainable params reached by the loss
+    micro_step: int = 0
+    # device scalars (created in __post_init__ on ``device``)
+    step_tensor: torch.Tensor = dataclasses.field(init=False)
+    loss: torch.Tensor = dataclasses.field(init=False)
+    loss_scale: torch.Tensor = dataclasses.field(init=False)
+    grad_norm: torch.Tensor = dataclasses.field(init=False)
+    grads_finite: torch.Tensor = dataclasses.field(init=False)
+    # the update graph's scalar inputs: "grad_scale", "max_grad_norm"
+    scalars: dict[str, torch.Tensor] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        dev = self.device
+        self.step_tensor = _scalar(dev)
+        self.loss = _scalar(dev)
+        self.loss_scale = _scalar(dev, 1.0)
+        self.grad_norm = _scalar(dev)
+        self.grads_finite = _scalar(dev, True, torch.bool)
+        self.scalars = {"grad_scale": _scalar(dev, 1.0), "max_grad_norm": _scalar(dev)}
+
+    @classmethod
+    def of_module(
+        cls, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device, **kwargs
+    ) -> TrainingState:
+        """The module's parameters (float32, made contiguous) and buffers, shared."""
+        params: dict[str, torch.Tensor] = {}
+        for n, p in module.named_parameters():
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {n} is {p.dtype}; ortrain trains float32 parameters")
+            if not p.data.is_contiguous():
+                p.data = p.data.contiguous()
+            params[n] = p.data
+        buffers = {n: b.data.contiguous() for n, b in module.named_buffers()}
+        return cls(module, spec, device, params, buffers, **kwargs)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def trainable(self) -> list[str]:
+        """Parameters the optimizer trains, in param-group order."""
+        return [n for g in self.spec.groups for n in g.params]
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far."""
+        return int(self.step_tensor)
+
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether an update reads the global gradient norm (clipping, overflow check)."""
+        return self.max_grad_norm is not None or self.scaler is not None
+
+    def grad_scale(self, world_size: int = 1) -> float:
+        """What the update multiplies the gradient sums by: they are sums over micro-steps
+        (and ranks) of the loss-scaled gradients; the update wants their unscaled mean."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        return self.grad_multiplier / (self.accumulation * world_size * scale)
+
+    # ------------------------------------------------------------------ layout
+    def move_params(self, views: Mapping[str, torch.Tensor]) -> None:
+        """Copy each named parameter into its view (of a flat buffer) and re-home it there:
+        the module's parameter and ``params`` become the view. Views are made by the caller
+        with grad mode on: views made under no_grad may not be written in place later
+        (users do write parameters in place)."""
+        modules = dict(self.module.named_parameters())
+        for name, view in views.items():
+            with torch.no_grad():
+                view.copy_(self.params[name])
+            modules[name].data = view
+            self.params[name] = view
+
+    def adopt_grads(self, views: Mapping[str, torch.Tensor]) -> None:
+        """Gradients of these parameters live in these tensors (views of a flat buffer)."""
+        self.grads.update(views)
+
+    def adopt_opt_state(self, states: dict[str, torch.Tensor], *, replace: bool = False) -> None:
+        """Optimizer state tensors by ``state_key``; ``replace``: these are all of it (ZeRO-1:
+        this rank's shard pieces)."""
+        if replace:
+            self.opt_state = states
+        else:
+            self.opt_state.update(states)
+
+    def zero_grads(self) -> None:
+        for g in self.grads.values():
+            g.zero_()
+
+    # ------------------------------------------------------------------ updates
+    def record_grad_norm(self, norm: torch.Tensor) -> None:
+        """The global gradient norm (before clipping) of this update."""
+        self.grad_norm.copy_(norm)
+
+    def record_update(self, finite: torch.Tensor) -> None:
+        """An update ran over gradients that were all finite (``finite``, a device bool) or
+        changed nothing; only an applied update counts as a step."""
+        self.grads_finite.copy_(finite)
+        self.step_tensor.add_(finite.to(torch.float32))
+
+    def finish_update(self) -> None:
+        """After an update (any engine): the loss scale moves by whether it was applied."""
+        if self.scaler is not None:
+            self.scaler.update(bool(self.grads_finite))
+
+    def set_counters(self, step: int, micro_step: int) -> None:
+        """Where training resumes (a loaded checkpoint)."""
+        self.step_tensor.fill_(float(step))
+        self.micro_step = micro_step

@@ -1,0 +1,459 @@
+"""The optimizer update's engines behind one interface, and the one place that picks one.
+
+An engine (``UpdateEngine``) is made over the ``TrainingState`` when the trainer is; after
+the first gradient graph is built (the parameters the loss reaches are known) the trainer
+calls ``prepare`` once, ``bind_train`` for every gradient graph's session, ``before_run``
+before each gradient graph run and ``step`` at the end of each accumulation window. The
+engines (``TrainerOptions.update_engine``):
+
+1. "backward" (``BackwardUpdate``): each parameter's Adam/AdamW update runs inside the
+   gradient graph (``graph_passes/targets/cpu/update_in_backward.py``): no gradient
+   buffers; per param group the hyperparameters the graph reads, per parameter whether its
+   update ran;
+2. "kernels" (``KernelUpdate``): the fused kernels of ``cuda_kernels/`` over flat
+   buffers (``fused_update.py``);
+3. "torch" (``TorchUpdate``): torch's fused Adam/AdamW kernels over flat gradients and
+   moments (``torch_update.py``);
+4. "graph" (``GraphUpdate``): the update graph in an ONNX Runtime session; under data
+   parallel the reducer all-reduces the gradients around its run;
+5. "zero1" (``ShardUpdate``): ZeRO-1's update graph over this rank's shard, laid out and
+   bound by ``ortrain/distributed/sharded_state.py``, run between its collectives.
+
+``choose_engine`` decides from the options, the device, the optimizer, the process group
+and one build fact (a gradient graph that could not take the update in its backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+from ortrain.core.errors import UnsupportedOptimizerError
+from ortrain.core.names import (
+    HYPER_NAMES,
+    IN_BACKWARD_STATES,
+    UpdateInBackwardError,
+    hyper_name,
+    state_key,
+)
+from ortrain.core.roles import Role
+from ortrain.runtime import kernels
+from ortrain.runtime.flat_update import flatten_update
+from ortrain.runtime.fused_update import (
+    KERNEL_KINDS,
+    FusedUpdate,
+    check_supported,
+    kernels_available,
+)
+from ortrain.runtime.session import BoundSession
+from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
+from ortrain.runtime.training_state import TrainingState
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from ortrain.build import BuiltGraph
+    from ortrain.distributed import Reducer
+    from ortrain.graph_passes.training.optimizer import UpdateGraph
+
+Values = list[dict[str, float]]  # per param group: this step's hyperparameters
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEnv:
+    """What an engine takes from the trainer to build and bind its sessions."""
+
+    # a session on the trainer's device and stream (graph_capture: as a CUDA graph where
+    # TrainerOptions.cuda_graph says so)
+    session: Callable[..., BoundSession]
+    save: Callable[[ir.Model, str], None]  # keeps a graph where save_graphs_dir says
+    reducer: Reducer | None = None
+
+
+class UpdateEngine(Protocol):
+    name: ClassVar[str]
+    in_backward: ClassVar[bool]  # the gradient graph itself runs the update
+
+    @property
+    def update_graph(self) -> UpdateGraph | None:
+        """The update graph the engine runs (None: kernels, or in the backward)."""
+        ...
+
+    def prepare(self) -> bool:
+        """After the first gradient graph: lay out gradients and state, build what runs
+        the update. True when parameters, gradients or state moved (sessions bound to the
+        old tensors must be rebuilt)."""
+        ...
+
+    def bind_train(self, session: BoundSession, built: BuiltGraph) -> None:
+        """Bind a gradient graph's update-side inputs and outputs."""
+        ...
+
+    def before_run(self, values: Values) -> None:
+        """Before each gradient graph run."""
+        ...
+
+    def step(self, values: Values, grad_scale: float) -> None:
+        """The end of an accumulation window: apply the update (counted in the state's
+        step when its gradients were finite)."""
+        ...
+
+    def applied(self) -> tuple[int, int]:
+        """(parameters updated, parameters) by the last gradient graph run: nonzero only
+        where the update runs in the backward."""
+        ...
+
+
+class _AfterBackward:
+    """Engines that run after the gradient graph, which writes ``state.grads``."""
+
+    name: ClassVar[str]
+    in_backward: ClassVar[bool] = False
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        self.state = state
+        self.env = env
+
+    @property
+    def update_graph(self) -> UpdateGraph | None:
+        return None
+
+    def bind_train(self, session: BoundSession, built: BuiltGraph) -> None:
+        st = self.state
+        assert st.grad_params is not None
+        session.bind_outputs({built.grad_outputs[p]: st.grads[p] for p in st.grad_params})
+        param_of = {out: p for p, out in built.grad_outputs.items()}
+        session.bind_outputs(
+            {out: st.grads[param_of[grad]] for out, grad in built.shared_outputs.items()}
+        )
+
+    def before_run(self, values: Values) -> None:
+        pass
+
+    def applied(self) -> tuple[int, int]:
+        return 0, 0
+
+
+class GraphUpdate(_AfterBackward):
+    """The update graph (clipping, overflow check, optimizer) in a session of its own."""
+
+    name = "graph"
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        super().__init__(state, env)
+        self.graph: UpdateGraph | None = None
+        self.session: BoundSession | None = None
+        self.hyper: dict[str, torch.Tensor] = {}  # hyperparameter inputs: group<i>.<name>
+
+    @property
+    def update_graph(self) -> UpdateGraph | None:
+        return self.graph
+
+    def prepare(self) -> bool:
+        st = self.state
+        assert st.grad_params is not None
+        # Distributed: gradients become views of one flat buffer; ZeRO-1 also builds and
+        # binds the update graph of this rank's shard instead of the one below.
+        if self.env.reducer is not None and self.env.reducer.prepare_update(st, self):
+            return False
+        from ortrain.graph_passes.training.optimizer import (
+            build_update_graph,  # the graph libraries: only here
+        )
+
+        flat = flatten_update(st)
+        if flat is not None:  # one update chain per param group (memory moved)
+            spec, shapes = flat.spec, flat.shapes
+            params, grads, states = flat.params, flat.grads, flat.states
+        else:
+            spec = st.spec
+            shapes = {p: tuple(st.params[p].shape) for p in st.grad_params}
+            for p in st.grad_params:
+                st.grads.setdefault(p, torch.zeros_like(st.params[p]))
+                for g in spec.groups:
+                    if p in g.params:
+                        for s in spec.state_names(g):
+                            key = state_key(s, p)
+                            st.opt_state.setdefault(key, torch.zeros_like(st.params[p]))
+            params = {p: st.params[p] for p in st.grad_params}
+            grads = {p: st.grads[p] for p in st.grad_params}
+            states = st.opt_state
+        ug = build_update_graph(
+            spec,
+            shapes,
+            clip_grad_norm=st.max_grad_norm is not None,
+            skip_nonfinite=st.scaler is not None,
+        )
+        self.save_graph(ug.model, "update")
+        self.bind(ug, params, {f"grad:{p}": t for p, t in grads.items()}, states)
+        return flat is not None
+
+    def new_session(self, model: ir.Model, *, graph_capture: bool = False) -> BoundSession:
+        """A session for ``model`` on the trainer's device and stream."""
+        return self.env.session(model, graph_capture=graph_capture)
+
+    def save_graph(self, model: ir.Model, name: str) -> None:
+        """Keep ``model`` as ``<name>.onnx`` where ``save_graphs_dir`` says (if set)."""
+        self.env.save(model, name)
+
+    def bind(
+        self,
+        ug: UpdateGraph,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        states: Mapping[str, torch.Tensor],
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The session for ``ug``; every aliased output bound to its input's buffer.
+
+        ``grads`` are keyed by graph input name (``grad:<param>``); ``extra`` holds other
+        inputs (ZeRO-1's ``global_sq_norm``).
+        """
+        st = self.state
+        self.graph = ug
+        self.hyper = {
+            io.name: torch.zeros((), dtype=torch.float32, device=st.device)
+            for io in ug.io
+            if io.role is Role.HYPERPARAMETER
+        }
+        sess = self.new_session(ug.model, graph_capture=True)
+        sess.bind_inputs({**params, **grads, **states, **self.hyper, **st.scalars})
+        sess.bind_inputs({"step": st.step_tensor, **(extra or {})})
+        outputs = {"new:step": st.step_tensor}
+        if st.max_grad_norm is not None:
+            outputs["grad_norm"] = st.grad_norm
+        if any(o.role is Role.GRADS_FINITE for o in ug.outputs):
+            outputs["grads_finite"] = st.grads_finite
+        for out, src in ug.aliases.items():
+            if src != "step":
+                outputs[out] = params[src] if src in params else states[src]
+        sess.bind_outputs(outputs)
+        self.session = sess
+
+    def step(self, values: Values, grad_scale: float) -> None:
+        st, sess = self.state, self.session
+        assert sess is not None
+        for gi, group in enumerate(values):
+            for h, v in group.items():
+                self.hyper[f"group{gi}.{h}"].fill_(v)
+        st.scalars["grad_scale"].fill_(grad_scale)
+        if st.max_grad_norm is not None:
+            st.scalars["max_grad_norm"].fill_(st.max_grad_norm)
+        if self.env.reducer is None:
+            sess.run()
+        else:
+            self.env.reducer.update(sess.run)
+
+
+class ShardUpdate(GraphUpdate):
+    """ZeRO-1: the update graph of this rank's shard, which the reducer lays out and binds
+    (``bind``), run between its reduce-scatter and all-gather."""
+
+    name = "zero1"
+
+    def prepare(self) -> bool:
+        assert self.env.reducer is not None
+        if not self.env.reducer.prepare_update(self.state, self):
+            raise AssertionError("ZeRO-1's reducer did not bind its shard's update graph")
+        return False
+
+
+class _FlatKernels(_AfterBackward):
+    """Kernels over the state's flat gradient (and moment) buffers: no update graph."""
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        super().__init__(state, env)
+        self.runner: FusedUpdate | TorchFusedUpdate | None = None
+
+    def _make(self) -> FusedUpdate | TorchFusedUpdate:
+        raise NotImplementedError
+
+    def prepare(self) -> bool:
+        self.runner = self._make()
+        return True
+
+    def step(self, values: Values, grad_scale: float) -> None:
+        assert self.runner is not None
+        self.runner.run(values, grad_scale)
+
+
+class KernelUpdate(_FlatKernels):
+    """The fused kernels of ``cuda_kernels/`` (on CPU: their single-threaded reference)."""
+
+    name = "kernels"
+
+    def _make(self) -> FusedUpdate:
+        flat = flatten_update(self.state, KERNEL_KINDS, whole_groups=True)
+        assert flat is not None
+        return FusedUpdate(self.state, flat, flat.segments)
+
+
+class TorchUpdate(_FlatKernels):
+    """torch's fused Adam/AdamW kernels; the parameters stay the module's tensors."""
+
+    name = "torch"
+
+    def _make(self) -> TorchFusedUpdate:
+        flat = flatten_update(self.state, TORCH_KINDS, whole_groups=True, move_params=False)
+        assert flat is not None
+        return TorchFusedUpdate(self.state, flat)
+
+
+class BackwardUpdate:
+    """Each parameter's Adam/AdamW update inside the gradient graph."""
+
+    name: ClassVar[str] = "backward"
+    in_backward: ClassVar[bool] = True
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        self.state = state
+        self.env = env
+        self.hyper: list[torch.Tensor] = []  # per param group: HYPER_NAMES values
+        self.done = torch.zeros(0, dtype=torch.float32, device=state.device)  # per parameter
+
+    @property
+    def update_graph(self) -> UpdateGraph | None:
+        return None
+
+    def prepare(self) -> bool:
+        """The moments the graphs update in place, and the tensors they read and write."""
+        st = self.state
+        assert st.grad_params is not None
+        for p in st.grad_params:
+            for s in IN_BACKWARD_STATES:
+                st.opt_state.setdefault(state_key(s, p), torch.zeros_like(st.params[p]))
+        self.hyper = [
+            torch.zeros(len(HYPER_NAMES), dtype=torch.float32, device=st.device)
+            for _ in st.spec.groups
+        ]
+        self.done = torch.zeros(len(st.grad_params), dtype=torch.float32, device=st.device)
+        return False
+
+    def bind_train(self, session: BoundSession, built: BuiltGraph) -> None:
+        st = self.state
+        assert st.grad_params is not None
+        index = {p: i for i, p in enumerate(st.grad_params)}
+        states = {r.name: st.opt_state[r.name] for r in built.io if r.role is Role.OPTIMIZER_STATE}
+        session.bind_inputs(states)
+        session.bind_inputs({hyper_name(gi): t for gi, t in enumerate(self.hyper)})
+        session.bind_outputs({out: self.done[index[p]] for p, out in built.update_outputs.items()})
+
+    def before_run(self, values: Values) -> None:
+        """This step's values of what ``hyper:group<i>`` holds (``HYPER_NAMES``)."""
+        step = float(self.state.step_tensor) + 1.0  # the 1-based t of this update
+        decoupled = 1.0 if self.state.spec.kind == "adamw" else 0.0
+        for t, hp in zip(self.hyper, values, strict=True):
+            values_t = [hp[h] for h in HYPER_NAMES[:5]] + [step, decoupled]
+            t.copy_(torch.tensor(values_t, dtype=torch.float32))
+        self.done.zero_()
+
+    def step(self, values: Values, grad_scale: float) -> None:
+        # The graph ran the update (unless the loss was not finite): count it.
+        if bool(self.done.all()):
+            self.state.step_tensor.add_(1.0)
+
+    def applied(self) -> tuple[int, int]:
+        return int(self.done.sum()), len(self.done)
+
+
+ENGINES: dict[str, type[UpdateEngine]] = {
+    e.name: e for e in (GraphUpdate, ShardUpdate, KernelUpdate, TorchUpdate, BackwardUpdate)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the choice of engine depends on."""
+
+    requested: str  # TrainerOptions.update_engine
+    device: torch.device
+    kind: str  # the optimizer's (OptimizerSpec.kind)
+    zero_stage: int | None  # None in a single process
+    cpu_kernels: bool  # ortrain's CPU kernels are on (the update in the backward needs them)
+    accumulation: int
+    clipping: bool
+    fp32: bool  # no mixed precision, no loss scaling
+    # a gradient graph could not take the update in its backward, and whether that graph
+    # was the first (no update laid out yet: the engine may still change)
+    refused: UpdateInBackwardError | None = None
+    first_build: bool = True
+
+
+def _backward_needs(f: EngineFacts) -> list[str]:
+    """What the update in the backward needs and these facts lack (it reads no global
+    gradient statistic, so it needs no look at all the gradients)."""
+    why = []
+    if f.device.type != "cpu" or not f.cpu_kernels:
+        why.append("ortrain's CPU kernels (device='cpu', cpu_kernels)")
+    if f.kind not in TORCH_KINDS:
+        why.append(f"Adam or AdamW (not {f.kind})")
+    if f.zero_stage is not None:
+        why.append("a single process")
+    if f.accumulation != 1:
+        why.append("grad_accumulation_steps=1")
+    if f.clipping:
+        why.append("no clipping (max_grad_norm=None)")
+    if not f.fp32:
+        why.append("fp32 training without loss scaling")
+    return why
+
+
+def choose_engine(f: EngineFacts) -> str:
+    """The engine's name; raises where the requested engine cannot run these facts.
+
+    1. "kernels" / "torch" requested: the optimizer must be theirs, in a single process
+       (the kernels' library must be built);
+    2. "backward" requested: everything ``_backward_needs`` lists;
+    3. "auto": the update in the backward where it can run; where a graph refused it
+       (``refused``), the choice below, if no update was laid out yet (otherwise, and for
+       "backward" requested, the refusal is raised);
+    4. ZeRO-1: its shard's update graph; "auto" on CUDA in a single process: the kernels
+       when built and they cover the optimizer; "auto" on CPU in a single process: torch's
+       kernels for Adam/AdamW; otherwise the update graph.
+    """
+    req, single = f.requested, f.zero_stage is None
+    if req == "kernels":
+        check_supported(f.kind)
+        if not single:
+            raise ValueError(
+                "TrainerOptions.update_engine='kernels' is single-process only; distributed "
+                "training updates through the update graph (use 'graph' or 'auto')"
+            )
+        kernels.library(f.device.type)  # fail now, not at the first step
+        return "kernels"
+    if req == "torch":
+        if f.kind not in TORCH_KINDS:
+            raise UnsupportedOptimizerError(
+                f"update_engine='torch' supports {', '.join(TORCH_KINDS)}, not {f.kind}; use "
+                "update_engine='graph'"
+            )
+        if not single:
+            raise ValueError(
+                "TrainerOptions.update_engine='torch' is single-process only; distributed "
+                "training updates through the update graph (use 'graph' or 'auto')"
+            )
+        return "torch"
+    why = _backward_needs(f)
+    if req == "backward" and why:
+        raise ValueError("TrainerOptions.update_engine='backward' needs " + ", ".join(why))
+    if f.refused is not None:
+        if req != "auto" or not f.first_build:
+            raise f.refused
+    elif req in ("auto", "backward") and not why:
+        return "backward"
+    if f.zero_stage == 1:
+        return "zero1"
+    if req == "auto":
+        # (single process: the kernels' engine runs no reducer, whose all-reduce would be lost)
+        cuda = f.device.type == "cuda" and single
+        if cuda and f.kind in KERNEL_KINDS and kernels_available(f.device):
+            return "kernels"
+        if f.device.type == "cpu" and f.kind in TORCH_KINDS and single:
+            return "torch"
+    return "graph"
+
+
+def make_engine(name: str, state: TrainingState, env: EngineEnv) -> UpdateEngine:
+    return ENGINES[name](state, env)
