@@ -4,8 +4,11 @@ For a change that should not move performance (a restructuring), run the tree be
 and the tree after it in one session, so machine drift hits both alike: each repeat runs
 every (workload, tree) pair once, in alternating order, each in its own process
 (``bench_train.py``'s child mode from that tree, its own ``PYTHONPATH``, the on-disk
-graph cache off). The table gives per pair the median over repeats of the median step
-time and the peak RSS, and after / before.
+graph cache off). A development install (``pip install -e .``) puts a finder in front of
+``PYTHONPATH`` that maps ``ortrain`` to its own checkout: the child drops it and checks
+that ``ortrain`` comes from the tree under test. Each tree's native libraries are built
+with CMake into a folder of their own (``ORTRAIN_NATIVE_DIR``). The table gives per pair
+the median over repeats of the median step time and the peak RSS, and after / before.
 
 Usage::
 
@@ -27,17 +30,44 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hardware import cpu_description
 
+# Runs a script as __main__ with the editable install's finder removed, after checking that
+# ortrain is imported from the tree under test.
+_LAUNCH = """
+import os, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "Redirecting" not in type(f).__name__]
+import ortrain
+tree = os.environ["BENCH_TREE"]
+assert ortrain.__file__.startswith(tree + os.sep), (ortrain.__file__, tree)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
-def run_once(tree: Path, workload: str, backend: str, args: argparse.Namespace) -> dict:
+
+def build_native(tree: Path, dest: Path) -> Path:
+    """The tree's native libraries, built with CMake into ``dest`` (once)."""
+    if not any(dest.glob("libortrain_cpu_ops*.so")):
+        for cmd in (
+            ["cmake", "-S", str(tree), "-B", str(dest), "-DCMAKE_BUILD_TYPE=Release",
+             "-DORTRAIN_KERNELS_CUDA=OFF"],
+            ["cmake", "--build", str(dest), "-j"],
+        ):  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True)
+    return dest
+
+
+def run_once(
+    tree: Path, native: Path, workload: str, backend: str, args: argparse.Namespace
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
-            sys.executable, str(tree / "benchmarks" / "bench_train.py"),
+            sys.executable, "-c", _LAUNCH, str(tree / "benchmarks" / "bench_train.py"),
             "--backend", backend, "--workload", workload, "--json", str(out),
             "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--threads", str(args.threads),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(tree), "ORTRAIN_GRAPH_CACHE": "0"}
+        env = {**os.environ, "PYTHONPATH": str(tree), "ORTRAIN_GRAPH_CACHE": "0",
+               "BENCH_TREE": str(tree), "ORTRAIN_NATIVE_DIR": str(native)}  # fmt: skip
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
@@ -56,15 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, help="write every run's result here")
+    p.add_argument("--native-root", type=Path, default=Path(tempfile.gettempdir()) / "bench-native")
     args = p.parse_args(argv)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     workloads = [w for w in args.workloads.split(",") if w]
+    native = {n: build_native(t, args.native_root / n) for n, t in trees.items()}
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeats):
         order = list(trees) if r % 2 == 0 else list(reversed(trees))
         for w in workloads:
             for name in order:
-                result = run_once(trees[name], w, args.backend, args)
+                result = run_once(trees[name], native[name], w, args.backend, args)
                 runs.setdefault((w, name), []).append(result)
                 print(
                     f"[{r + 1}/{args.repeats}] {w} {name}: "
