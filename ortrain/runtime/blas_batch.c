@@ -6,7 +6,7 @@
  * Runtime's MLAS at half MKL's rate there, and every head split and merge around them is
  * a Transpose (0, 2, 1, 3) that ONNX Runtime copies in 0.12 ms: 32 per step, 11 ms of
  * products and 4 ms of copies. A head of [B, S, H, D] is a row-major [S, D] matrix with
- * leading dimension H*D, which a BLAS reads as is, so graph_passes/blas_batch_matmul.py
+ * leading dimension H*D, which a BLAS reads as is, so graph_passes/targets/cpu/blas_batch_matmul.py
  * folds those Transposes into this op's operands and output.
  *
  *   Y = alpha * op(A) @ op(B), batched over the leading axes (A's and B's must agree):
@@ -16,7 +16,7 @@
  *   stored Y is Transpose(Y, perm=(0, 2, 1, 3)).
  *
  *   triA = 1 / 2 (square op(A), M = K): op(A) is lower / upper triangular (zero above / below
- *   the diagonal). Causal attention's products (graph_passes/causal_products.py): the
+ *   the diagonal). Causal attention's products (graph_passes/targets/cpu/causal_products.py): the
  *   probabilities P and their gradient are lower triangular, so half of P @ V, P^T @ dO,
  *   dS @ K and dS^T @ Q multiplies zeros. The rows of Y are cut into blocks of TRI_BLOCK,
  *   each run over the part of K the triangle leaves: (1 + 1/n) / 2 of the work for n

@@ -3,7 +3,7 @@
  *
  * Why: on Intel CPUs ONNX Runtime's MLAS GEMMs run 1.1-2x slower than MKL on the very
  * products of a training step (benchmarks/bench_gemm.py), and GEMMs are 70-85% of a
- * transformer's gradient graph there. The graph pass graph_passes/blas_gemm.py rewrites
+ * transformer's gradient graph there. The graph pass graph_passes/targets/cpu/blas_gemm.py rewrites
  * eligible Gemm / MatMul / FusedMatMul nodes to this op; ortrain/runtime/blas_ops.py
  * compiles this file, hands it the sgemm to call and registers it on the session.
  *

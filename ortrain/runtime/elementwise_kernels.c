@@ -5,7 +5,7 @@
  * embeddings, RMSNorm and the SiLU gate: llama-tiny's gradient graph runs 141 Muls, 20
  * ms of 153). ONNX Runtime runs them on its intra-op threads, beside the BLAS products'
  * spinning OpenMP workers; these run on that team (kernel_util.h: for_blocks).
- * graph_passes/cpu_elementwise.py moves the large ones here.
+ * graph_passes/targets/cpu/elementwise.py moves the large ones here.
  *
  *   Mul / Add / Sub(A, B) -> Y: Y has the broadcast shape (numpy rules, rank <= 8)
  *   Sum(X0, ..., Xn-1) -> Y: 2..8 inputs of one shape, added left to right
@@ -13,7 +13,7 @@
  * The output's rows (its last axis) are cut into blocks; each input's row is found from
  * its strides (0 along a broadcast axis), and an input broadcast along the last axis is
  * read as one value per row. Mul / Add / Sub with out_transposed = 1 store Y [cols, rows],
- * the transpose of its 2-D view (graph_passes/transposed_activations.py).
+ * the transpose of its 2-D view (graph_passes/targets/cpu/transposed_activations.py).
  */
 #include "kernel_util.h"
 
@@ -83,7 +83,7 @@ static void binary_block(void* work, size_t blk) {
 
 /* out_transposed = 1: Y stored [cols, rows], the transpose of its 2-D view (kernel_util.h:
  * TRANSPOSED_ROWS), for a weight gradient's plain product
- * (graph_passes/transposed_activations.py) */
+ * (graph_passes/targets/cpu/transposed_activations.py) */
 static void binary_transposed_block(void* work, size_t blk) {
   const Binary* w = (const Binary*)work;
   const int64_t lo = (int64_t)blk * TRANSPOSED_ROWS, cols = w->cols;

@@ -7,7 +7,7 @@
  * gradient graph: 0.25-0.3 ms per LayerNorm that takes 0.14 ms alone). These run on the
  * same team (kernel_util.h: for_blocks), and LayerNorm takes in the residual Add before
  * it: the sum is written once and normalized while its row is in cache
- * (graph_passes/cpu_layer_norm.py, graph_passes/cpu_gelu.py move the nodes here).
+ * (graph_passes/targets/cpu/layer_norm.py, graph_passes/targets/cpu/gelu.py move the nodes here).
  *
  *   LayerNorm(X, scale [, bias] [, skip]) -> Y [, mean, inv_std] [, sum]   over the last axis:
  *     S = X + skip (or X), mean = avg(S), inv_std = 1 / sqrt(avg((S - mean)^2) + epsilon),
@@ -15,7 +15,7 @@
  *     axis of 1 (ONNX LayerNormalization's, axis = -1); sum is S (asked for with skip).
  *     epsilon: attribute (default 1e-5). out_transposed = 1: Y is stored [cols, rows],
  *     the transpose of S's 2-D view (kernel_util.h: TRANSPOSED_ROWS), for a weight gradient
- *     that reads it as a plain product's operand (graph_passes/transposed_activations.py).
+ *     that reads it as a plain product's operand (graph_passes/targets/cpu/transposed_activations.py).
  *   Gelu(X) -> Y       Y = X Phi(X)                                  (erf GELU)
  *   FastGelu(X) -> Y   Y = X sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
  *     (both: out_transposed = 1 stores Y as the transpose of X's 2-D view)

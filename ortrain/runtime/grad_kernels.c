@@ -14,22 +14,22 @@
  *   FastGeluGrad(dY, X) -> dX [, Y]  dX = dY * (s + X s (1 - s) k (1 + 3a X^2)), Y = X s,
  *                                s = sigmoid(k X (1 + a X^2)), k = 2 sqrt(2/pi), a = 0.044715
  *     (Y, optional: the GELU itself, which the backward would otherwise recompute for the
- *     next layer's weight gradient; graph_passes/gelu_value.py asks for it)
+ *     next layer's weight gradient; graph_passes/targets/cpu/gelu_value.py asks for it)
  *     out_transposed (bit 0: dX, bit 1: Y): that output stored [cols, rows], the transpose
- *     of X's 2-D view, for the products that read it (graph_passes/transposed_activations.py)
+ *     of X's 2-D view, for the products that read it (graph_passes/targets/cpu/transposed_activations.py)
  *   SoftmaxGrad(dY, Y) -> dX     dX = Y * (dY - sum(dY * Y)) over the last axis
  *   LayerNormGrad(dY, X, scale, mean, inv_std [, dsum]) -> dX, dscale, dbias   over the
  *     last axis: xhat = (X - mean) * inv_std, g = dY * scale,
  *     dX = inv_std * (g - mean(g) - xhat * mean(g * xhat)) (+ dsum: the gradient X's other
- *     readers sent, added in the same pass; graph_passes/layer_norm_grad_sum.py),
+ *     readers sent, added in the same pass; graph_passes/targets/cpu/layer_norm_grad_sum.py),
  *     dscale = sum over rows of dY * xhat, dbias = sum over rows of dY.
  *   ScatterAddRows(base, rows, updates) -> out   out = base; out[rows[i]] += updates[i]
  *     (base [V, ...], rows int64 [N] (or [N, 1]), updates [N, ...]; an embedding's
  *     gradient: ScatterElements(add) with the row index expanded over each row, one
- *     index per element, runs 10x slower; graph_passes/scatter_rows.py moves those here)
+ *     index per element, runs 10x slower; graph_passes/targets/cpu/scatter_rows.py moves those here)
  *   ScatterAddColumns(base, cols, updates) -> out   out = base; out[:, cols[i]] += updates[i]
  *     (base [W, V], cols int64 [N] (or [N, 1]), updates [N, W]: the same sum where the
- *     table's gradient is kept transposed; graph_passes/transposed_weight_grad.py)
+ *     table's gradient is kept transposed; graph_passes/targets/cpu/transposed_weight_grad.py)
  *
  * Work is cut into fixed blocks (of elements or rows) run on the session's intra-op
  * threads (KernelContext_ParallelFor); the row sums of LayerNormGrad are per-block

@@ -130,7 +130,7 @@ static inline void transpose_into(const float* restrict src, int64_t lds, float*
 
 /* An output marked in out_transposed is stored [cols, rows], the transpose of its 2-D
  * view [rows, cols], for a weight gradient that reads it as a plain product's left operand
- * (graph_passes/transposed_activations.py). Its kernels take TRANSPOSED_ROWS rows a block:
+ * (graph_passes/targets/cpu/transposed_activations.py). Its kernels take TRANSPOSED_ROWS rows a block:
  * their values go to a tile of TILE_COLUMNS columns, then into Y's columns (16 rows: one
  * cache line of each). */
 enum { TRANSPOSED_ROWS = 16, TILE_COLUMNS = 256 };
@@ -141,7 +141,7 @@ typedef struct {
   const char* name; /* the op's name, for messages */
   float epsilon;    /* the "epsilon" attribute (LayerNorm), default 1e-5 */
   int omp_team;     /* the "omp_team" attribute, default 1: 0 keeps this node's blocks on
-                       ONNX Runtime's threads (graph_passes/kernel_threads.py) */
+                       ONNX Runtime's threads (graph_passes/targets/cpu/kernel_threads.py) */
   int grad_transposed; /* AdamStep's "grad_transposed" attribute, default 0 */
   int out_transposed;  /* the "out_transposed" attribute, default 0: bit i set, output i is
                           stored as its 2-D view's transpose (below) */

@@ -6,7 +6,7 @@
  * small's [2, 256, 2304] <-> 3 x [2, 256, 768], ~16 GB/s, while the products around them
  * run on two. Here rows are cut into blocks run on the kernels' threads (kernel_util.h:
  * for_blocks, torch's OpenMP team), each copying its rows' segments
- * (graph_passes/cpu_split_concat.py moves the nodes here).
+ * (graph_passes/targets/cpu/split_concat.py moves the nodes here).
  *
  *   SplitLast(X [..., W]) -> Y0, ..., Yn-1 [..., W / n]   (n outputs, 1..8; W % n == 0)
  *   ConcatLast(X0 [..., w0], ..., Xn-1 [..., wn-1]) -> Y [..., sum w]   (2..8 inputs, one

@@ -5,7 +5,7 @@
  * 0.15 ms for GPT-2 tiny's [8, 4, 128, 128] attention probabilities, 3.5 ms of a 155 ms
  * step. Here exp is the branch-free exp_approx (0 below -87), as fast on masked rows as on
  * any. The optional bias is the mask: adding it here saves the separate Add's full pass
- * and its temporary (graph_passes/cpu_softmax.py moves Add -> Softmax pairs here).
+ * and its temporary (graph_passes/targets/cpu/softmax.py moves Add -> Softmax pairs here).
  *
  * bias broadcasts to X by numpy rules, except on the last axis (it has X's length there).
  * A row whose values are all -inf (or hold a NaN, or +inf) gives NaN, as ONNX's Softmax.

@@ -1,4 +1,4 @@
-/* The optimizer update inside the training graph (graph_passes/update_in_backward.py):
+/* The optimizer update inside the training graph (graph_passes/targets/cpu/update_in_backward.py):
  *
  *   AdamStep(P, G, M, V, H, L[, after0 .. after7]) -> done
  *
@@ -22,7 +22,7 @@
  * kernel a copy of a bound input on the CPU). Blocks touch disjoint elements, once each.
  *
  * Attribute grad_transposed = 1: P is [R, C] and G its transpose [C, R], a weight gradient
- * made in the product's faster orientation (graph_passes/transposed_weight_grad.py). A
+ * made in the product's faster orientation (graph_passes/targets/cpu/transposed_weight_grad.py). A
  * block is then a run of TILE_ROWS rows of P; each tile of G^T is gathered first (one
  * cache line of G per column) and the same element loop runs on it: the same results.
  */
