@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared check for a bare GPU machine (issue 37), within a total time budget:
-#   install   onnxruntime-gpu from the chunks in /tmp/ortgpu (../shared/device/), if there
+#   install   onnxruntime-gpu from the chunks in /tmp/ortgpu (scripts/device/), if there
 #   provider  a real session runs on CUDAExecutionProvider (not the provider list)
 #   kernels   cuda_kernels/ built for this GPU's architecture
 #   tests     the GPU tests
@@ -85,13 +85,15 @@ step_install() {
     echo "onnxruntime already in /tmp/site"
     return 0
   fi
-  local script
-  script=$(ls .ortgpu/*/install-ort-gpu.sh ../shared/device/install-ort-gpu.sh 2>/dev/null | head -1)
+  # parts carried in earlier calls were copied to /tmp/ortgpu then; this call's, now
+  if compgen -G ".ortgpu/*/part_*" > /dev/null; then
+    mkdir -p /tmp/ortgpu && cp .ortgpu/*/part_* .ortgpu/*/MANIFEST /tmp/ortgpu/
+  fi
+  local script=scripts/device/install-ort-gpu.sh
   if ! compgen -G "/tmp/ortgpu/part_*" > /dev/null; then
     echo "no chunks in /tmp/ortgpu: onnxruntime as installed (the provider step checks it)"
     return 0
   fi
-  [ -n "$script" ] || { echo "no install-ort-gpu.sh (.ortgpu/N/ or ../shared/device/)"; return 1; }
   bash "$script"
 }
 

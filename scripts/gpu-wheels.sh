@@ -2,11 +2,10 @@
 # Here (with package access): the pure-Python and small wheels a GPU machine without a
 # package index needs so that it runs this checkout with the versions we test with:
 # onnx, onnx-ir, onnxscript and transformers as installed here, for its Python 3.12.
-# onnxruntime-gpu itself travels in chunks: ../shared/device/prepare-ort-gpu.sh.
+# onnxruntime-gpu itself travels in chunks: scripts/device/prepare-ort-gpu.sh.
 # Afterwards .whl/ (git-ignored) holds them; carry it and run scripts/gpu-checks.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 pins=$(python -m pip list --format=freeze 2>/dev/null | grep -iE '^(onnx|onnx-ir|onnx_ir|onnxscript|transformers)==')
 rm -rf .whl && mkdir -p .whl
 # shellcheck disable=SC2086
