@@ -138,6 +138,7 @@ __all__ = [
     "eval_pipeline",
     "pipeline_entries",
     "serialized_passes",
+    "target_pipeline",
 ]
 
 
@@ -444,6 +445,17 @@ def build_pipeline(
     gate is on, in order; they fill ``products``."""
     entries = pipeline_entries(config, inputs, products)
     return [e.pass_ for e in entries if _applies(e, config, inputs)]
+
+
+def target_pipeline(
+    config: BuildConfig, inputs: BuildInputs, products: BuildProducts
+) -> list[Pass]:
+    """The target stage alone, in the pipeline's order and with its gates, for a gradient
+    graph built elsewhere without it (``ortrain/offline.py``'s artifacts keep standard ops
+    and are lowered where a session is made); ``products.gradient`` names the gradient
+    outputs. The serialized passes are left to ``serialize_for_ort``."""
+    passes = build_pipeline(config, inputs, products)
+    return [p for p in passes if isinstance(p, Pass) and p.stage == "target"]
 
 
 def eval_pipeline(config: BuildConfig) -> list[AnyPass]:

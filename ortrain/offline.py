@@ -25,21 +25,16 @@ from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.core.errors import OrtrainError
 from ortrain.core.names import GradientError
 from ortrain.core.optimizer_spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
+from ortrain.graph_passes.autodiff import GradientGraphResult
 from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
 from ortrain.graph_passes.infra.pipeline import Pass, run_pipeline
-from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
-from ortrain.graph_passes.targets.cpu.blas_gemm import lower_gemm_to_blas
-from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
-from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
-from ortrain.graph_passes.targets.cpu.layer_norm import lower_layer_norm
-from ortrain.graph_passes.targets.cpu.scatter_in_place import scatter_into_gradients
-from ortrain.graph_passes.targets.cpu.scatter_last import lower_scatter_last
-from ortrain.graph_passes.targets.cpu.scatter_rows import lower_scatter_add_rows
-from ortrain.graph_passes.targets.cpu.softmax import lower_softmax
-from ortrain.graph_passes.targets.cpu.split_concat import lower_split_concat
 from ortrain.graph_passes.training.optimizer import build_update_graph
 from ortrain.graph_passes.training.optimizer.update_graph import state_key
-from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
+from ortrain.graph_passes.training_pipeline import (
+    BuildProducts,
+    build_pipeline,
+    target_pipeline,
+)
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
 
@@ -194,6 +189,9 @@ class TrainingSession:
     _update: BoundSession
     _loss: torch.Tensor
     _scalars: dict[str, torch.Tensor]
+    # the target passes that changed the gradient graph at load, in the pipeline's order,
+    # each with its op-count change ("ortrain.blas::Gemm": +12, "Gemm": -12, ...)
+    lowered: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(
@@ -205,12 +203,11 @@ class TrainingSession:
         cpu_kernels: str = "auto",
     ) -> TrainingSession:
         """``cpu_gemm`` / ``cpu_kernels`` as in ``TrainerOptions``: the artifacts keep
-        standard ops; the large products move to the BLAS GEMM op, the embedding
-        gradients to ``ortrain.cpu.ScatterAddRows`` and the Softmaxes, LayerNorms, GELU
-        forwards, last-axis Splits / Concats and large arithmetic to ``ortrain.cpu``
-        kernels here, in memory, where they are chosen (the fused GELU / LayerNorm /
-        Softmax backwards are emitted by the gradient rules, so artifacts built offline
-        keep those as standard ops)."""
+        standard ops, and the training pipeline's target stage (``target_pipeline``, the
+        same passes and gates a trainer's build runs) lowers them here, in memory, where
+        the kernels are chosen; ``lowered`` names the passes that changed the graph. The
+        fused GELU / LayerNorm / Softmax backwards are emitted by the gradient rules, so
+        artifacts built offline keep those as standard ops."""
         d = Path(directory)
         if not (d / MANIFEST).is_file():
             raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
@@ -219,7 +216,6 @@ class TrainingSession:
             params = {k: torch.from_numpy(npz[k].copy()) for k in npz.files}
         names = manifest["parameters"]
         grads = {n: torch.zeros_like(params[n]) for n in names}
-        shared: dict[str, str] = {}  # output -> the gradient output sharing its buffer
         states = {
             state_key(s, n): torch.zeros_like(params[n])
             for s in manifest["optimizer"]["states"]
@@ -232,19 +228,18 @@ class TrainingSession:
             scalars["max_grad_norm"] = torch.tensor(float(manifest["max_grad_norm"]))
         loss = torch.zeros(())
         gradient = ir.load(d / "gradient.onnx")
-        if use_blas_gemm(cpu_gemm):
-            lower_gemm_to_blas(gradient)
-            if has_sgemm_batch():
-                lower_batch_matmul(gradient)
-        if use_grad_kernels(cpu_kernels):
-            lower_scatter_add_rows(gradient)
-            shared = scatter_into_gradients(gradient, manifest["grad_outputs"].values())
-            lower_softmax(gradient)
-            lower_scatter_last(gradient)
-            lower_layer_norm(gradient)
-            lower_gelu(gradient)
-            lower_split_concat(gradient)
-            lower_elementwise(gradient)
+        blas = use_blas_gemm(cpu_gemm)
+        config = BuildConfig(
+            trainable=tuple(names),
+            blas_gemm=blas,
+            blas_batch=blas and has_sgemm_batch(),
+            cpu_kernels=use_grad_kernels(cpu_kernels),
+        )
+        grad_outputs = dict(manifest["grad_outputs"])
+        products = BuildProducts(gradient=GradientGraphResult(gradient, grad_outputs, [], 0))
+        lowerings = target_pipeline(config, BuildInputs(manifest["loss"], tuple(names)), products)
+        lowered = {r.name: r.op_delta for r in run_pipeline(gradient, lowerings) if r.modified}
+        shared = products.shared_outputs  # output -> the gradient output sharing its buffer
         grad_sess = BoundSession(make_session(gradient, threads=threads))
         grad_sess.bind_inputs(params)
         grad_sess.bind_outputs({manifest["loss"]: loss})
@@ -260,7 +255,7 @@ class TrainingSession:
             scalars["grad_norm"] = torch.zeros(())
             outputs["grad_norm"] = scalars["grad_norm"]
         upd.bind_outputs(outputs)
-        return cls(manifest, params, grad_sess, upd, loss, scalars)
+        return cls(manifest, params, grad_sess, upd, loss, scalars, lowered)
 
     def train_step(self, **batch: torch.Tensor | np.ndarray) -> float:
         missing = sorted(set(self.manifest["batch"]) - set(batch))

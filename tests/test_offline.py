@@ -155,7 +155,6 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
 
     import onnx
 
-    from ortrain import offline
     from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
     from ortrain.runtime import cpu_ops
 
@@ -170,11 +169,9 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
         except cpu_ops.CpuOpsLibraryError as exc:
             pytest.skip(f"the BLAS GEMM op cannot be built here: {exc}")
         monkeypatch.setenv(COST_ENV, "gemm_min_flops=0")
-    moved: list[int] = []
-    lower = offline.lower_gemm_to_blas
-    monkeypatch.setattr(offline, "lower_gemm_to_blas", lambda m: moved.append(lower(m)))
     session = TrainingSession.load(out, cpu_gemm=cpu_gemm)
-    assert moved[0] >= 8 if cpu_gemm == "blas" else moved == []
+    blas_ops = session.lowered.get("blas_gemm", {}).get("ortrain.blas::Gemm", 0)
+    assert blas_ops >= 8 if cpu_gemm == "blas" else "blas_gemm" not in session.lowered
     assert session.manifest["batch_shapes"] == {"input_ids": [4, 24], "labels": [4, 24]}
     # Every parameter (the tied embedding once, under either name), none of the exporter's
     # constants.
@@ -194,6 +191,56 @@ def test_build_training_dynamic_axes_at_given_sizes(dynamic_gpt2, tmp_path, cpu_
         assert session.train_step(input_ids=ids, labels=ids) == pytest.approx(loss.item(), rel=1e-5)
     with pytest.raises(ArtifactError, match=r"'input_ids': shape \[4, 16\].*\[4, 24\]"):
         session.train_step(input_ids=ids[:, :16], labels=ids[:, :16])
+
+
+@pytest.mark.slow
+def test_load_lowers_with_the_pipelines_target_stage(dynamic_gpt2, tmp_path, monkeypatch):
+    """The CPU kernels and BLAS products come from the training pipeline's target stage at
+    load (the passes a trainer's build runs, by the same gates), and train like eager."""
+    from ortrain.graph_passes.targets.cpu.cost_model import COST_ENV
+    from ortrain.graph_passes.training_pipeline import pipeline_entries
+    from ortrain.runtime import cpu_ops
+
+    try:
+        cpu_ops._compiler()
+        cpu_ops._torch_sgemm()
+    except cpu_ops.CpuOpsLibraryError as exc:
+        pytest.skip(f"ortrain's CPU kernels cannot be built here: {exc}")
+    monkeypatch.setenv(COST_ENV, "gemm_min_flops=0")
+    model, path = dynamic_gpt2
+    ref = copy.deepcopy(model)
+    out = tmp_path / "artifacts"
+    assert _build(path, out, "--dim", "batch=2", "--dim", "seq=16") == 0
+    session = TrainingSession.load(out, cpu_gemm="blas", cpu_kernels="ortrain")
+    order = [e.pass_.name for e in pipeline_entries(*_every_gate())]
+    lowered = list(session.lowered)
+    assert lowered == [n for n in order if n in lowered]  # the pipeline's order
+    # the embedding gradients' scatters, the tied head's in-place leaf, the kernels
+    for name in ("blas_gemm", "scatter_rows", "scatter_in_place", "cpu_softmax",
+                 "cpu_layer_norm"):  # fmt: skip
+        assert name in lowered, (name, lowered)
+    assert session.lowered["cpu_softmax"].get("ortrain.cpu::Softmax", 0) >= 2
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        opt.zero_grad()
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        assert session.train_step(input_ids=ids, labels=ids) == pytest.approx(loss.item(), rel=1e-5)
+    trained = dict(ref.named_parameters(remove_duplicate=False))
+    for name, value in session.parameters.items():
+        if name.removeprefix("model.") in trained or name in trained:
+            ref_value = trained.get(name.removeprefix("model."), trained.get(name))
+            torch.testing.assert_close(value, ref_value.detach(), rtol=1e-4, atol=1e-5)
+
+
+def _every_gate():
+    from ortrain.graph_passes import pass_table
+    from ortrain.graph_passes.training_pipeline import BuildProducts
+
+    return pass_table.EVERY_GATE, pass_table.EVERY_INPUT, BuildProducts()
 
 
 @pytest.mark.slow

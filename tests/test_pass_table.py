@@ -21,7 +21,12 @@ import ortrain.graph_passes as graph_passes
 from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.graph_passes import pass_table
 from ortrain.graph_passes.infra.pipeline import STAGES, TARGETS, Pass, SerializedPass
-from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline, eval_pipeline
+from ortrain.graph_passes.training_pipeline import (
+    BuildProducts,
+    build_pipeline,
+    eval_pipeline,
+    target_pipeline,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 STAGE_FOLDERS = (
@@ -108,6 +113,21 @@ def test_cpu_lowerings_stay_off_other_targets():
     built = build_pipeline(config, BuildInputs("loss"), BuildProducts())
     assert built and all(p.target == "any" for p in built)
     assert [p.name for p in built if isinstance(p, SerializedPass)] == ["ort_order"]
+
+
+def test_the_target_stage_alone_is_the_pipelines_target_passes():
+    """``target_pipeline`` (what ``TrainingSession.load`` lowers offline artifacts with) is
+    the full pipeline's target stage, same order and gates, for every gate combination."""
+    inputs = pass_table.EVERY_INPUT
+    for config in pass_table.every_gate_configs():
+        full = build_pipeline(config, inputs, BuildProducts())
+        expected = [p.name for p in full if isinstance(p, Pass) and p.stage == "target"]
+        assert [p.name for p in target_pipeline(config, inputs, BuildProducts())] == expected
+    kernels = BuildConfig(blas_gemm=True, blas_batch=True, cpu_kernels=True)
+    names = [p.name for p in target_pipeline(kernels, inputs, BuildProducts())]
+    assert {"blas_gemm", "scatter_rows", "cpu_softmax", "cpu_layer_norm"} <= set(names)
+    assert "autodiff" not in names and "kernel_threads" not in names
+    assert target_pipeline(BuildConfig(), inputs, BuildProducts()) == []
 
 
 def test_a_pass_that_returns_none_is_rejected():
