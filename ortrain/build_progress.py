@@ -77,6 +77,3 @@ class BuildProgress:
                 file=sys.stderr,
                 flush=True,
             )
-
-
-# --------------------------------------------------------------------------- the cache

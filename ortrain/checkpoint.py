@@ -371,6 +371,11 @@ def read_file(path: str | os.PathLike, known: frozenset[str] | set[str]) -> dict
     its checksums verified and removed. ``known``: the top-level keys such a file holds
     (more in a file without checksums means a damaged one)."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder but not a sharded checkpoint (no manifest.json in it): give a "
+            "checkpoint file, or the folder a sharded save wrote"
+        )
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
@@ -429,8 +434,3 @@ def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
             f"{trainer.spec.kind}"
         )
     return payload["state"]
-
-
-def load(trainer: ORTTrainer, path: str | os.PathLike) -> None:
-    """Load checkpoint file ``path`` (either kind: ``distributed.sharded_checkpoint.load_any``)."""
-    load_trainer_state_dict(trainer, read(trainer, path))

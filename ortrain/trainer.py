@@ -139,6 +139,10 @@ class ORTTrainer:
         self.bucketing = Bucketing(model, loss_fn, self.options.bucketing, self.sync_to_module)
         self.device = torch.device(self.options.device)
         check_device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the current device (torchrun: the rank's, after torch.cuda.set_device), so that
+            # ONNX Runtime's sessions, the stream and the collectives all use the same GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # fp32 products on the BLAS custom op (graph_passes/targets/cpu/blas_gemm.py): decided
         # (and the op built) once, before any build
         self._blas_gemm = use_blas_gemm(self.options.cpu_gemm, self.device.type)
@@ -506,7 +510,8 @@ class ORTTrainer:
             self.state.zero_grads()
         if self.scaler is not None:
             self.state.loss_scale.fill_(self.scaler.scale)
-        self._engine.before_run(group_values(self.optimizer, self.spec))
+        if self._engine.in_backward:  # this step's hyperparameters go into the graph
+            self._engine.before_run(group_values(self.optimizer, self.spec))
         try:
             compiled.session.run()
         except CudaGraphCaptureError:  # its own message; the session restored the state

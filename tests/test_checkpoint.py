@@ -78,6 +78,9 @@ def test_load_checkpoint_errors(tmp_path):
     trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     with pytest.raises(CheckpointError, match="no checkpoint"):
         trainer.load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(CheckpointError, match=r"folder\b.*not a sharded checkpoint"):
+        trainer.load_checkpoint(tmp_path / "folder")
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="cannot read"):

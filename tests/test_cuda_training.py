@@ -34,6 +34,19 @@ def test_device_option_is_validated():
     assert TrainerOptions(device="cuda:1").device == "cuda:1"
 
 
+@needs_cuda
+def test_cuda_without_an_index_is_the_current_device():
+    """torchrun's ranks call torch.cuda.set_device(local_rank) and pass device="cuda": the
+    sessions, the stream and the state must all be on that GPU, not on GPU 0."""
+    model = gpt2(layers=1, hidden=32, vocab=64)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         TrainerOptions(device="cuda"))  # fmt: skip
+    current = torch.cuda.current_device()
+    assert trainer.device == torch.device("cuda", current)
+    trainer.train_step(**lm_batches(1, vocab=64)[0])
+    assert {p.device for p in trainer.params.values()} == {torch.device("cuda", current)}
+
+
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_cuda_provider_follows_torchs_tf32_setting(precision):
     before = torch.get_float32_matmul_precision()

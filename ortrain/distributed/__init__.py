@@ -67,7 +67,7 @@ def make_reducer(trainer: ORTTrainer, comm: Comm) -> Reducer:
     from ortrain.distributed.fingerprint import agree_on_start
     from ortrain.distributed.sharded_state import ShardedState
 
-    if comm.device != trainer.device and trainer.device.index is not None:
+    if comm.device != trainer.device:
         raise ValueError(f"the trainer runs on {trainer.device}, its collectives on {comm.device}")
     # Ranks holding other models/options stop here, all alike, before anything moves.
     agree_on_start(trainer, comm)

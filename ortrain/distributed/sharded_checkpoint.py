@@ -10,7 +10,7 @@ any rank removes the files it wrote, and the next complete save removes files th
 manifest names. The ``.pt`` files carry checksums (``ortrain.checkpoint.write_file``), the
 manifest a SHA-256 of its own contents; both are verified on load. Loading with the same
 world size and layout reads only the rank's own shard; any other world size (one process
-included, through ``ortrain.checkpoint.load``) rebuilds the ordinary full state dict from
+included, through ``read_any`` / ``load_any``) rebuilds the ordinary full state dict from
 all the shards.
 """
 

@@ -3,7 +3,8 @@
 An engine (``UpdateEngine``) is made over the ``TrainingState`` when the trainer is; after
 the first gradient graph is built (the parameters the loss reaches are known) the trainer
 calls ``prepare`` once, ``bind_train`` for every gradient graph's session, ``before_run``
-before each gradient graph run and ``step`` at the end of each accumulation window. The
+before each gradient graph run (engines ``in_backward`` only: the update in the graph reads
+this step's hyperparameters) and ``step`` at the end of each accumulation window. The
 engines (``TrainerOptions.update_engine``):
 
 1. "backward" (``BackwardUpdate``): each parameter's Adam/AdamW update runs inside the
@@ -93,7 +94,8 @@ class UpdateEngine(Protocol):
         ...
 
     def before_run(self, values: Values) -> None:
-        """Before each gradient graph run."""
+        """Before each gradient graph run; called only where ``in_backward`` (the others
+        read the hyperparameters in ``step``)."""
         ...
 
     def step(self, values: Values, grad_scale: float) -> None:
