@@ -52,6 +52,7 @@ from bench_train import (  # benchmarks/ is not a package: found by the path abo
     _lm_batch,
     _mlm_batch,
     _quiet_transformers,
+    device_used_bytes,
     peak_rss_bytes,
     setup_ortrain,
     setup_torch,
@@ -96,14 +97,6 @@ def workload(name: str) -> Workload:
 
 
 # --------------------------------------------------------------------------- one run
-def _device_in_use(device: str) -> int:
-    if device != "cuda":
-        return 0
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One backend on one workload at one batch size, in this process."""
     w = dataclasses.replace(workload(args.workload), batch=args.batch)
@@ -113,7 +106,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
-    base_used = _device_in_use(device)
+    base_used = device_used_bytes(device)
     torch.manual_seed(0)
     model = w.build(w, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
@@ -138,7 +131,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             s.after_first()
     timed = times[1 + args.warmup :]
     median = statistics.median(timed)
-    used = _device_in_use(device) - base_used
+    used = device_used_bytes(device) - base_used
     out = {
         "ok": True,
         "first_step_s": times[0],

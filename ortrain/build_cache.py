@@ -379,13 +379,15 @@ def batch_token(batch: Mapping[str, Any]) -> str:
 
 
 def _settings_token(settings: BuildConfig) -> str:
-    """The build options and, for the CPU target, its cost model: a graph built with other
-    thresholds (``ORTRAIN_CPU_COST``, another machine's caches) is another entry."""
-    if settings.target != "cpu":
+    """The build options and, where CPU lowerings run (BLAS products, ortrain's kernels),
+    what of the cost model they read: a graph built with other thresholds
+    (``ORTRAIN_CPU_COST``, another machine's L1 cache) is another entry; another core count
+    or affinity mask is not."""
+    if settings.target != "cpu" or not (settings.blas_gemm or settings.cpu_kernels):
         return repr(settings)
     from ortrain.graph_passes.targets.cpu.cost_model import CpuCostModel
 
-    return f"{settings!r} {CpuCostModel.for_machine()!r}"
+    return f"{settings!r} {CpuCostModel.for_machine().key()}"
 
 
 def _key(*parts: object) -> str:

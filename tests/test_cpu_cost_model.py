@@ -106,7 +106,8 @@ def test_facts_default_where_the_system_says_nothing(
 
 # ------------------------------------------------------------------ thresholds: the model only
 _ABI = {"MAX_SUM", "MAX_RANK", "MAX_PARTS", "MAX_AFTER"}  # what the C kernels accept
-_NOT_TUNING = {"_F32_BYTES", "_FOLLOW"}  # float32's size; a search's budget
+# float32's size; a search's budget; tables of axes and input / output positions
+_NOT_TUNING = {"_F32_BYTES", "_FOLLOW", "_SWAP", "_CARRY", "_TRANSPOSABLE"}
 
 
 def test_no_tuned_constant_is_left_in_the_lowerings() -> None:
@@ -116,12 +117,36 @@ def test_no_tuned_constant_is_left_in_the_lowerings() -> None:
     for path in sorted(CPU_DIR.glob("*.py")):
         if path.name == "cost_model.py":
             continue
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-                value = node.value.value
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    found += [(path.name, t.id) for t in node.targets if isinstance(t, ast.Name)]
+        found += [(path.name, name) for name in _numeric_assignments(path.read_text())]
     assert found and {name for _, name in found} <= _ABI | _NOT_TUNING, found
+
+
+def _numeric_assignments(source: str) -> list[str]:
+    """Names a module assigns an expression holding a number to (``X = 4096``, ``X: int =
+    4 * 1024``, ``X = 1 << 20``, ``X = {"a": 2}``), at module level."""
+    names = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        numbers = [
+            c.value
+            for c in ast.walk(value)
+            if isinstance(c, ast.Constant) and type(c.value) in (int, float)
+        ]
+        if numbers:
+            names += [t.id for t in targets if isinstance(t, ast.Name)]
+    return names
+
+
+def test_the_constant_scan_sees_every_form() -> None:
+    source = (
+        "A = 4096\nB: int = 4 * 1024\nC = 1 << 20\nD = {'x': 2.5}\nE = 'text'\nF = True\nG: str\n"
+    )
+    assert _numeric_assignments(source) == ["A", "B", "C", "D"]
 
 
 @pytest.mark.parametrize(
@@ -203,3 +228,25 @@ def test_every_lowering_returns_a_count(lowering) -> None:
     model = _model([helper.make_node("Relu", ["a"], ["y"])], {"a": [2, 3]}, ["y"])
     result = lowering(model)
     assert type(result) is int and result == 0
+
+
+def test_the_cache_key_holds_what_the_lowerings_read() -> None:
+    """Another core count or ISA builds the same graphs (same key); another L1 geometry or
+    threshold does not. Configurations without CPU lowerings carry no cost model at all."""
+    from ortrain.build_cache import _settings_token
+    from ortrain.core.build_config import BuildConfig
+
+    base = CpuCostModel.for_machine(CpuFacts(l1d_bytes=32 * 1024, l1d_ways=8, cores=2))
+    other_cores = CpuCostModel.for_machine(
+        CpuFacts(l1d_bytes=32 * 1024, l1d_ways=8, cores=64, isa="avx512", vector_bytes=64)
+    )
+    assert base.key() == other_cores.key()
+    other_l1 = CpuCostModel.for_machine(CpuFacts(l1d_bytes=48 * 1024, l1d_ways=12))
+    assert other_l1.aliasing_stride == base.aliasing_stride  # 4 KiB ways both
+    bigger_ways = CpuCostModel.for_machine(CpuFacts(l1d_bytes=64 * 1024, l1d_ways=8))
+    assert bigger_ways.key() != base.key()
+    assert dataclasses.replace(base, softmax_loss_min_row=1).key() != base.key()
+    plain = BuildConfig()
+    assert _settings_token(plain) == repr(plain)
+    kernels = BuildConfig(cpu_kernels=True)
+    assert _settings_token(kernels) == f"{kernels!r} {CpuCostModel.for_machine().key()}"

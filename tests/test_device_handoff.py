@@ -116,12 +116,46 @@ def test_prepare_writes_chunk_folders_with_a_manifest(prepared):
     assert joined == wheel.read_bytes()
 
 
-def test_default_chunks_are_61_mib_four_for_the_wheel():
-    """A ~250 MB wheel in four transfers under 64 MiB each, not five of 58 MiB."""
-    script = (DEVICE / "prepare-ort-gpu.sh").read_text()
-    assert "chunk=${ORTGPU_CHUNK:-61m}" in script
-    wheel = 250_000_000
-    assert -(-wheel // (61 * 2**20)) == 4 and 61 * 2**20 + 64 * 1024 < 64 * 2**20
+def test_default_parts_fit_one_transfer_beside_the_working_tree(tmp_path):
+    """Without ORTGPU_CHUNK, a chunk folder (part, MANIFEST, install script) plus the
+    working tree that travels with every call fits the transfer limit (scaled down here:
+    a 64 KiB limit, a 20 KiB tree), and the parts are as large as that allows."""
+    wheel, _ = _wheel(tmp_path)  # ~12 KiB: pad it so that it needs several parts
+    with wheel.open("ab") as f:
+        f.write(os.urandom(150 * 1024))
+    project = tmp_path / "project"
+    project.mkdir()
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    (project / "tracked.bin").write_bytes(os.urandom(12 * 1024))
+    (project / "untracked.bin").write_bytes(os.urandom(8 * 1024))  # travels too
+    (project / ".gitignore").write_text("/.ortgpu/\n")
+    subprocess.run(["git", "-C", str(project), "add", "tracked.bin"], check=True)
+    limit = 64 * 1024
+    done = _run(
+        ["bash", str(DEVICE / "prepare-ort-gpu.sh")],
+        project,
+        ORTGPU_WHEEL=str(wheel),
+        ORTGPU_LIMIT=str(limit),
+    )
+    assert done.returncode == 0, done.stderr
+    tree = sum(p.stat().st_size for p in project.iterdir() if p.is_file())
+    folders = [p for p in (project / ".ortgpu").iterdir() if p.is_dir()]
+    sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in folders]
+    parts = [f.stat().st_size for d in folders for f in d.glob("part_*")]
+    script = (DEVICE / "install-ort-gpu.sh").stat().st_size
+    # the limit less the tree, the script, the MANIFEST's allowance and 1/256 to spare
+    assert max(parts) == limit - tree - script - 4096 - limit // 256
+    assert len(parts) == len(folders) == -(-wheel.stat().st_size // max(parts))
+    assert all(tree + size < limit for size in sizes), (tree, sizes)
+    # a tree that leaves no room is refused, naming the sizes
+    (project / "untracked.bin").write_bytes(os.urandom(64 * 1024))
+    done = _run(
+        ["bash", str(DEVICE / "prepare-ort-gpu.sh")],
+        project,
+        ORTGPU_WHEEL=str(wheel),
+        ORTGPU_LIMIT=str(limit),
+    )
+    assert done.returncode == 2 and "leaves no room for a part" in done.stderr
 
 
 def test_join_verify_install_into_a_scratch_prefix(prepared, tmp_path):

@@ -113,6 +113,10 @@ def test_cpu_lowerings_stay_off_other_targets():
     built = build_pipeline(config, BuildInputs("loss"), BuildProducts())
     assert built and all(p.target == "any" for p in built)
     assert [p.name for p in built if isinstance(p, SerializedPass)] == ["ort_order"]
+    # autodiff would still emit ortrain.cpu kernels for cpu_kernels: refused outright
+    for option in ("cpu_kernels", "blas_gemm", "blas_batch"):
+        with pytest.raises(ValueError, match=f"target 'cuda': {option} lower to ortrain's CPU"):
+            BuildConfig(target="cuda", **{option: True})
 
 
 def test_the_target_stage_alone_is_the_pipelines_target_passes():
@@ -125,9 +129,46 @@ def test_the_target_stage_alone_is_the_pipelines_target_passes():
         assert [p.name for p in target_pipeline(config, inputs, BuildProducts())] == expected
     kernels = BuildConfig(blas_gemm=True, blas_batch=True, cpu_kernels=True)
     names = [p.name for p in target_pipeline(kernels, inputs, BuildProducts())]
-    assert {"blas_gemm", "scatter_rows", "cpu_softmax", "cpu_layer_norm"} <= set(names)
-    assert "autodiff" not in names and "kernel_threads" not in names
+    assert names == [
+        "blas_gemm", "blas_batch_matmul", "scatter_rows", "scatter_in_place", "cpu_softmax",
+        "cpu_scatter_last", "causal_products", "gelu_value", "cpu_layer_norm", "cpu_gelu",
+        "layer_norm_grad_sum", "cpu_split_concat", "cpu_elementwise", "transposed_activations",
+    ]  # fmt: skip
     assert target_pipeline(BuildConfig(), inputs, BuildProducts()) == []
+
+
+_FORWARD = [
+    "seed_dropout", "masked_attention_rows", "stable_log_sigmoid", "clean_forward",
+    "pad_as_concat", "fuse_gelu", "fuse_layer_norm", "fuse_rms_norm", "fuse_matmul_transpose",
+    "fuse_matmul_add", "fuse_bias_gelu", "pow_as_mul",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (
+            BuildConfig(blas_gemm=True, blas_batch=True, cpu_kernels=True),
+            [*_FORWARD, "lower_cross_entropy", "blas_gemm", "blas_batch_matmul", "cpu_softmax",
+             "causal_products", "cpu_layer_norm", "cpu_gelu", "cpu_split_concat",
+             "cpu_elementwise", "ort_order", "kernel_threads"],
+        ),
+        (
+            BuildConfig(target="cuda", mixed_precision="fp16"),
+            [*_FORWARD, "mixed_precision", "lower_cross_entropy", "ort_order"],
+        ),
+        (
+            BuildConfig(optimize=False),
+            ["seed_dropout", "masked_attention_rows", "stable_log_sigmoid", "ort_order",
+             "kernel_threads"],
+        ),
+    ],
+    ids=["cpu-kernels", "cuda-fp16", "no-optimize"],
+)  # fmt: skip
+def test_eval_pipelines_are_pinned(config: BuildConfig, expected: list[str]) -> None:
+    """The evaluation pipeline written out (as the eval list was before the ``on_eval``
+    flags): flipping a pass's flag changes evaluation graphs, and must change this."""
+    assert [p.name for p in eval_pipeline(config)] == expected
 
 
 def test_a_pass_that_returns_none_is_rejected():

@@ -85,6 +85,22 @@ def _swapped_attributes(product: ir.Node) -> list[ir.Attr]:
     return attrs
 
 
+def _swap_into(
+    graph: ir.Graph, transpose: ir.Node, product: ir.Node, domain: str, op_type: str
+) -> None:
+    """``transpose(product(A, B))`` becomes one ``op_type`` node ``(B, A)`` with swapped
+    flags; both old nodes go."""
+    new = ir.Node(
+        domain,
+        op_type,
+        [product.inputs[1], product.inputs[0]],
+        attributes=_swapped_attributes(product),
+        name=f"{product.name}/transposed",
+        metadata_props=dict(product.metadata_props),
+    )
+    replace_node(graph, transpose, new, transpose, product)
+
+
 def _fold_gemm_output(graph: ir.Graph, node: ir.Node) -> bool:
     """Case 1; ``node`` is the Transpose."""
     perm = node.attributes.get("perm")
@@ -96,15 +112,7 @@ def _fold_gemm_output(graph: ir.Graph, node: ir.Node) -> bool:
         return False
     if not _single_use(src):
         return False
-    new = ir.Node(
-        "",
-        "Gemm",
-        [gemm.inputs[1], gemm.inputs[0]],
-        attributes=_swapped_attributes(gemm),
-        name=f"{gemm.name}/transposed",
-        metadata_props=dict(gemm.metadata_props),
-    )
-    replace_node(graph, node, new, node, gemm)
+    _swap_into(graph, node, gemm, "", "Gemm")
     return True
 
 
@@ -116,15 +124,7 @@ def _fold_product_output(graph: ir.Graph, node: ir.Node) -> bool:
         return False
     if _trans_batch(mm):
         return False
-    new = ir.Node(
-        MS_DOMAIN,
-        "FusedMatMul",
-        [mm.inputs[1], mm.inputs[0]],
-        attributes=_swapped_attributes(mm),
-        name=f"{mm.name}/transposed",
-        metadata_props=dict(mm.metadata_props),
-    )
-    replace_node(graph, node, new, node, mm)
+    _swap_into(graph, node, mm, MS_DOMAIN, "FusedMatMul")
     return True
 
 

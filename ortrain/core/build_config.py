@@ -49,6 +49,13 @@ class BuildConfig:
             raise ValueError(f"mixed_precision {self.mixed_precision!r}: use one of {PRECISIONS}")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"recompute {self.recompute!r}: use one of {RECOMPUTE_POLICIES}")
+        if self.target != "cpu":
+            cpu_only = [n for n in ("blas_gemm", "blas_batch", "cpu_kernels") if getattr(self, n)]
+            if cpu_only:
+                raise ValueError(
+                    f"target {self.target!r}: {', '.join(cpu_only)} lower to ortrain's CPU "
+                    "ops, which run on the CPU target only"
+                )
         if self.update_groups and not self.cpu_kernels:
             raise ValueError("the update in the backward runs on ortrain's CPU kernels")
         if self.update_groups and (self.accumulate or self.loss_scaling):

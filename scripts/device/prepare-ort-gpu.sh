@@ -5,11 +5,29 @@
 # part, the MANIFEST (wheel name, size, SHA-256, chunk count, then one line per part) and
 # install-ort-gpu.sh, so that whichever folder arrives last can join and check them all.
 #   ORTGPU_WHEEL  a wheel already on disk instead of downloading one
-#   ORTGPU_CHUNK  the part size for split -b (default 61m: a ~250 MB wheel in four parts)
+#   ORTGPU_CHUNK  the part size for split -b; by default the largest that fits one transfer
+#                 beside the working tree that travels with every call (the tracked and
+#                 untracked-not-ignored files), the folder's MANIFEST and install script,
+#                 and 1/256 of the limit to spare
+#   ORTGPU_LIMIT  bytes one transfer may carry (default 64 MiB)
 set -euo pipefail
 ver=${1:-1.31.1}
-chunk=${ORTGPU_CHUNK:-61m}
 here=$(cd "$(dirname "$0")" && pwd)
+limit=${ORTGPU_LIMIT:-$((64 * 1024 * 1024))}
+if [ -n "${ORTGPU_CHUNK:-}" ]; then
+  chunk=$ORTGPU_CHUNK
+else
+  tree=0
+  if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+    tree=$({ git ls-files -z; git ls-files -z -o --exclude-standard; } \
+      | xargs -0 -r stat -c %s -- 2>/dev/null | awk '{n += $1} END {print n + 0}')
+  fi
+  chunk=$((limit - tree - $(stat -c %s "$here/install-ort-gpu.sh") - 4096 - limit / 256))
+  if [ "$chunk" -le 0 ]; then
+    echo "the working tree ($tree bytes) leaves no room for a part in a $limit-byte transfer" >&2
+    exit 2
+  fi
+fi
 rm -rf .ortgpu && mkdir -p .ortgpu/dl
 if [ -n "${ORTGPU_WHEEL:-}" ]; then
   [ -f "$ORTGPU_WHEEL" ] || { echo "ORTGPU_WHEEL=$ORTGPU_WHEEL: no such file" >&2; exit 2; }
@@ -40,7 +58,7 @@ for p in "${parts[@]}"; do
   cp .ortgpu/MANIFEST "$here/install-ort-gpu.sh" ".ortgpu/$i/"
 done
 rm -rf .ortgpu/dl
-echo "chunks: $n (wheel $(basename "$whl"), parts of $chunk)"
+echo "chunks: $n (wheel $(basename "$whl"), parts of $chunk bytes at most)"
 cat <<EOT
 Carry the folders one transfer each (the device tool: carry [".ortgpu/k"]); on the GPU machine:
   mkdir -p /tmp/ortgpu && cp .ortgpu/k/part_* .ortgpu/k/MANIFEST /tmp/ortgpu/

@@ -92,6 +92,13 @@ class CpuCostModel:
         reading rows a multiple of this apart evicts its own panels."""
         return max(self.facts.l1d_bytes // max(self.facts.l1d_ways, 1), 1)
 
+    def key(self) -> str:
+        """What the lowerings read (the thresholds and the aliasing stride), for the graph
+        cache's key: facts no lowering reads (the core count, the ISA) change no graph."""
+        thresholds = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del thresholds["facts"]
+        return repr(sorted({**thresholds, "aliasing_stride": self.aliasing_stride}.items()))
+
     @classmethod
     def for_machine(cls, facts: CpuFacts | None = None) -> CpuCostModel:
         """The model for ``facts`` (None: this machine's), with ``ORTRAIN_CPU_COST``'s
