@@ -164,7 +164,7 @@ export -f pytest_q step_install step_provider step_kernels step_tests step_probe
 run_step install 45 step_install
 run_step provider 40 step_provider
 run_step kernels 90 step_kernels
-run_step tests 120 step_tests
+run_step tests 200 step_tests
 run_step probes 60 step_probes
 run_step dp 45 step_dp
 run_step bench "$total" step_bench
