@@ -40,6 +40,7 @@ EVERY_GATE = BuildConfig(
     blas_gemm=True,
     blas_batch=True,
     cpu_kernels=True,
+    dropout_switch=True,
 )
 EVERY_INPUT = BuildInputs(loss="loss", wrt=("w",), label_rows={"loss_node": 1})
 

@@ -15,6 +15,8 @@ Order (forward passes first, then autodiff, then backward passes; * = optimizati
 left out with ``optimize=False``):
 
 1.  seed_dropout       each Dropout gets its own seed (before anything could merge two)
+    dropout_switch     training Dropouts read one bool input (``dropout_switch``: a verified
+                       first step runs without dropout, ``ortrain/verify.py``)
     masked_attention_rows  fully masked attention rows give 0, as torch's SDPA (export fix)
     stable_log_sigmoid Log(Sigmoid(x)) as -Softplus(-x): finite where Sigmoid rounds to 0
     inline_control_flow  Loops with a constant trip count unrolled, constant Ifs inlined
@@ -44,7 +46,8 @@ left out with ``optimize=False``):
 14. scatter_rows       embedding gradients' row scatter-adds on ortrain's CPU kernel
                        (``cpu_kernels=True``; a kernel choice too)
     scatter_in_place   a tied LM head's weight gradient written into the gradient
-                       buffer, the scatter adding to it in place (``shared_outputs``)
+                       buffer, the scatter adding to it in place (``shared_outputs``;
+                       not in a segment's graph, whose gradients go back to torch)
 15. cpu_softmax        masked fp32 Softmax (with the mask's Add) on ortrain's CPU
                        kernel (``cpu_kernels=True``; a kernel choice too)
     cpu_scatter_last   the cross-entropy gradient's ScatterElements, in place over
@@ -104,6 +107,7 @@ from ortrain.graph_passes.memory.recompute_attention import recompute_attention_
 from ortrain.graph_passes.precision.loss_scaling import scale_loss
 from ortrain.graph_passes.precision.mixed_precision import convert_to_mixed_precision
 from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
+from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
 from ortrain.graph_passes.prepare.inline_control_flow import inline_control_flow
 from ortrain.graph_passes.prepare.masked_attention_rows import fix_masked_attention_rows
 from ortrain.graph_passes.prepare.unroll_rnn import unroll_rnns
@@ -221,7 +225,7 @@ def pipeline_entries(
 
     def autodiff(m: ir.Model) -> bool:
         products.gradient = build_gradient_graph(
-            m, diff_loss(), list(inputs.wrt), cpu_kernels=c.cpu_kernels
+            m, diff_loss(), list(inputs.wrt), cpu_kernels=c.cpu_kernels, seeds=inputs.seeds
         )
         return bool(products.gradient.grad_outputs)
 
@@ -254,6 +258,11 @@ def pipeline_entries(
             Pass("seed_dropout", lambda m: seed_dropouts(m, c.seed), stage="prepare",
                  test=test_passes, on_eval=True, impl=seed_dropouts),
             _always,
+        ),
+        Entry(
+            Pass("dropout_switch", switch_dropouts, stage="prepare", gate="verify",
+                 test="tests/test_verify.py"),
+            lambda c, i: c.dropout_switch,
         ),
         Entry(
             Pass("masked_attention_rows", fix_masked_attention_rows, stage="prepare",
@@ -363,9 +372,10 @@ def pipeline_entries(
             _cpu_kernels,
         ),
         Entry(
-            Pass("scatter_in_place", in_place, stage="target", target="cpu", gate=kernels,
+            Pass("scatter_in_place", in_place, stage="target", target="cpu",
+                 gate=f"{kernels}, whole-model graphs",
                  test="tests/test_scatter_in_place.py", impl=scatter_into_gradients),
-            _cpu_kernels,
+            lambda c, i: c.cpu_kernels and not i.seeds,
         ),
         Entry(
             Pass("cpu_softmax", lower_softmax, stage="target", target="cpu", gate=kernels,

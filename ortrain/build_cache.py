@@ -522,13 +522,23 @@ class GraphCache:
         settings: BuildConfig,
         forward: ForwardSource | None,
         first: int,
+        fresh: bool = False,
     ) -> tuple[ForwardSource, tuple, BuiltGraph]:
-        """``ortrain.build.build_train``'s result, from the cache where it has it."""
+        """``ortrain.build.build_train``'s result, from the cache where it has it;
+        ``fresh``: built anew and stored over the entry (a cached graph that failed its
+        first-step check against eager, ``ortrain/verify.py``)."""
         from ortrain.build import build_train, label_rows
         from ortrain.core.names import UpdateInBackwardError
 
         self._progress("training")
-        if not self.enabled:
+        if not self.enabled or fresh:
+            if fresh and self.enabled:
+                job = functools.partial(build_train, module, batch, loss_fn, settings, None, first)
+                new_forward, rows, built = self._run(run, job)
+                fkey = _key("forward", self._base("train", batch), settings.optimize)
+                self.store(fkey, new_forward)
+                self.store(_key("graph", fkey, _settings_token(settings), rows), built)
+                return new_forward, rows, built
             return self._run(
                 run,
                 functools.partial(build_train, module, batch, loss_fn, settings, forward, first),

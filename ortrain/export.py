@@ -366,13 +366,67 @@ def export_here(
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
     tensors = _unaliased(tensors)
-    pnames, bnames, keys = list(params), list(buffers), list(tensors)
+    pnames, keys = list(params), list(tensors)
+    wrapper = _Functional(module, pnames, [], keys, consts, loss_fn, with_outputs)
+    traced = trace_to_onnx(module, wrapper, list(tensors.values()), keys, train)
+    model = traced.model
+    roles = traced.roles(keys)
+    outs = traced.outputs
+    if len(outs) != len(wrapper.output_keys):
+        raise ExportError(f"export produced {len(outs)} outputs, expected {wrapper.output_keys}")
+    loss_v = model.graph.outputs[0]
+    if loss_v.shape is None or len(loss_v.shape) != 0:
+        raise ExportError(
+            f"the loss must be a scalar (0-dim) tensor, got shape {loss_v.shape}; reduce it "
+            "in the model or in loss_fn"
+        )
+    return ExportedForward(model, roles, outs, list(wrapper.output_keys))
+
+
+@dataclasses.dataclass
+class Traced:
+    """An exported module: parameters, then buffers, then the given tensors are graph
+    inputs; the wrapper's outputs, then the updated buffers, are graph outputs."""
+
+    model: ir.Model
+    params: dict[str, bool]  # parameter name -> requires_grad
+    buffers: list[str]
+    updated: list[str]  # buffers whose new value is an output (``updated:<name>``)
+    outputs: list[str]  # the wrapper's outputs (the updated buffers' follow them)
+
+    def roles(self, input_names: list[str], role: Role = Role.BATCH) -> list[GraphIO]:
+        """Every graph input with its role (``role`` for the given tensors), then the
+        buffer updates."""
+        graph_inputs = {v.name for v in self.model.graph.inputs}
+        roles = [
+            GraphIO(n, Role.PARAMETER if trains else Role.FROZEN_PARAMETER)
+            for n, trains in self.params.items()
+        ]
+        roles += [GraphIO(n, Role.BUFFER) for n in self.buffers]
+        roles += [GraphIO(n, role) for n in input_names]
+        # The exporter drops inputs that the graph does not read (e.g. an unused buffer).
+        roles = [r for r in roles if r.name in graph_inputs]
+        return roles + updated_io(self.model, self.updated)
+
+
+def trace_to_onnx(
+    module: torch.nn.Module,
+    wrapper: torch.nn.Module,
+    tensors: list[torch.Tensor],
+    input_names: list[str],
+    train: bool,
+) -> Traced:
+    """Export ``wrapper`` (a functional view of ``module`` that takes ``module``'s
+    parameters, then ``tensors``) with dynamo; ``module``'s buffers become graph inputs
+    and, in training mode, the ones the forward writes also outputs."""
+    params = dict(module.named_parameters())
+    bnames = [n for n, _ in module.named_buffers()]
+    pnames = list(params)
     # Buffers stay the module's: torch.export lifts them and lists the ones the forward
     # updates (ortrain/buffer_updates.py makes them graph inputs, the updates outputs).
-    wrapper = _Functional(module, pnames, [], keys, consts, loss_fn, with_outputs)
     returned = bnames if train else []
     traced = WithBuffers(wrapper, module, returned) if returned else wrapper
-    flat = tuple(p.detach() for p in params.values()) + tuple(tensors.values())
+    flat = tuple(p.detach() for p in params.values()) + tuple(tensors)
     was_training = module.training
     module.train(train)
     sink = io.StringIO()
@@ -391,7 +445,7 @@ def export_here(
                 dynamo=True,
                 optimize=False,  # below, once the buffers are inputs (not folded)
                 verbose=False,
-                input_names=pnames + keys,
+                input_names=pnames + input_names,
                 custom_translation_table={**custom_translations(), **batch_norm_translations()},
             )
             signature = program.exported_program.graph_signature
@@ -422,24 +476,6 @@ def export_here(
     drop_unread_buffers(model, set(bnames))
     model.graph.name = type(module).__name__
     tag_padding_rows(model, module)
-    graph_inputs = {v.name: v for v in model.graph.inputs}
-    roles: list[GraphIO] = []
-    for name in pnames:
-        roles.append(
-            GraphIO(name, Role.PARAMETER if params[name].requires_grad else Role.FROZEN_PARAMETER)
-        )
-    roles += [GraphIO(n, Role.BUFFER) for n in bnames]
-    roles += [GraphIO(n, Role.BATCH) for n in keys]
-    # The exporter drops inputs that the graph does not read (e.g. an unused buffer).
-    roles = [r for r in roles if r.name in graph_inputs]
-    roles += updated_io(model, updated)
     outs = [v.name for v in model.graph.outputs[: len(model.graph.outputs) - len(updated)]]
-    if len(outs) != len(wrapper.output_keys):
-        raise ExportError(f"export produced {len(outs)} outputs, expected {wrapper.output_keys}")
-    loss_v = model.graph.outputs[0]
-    if loss_v.shape is None or len(loss_v.shape) != 0:
-        raise ExportError(
-            f"the loss must be a scalar (0-dim) tensor, got shape {loss_v.shape}; reduce it "
-            "in the model or in loss_fn"
-        )
-    return ExportedForward(model, roles, outs, list(wrapper.output_keys))
+    trains = {n: p.requires_grad for n, p in params.items()}
+    return Traced(model, trains, bnames, updated, outs)

@@ -90,6 +90,17 @@ class TrainerOptions:
         folder; False: off. Off with ``save_graphs_dir`` (its graphs need the passes run).
     build_progress: while a build has run 2 s, print on stderr which stage it is in
         (export, passes, session), one line per stage; False: quiet.
+    verify: check every compiled graph's first step against eager PyTorch on the same
+        batch and weights (the loss and every parameter's gradient, both without dropout;
+        an evaluation graph's outputs), also a graph loaded from the graph cache
+        (``ortrain/verify.py``). Its cost is about one eager step per graph built;
+        ``ortrain.explain`` reports it. False: trust the graphs unchecked.
+    fallback: what happens when the whole model cannot be one training graph (the export
+        fails, an op has no gradient rule, or the first step disagrees with eager).
+        "auto" (default): the largest sub-modules that compile run as compiled segments
+        inside torch autograd and the rest in eager PyTorch, with one warning naming each
+        module left in eager and why (``ortrain/segments``; ``ortrain.explain`` lists the
+        segments and their time); "off": raise instead (an all-compiled guarantee).
     """
 
     device: str = "cpu"
@@ -113,6 +124,8 @@ class TrainerOptions:
     bucketing: str = "auto"
     graph_cache: bool | str | os.PathLike = True
     build_progress: bool = True
+    verify: bool = True
+    fallback: str = "auto"
 
     def __post_init__(self) -> None:
         _check_types(self)  # every field against its annotation; no NaN
@@ -176,6 +189,10 @@ class TrainerOptions:
         if self.bucketing not in ("auto", "off"):
             raise ValueError(
                 f"TrainerOptions.bucketing must be 'auto' or 'off', got {self.bucketing!r}"
+            )
+        if self.fallback not in ("auto", "off"):
+            raise ValueError(
+                f"TrainerOptions.fallback must be 'auto' or 'off', got {self.fallback!r}"
             )
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise ValueError(

@@ -36,12 +36,33 @@ from ortrain.build import (
 )
 from ortrain.build_cache import GraphCache
 from ortrain.core.build_config import BuildConfig
-from ortrain.core.errors import BatchError, NonFiniteLossError, first_line
-from ortrain.core.names import LOSS_SCALE_INPUT, UpdateInBackwardError
+from ortrain.core.errors import (
+    BatchError,
+    ExportError,
+    NonFiniteLossError,
+    VerificationError,
+    first_line,
+)
+from ortrain.core.names import (
+    DROPOUT_SWITCH_INPUT,
+    IN_BACKWARD_STATES,
+    LOSS_SCALE_INPUT,
+    GradientError,
+    UpdateInBackwardError,
+    state_key,
+)
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.core.roles import Role
 from ortrain.distributed import Reducer, join_process_group, sharded_checkpoint
-from ortrain.export import LossFn, normalize_batch, var_positional_keys, warn_sdpa
+from ortrain.export import (
+    LossFn,
+    call_arguments,
+    find_loss,
+    normalize_batch,
+    other_outputs,
+    var_positional_keys,
+    warn_sdpa,
+)
 from ortrain.forked import call_forked, can_fork
 from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
@@ -63,6 +84,8 @@ from ortrain.runtime.update_engines import (
     choose_engine,
     make_engine,
 )
+from ortrain.segments.training import SegmentedTraining
+from ortrain.verify import Tolerance, compare, graph_step_mismatches, report
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -88,10 +111,20 @@ class _Compiled:
     buffer_updates: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
         default_factory=list
     )
+    cache_hit: bool = False  # loaded from the graph cache, not built by this process
+    verified: bool = False  # its first step agreed with eager (ortrain/verify.py)
 
     @functools.cached_property
     def model(self) -> ir.Model:
         return self.graph.model()
+
+
+class _NotOneGraph(Exception):
+    """The whole model cannot be one training graph; ``fallback="auto"`` segments it."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
 
 
 class StepOutputs(dict):
@@ -186,6 +219,14 @@ class ORTTrainer:
         # torch.distributed (torchrun): data parallel or ZeRO-1 (ortrain.distributed);
         # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
         self._reducer: Reducer | None = join_process_group(self)
+        # The model as compiled segments inside eager PyTorch, once it cannot be one graph
+        # (ortrain/segments); None while the whole model is one training graph.
+        self._segments: SegmentedTraining | None = None
+        # every training Dropout's training_mode (prepare/dropout_switch.py): off only while
+        # a first step is checked against eager; on the host, where ONNX Runtime reads it
+        self._dropout_on = torch.ones((), dtype=torch.bool)
+        self.verify_seconds = 0.0  # first-step checks against eager (ortrain/verify.py)
+        self._eager_eval: set[tuple] = set()  # eval signatures whose graph disagreed
         # What runs the optimizer update (runtime/update_engines.py), chosen in one place:
         # here (an engine the options ask for and these facts cannot run fails now), and
         # once more where a gradient graph cannot take the update in its backward.
@@ -272,6 +313,7 @@ class ORTTrainer:
             fp32=self.options.mixed_precision is None and self.scaler is None,
             refused=refused,
             first_build=self.grad_params is None,
+            segmented=getattr(self, "_segments", None) is not None,
         )
         env = EngineEnv(
             session=self._session,
@@ -330,6 +372,20 @@ class ORTTrainer:
             update_groups=tuple((p, gi) for gi, g in enumerate(self.spec.groups) for p in g.params)
             if self._in_backward
             else (),
+            dropout_switch=self.options.verify,
+        )
+
+    def _segment_settings(self) -> BuildConfig:
+        """A segment's graphs: fp32 (its gradients go back to torch, which scales and
+        accumulates them), the update after the backward."""
+        return dataclasses.replace(
+            self._settings(),
+            trainable=(),
+            accumulate=False,
+            mixed_precision=None,
+            loss_scaling=False,
+            update_groups=(),
+            dropout_switch=True,
         )
 
     def _run_build(self, job: Callable[[], T], batch: Mapping[str, Any]) -> T:
@@ -341,9 +397,10 @@ class ORTTrainer:
             return call_forked(job, what="building the ONNX graph")
         return job()
 
-    def _build_train(self, sig: tuple, batch: Mapping[str, Any]) -> _Compiled:
+    def _build_train(self, sig: tuple, batch: Mapping[str, Any], fresh: bool = False) -> _Compiled:
         new_shape = sig not in self._forwards
         run = functools.partial(self._run_build, batch=batch)
+        hits = self._graph_cache.hits
         while True:  # twice at most: the settings change with the engine
             job = functools.partial(
                 build_train,
@@ -351,12 +408,16 @@ class ORTTrainer:
                 batch,
                 self.loss_fn,
                 self._settings(),
-                self._forwards.get(sig),
+                None if fresh else self._forwards.get(sig),
                 len(self.build_log) + 1,
             )
             try:
-                forward, rows, built = self._graph_cache.build_train(run, *job.args)
+                forward, rows, built = self._graph_cache.build_train(run, *job.args, fresh=fresh)
                 break
+            except (ExportError, GradientError) as exc:
+                if self.options.fallback == "off":
+                    raise
+                raise _NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}") from exc
             except UpdateInBackwardError as exc:
                 # "auto" takes the update after the session where the graph cannot run it
                 # (choose_engine raises the refusal where the engine may not change)
@@ -388,6 +449,7 @@ class ORTTrainer:
             session = self._session(built, graph_capture=True)
         st = self.state
         session.bind_inputs({**st.params, **st.buffers, LOSS_SCALE_INPUT: st.loss_scale})
+        session.bind_inputs({DROPOUT_SWITCH_INPUT: self._dropout_on})
         session.bind_inputs(
             {acc: st.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
         )
@@ -400,6 +462,7 @@ class ORTTrainer:
         compiled = _Compiled(
             session, built, batch_names, dtypes, built.output_keys, static, updates
         )
+        compiled.cache_hit = self._graph_cache.hits > hits
         self._train[(sig, rows)] = compiled
         self.build_count += 1
         return compiled
@@ -419,8 +482,10 @@ class ORTTrainer:
                 updates.append((new, self.buffers[r.of]))
         return updates
 
-    def _compiled(self, batch: Mapping[str, Any], *, train: bool) -> _Compiled:
+    def _compiled(self, batch: Mapping[str, Any], *, train: bool, fresh: bool = False) -> _Compiled:
         sig = _signature(batch)
+        if fresh:
+            return self._build_train(sig, batch, fresh=True)
         if not train:
             if sig not in self._eval:
                 self._eval[sig] = self._build_eval(batch)
@@ -502,16 +567,35 @@ class ORTTrainer:
 
     def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         batch = self.bucketing.pad(self._normalize(args, kwargs), train=True).batch
-        compiled = self._compiled(batch, train=True)
-        check_batch(compiled.graph.index_checks, batch)  # ids/labels in range, as eager
-        keep = self._bind_batch(compiled, batch)
-        accum = self.options.grad_accumulation_steps
-        if accum > 1 and self.micro_step == 0:
-            self.state.zero_grads()
-        if self.scaler is not None:
-            self.state.loss_scale.fill_(self.scaler.scale)
-        if self._engine.in_backward:  # this step's hyperparameters go into the graph
-            self._engine.before_run(group_values(self.optimizer, self.spec))
+        if self._segments is None:
+            try:
+                return self._graph_step(batch)
+            except _NotOneGraph as exc:
+                self._start_segments(exc.cause)
+        return self._segment_step(batch)
+
+    def _graph_step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A step of the whole model's training graph."""
+        for attempt in range(2):  # a cached graph that disagrees with eager is built anew
+            compiled = self._compiled(batch, train=True, fresh=attempt > 0)
+            check_batch(compiled.graph.index_checks, batch)  # ids/labels in range, as eager
+            keep = self._bind_batch(compiled, batch)
+            accum = self.options.grad_accumulation_steps
+            if accum > 1 and self.micro_step == 0:
+                self.state.zero_grads()
+            if self.scaler is not None:
+                self.state.loss_scale.fill_(self.scaler.scale)
+            if self._engine.in_backward:  # this step's hyperparameters go into the graph
+                self._engine.before_run(group_values(self.optimizer, self.spec))
+            if compiled.verified or not self.options.verify or self._checks_out(compiled, batch):
+                break
+            if not compiled.cache_hit:
+                raise AssertionError("unreachable: _checks_out raises for a built graph")
+            warnings.warn(
+                "ortrain: a graph from the graph cache disagrees with eager on its first step "
+                "(what the forward reads changed since it was stored); building it again",
+                stacklevel=4,
+            )
         try:
             compiled.session.run()
         except CudaGraphCaptureError:  # its own message; the session restored the state
@@ -539,6 +623,197 @@ class ORTTrainer:
             self.micro_step = 0
             self._apply_update()
         return loss
+
+    # ------------------------------------------------------------------ checks, fallback
+    def _loss_of(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Eager PyTorch's loss of ``batch`` (what the graph computes)."""
+        args, kwargs = call_arguments(self.module, batch)
+        out = self.module(*args, **kwargs)
+        return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+
+    def _checks_out(self, compiled: _Compiled, batch: dict[str, Any]) -> bool:
+        """The graph's first step against eager (``ortrain/verify.py``), its batch bound.
+        True: it agrees. False: a cached graph disagrees (build it again). A graph built
+        here that disagrees raises: ``_NotOneGraph`` (fallback "auto") or
+        ``VerificationError``."""
+        st = self.state
+        names = list(st.grad_params or [])
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        written = list(compiled.session.written_in_place().values())
+        if self._engine.in_backward:
+            # the update with lr 0 and beta1 0 leaves the parameters and writes each
+            # gradient into exp_avg; every moment is put back afterwards
+            hyper = self._engine.hyper  # type: ignore[attr-defined]
+            written += hyper
+            moments = [st.opt_state[state_key(s, p)] for p in names for s in IN_BACKWARD_STATES]
+            written += [st.params[p] for p in names] + moments
+            grads = {p: st.opt_state[state_key("exp_avg", p)] for p in names}
+        else:
+            written += [st.grads[p] for p in names]
+            grads = {p: st.grads[p] for p in names}
+
+        def run() -> None:  # inside the check: what it changes is put back after
+            if self._engine.in_backward:
+                for t in hyper:
+                    t[0] = 0.0  # lr
+                    t[1] = 0.0  # beta1
+                    t[4] = 0.0  # weight decay
+            else:
+                for g in grads.values():
+                    g.zero_()
+            compiled.session.run()
+
+        def read() -> dict[str, torch.Tensor]:
+            return {p: g / scale for p, g in grads.items()}
+
+        bad, sites, seconds = graph_step_mismatches(
+            lambda: self._loss_of(batch),
+            self.module,
+            run,
+            names,
+            read,
+            written,
+            self._dropout_on,
+            Tolerance.of(self.options.mixed_precision),
+            st.loss,
+        )
+        self.verify_seconds += seconds
+        if self._reducer is not None:  # every rank takes the same way
+            disagree = self._reducer.comm.any(bool(bad))  # type: ignore[attr-defined]
+        else:
+            disagree = bool(bad)
+        if not disagree:
+            compiled.verified = True
+            self._warn_lost_dropout(compiled, sites)
+            return True
+        self._train = {k: c for k, c in self._train.items() if c is not compiled}
+        self._forwards = {k: f for k, f in self._forwards.items() if k[0] != _signature(batch)}
+        self._forwards.pop(_signature(batch), None)
+        if compiled.cache_hit:
+            return False
+        what = f"{type(self.module).__name__}'s training graph"
+        hint = (
+            "The exporter or a gradient rule changed what the model computes; "
+            "fallback='auto' trains such a model as compiled segments and eager PyTorch"
+        )
+        if not bad:
+            bad_text = "another rank's first step disagrees with eager"
+        else:
+            from ortrain.verify import module_of
+
+            bad_text = report(what, bad, {m.name: module_of(m.name) for m in bad})
+        if self.options.fallback == "off":
+            raise VerificationError(f"{bad_text}. {hint}")
+        raise _NotOneGraph(f"its first step disagrees with eager: {bad_text}")
+
+    def _warn_lost_dropout(self, compiled: _Compiled, eager_sites: int) -> None:
+        from ortrain.runtime.session import random_nodes
+
+        if not eager_sites:
+            return
+        drawn = len([n for n in random_nodes(compiled.model) if n[0] == "Dropout"])
+        if drawn < eager_sites:
+            warnings.warn(
+                f"ortrain: {type(self.module).__name__} draws dropout at {eager_sites} place(s) "
+                f"in eager and its training graph at {drawn}: the export dropped some (the "
+                "first step was checked without dropout, so only the randomness differs)",
+                stacklevel=5,
+            )
+
+    def _start_segments(self, cause: str) -> None:
+        """From now on the model trains as compiled segments inside eager PyTorch."""
+        if self.options.mixed_precision is not None:
+            warnings.warn(
+                f"ortrain: mixed_precision={self.options.mixed_precision!r} is not applied to "
+                "a model trained as segments: its segments and eager code compute in fp32",
+                stacklevel=4,
+            )
+        self._train.clear()
+        self._forwards.clear()
+        self._segments = SegmentedTraining(
+            self.module,
+            self.loss_fn,
+            self._segment_settings(),
+            lambda graph: self._session(graph),
+            self._run_build,
+            self.device,
+            Tolerance.of(None) if self.options.verify else None,
+            cause,
+        )
+        if self._engine.in_backward:  # the update runs after torch's backward now
+            self._engine = self._choose_engine()
+            if self.grad_params is not None:
+                self._engine.prepare()
+
+    def _segment_step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A step of the model as segments: eager forward and torch's backward, the
+        segments' graphs inside; the update engine as for a graph."""
+        assert self._segments is not None
+        st = self.state
+        accum = self.options.grad_accumulation_steps
+        if self.micro_step == 0:
+            st.zero_grads()  # torch accumulates into .grad: every window starts at 0
+        named = dict(self.module.named_parameters())
+        for p in st.grad_params or []:
+            named[p].grad = st.grads[p]
+        scale = self.scaler.scale if self.scaler is not None else None
+        if scale is not None:
+            st.loss_scale.fill_(scale)
+        try:
+            loss = self._segments.forward_backward(batch, scale)
+        except Exception:
+            discarded, self.micro_step = self.micro_step, 0
+            del discarded
+            raise
+        self._take_grads(named)
+        st.loss.copy_(loss)
+        if self.options.check_finite and not math.isfinite(float(loss)):
+            discarded, self.micro_step = self.micro_step, 0
+            raise NonFiniteLossError(
+                f"loss is {float(loss)} at optimizer step {int(self.step_tensor)}; the update "
+                "was not applied and parameters/optimizer state are unchanged"
+                f"{_window_restarts(discarded)}"
+            )
+        self.micro_step += 1
+        if self.micro_step == accum:
+            self.micro_step = 0
+            self._apply_update()
+        return loss.clone()
+
+    def _take_grads(self, named: dict[str, torch.nn.Parameter]) -> None:
+        """Torch's ``.grad`` into the state's gradient buffers (the first step lays them
+        out: the parameters with a gradient are the ones the loss reaches)."""
+        st = self.state
+        if st.grad_params is None:
+            reached = [n for n in self.trainable if named[n].grad is not None]
+            if not reached:
+                raise BatchError("the loss reaches no trainable parameter")
+            first = {n: named[n].grad.detach().clone() for n in reached}  # type: ignore[union-attr]
+            for n in reached:
+                named[n].grad = None
+            st.grad_params = reached
+            if self._engine.prepare():
+                self._eval.clear()
+            for n, g in first.items():
+                st.grads.setdefault(n, torch.zeros_like(st.params[n])).copy_(g)
+            return
+        extra = [n for n in self.trainable if n not in st.grad_params and named[n].grad is not None]
+        if extra:
+            raise BatchError(
+                f"this batch reaches parameters the first one did not ({sorted(extra)}); "
+                "ortrain needs one set"
+            )
+        for n in st.grad_params:
+            g, got = st.grads[n], named[n].grad
+            if got is not None and got is not g:
+                g.copy_(got)  # a new tensor (the user set .grad to None): the window's sum
+                named[n].grad = g
+
+    @property
+    def segments(self) -> SegmentedTraining | None:
+        """The model as compiled segments inside eager PyTorch (``fallback="auto"`` after it
+        could not be one graph); None while it is one training graph."""
+        return self._segments
 
     def _apply_update(self) -> None:
         world = self._reducer.world_size if self._reducer is not None else 1
@@ -608,8 +883,17 @@ class ORTTrainer:
         (host tensors)."""
         padded = self.bucketing.pad(self._normalize(args, kwargs), train=False)
         batch = padded.batch
+        sig = _signature(batch)
+        if sig in self._eager_eval:
+            return StepOutputs(padded.cut(self._eager_outputs(batch)))
         with self._on_stream():
-            compiled = self._compiled(batch, train=False)
+            try:
+                compiled = self._compiled(batch, train=False)
+            except (ExportError, GradientError) as exc:
+                if self.options.fallback == "off":
+                    raise
+                self._eval_in_eager(sig, f"{type(exc).__name__}: {first_line(exc)}")
+                return StepOutputs(padded.cut(self._eager_outputs(batch)))
             check_batch(compiled.graph.index_checks, batch)
             keep = self._bind_batch(compiled, batch)
             try:
@@ -622,7 +906,39 @@ class ORTTrainer:
         outputs = {
             k: torch.from_numpy(v.numpy()).clone() for k, v in zip(compiled.output_keys, values)
         }
+        if self.options.verify and not compiled.verified:
+            want = self._eager_outputs(batch)
+            bad = compare(outputs, want, Tolerance.of(self.options.mixed_precision).loss)
+            if bad:
+                text = report(f"{type(self.module).__name__}'s evaluation graph", bad)
+                if self.options.fallback == "off":
+                    raise VerificationError(text)
+                self._eval.pop(sig, None)
+                self._eval_in_eager(sig, text)
+                outputs = want
+            compiled.verified = True
         return StepOutputs(padded.cut(outputs))  # back to the batch's own length
+
+    def _eval_in_eager(self, sig: tuple, cause: str) -> None:
+        self._eager_eval.add(sig)
+        warnings.warn(
+            f"ortrain: {type(self.module).__name__}'s evaluation runs in eager PyTorch for "
+            f"this batch shape: {cause}",
+            stacklevel=4,
+        )
+
+    def _eager_outputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """What an evaluation graph returns, from eager PyTorch in eval mode."""
+        was = self.module.training
+        self.module.eval()
+        try:
+            args, kwargs = call_arguments(self.module, batch)
+            out = self.module(*args, **kwargs)
+            loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+        finally:
+            self.module.train(was)
+        found = {"loss": loss, **dict(other_outputs(out))}
+        return {k: v.detach().to("cpu", copy=True) for k, v in found.items()}
 
     # ------------------------------------------------------------------ state
     @torch.no_grad()

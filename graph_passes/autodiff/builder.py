@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 import onnx_ir.traversal
@@ -144,14 +144,15 @@ def _params_behind(
 
 def _params_reaching_loss(
     graph: ir.Graph,
-    loss: ir.Value,
+    roots: Sequence[ir.Value],
     wrt: dict[int, str],
     regs: dict[int, registry.Registration | None],
     captured: dict[int, list[ir.Value]],
 ) -> set[str]:
-    """Trainable inputs with a float path to the loss along edges eager differentiates
-    (declared differentiable inputs and subgraph reads; not through no-gradient ops)."""
-    reach = {id(loss)}
+    """Trainable inputs with a float path to a root (the loss) along edges eager
+    differentiates (declared differentiable inputs and subgraph reads; not through
+    no-gradient ops)."""
+    reach = {id(v) for v in roots}
     for node in reversed(list(graph)):
         reg = regs[id(node)]
         if reg is not None and reg.kind == "no_gradient":
@@ -239,22 +240,33 @@ def build_gradient_graph(
     *,
     loss_grad: ir.Value | None = None,
     cpu_kernels: bool = False,
+    seeds: Mapping[str, str] | None = None,
 ) -> GradientGraphResult:
     """Add the minimal backward graph of ``loss`` w.r.t. the inputs ``wrt`` to ``model``.
 
     The model is changed in place: gradient outputs named ``grad:<input>`` are appended.
     ``loss_grad`` (a graph input, e.g. the loss scale) seeds the backward pass; the
-    default seed is 1. ``cpu_kernels``: rules may emit ortrain's fused CPU backward kernels
-    (``ortrain.cpu`` domain, ``ortrain/runtime/grad_kernels.c``) for fp32 values.
+    default seed is 1. ``seeds`` (a compiled segment's backward, ``ortrain/segments``)
+    instead maps each of several values to the graph input holding its gradient (added,
+    typed as the value, where the graph has none); ``loss`` is then unused.
+    ``cpu_kernels``: rules may emit ortrain's fused CPU backward kernels (``ortrain.cpu``
+    domain, ``ortrain/runtime/grad_kernels.c``) for fp32 values.
     """
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
     for node in graph:
         for o in node.outputs:
             values[o.name] = o
-    if loss not in values:
-        raise GradientError(f"loss value '{loss}' is not in the graph")
-    loss_v = values[loss]
+    roots = dict(seeds) if seeds else {loss: ""}
+    absent = [r for r in roots if r not in values]
+    if absent:
+        raise GradientError(f"value(s) {absent} to differentiate from are not in the graph")
+    root_vs = {name: values[name] for name in roots}
+    for name, seed in roots.items():  # each seed a graph input typed as its value
+        if seed and seed not in values:
+            root = root_vs[name]
+            values[seed] = ir.Value(name=seed, shape=root.shape, type=root.type)
+            graph.inputs.append(values[seed])
     missing = [n for n in wrt if n not in values]
     if missing:
         raise GradientError(f"trainable inputs not in the graph: {missing}")
@@ -264,7 +276,7 @@ def build_gradient_graph(
     }
     captured = captured_values(graph)
     wrt_ids = {id(v): name for name, v in zip(wrt, wrt_values)}
-    expected = _params_reaching_loss(graph, loss_v, wrt_ids, regs, captured)
+    expected = _params_reaching_loss(graph, list(root_vs.values()), wrt_ids, regs, captured)
 
     # 1. forward reachability along differentiable edges.
     fwd: set[int] = {id(v) for v in wrt_values if _is_float(v)}
@@ -282,7 +294,7 @@ def build_gradient_graph(
             fwd.update(id(o) for o in node.outputs if _is_float(o))
 
     # 2. backward reachability from the loss, restricted to forward-reachable values.
-    needed: set[int] = {id(loss_v)} if id(loss_v) in fwd else set()
+    needed: set[int] = {id(v) for v in root_vs.values() if id(v) in fwd}
     on_path: list[ir.Node] = []
     for node in reversed(list(graph)):
         if not any(id(o) in needed for o in node.outputs):
@@ -316,21 +328,25 @@ def build_gradient_graph(
                 for ids in (fwd, needed):
                     if id(old_v) in ids:
                         ids.add(id(new_v))
-                if old_v is loss_v:
-                    loss_v = new_v
+                for name, v in root_vs.items():
+                    if old_v is v:
+                        root_vs[name] = new_v
             node = new
         rebuilt.append(node)
 
     # 4. emit gradients in reverse topological order.
     em = Emitter(graph, "grad")
     contribs: dict[int, list[ir.Value]] = {}
-    if loss_grad is None:
-        seed = em.const(1.0, loss_v.dtype)
-        if static_shape(loss_v) != ():
-            seed = em.op("Expand", seed, em.ints(static_shape(loss_v)))
-    else:
-        seed = loss_grad
-    contribs[id(loss_v)] = [seed]
+    for name, root in root_vs.items():
+        if roots[name]:
+            seed = values[roots[name]]
+        elif loss_grad is not None:
+            seed = loss_grad
+        else:
+            seed = em.const(1.0, root.dtype)
+            if static_shape(root) != ():
+                seed = em.op("Expand", seed, em.ints(static_shape(root)))
+        contribs.setdefault(id(root), []).append(seed)
 
     def total(v: ir.Value) -> ir.Value | None:
         parts = contribs.get(id(v))

@@ -41,6 +41,9 @@ class BuildConfig:
     # (param, param group) of each trainable parameter when the Adam/AdamW update runs in the
     # backward (targets/cpu/update_in_backward.py); empty: after the session
     update_groups: tuple[tuple[str, int], ...] = ()
+    # every training Dropout reads one bool input (prepare/dropout_switch.py), so a verified
+    # first step (ortrain/verify.py) can run the graph without dropout
+    dropout_switch: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -72,3 +75,6 @@ class BuildInputs:
     wrt: tuple[str, ...] = ()  # trainable graph inputs
     # loss node -> rows to keep (training/label_sparsity.py); empty: every row
     label_rows: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # a compiled segment's backward (ortrain/segments): each output value -> the graph input
+    # holding its gradient; ``loss`` is then unused (no loss, no loss scaling)
+    seeds: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -59,3 +59,8 @@ def first_line(exc: BaseException) -> str:
     pages), or its type name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class VerificationError(OrtrainError):
+    """A compiled graph's first step disagrees with eager PyTorch on the same batch and
+    weights (``ortrain/verify.py``)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 LOSS_SCALE_INPUT = "loss_scale"  # graph input the backward is seeded with (loss_scaling.py)
+# bool scalar graph input every training Dropout reads as its training_mode (dropout_switch.py)
+DROPOUT_SWITCH_INPUT = "dropout_on"
 BLAS_DOMAIN = "ortrain.blas"  # the BLAS GEMM custom op's domain (blas_gemm.py)
 CPU_DOMAIN = "ortrain.cpu"  # fused CPU backward kernels (ortrain/runtime/grad_kernels.c)
 

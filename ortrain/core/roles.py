@@ -23,6 +23,12 @@ class Role(str, enum.Enum):
     GRADS_FINITE = "grads_finite"  # whether the update was applied (no Inf/NaN gradient)
     UPDATE_APPLIED = "update_applied"  # 1 when a parameter's update in the backward ran
     UPDATED_BUFFER = "updated_buffer"  # a buffer's new value (BatchNorm statistics), ``of`` it
+    DROPOUT_SWITCH = "dropout_switch"  # bool scalar: every training Dropout draws (True) or not
+    SEGMENT_INPUT = "segment_input"  # a compiled segment's tensor argument (ortrain/segments)
+    SEGMENT_OUTPUT = "segment_output"  # a compiled segment's tensor result
+    OUTPUT_GRADIENT = "output_gradient"  # the gradient torch hands a segment's backward, ``of``
+    SAVED = "saved"  # a forward value a segment's backward reads (forward output, backward input)
+    INPUT_GRADIENT = "input_gradient"  # a segment's gradient of one of its inputs, ``of`` it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,8 @@ AGREED_OPTIONS = (
     "mixed_precision",
     "check_finite",
     "update_engine",
+    "verify",
+    "fallback",
 )
 DIGEST_BYTES = 32
 ABSENT = "<absent>"

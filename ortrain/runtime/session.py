@@ -275,7 +275,7 @@ def make_session(
     if cuda_graph and device.type == "cuda":
         refuse_random_nodes(model.model() if isinstance(model, BuiltGraph) else model)
     arena_bytes = 0
-    if isinstance(model, BuiltGraph):  # built apart (ortrain/build.py): ordered already
+    if hasattr(model, "ort_data"):  # built apart (ortrain/build.py, segments): ordered already
         data, recomputes = model.ort_data, model.recomputes
         arena_bytes, blas, kernels = model.planned_peak_bytes, model.blas_gemm, model.cpu_kernels
     else:

@@ -381,6 +381,9 @@ class EngineFacts:
     # was the first (no update laid out yet: the engine may still change)
     refused: UpdateInBackwardError | None = None
     first_build: bool = True
+    # the model trains as compiled segments inside torch autograd (ortrain/segments): the
+    # gradients come from torch's backward, after which the update runs
+    segmented: bool = False
 
 
 def _backward_needs(f: EngineFacts) -> list[str]:
@@ -399,6 +402,8 @@ def _backward_needs(f: EngineFacts) -> list[str]:
         why.append("no clipping (max_grad_norm=None)")
     if not f.fp32:
         why.append("fp32 training without loss scaling")
+    if f.segmented:
+        why.append("a model that compiles as one graph (not as segments)")
     return why
 
 

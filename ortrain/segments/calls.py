@@ -1,0 +1,98 @@
+"""One call of a sub-module, flattened: the tensors a compiled segment takes as graph
+inputs and the rest, which its graph holds as constants.
+
+A call's ``signature`` (the tensors' shapes and dtypes, the constants' values) picks the
+graph that runs it: another signature is another graph, as another batch shape is for
+the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+# Constants a graph may hold: values compared by ``==`` whose repr names them exactly.
+_CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout)
+
+
+class Uncompilable(Exception):
+    """This call cannot run as a compiled segment (why, in words)."""
+
+
+def _constant_token(value: Any, where: str) -> tuple:
+    if isinstance(value, _CONSTANT_TYPES) or isinstance(value, enum.Enum):
+        return (type(value).__qualname__, repr(value))
+    raise Uncompilable(
+        f"argument {where} is a {type(value).__qualname__}, which a compiled graph cannot take "
+        "(tensors and plain constants only)"
+    )
+
+
+@dataclasses.dataclass
+class Call:
+    """``module(*args, **kwargs)``, flattened with torch's pytree."""
+
+    spec: pytree.TreeSpec
+    leaves: list[Any]
+    tensor_at: list[int]  # positions of the tensor leaves
+    signature: tuple
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> Call:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensor_at, sig = [], [str(spec)]
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                tensor_at.append(i)
+                sig.append(("tensor", tuple(leaf.shape), leaf.dtype, str(leaf.device)))
+            else:
+                sig.append(_constant_token(leaf, f"#{i}"))
+        return cls(spec, leaves, tensor_at, tuple(sig))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.tensor_at]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
+        """The call's (args, kwargs) with its tensors replaced by ``tensors``."""
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+@dataclasses.dataclass
+class Result:
+    """A segment's output, flattened: tensor leaves come from the graph, the rest were
+    the same constants when it was exported."""
+
+    spec: pytree.TreeSpec
+    leaves: list[Any]
+    tensor_at: list[int]
+
+    @classmethod
+    def of(cls, output: Any) -> Result:
+        leaves, spec = pytree.tree_flatten(output)
+        tensor_at = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                tensor_at.append(i)
+            else:
+                _constant_token(leaf, f"output #{i}")
+        kept = [None if i in tensor_at else leaf for i, leaf in enumerate(leaves)]
+        return cls(spec, kept, tensor_at)
+
+    def tensors(self, output: Any) -> list[torch.Tensor]:
+        leaves, _ = pytree.tree_flatten(output)
+        return [leaves[i] for i in self.tensor_at]
+
+    def build(self, tensors: list[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors, strict=True):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, self.spec)

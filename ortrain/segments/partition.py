@@ -1,0 +1,383 @@
+"""Which sub-modules run compiled, and the model that runs them so.
+
+``record_calls`` runs the model's forward once in eager with hooks on every sub-module
+and keeps each call (``calls.Call``) and its time. ``plan_segments`` (one build job,
+forked where the trainer forks its builds) walks the module tree from the top:
+
+1. a module that was called and holds parameters is compiled for each of its call
+   signatures, and every call is checked against eager (its outputs and the gradients of
+   its inputs and parameters for random output gradients, ``verify_call``);
+2. where that fails (the export, a gradient rule, the check), its children are tried the
+   same way and the module's own code runs in eager around them; a module without
+   children runs in eager, with the cause kept for the report;
+3. modules with the same structure and the same call signature (a transformer's layers)
+   share one built graph; each is still checked on its own calls, and one that disagrees
+   gets a graph of its own;
+4. a module without parameters runs in eager (it is glue: activations, dropout, pooling).
+
+``SegmentedModel`` holds the plan's sessions and, while ``active``, replaces each compiled
+module's ``forward`` by a call of its graphs through ``SegmentFunction``. A call whose
+signature the plan did not see (another batch shape) is compiled and checked then.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ortrain.core.build_config import BuildConfig
+from ortrain.core.errors import ExportError, OrtrainError, first_line
+from ortrain.core.names import GradientError
+from ortrain.runtime.session import BoundSession
+from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
+from ortrain.segments.calls import Call, Uncompilable
+from ortrain.segments.runner import SegmentFunction, SegmentRunner
+from ortrain.verify import Mismatch, Tolerance, compare, no_dropout, restoring
+
+SessionFactory = Callable[[GraphBytes], BoundSession]
+Key = tuple  # (call signature, module.training)
+
+
+@dataclasses.dataclass
+class Recorded:
+    """One eager forward's calls of every sub-module."""
+
+    calls: dict[str, list[Call | Uncompilable]]
+    training: dict[str, list[bool]]
+    seconds: dict[str, float]  # per module, its calls' time (inclusive)
+    total: float  # the whole forward
+
+
+def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
+    """Run ``run()`` (an eager forward of ``module``) with hooks on every sub-module."""
+    calls: dict[str, list[Call | Uncompilable]] = collections.defaultdict(list)
+    training: dict[str, list[bool]] = collections.defaultdict(list)
+    seconds: dict[str, float] = collections.defaultdict(float)
+    started: dict[str, list[float]] = collections.defaultdict(list)
+    handles = []
+    for name, m in module.named_modules():
+        if not name:
+            continue
+
+        def pre(mod: torch.nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            try:
+                calls[name].append(Call.of(args, kwargs))
+            except Uncompilable as exc:
+                calls[name].append(exc)
+            training[name].append(mod.training)
+            started[name].append(time.perf_counter())
+
+        def post(
+            mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any, name: str = name
+        ) -> None:
+            seconds[name] += time.perf_counter() - started[name].pop()
+
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    start = time.perf_counter()
+    try:
+        with restoring(list(module.buffers())):  # a look, not a step: no statistics update
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return Recorded(dict(calls), dict(training), dict(seconds), time.perf_counter() - start)
+
+
+def _original_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    return type(module).forward.__get__(module)
+
+
+def _structure(module: torch.nn.Module, key: Key) -> tuple:
+    """What two modules sharing a graph must have in common (their Python attributes are
+    not in it: each module's own check catches one that differs)."""
+    params = tuple(
+        (n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()
+    )
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
+    return (type(module).__module__, type(module).__qualname__, repr(module), params, buffers, key)
+
+
+def verify_call(
+    module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
+) -> list[Mismatch]:
+    """The compiled call against eager on the same inputs and weights, without dropout:
+    outputs, and the gradients of the inputs and parameters for random output gradients."""
+    tensors = [
+        t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
+        for t in call.tensors
+    ]
+    args, kwargs = call.with_tensors(tensors)
+    params = dict(module.named_parameters())
+    wrt_params = [params[p] for p in runner.grad_params]
+    buffers = list(module.buffers())
+    gen = torch.Generator().manual_seed(0)
+    grad_inputs = [t for t in tensors if t.requires_grad]
+    wrt = grad_inputs + wrt_params
+    # the buffers (BatchNorm statistics) are put back after the backward, which checks
+    # that nothing it saved was changed in place
+    with restoring(buffers), no_dropout(), torch.enable_grad():
+        out = _original_forward(module)(*args, **kwargs)
+        outs = runner.graphs.result.tensors(out)
+        seeds = [
+            torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)
+            if o.is_floating_point()
+            else None
+            for o in outs
+        ]
+        pairs = [(o, s) for o, s in zip(outs, seeds) if s is not None and o.requires_grad]
+        eager = (
+            torch.autograd.grad(
+                [o for o, _ in pairs], wrt, [s for _, s in pairs], allow_unused=True
+            )
+            if pairs and wrt
+            else [None] * len(wrt)
+        )
+    with restoring(buffers), runner.dropout(False), torch.no_grad():
+        couts, saved = runner.forward(module, tensors)
+        in_grads, param_grads = runner.backward(module, tensors, saved, seeds, couts)
+    got = {f"output {k}": o for k, o in enumerate(couts)}
+    want = {f"output {k}": o.detach() for k, o in enumerate(outs)}
+    bad = compare(got, want, tol.loss)
+    eager_in = dict(zip([k for k, t in enumerate(tensors) if t.requires_grad], eager))
+    got_g = {f"gradient of input {k}": g for k, g in enumerate(in_grads) if k in eager_in}
+    want_g = {f"gradient of input {k}": eager_in[k] for k in eager_in}
+    got_g.update(param_grads)
+    want_g.update(zip(runner.grad_params, eager[len(grad_inputs) :]))
+    return bad + compare(got_g, want_g, tol.grad)
+
+
+@dataclasses.dataclass
+class ModulePlan:
+    """One module's outcome."""
+
+    name: str
+    status: str  # "compiled" | "eager" | "split" (its children were tried)
+    cause: str = ""  # why not compiled (eager / split)
+    graphs: dict[Key, int] = dataclasses.field(default_factory=dict)  # -> index in Plan.graphs
+    seconds: float = 0.0  # eager time of its calls in the recording forward
+    calls: int = 0
+
+
+@dataclasses.dataclass
+class Plan:
+    modules: list[ModulePlan]
+    graphs: list[SegmentGraphs]
+    verify_seconds: float = 0.0
+
+
+def _cause(exc: BaseException) -> str:
+    kind = type(exc).__name__
+    return f"{kind}: {first_line(exc)}"
+
+
+def plan_segments(
+    module: torch.nn.Module,
+    recorded: Recorded,
+    config: BuildConfig,
+    session: SessionFactory,
+    device: torch.device,
+    tol: Tolerance | None,
+    only: str | None = None,
+) -> Plan:
+    """Cases 1-4 of the module docstring (``only``: plan that one module alone)."""
+    plans: list[ModulePlan] = []
+    graphs: list[SegmentGraphs] = []
+    shared: dict[tuple, int] = {}  # structure -> graph index
+    runners: dict[int, SegmentRunner] = {}
+    spent = [0.0]
+
+    def runner(i: int) -> SegmentRunner:
+        if i not in runners:
+            runners[i] = SegmentRunner(graphs[i], session, device)
+        return runners[i]
+
+    def compile_module(name: str, m: torch.nn.Module) -> ModulePlan:
+        mp = ModulePlan(name, "compiled", seconds=recorded.seconds.get(name, 0.0))
+        entries = recorded.calls[name]
+        mp.calls = len(entries)
+        for call, training in zip(entries, recorded.training[name]):
+            if isinstance(call, Uncompilable):
+                raise call
+            key = (call.signature, training)
+            if key in mp.graphs:
+                continue
+            struct = _structure(m, key)
+            index = shared.get(struct)
+            if index is not None and tol is not None:
+                start = time.perf_counter()
+                bad = verify_call(m, call, runner(index), tol)
+                spent[0] += time.perf_counter() - start
+                if bad:
+                    index = None  # another module's graph does not fit this one: its own
+            if index is None:
+                was = m.training
+                m.train(training)
+                try:
+                    built = build_segment(m, call, training, config)
+                finally:
+                    m.train(was)
+                graphs.append(built)
+                index = len(graphs) - 1
+                shared.setdefault(struct, index)
+                if tol is not None:
+                    start = time.perf_counter()
+                    bad = verify_call(m, call, runner(index), tol)
+                    spent[0] += time.perf_counter() - start
+                    if bad:
+                        worst = bad[0].describe()
+                        raise _Mismatched(f"its first step disagrees with eager ({worst})")
+            mp.graphs[key] = index
+        return mp
+
+    def visit(name: str, m: torch.nn.Module) -> None:
+        if name in recorded.calls and any(p.requires_grad for p in m.parameters()):
+            try:
+                plans.append(compile_module(name, m))
+                return
+            except (ExportError, GradientError, Uncompilable, _Mismatched, OrtrainError) as exc:
+                cause = _cause(exc) if not isinstance(exc, _Mismatched) else str(exc)
+            except Exception as exc:
+                cause = _cause(exc)
+            children = list(m.named_children())
+            status = "split" if children else "eager"
+            seconds = recorded.seconds.get(name, 0.0)
+            plans.append(
+                ModulePlan(name, status, cause, seconds=seconds, calls=len(recorded.calls[name]))
+            )
+            for child, cm in children:
+                visit(f"{name}.{child}", cm)
+            return
+        if name in recorded.calls:  # glue without parameters: eager, not a fallback
+            return
+        for child, cm in m.named_children():  # never called itself (a ModuleList)
+            visit(f"{name}.{child}" if name else child, cm)
+
+    if only is not None:
+        visit(only, module.get_submodule(only))
+    else:
+        for child, cm in module.named_children():
+            visit(child, cm)
+    return Plan(plans, graphs, spent[0])
+
+
+class _Mismatched(Exception):
+    """A compiled call disagreed with eager."""
+
+
+class SegmentedModel:
+    """A module run in eager PyTorch with its planned sub-modules compiled (``active``)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        plan: Plan,
+        session: SessionFactory,
+        device: torch.device,
+        replan: Callable[[str, Call, bool], Plan],
+    ):
+        self.module = module
+        self.device = device
+        self.session = session
+        self.replan = replan  # plan one module for a call signature the plan has not seen
+        self.plans: dict[str, ModulePlan] = {}
+        self.runners: dict[str, dict[Key, SegmentRunner | None]] = {}
+        self.builds = 0
+        self.adopt(plan)
+
+    def adopt(self, plan: Plan) -> None:
+        made: dict[int, SegmentRunner] = {}
+        for mp in plan.modules:
+            self.plans[mp.name] = mp
+            if mp.status != "compiled":
+                continue
+            table = self.runners.setdefault(mp.name, {})
+            for key, index in mp.graphs.items():
+                if index not in made:
+                    made[index] = SegmentRunner(plan.graphs[index], self.session, self.device)
+                    self.builds += 1
+                table[key] = made[index]
+
+    @property
+    def compiled(self) -> list[str]:
+        return [n for n, p in self.plans.items() if p.status == "compiled"]
+
+    @property
+    def fallbacks(self) -> list[ModulePlan]:
+        return [p for p in self.plans.values() if p.status != "compiled"]
+
+    def compiled_seconds(self) -> float:
+        seen: dict[int, SegmentRunner] = {}
+        for table in self.runners.values():
+            for r in table.values():
+                if r is not None:
+                    seen[id(r)] = r
+        return sum(r.seconds for r in seen.values())
+
+    def _forward_of(self, name: str, m: torch.nn.Module) -> Callable[..., Any]:
+        original = _original_forward(m)
+        table = self.runners[name]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                call = Call.of(args, kwargs)
+            except Uncompilable:
+                return original(*args, **kwargs)
+            key = (call.signature, m.training)
+            if key not in table:
+                table[key] = self._build(name, call, m.training)
+            runner = table[key]
+            if runner is None:
+                return original(*args, **kwargs)
+            params = dict(m.named_parameters())
+            outs = SegmentFunction.apply(
+                runner,
+                m,
+                len(call.tensors),
+                *call.tensors,
+                *[params[p] for p in runner.grad_params],
+            )
+            return runner.graphs.result.build(list(outs))
+
+        return forward
+
+    def _build(self, name: str, call: Call, training: bool) -> SegmentRunner | None:
+        """A signature first seen now: plan that module alone for it (eager if it fails)."""
+        if not training:
+            return None  # evaluation-mode calls run in eager
+        plan = self.replan(name, call, training)
+        mine = [p for p in plan.modules if p.name == name and p.status == "compiled"]
+        if not mine:
+            return None
+        index = next(iter(mine[0].graphs.values()))
+        self.builds += 1
+        return SegmentRunner(plan.graphs[index], self.session, self.device)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Compiled modules run their graphs inside (their ``forward`` is replaced)."""
+        patched = []
+        modules = dict(self.module.named_modules())
+        try:
+            for name in self.runners:
+                m = modules[name]
+                m.forward = self._forward_of(name, m)  # type: ignore[method-assign]
+                patched.append(m)
+            yield
+        finally:
+            for m in patched:
+                del m.forward
+
+
+def eager_share(plan_modules: Mapping[str, ModulePlan], recorded_total: float) -> float:
+    """The share of the recording forward's time outside compiled modules."""
+    compiled = sum(p.seconds for p in plan_modules.values() if p.status == "compiled")
+    if recorded_total <= 0:
+        return 0.0
+    return max(0.0, 1.0 - compiled / recorded_total)

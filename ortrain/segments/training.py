@@ -1,0 +1,173 @@
+"""A training step of a model that runs as segments (``partition.SegmentedModel``).
+
+The trainer falls back to this when the whole model cannot be one training graph: its
+forward runs in eager PyTorch with the planned sub-modules compiled, its loss's backward
+runs through torch autograd (the segments' backward graphs inside), and the parameter
+gradients land in ``.grad``, which the trainer points at the state's gradient buffers so
+every update engine reads them where it always does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ortrain.core.build_config import BuildConfig
+from ortrain.export import LossFn, call_arguments, find_loss
+from ortrain.segments.calls import Call
+from ortrain.segments.partition import (
+    Plan,
+    Recorded,
+    SegmentedModel,
+    SessionFactory,
+    eager_share,
+    plan_segments,
+    record_calls,
+)
+from ortrain.verify import Tolerance
+
+Runner = Callable[[Callable[[], Any], Mapping[str, Any]], Any]  # the trainer's _run_build
+
+
+class SegmentedTraining:
+    """Plan (on the first batch) and run the segmented model's forward and backward."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss_fn: LossFn | None,
+        config: BuildConfig,
+        session: SessionFactory,
+        run_build: Runner,
+        device: torch.device,
+        tol: Tolerance | None,
+        cause: str,
+    ):
+        self.module = module
+        self.loss_fn = loss_fn
+        self.config = config
+        self.session = session
+        self.run_build = run_build
+        self.device = device
+        self.tol = tol
+        self.cause = cause  # why the whole model is not one graph
+        self.model: SegmentedModel | None = None
+        self.recorded: Recorded | None = None
+        self.plan_seconds = 0.0
+        self.verify_seconds = 0.0
+        self.step_seconds = 0.0  # forward + backward of the steps so far
+        self.steps = 0
+
+    def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        args, kwargs = call_arguments(self.module, batch)
+        with no_kv_cache(self.module):
+            out = self.module(*args, **kwargs)
+        return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+
+    def _plan_job(self, only: str | None = None, call: Call | None = None) -> Callable[[], Plan]:
+        recorded = self.recorded
+        assert recorded is not None
+        if only is not None and call is not None:
+            recorded = Recorded({only: [call]}, {only: [True]}, {}, 0.0)
+        module, config, session = self.module, self.config, self.session
+        device, tol = self.device, self.tol
+
+        def job() -> Plan:
+            with no_kv_cache(module):
+                return plan_segments(module, recorded, config, session, device, tol, only)
+
+        return job
+
+    def plan(self, batch: Mapping[str, Any]) -> None:
+        start = time.perf_counter()
+        self.recorded = record_calls(self.module, lambda: self.loss(batch))
+        plan = self.run_build(self._plan_job(), batch)
+        self.verify_seconds += plan.verify_seconds
+
+        def replan(name: str, call: Call, training: bool) -> Plan:
+            new = self.run_build(self._plan_job(name, call), batch)
+            self.verify_seconds += new.verify_seconds
+            return new
+
+        self.model = SegmentedModel(self.module, plan, self.session, self.device, replan)
+        self.plan_seconds = time.perf_counter() - start
+        warnings.warn(self.summary(), stacklevel=4)
+
+    def summary(self) -> str:
+        """One line per fallback: the module, the cause, the eager share of the forward."""
+        assert self.model is not None and self.recorded is not None
+        name = type(self.module).__name__
+        share = eager_share(self.model.plans, self.recorded.total)
+        lines = [
+            f"ortrain: {name} does not compile as one graph ({self.cause}); it trains as "
+            f"{len(self.model.compiled)} compiled segment(s) inside eager PyTorch, "
+            f"{share:.0%} of its forward's time in eager:"
+        ]
+        for p in self.model.fallbacks:
+            what = "runs in eager" if p.status == "eager" else "split into its children"
+            lines.append(f"  {p.name}: {what}: {p.cause}")
+        if not self.model.compiled:
+            lines.append("  (no sub-module could be compiled: the model trains in eager)")
+        return "\n".join(lines)
+
+    def forward_backward(self, batch: Mapping[str, Any], scale: float | None) -> torch.Tensor:
+        """The step's loss; its backward has run (gradients in ``.grad``)."""
+        if self.model is None:
+            self.plan(batch)
+        assert self.model is not None
+        start = time.perf_counter()
+        with self.model.active():
+            loss = self.loss(batch)
+            if loss.dim() != 0:
+                raise ValueError(
+                    f"the loss must be a scalar (0-dim) tensor, got {list(loss.shape)}"
+                )
+            if loss.requires_grad:
+                (loss * scale if scale is not None else loss).backward()
+        self.step_seconds += time.perf_counter() - start
+        self.steps += 1
+        return loss.detach()
+
+    def explain(self) -> str:
+        """The segments with their time: compiled ones (graph runs) and the eager rest."""
+        if self.model is None or self.recorded is None:
+            return "(segmented: nothing planned yet)"
+        rows = [f"segments of {type(self.module).__name__} ({self.cause}):"]
+        for name in self.model.compiled:
+            p = self.model.plans[name]
+            rows.append(f"  compiled  {name} ({len(p.graphs)} graph(s), {p.calls} call(s))")
+        for p in self.model.fallbacks:
+            rows.append(f"  {p.status:<9} {name_or_root(p.name)}: {p.cause}")
+        compiled = self.model.compiled_seconds()
+        total = self.step_seconds or 1e-9
+        rows.append(
+            f"  steps {self.steps}: {self.step_seconds:.3f} s forward+backward, "
+            f"{compiled:.3f} s in compiled graphs ({compiled / total:.0%}), the rest in eager; "
+            f"planning {self.plan_seconds:.2f} s (checks against eager {self.verify_seconds:.2f} s)"
+        )
+        return "\n".join(rows)
+
+
+@contextlib.contextmanager
+def no_kv_cache(module: torch.nn.Module) -> Iterator[None]:
+    """A Hugging Face model's key/value cache off while it trains as segments: its layers
+    would otherwise take and fill a cache object (for generation, not for the loss), which
+    no compiled graph can take."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+def name_or_root(name: str) -> str:
+    return name or "(the model)"

@@ -1,0 +1,273 @@
+"""The first step of every compiled graph, checked against eager PyTorch.
+
+No cache key sees everything a forward reads and no exporter keeps every option's
+meaning, so a graph is trusted only after it agreed with eager once: before its first
+training step, the graph runs on the step's batch with the step's weights and eager runs
+one forward and backward on the same; the loss (or a segment's outputs) and every
+gradient must agree within the tolerance of the compute dtype. Randomness is taken out
+of both sides: the graph's Dropouts read a switch (``prepare/dropout_switch.py``) that is
+off for that run, and eager runs under ``no_dropout()``. The check leaves no trace: the
+tensors the run writes are put back and eager's buffers (BatchNorm statistics) restored.
+
+1. ``Tolerance``: per compute dtype, a relative bound on the loss and on each gradient,
+   the gradient's measured against its own largest element plus a small part of the
+   largest gradient element of all (a gradient that is float noise around zero, such as
+   an attention key bias's, then compares at the noise level of the others);
+2. ``compare``: the mismatches, worst first, each naming the tensor and its module;
+3. ``no_dropout()``: eager's dropout functions (``F.dropout`` and its variants, SDPA's
+   ``dropout_p``) become the identity; it counts the dropout sites eager has, so a graph
+   with fewer (an exporter that dropped one) is reported;
+4. ``eager_loss_and_grads``: the reference, without touching ``.grad`` or buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ortrain.core.errors import VerificationError
+
+__all__ = [
+    "Mismatch",
+    "Tolerance",
+    "VerificationError",
+    "compare",
+    "eager_loss_and_grads",
+    "no_dropout",
+    "restoring",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Relative bounds for one compute dtype (float noise of another reduction order is
+    orders of magnitude below; a dropped option or a wrong gradient rule is above)."""
+
+    loss: float
+    grad: float
+    floor: float = 1e-3  # of the largest gradient element of all, added to each scale
+
+    @classmethod
+    def of(cls, precision: str | None) -> Tolerance:
+        return _TOLERANCES[precision]
+
+
+_TOLERANCES = {
+    None: Tolerance(loss=1e-4, grad=1e-3),
+    "fp16": Tolerance(loss=1e-2, grad=5e-2),
+    "bf16": Tolerance(loss=3e-2, grad=1e-1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    name: str  # the tensor (a parameter, "loss", a segment's output or input gradient)
+    error: float  # largest difference over the allowed one (> 1: a mismatch)
+    largest: float  # largest absolute difference
+    scale: float  # what the difference was measured against
+
+    def describe(self, module: str | None = None) -> str:
+        where = f" (module '{module}')" if module else ""
+        return (
+            f"{self.name}{where}: largest difference {self.largest:.3g} against a scale of "
+            f"{self.scale:.3g}"
+        )
+
+
+def compare(
+    got: Mapping[str, torch.Tensor | None],
+    want: Mapping[str, torch.Tensor | None],
+    rtol: float,
+    floor: float = 1e-3,
+) -> list[Mismatch]:
+    """Tensors of ``want`` that ``got`` misses or differs from beyond ``rtol``, worst
+    first. A name missing on both sides (no gradient in eager, none in the graph) agrees;
+    a gradient eager has and the graph lacks (or the reverse) is a mismatch unless it is
+    all zeros."""
+    tops = [float(t.detach().abs().max()) for t in want.values() if t is not None and t.numel()]
+    top = max(tops, default=0.0)
+    out = []
+    for name in sorted(set(got) | set(want)):
+        g, w = got.get(name), want.get(name)
+        if g is None and w is None:
+            continue
+        if g is None or w is None:
+            present = g if w is None else w
+            assert present is not None
+            largest = float(present.detach().abs().max()) if present.numel() else 0.0
+            if largest > 0:
+                out.append(Mismatch(name, float("inf"), largest, 0.0))
+            continue
+        g = g.detach().to(torch.float64).cpu()
+        w = w.detach().to(torch.float64).cpu()
+        if g.shape != w.shape:
+            shapes = f"{name} (shape {list(g.shape)} vs {list(w.shape)})"
+            out.append(Mismatch(shapes, float("inf"), 0.0, 0.0))
+            continue
+        if not g.numel():
+            continue
+        if not w.is_floating_point():
+            largest = float((g - w).abs().max())
+            if largest:
+                out.append(Mismatch(name, float("inf"), largest, 0.0))
+            continue
+        finite = torch.isfinite(w)
+        if not bool(torch.equal(finite, torch.isfinite(g))) or not bool(
+            torch.equal(g[~finite], w[~finite])
+        ):
+            out.append(Mismatch(f"{name} (non-finite values differ)", float("inf"), 0.0, 0.0))
+            continue
+        diff = (g - w)[finite].abs()
+        largest = float(diff.max()) if diff.numel() else 0.0
+        scale = float(w[finite].abs().max()) + floor * top if diff.numel() else 0.0
+        allowed = rtol * scale
+        if largest > allowed:
+            error = largest / allowed if allowed else float("inf")
+            out.append(Mismatch(name, error, largest, scale))
+    return sorted(out, key=lambda m: -m.error)
+
+
+# --------------------------------------------------------------------------- eager side
+_DROPOUTS = {
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    torch.dropout,
+    torch.alpha_dropout,
+    torch.feature_dropout,
+    torch.feature_alpha_dropout,
+}
+
+
+class _NoDropout(TorchFunctionMode):
+    """Eager dropout as the identity; counts the sites that would have drawn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and float(p) > 0:
+                self.sites += 1
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if float(p) > 0:
+                self.sites += 1
+                if len(args) > 4:
+                    args = (*args[:4], 0.0, *args[5:])
+                else:
+                    kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def no_dropout() -> Iterator[_NoDropout]:
+    """Eager PyTorch without dropout inside; ``.sites`` counts the dropouts skipped."""
+    mode = _NoDropout()
+    with mode:
+        yield mode
+
+
+@contextlib.contextmanager
+def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Put these tensors' values back afterwards (a run that must leave no trace)."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for t in tensors:
+        if id(t) not in seen:
+            seen[id(t)] = (t, t.detach().clone())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, saved in seen.values():
+                t.copy_(saved)
+
+
+def eager_loss_and_grads(
+    loss_of: Any,
+    module: torch.nn.Module,
+    names: Sequence[str],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None], int, float]:
+    """One eager forward (``loss_of()``) and backward without dropout, leaving ``.grad``
+    and the module's buffers as they were: (loss, the gradients of the parameters
+    ``names``, the dropout sites skipped, seconds)."""
+    start = time.perf_counter()
+    params = dict(module.named_parameters())
+    wrt = [params[n] for n in names]
+    with restoring(list(module.buffers())), no_dropout() as mode, torch.enable_grad():
+        loss = loss_of()
+        grads = (
+            torch.autograd.grad(loss, wrt, allow_unused=True) if wrt and loss.requires_grad else ()
+        )
+    found = dict(zip(names, grads)) if grads else dict.fromkeys(names)
+    return loss.detach(), found, mode.sites, time.perf_counter() - start
+
+
+def report(
+    what: str,
+    mismatches: Sequence[Mismatch],
+    module_of: Mapping[str, str] | None = None,
+    limit: int = 5,
+) -> str:
+    """The worst mismatches, each with its module."""
+    module_of = module_of or {}
+    lines = [m.describe(module_of.get(m.name)) for m in mismatches[:limit]]
+    more = f" (and {len(mismatches) - limit} more)" if len(mismatches) > limit else ""
+    return f"{what} disagrees with eager PyTorch on its first step: " + "; ".join(lines) + more
+
+
+def module_of(param: str) -> str:
+    """The module that owns a parameter, from its qualified name."""
+    return param.rpartition(".")[0] or "(the model)"
+
+
+def raise_mismatch(what: str, mismatches: Sequence[Mismatch], hint: str) -> None:
+    mods = {m.name: module_of(m.name) for m in mismatches}
+    raise VerificationError(report(what, mismatches, mods) + f". {hint}")
+
+
+def graph_step_mismatches(
+    loss_of: Any,
+    module: torch.nn.Module,
+    run: Any,
+    names: Sequence[str],
+    read_grads: Any,
+    written: Sequence[torch.Tensor],
+    dropout_on: torch.Tensor | None,
+    tol: Tolerance,
+    loss: torch.Tensor,
+) -> tuple[list[Mismatch], int, float]:
+    """A whole training graph's first step against eager: ``run()`` runs the graph once
+    (its batch bound), after which ``loss`` holds its loss and ``read_grads()`` its
+    gradients of the parameters ``names``; every tensor in ``written`` is put back
+    afterwards. Returns (mismatches, eager's dropout sites, seconds)."""
+    start = time.perf_counter()
+    want_loss, want, sites, _ = eager_loss_and_grads(loss_of, module, names)
+    with restoring([*written, loss]):
+        if dropout_on is not None:
+            dropout_on.fill_(False)
+        try:
+            run()
+        finally:
+            if dropout_on is not None:
+                dropout_on.fill_(True)
+        got_loss = loss.detach().clone()
+        got = {n: g.detach().clone() for n, g in read_grads().items()}
+    bad = compare({"loss": got_loss}, {"loss": want_loss}, tol.loss)
+    bad += compare(got, want, tol.grad, tol.floor)
+    return bad, sites, time.perf_counter() - start

@@ -1,0 +1,254 @@
+"""Models that cannot be one training graph train as compiled segments inside torch
+autograd, with eager PyTorch for the rest (ortrain/segments, TrainerOptions.fallback)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.names import GradientError
+
+
+class _Det(torch.nn.Module):
+    """A parameterized score through an op without a gradient rule (Det)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, 4)
+
+    def forward(self, h):
+        return torch.linalg.det(self.proj(h).reshape(-1, 2, 2))
+
+
+class _Picked(torch.nn.Module):
+    """A parameterized module with a data-dependent shape inside (no static graph)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, h):
+        z = self.lin(h)
+        return z[z.sum(-1) > 0].sum() * 0.1
+
+
+class _Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8)
+        )
+        self.scorer = _Det(8)
+        self.picked = _Picked(8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = self.encoder(x)
+        logits = self.head(h) + 0.01 * self.scorer(h).unsqueeze(-1)
+        return F.cross_entropy(logits, y) + self.picked(h)
+
+
+def _batches(n: int, rows: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def train_like_eager(
+    make: Callable[[], torch.nn.Module],
+    batches: list,
+    options: TrainerOptions | None = None,
+    opt: Callable = _sgd,
+    accumulation: int = 1,
+    clip: float | None = None,
+) -> ORTTrainer:
+    """Per-step losses and the final parameters of ortrain and eager, element by element
+    (SGD: float noise in the gradients stays noise-sized in the weights)."""
+    model, ref = make(), make()
+    trainer = ORTTrainer(model, opt(model.parameters()), options or TrainerOptions())
+    opt_ref = opt(ref.parameters())
+    for i, (x, y) in enumerate(batches):
+        want = ref(x, y)
+        (want / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            opt_ref.step()
+            opt_ref.zero_grad()
+        got = trainer.train_step(x, y)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    return trainer
+
+
+def test_a_mixed_model_trains_like_eager_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train_like_eager(_Mixed, _batches(5))
+    seg = trainer.segments
+    assert seg is not None
+    assert sorted(seg.model.compiled) == ["encoder", "head", "picked.lin", "scorer.proj"]
+    why = {p.name: (p.status, p.cause) for p in seg.model.fallbacks}
+    assert why["scorer"][0] == "split" and "Det" in why["scorer"][1]
+    # a data-dependent shape: the export or the gradient builder refuses it
+    assert why["picked"][0] == "split"
+    assert "no static shape" in why["picked"][1] or "ExportError" in why["picked"][1]
+    fallbacks = [w for w in caught if "does not compile as one graph" in str(w.message)]
+    assert len(fallbacks) == 1
+    text = str(fallbacks[0].message)
+    assert "scorer: split into its children" in text and "in eager" in text
+    # the update runs after torch's backward (not inside a graph); gradients in its buffers
+    assert trainer.update_engine.name != "backward"
+    assert sorted(trainer.grad_params) == sorted(n for n, _ in _Mixed().named_parameters())
+    assert "compiled  encoder" in seg.explain()
+
+
+def test_fallback_off_raises_the_cause():
+    model = _Mixed()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
+    with pytest.raises(GradientError, match="Det"):
+        trainer.train_step(*_batches(1)[0])
+    assert trainer.segments is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, h):
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class _Deep(torch.nn.Module):
+    """Repeated blocks, and glue with an op that has no gradient rule."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_Block(16) for _ in range(blocks))
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        sign = torch.linalg.det(h[:, :4].reshape(-1, 2, 2)).unsqueeze(-1)  # no rule: glue
+        return F.cross_entropy(self.out(h) * (1 + 0.01 * sign), y.remainder(4))
+
+
+@pytest.mark.slow
+def test_repeated_blocks_share_one_graph():
+    trainer = train_like_eager(_Deep, _batches(4))
+    seg = trainer.segments.model
+    assert sorted(seg.compiled) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "inp", "out"]
+    # one runner (a forward and a backward session) serves the four blocks
+    runners = {
+        id(r) for n in seg.compiled if n.startswith("blocks") for r in seg.runners[n].values()
+    }
+    assert len(runners) == 1
+    assert seg.builds == 3  # inp, the blocks, out
+
+
+@pytest.mark.slow
+def test_accumulation_clipping_and_the_update_graph():
+    train_like_eager(
+        _Mixed,
+        _batches(6),
+        TrainerOptions(grad_accumulation_steps=2, max_grad_norm=0.5, update_engine="graph"),
+        accumulation=2,
+        clip=0.5,
+    )
+
+
+@pytest.mark.slow
+def test_adamw_on_torchs_kernels_and_a_new_batch_shape():
+    """AdamW (the CPU default engine for segments: torch's) and a batch of another size,
+    which builds and checks that segment's graph for its new call signature."""
+    batches = _batches(2) + _batches(2, rows=8, seed=2)
+
+    def adamw(params):
+        # eps above the gradients' float noise: AdamW's normalization would make a noise-sized
+        # gradient difference an lr-sized step, and this test is about the plumbing
+        return torch.optim.AdamW(params, lr=1e-3, eps=1e-3)
+
+    trainer = train_like_eager(_Mixed, batches, opt=adamw)
+    assert trainer.update_engine.name == "torch"
+    assert len(trainer.segments.model.runners["encoder"]) == 2  # one graph per shape
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.feat = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU()
+        )
+        self.scorer = _Det(16)
+
+    def forward(self, x, y):
+        return (self.scorer(self.feat(x)) - y.float()).pow(2).mean()
+
+
+@pytest.mark.slow
+def test_a_segment_updates_batch_norm_statistics_like_eager_and_evaluates():
+    trainer = train_like_eager(_Normed, _batches(3))
+    ref = _Normed()
+    opt = _sgd(ref.parameters())
+    for x, y in _batches(3):
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt.step()
+    assert "feat" in trainer.segments.model.compiled
+    for (k, b), r in zip(trainer.module.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=k)
+    x, y = _batches(1, seed=9)[0]
+    out = trainer.eval_step(x, y)
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out["loss"], ref(x, y), rtol=1e-5, atol=1e-6)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="fallback must be 'auto' or 'off'"):
+        TrainerOptions(fallback="eager")
+    with pytest.raises(TypeError, match="verify"):
+        TrainerOptions(verify="yes")  # type: ignore[arg-type]
+
+
+def test_a_model_that_compiles_whole_stays_one_graph():
+    """No segments, no warning where the whole model compiles (today's path)."""
+    model = copy.deepcopy(_Block(8))
+
+    class Whole(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = model
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.block(x)[:, :3], y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = train_like_eager(lambda: copy.deepcopy(Whole()), _batches(2))
+    assert trainer.segments is None and len(trainer._train) == 1

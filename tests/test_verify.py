@@ -1,0 +1,364 @@
+"""The first step of every compiled graph checked against eager (ortrain/verify.py) and the
+pass that lets the graph run it without dropout (prepare/dropout_switch.py)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import warnings
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.errors import VerificationError
+from ortrain.core.names import DROPOUT_SWITCH_INPUT
+from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
+from ortrain.verify import Tolerance, compare, no_dropout, restoring
+
+
+# ----------------------------------------------------------------------------- compare
+def test_compare_passes_float_noise_and_names_a_one_percent_error():
+    torch.manual_seed(0)
+    want = {"a.weight": torch.randn(64, 64), "b.bias": torch.randn(64)}
+    noisy = {k: v * (1 + 1e-6 * torch.randn_like(v)) for k, v in want.items()}
+    assert compare(noisy, want, Tolerance.of(None).grad) == []
+    wrong = dict(noisy)
+    wrong["b.bias"] = want["b.bias"].clone()
+    wrong["b.bias"][3] *= 1.01 + 1 / float(want["b.bias"].abs().max())  # 1% of the scale
+    bad = compare(wrong, want, Tolerance.of(None).grad)
+    assert [m.name for m in bad] == ["b.bias"] and bad[0].error > 1
+
+
+def test_compare_measures_a_zero_gradient_at_the_others_noise_level():
+    # an attention key bias's gradient is 0 in exact arithmetic, float noise in practice:
+    # its noise relative to itself is large, relative to the other gradients it is not
+    want = {"w": torch.randn(32, 32), "key_bias": torch.full((32,), 1e-9)}
+    got = {"w": want["w"].clone(), "key_bias": -want["key_bias"]}
+    assert compare(got, want, 1e-3) == []
+    got["key_bias"] = torch.full((32,), 0.01)  # a real gradient where eager has none
+    assert [m.name for m in compare(got, want, 1e-3)] == ["key_bias"]
+
+
+def test_compare_flags_one_sided_shapes_and_non_finite():
+    want = {"x": torch.ones(3), "y": None, "z": torch.ones(2)}
+    got = {"x": None, "y": torch.zeros(3), "z": torch.tensor([1.0, float("nan")])}
+    names = sorted(m.name for m in compare(got, want, 1e-3))
+    # a gradient only eager has fails, an all-zero one only the graph has agrees
+    assert names == ["x", "z (non-finite values differ)"]
+    assert compare({"x": torch.ones(2, 2)}, {"x": torch.ones(4)}, 1e-3)[0].name.startswith(
+        "x (shape"
+    )
+
+
+# ----------------------------------------------------------------------------- eager side
+def test_no_dropout_makes_every_dropout_the_identity_and_counts_the_sites():
+    x = torch.randn(4, 8)
+    q = k = v = torch.randn(1, 2, 5, 4)
+    with no_dropout() as mode:
+        assert torch.equal(F.dropout(x, 0.5, training=True), x)
+        assert torch.equal(torch.nn.Dropout(0.3)(x), x)
+        assert torch.equal(F.dropout(x, 0.5, training=False), x)  # not a site: eval
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    assert mode.sites == 3
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_restoring_puts_values_back():
+    t = torch.ones(3)
+    with restoring([t, t]):
+        t.mul_(5)
+    assert torch.equal(t, torch.ones(3))
+
+
+# ----------------------------------------------------------------------------- the switch
+def _dropout_model(training_mode: bool | None, ratio: float = 0.5) -> ir.Model:
+    x = ir.Value(name="x", shape=ir.Shape([64]), type=ir.TensorType(ir.DataType.FLOAT))
+    inputs = [x, ir.Value(name="r", const_value=ir.tensor(np.array(ratio, np.float32)))]
+    if training_mode is not None:
+        inputs.append(ir.Value(name="t", const_value=ir.tensor(np.array(training_mode))))
+    node = ir.node("Dropout", inputs, attributes={"seed": 3}, num_outputs=1, name="drop")
+    node.outputs[0].name = "y"
+    node.outputs[0].dtype, node.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([64])
+    graph = ir.Graph([x], [node.outputs[0]], nodes=[node], opset_imports={"": 17})
+    for v in inputs[1:]:
+        graph.register_initializer(v)
+    return ir.Model(graph, ir_version=8)
+
+
+def test_the_switch_is_one_input_and_turns_dropout_off():
+    model = _dropout_model(True)
+    assert switch_dropouts(model) == 1
+    assert [v.name for v in model.graph.inputs] == ["x", DROPOUT_SWITCH_INPUT]
+    data = ir.serde.serialize_model(model).SerializeToString()
+    sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    x = np.arange(1, 65, dtype=np.float32)
+    (off,) = sess.run(None, {"x": x, DROPOUT_SWITCH_INPUT: np.array(False)})
+    (on,) = sess.run(None, {"x": x, DROPOUT_SWITCH_INPUT: np.array(True)})
+    np.testing.assert_array_equal(off, x)
+    kept = on != 0
+    assert 0 < kept.sum() < 64
+    np.testing.assert_allclose(on[kept], 2 * x[kept])
+
+
+@pytest.mark.parametrize(("mode", "ratio"), [(None, 0.5), (False, 0.5), (True, 0.0)])
+def test_dropouts_that_draw_nothing_are_left_alone(mode, ratio):
+    model = _dropout_model(mode, ratio)
+    assert switch_dropouts(model) == 0
+    assert [v.name for v in model.graph.inputs] == ["x"]
+
+
+# ----------------------------------------------------------------------------- trainers
+class _Net(torch.nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(8, 32),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(32, 4),
+        )
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.body(x), y)
+
+
+def _batches(n: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)
+    ]
+
+
+def _run(model, opt, options, batches):
+    trainer = ORTTrainer(model, opt, options)
+    losses = [trainer.train_step(x, y).item() for x, y in batches]
+    return trainer, losses
+
+
+@pytest.mark.parametrize(
+    ("opt", "extra"),
+    [
+        ("adamw", {}),  # the update in the backward (CPU default)
+        ("adamw", {"update_engine": "torch"}),
+        ("sgd", {"grad_accumulation_steps": 2, "max_grad_norm": 1.0}),
+    ],
+)
+def test_the_check_leaves_no_trace(opt, extra):
+    """A verified run trains bit for bit like an unverified one: the check's graph run (its
+    update with lr 0, its gradients into zeroed buffers) is put back."""
+    make = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    }[opt]
+    results = []
+    for verify in (False, True):
+        model = _Net()
+        trainer, losses = _run(
+            model, make(model.parameters()), TrainerOptions(verify=verify, **extra), _batches()
+        )
+        results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}))
+        if verify:
+            assert trainer.segments is None and trainer.verify_seconds > 0
+            assert all(c.verified for c in trainer._train.values())
+    (l0, p0), (l1, p1) = results
+    assert l0 == l1
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+
+
+def test_a_model_with_dropout_is_checked_without_it_and_trains_with_it():
+    model = _Net(dropout=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no lost-dropout warning
+        trainer, _ = _run(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(), _batches(2)
+        )
+    assert trainer.segments is None
+    # the graph still draws: one batch twice, two different losses
+    x, y = _batches(1)[0]
+    a, b = trainer.train_step(x, y).item(), trainer.train_step(x, y).item()
+    assert a != b
+
+
+class _Smoothed(torch.nn.Module):
+    """A loss whose option the exporter loses (label smoothing: seen with torch 2.13)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)
+        )
+        self.loss = torch.nn.CrossEntropyLoss(label_smoothing=0.2)
+
+    def forward(self, x, y):
+        return self.loss(self.body(x), y)
+
+
+def _exporter_drops_label_smoothing() -> bool:
+    from ortrain.export import export_forward
+
+    m = _Smoothed()
+    x, y = _batches(1)[0]
+    ex = export_forward(m, {"x": x, "y": y}, train=True)
+    sess = ort.InferenceSession(
+        ir.serde.serialize_model(ex.model).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    feed = {n: p.detach().numpy() for n, p in m.named_parameters()} | {
+        "x": x.numpy(),
+        "y": y.numpy(),
+    }
+    (loss, *_) = sess.run(
+        None, {k: v for k, v in feed.items() if k in {i.name for i in sess.get_inputs()}}
+    )
+    return abs(float(loss) - m(x, y).item()) > 1e-4
+
+
+def test_an_exporter_that_drops_an_option_is_caught_when_off():
+    if not _exporter_drops_label_smoothing():
+        pytest.skip("this torch exports label smoothing: nothing dropped to catch")
+    model = _Smoothed()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
+    )
+    with pytest.raises(VerificationError, match=r"loss .*largest difference"):
+        trainer.train_step(*_batches(1)[0])
+    for k, v in model.state_dict().items():  # nothing trained
+        assert torch.equal(v, before[k]), k
+
+
+def test_an_exporter_that_drops_an_option_trains_like_eager_when_auto():
+    model, ref = _Smoothed(), _Smoothed()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _batches(4):
+            opt_ref.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            opt_ref.step()
+            got = trainer.train_step(x, y)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
+    if _exporter_drops_label_smoothing():
+        assert trainer.segments is not None
+        fallbacks = [w for w in caught if "does not compile as one graph" in str(w.message)]
+        assert len(fallbacks) == 1 and "first step disagrees with eager" in str(
+            fallbacks[0].message
+        )
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _wrong_tanh_rule(monkeypatch):
+    """A test-only registry override: Tanh's gradient as dy (1 - y) instead of dy (1 - y^2)."""
+    from ortrain.graph_passes.autodiff import registry
+
+    (right,) = registry._TABLE[("", "Tanh")]
+
+    def wrong(ctx):
+        one = ctx.scalar_like(1.0, ctx.O(0))
+        return {0: ctx.op("Mul", ctx.GO(0), ctx.op("Sub", one, ctx.O(0)))}
+
+    monkeypatch.setitem(registry._TABLE, ("", "Tanh"), [dataclasses.replace(right, fn=wrong)])
+
+
+def test_a_wrong_gradient_rule_is_caught_at_the_first_step_when_off(monkeypatch):
+    _wrong_tanh_rule(monkeypatch)
+    model = _Net()
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
+    )
+    with pytest.raises(VerificationError) as err:
+        trainer.train_step(*_batches(1)[0])
+    # the parameters behind the Tanh, with their module
+    assert "body.0.weight (module 'body.0')" in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_wrong_gradient_rule_trains_like_eager_when_auto(monkeypatch):
+    _wrong_tanh_rule(monkeypatch)
+    model, ref = _Net(), _Net()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="does not compile as one graph"):
+        trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in _batches(3):
+            opt_ref.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            opt_ref.step()
+            torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
+    # the Linears compile on their own; the Tanh between them runs in eager
+    assert sorted(trainer.segments.model.compiled) == ["body.0", "body.3"]
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _ReadsEnv(torch.nn.Module):
+    """A forward that reads what no cache key sees (an environment variable)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        scale = float(os.environ.get("ORTRAIN_TEST_SCALE", "1"))
+        return F.cross_entropy(self.lin(x) * scale, y)
+
+
+@pytest.mark.slow
+def test_a_stale_cache_entry_is_caught_and_built_again(tmp_path, monkeypatch):
+    batches = _batches(2)
+    monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", "1")  # conftest turns it off
+    options = TrainerOptions(graph_cache=str(tmp_path))
+
+    def trainer_of(model):
+        return ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+
+    monkeypatch.setenv("ORTRAIN_TEST_SCALE", "1")
+    trainer_of(_ReadsEnv()).train_step(*batches[0])
+    monkeypatch.setenv("ORTRAIN_TEST_SCALE", "3")
+    model, ref = _ReadsEnv(), _ReadsEnv()
+    trainer = trainer_of(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="graph cache disagrees with eager"):
+        for x, y in batches:
+            opt_ref.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            opt_ref.step()
+            torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
+    assert trainer.segments is None  # built again: one graph, not segments
+    assert trainer.cache_hits == 1 and trainer.build_count == 2
+    third = trainer_of(_ReadsEnv())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the entry was replaced: a hit that checks out
+        third.train_step(*batches[0])
+    assert third.cache_hits == 1
+
+
+def test_an_evaluation_graph_that_disagrees_runs_in_eager():
+    if not _exporter_drops_label_smoothing():
+        pytest.skip("this torch exports label smoothing: nothing dropped to catch")
+    model = _Smoothed()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    with pytest.warns(UserWarning, match="evaluation runs in eager"):
+        out = trainer.eval_step(x, y)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out["loss"], copy.deepcopy(model)(x, y), rtol=1e-6, atol=0)
+    off = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
+    )
+    with pytest.raises(VerificationError, match="evaluation graph"):
+        off.eval_step(x, y)
