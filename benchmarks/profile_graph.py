@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import WORKLOADS, _quiet_transformers, busy_cpu_seconds
 
 from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
+from ortrain.graph_passes.infra.serialize import serialize_for_ort
 from ortrain.runtime import cpu_ops
-from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED, serialize_for_ort
+from ortrain.runtime.session import DISABLED_OPTIMIZERS, RECOMPUTE_DISABLED
 
 
 # --------------------------------------------------------------------------- inputs

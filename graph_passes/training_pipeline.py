@@ -91,6 +91,14 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from ortrain.core.build_config import BuildConfig, BuildInputs
+from ortrain.core.names import (
+    DROPOUT_SWITCH_INPUT,
+    IN_BACKWARD_STATES,
+    LOSS_SCALE_INPUT,
+    hyper_name,
+    state_key,
+)
+from ortrain.core.roles import GraphIO, Role
 from ortrain.graph_passes.autodiff import GradientGraphResult, build_gradient_graph
 from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transpose_into_gemm
 from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
@@ -157,6 +165,9 @@ class BuildProducts:
     shared_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     # param -> its update's ``done`` output (update_in_backward.py)
     update_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the roles of the inputs and outputs the passes created, written where they made them
+    # (the training graph's manifest is the export's roles plus these)
+    io: list[GraphIO] = dataclasses.field(default_factory=list)
 
     def grad_outputs(self) -> dict[str, str]:
         if self.gradient is None:
@@ -189,7 +200,7 @@ def _cpu_kernels(c: BuildConfig, i: BuildInputs) -> bool:
 
 def serialized_passes() -> list[SerializedPass]:
     """The passes on the serialized copy handed to ONNX Runtime (every graph, the update
-    graphs included: ``ortrain.build.serialize_for_ort``)."""
+    graphs included: ``infra.serialize.serialize_for_ort``)."""
     return [
         SerializedPass(
             "ort_order", order_for_ort, stage="memory", test="tests/test_ort_order.py",
@@ -221,16 +232,32 @@ def pipeline_entries(
 
     def scale(m: ir.Model) -> bool:
         products.diff_loss = scale_loss(m, inputs.loss)
+        products.io.append(GraphIO(LOSS_SCALE_INPUT, Role.LOSS_SCALE))
         return True
+
+    def switch(m: ir.Model) -> int:
+        count = switch_dropouts(m)
+        if count:
+            products.io.append(GraphIO(DROPOUT_SWITCH_INPUT, Role.DROPOUT_SWITCH))
+        return count
 
     def autodiff(m: ir.Model) -> bool:
         products.gradient = build_gradient_graph(
             m, diff_loss(), list(inputs.wrt), cpu_kernels=c.cpu_kernels, seeds=inputs.seeds
         )
+        if not inputs.seeds:
+            products.io.append(GraphIO(inputs.loss, Role.LOSS))
+            grads = products.gradient.grad_outputs.items()
+            products.io += [GraphIO(out, Role.GRADIENT, of=p) for p, out in grads]
         return bool(products.gradient.grad_outputs)
 
     def accumulate(m: ir.Model) -> bool:
         products.accumulators = accumulate_gradients(m, products.grad_outputs())
+        param_of = {out: p for p, out in products.grad_outputs().items()}
+        products.io += [
+            GraphIO(acc, Role.ACCUMULATOR, of=param_of[out])
+            for acc, out in products.accumulators.items()
+        ]
         return bool(products.accumulators)
 
     def in_place(m: ir.Model) -> int:
@@ -238,13 +265,32 @@ def pipeline_entries(
         if c.update_groups:
             return base_ready_leaves(m, grads)
         products.shared_outputs = scatter_into_gradients(m, grads)
+        param_of = {out: p for p, out in products.grad_outputs().items()}
+        products.io += [  # a second output of the same gradient: bound to the same buffer
+            GraphIO(out, Role.GRADIENT, of=param_of[grad])
+            for out, grad in products.shared_outputs.items()
+        ]
         return len(products.shared_outputs)
 
     def update(m: ir.Model) -> bool:
         products.update_outputs = update_in_backward(
             m, products.grad_outputs(), dict(c.update_groups), inputs.loss
         )
-        return bool(products.update_outputs)
+        done = products.update_outputs
+        gradients = set(products.grad_outputs().values())
+        # the gradients are no outputs any more: each update's inputs and ``done`` instead
+        products.io = [r for r in products.io if r.name not in gradients]
+        group_of = dict(c.update_groups)
+        products.io += [
+            GraphIO(state_key(s, p), Role.OPTIMIZER_STATE, of=p)
+            for p in done
+            for s in IN_BACKWARD_STATES
+        ]
+        products.io += [
+            GraphIO(hyper_name(g), Role.HYPERPARAMETER) for g in sorted({group_of[p] for p in done})
+        ]
+        products.io += [GraphIO(out, Role.UPDATE_APPLIED, of=p) for p, out in done.items()]
+        return bool(done)
 
     policy = RecomputePolicy[c.recompute]
     rows = dict(inputs.label_rows)
@@ -260,8 +306,8 @@ def pipeline_entries(
             _always,
         ),
         Entry(
-            Pass("dropout_switch", switch_dropouts, stage="prepare", gate="verify",
-                 test="tests/test_verify.py"),
+            Pass("dropout_switch", switch, stage="prepare", gate="verify",
+                 test="tests/test_verify.py", impl=switch_dropouts),
             lambda c, i: c.dropout_switch,
         ),
         Entry(

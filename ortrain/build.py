@@ -29,8 +29,9 @@ from ortrain.export import ExportedForward, LossFn, export_here
 from ortrain.index_check import index_ranges
 
 if TYPE_CHECKING:
-    import onnx
     import onnx_ir as ir
+
+    from ortrain.graph_passes.infra.serialize import Serialized
 
 
 @dataclasses.dataclass
@@ -59,16 +60,11 @@ class BuiltGraph:
     ort_data: bytes  # serialized, nodes in the order ONNX Runtime should run them
     data: bytes  # serialized in the graph's own order (inspection, memory report)
     recomputes: bool  # holds recomputed copies (ONNX Runtime's CSE must stay off)
+    # the manifest: every input and output the runtime binds, with its role (the export
+    # wrote the model's, each pass the ones it created; ``ortrain/runtime/binder.py``)
     io: list[GraphIO]
-    output_names: list[str]  # the loss first
+    output_names: list[str]  # the model's outputs (an evaluation graph's, in key order)
     output_keys: list[str]
-    grad_outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> output
-    accumulators: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> grad
-    # output -> the gradient output bound to the same buffer
-    # (graph_passes/targets/cpu/scatter_in_place.py)
-    shared_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
-    # param -> the ``done`` output of its update in the backward (update_in_backward.py)
-    update_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     log: list[StageRecord] = dataclasses.field(default_factory=list)
     # graph_passes/memory/memory_plan.py's arena size for this graph: sizes ONNX Runtime's arena
     planned_peak_bytes: int = 0
@@ -84,6 +80,15 @@ class BuiltGraph:
         import onnx_ir as ir
 
         return ir.serde.deserialize_model(onnx.ModelProto.FromString(self.data))
+
+    def roles(self, *roles: Role) -> list[GraphIO]:
+        return [r for r in self.io if r.role in roles]
+
+    @property
+    def grad_params(self) -> list[str]:
+        """The parameters the graph differentiates (a gradient or an update of each)."""
+        found = self.roles(Role.GRADIENT, Role.UPDATE_APPLIED)
+        return list(dict.fromkeys(r.of for r in found if r.of is not None))
 
 
 def label_rows(sites: list[LabelSite], batch: Mapping[str, Any], headroom: bool = False) -> tuple:
@@ -150,7 +155,7 @@ class _Log:
         self.next += 1
         return ex
 
-    def run(self, model: ir.Model, passes: list, serialized: _Serialized) -> None:
+    def run(self, model: ir.Model, passes: list, serialized: Serialized) -> None:
         import onnx
         import onnx_ir as ir
 
@@ -174,43 +179,6 @@ class _Log:
             )
 
 
-class _Serialized:
-    """The pipeline's serialization (``run_pipeline``'s ``serialize``): keeps the model's
-    bytes in its own order (``data``) and the proto the serialized passes then prepare for
-    ONNX Runtime (node order, kernel threads; neither changes what the graph computes)."""
-
-    def __init__(self, keep_data: bool = True) -> None:
-        self.keep_data = keep_data  # False: only the proto for ONNX Runtime is wanted
-        self.data = b""
-        self.proto: onnx.ModelProto | None = None
-
-    def __call__(self, model: ir.Model) -> onnx.ModelProto:
-        import onnx_ir as ir
-
-        self.proto = ir.serde.serialize_model(model)
-        if self.keep_data:
-            self.data = self.proto.SerializeToString()
-        return self.proto
-
-    def ort_data(self, model: ir.Model) -> bytes:
-        if self.proto is None:  # a pipeline without serialized passes
-            self(model)
-        assert self.proto is not None
-        return self.proto.SerializeToString()
-
-
-def serialize_for_ort(model: ir.Model) -> tuple[bytes, bool]:
-    """(the model prepared for ONNX Runtime, serialized; whether it has recomputed copies)."""
-    from ortrain.graph_passes.infra.pipeline import run_pipeline
-    from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
-    from ortrain.graph_passes.training_pipeline import serialized_passes
-
-    serialized = _Serialized(keep_data=False)
-    run_pipeline(model, serialized_passes(), serialize=serialized)
-    recomputes = any(RECOMPUTE_OF in n.metadata_props for n in model.graph)
-    return serialized.ort_data(model), recomputes
-
-
 def _graph_signature(model: ir.Model) -> list[tuple[str, str]]:
     """(name, "dtype shape") of each input and output of a built graph: what ranks compare
     (``distributed/fingerprint.py``)."""
@@ -224,7 +192,7 @@ def _graph_signature(model: ir.Model) -> list[tuple[str, str]]:
 
 
 def _built(
-    model: ir.Model, ex: ExportedForward, log: _Log, serialized: _Serialized, **extra: Any
+    model: ir.Model, ex: ExportedForward, log: _Log, serialized: Serialized, **extra: Any
 ) -> BuiltGraph:
     from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
     from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
@@ -277,37 +245,13 @@ def build_train(
         label_rows=dict(rows),
     )
     products = BuildProducts()
-    serialized = _Serialized()
+    from ortrain.graph_passes.infra.serialize import Serialized
+
+    serialized = Serialized()
     log.run(model, build_pipeline(config, build_inputs, products), serialized)
     check_updates(model, ex.io)  # the buffer updates the trainer writes back
-    graph = _built(
-        model,
-        ex,
-        log,
-        serialized,
-        io=ex.io + _update_io(products.update_outputs, config.update_groups),
-        grad_outputs=dict(products.grad_outputs()),
-        accumulators=dict(products.accumulators),
-        shared_outputs=dict(products.shared_outputs),
-        index_checks=checks,
-        update_outputs=dict(products.update_outputs),
-    )
+    graph = _built(model, ex, log, serialized, io=ex.io + products.io, index_checks=checks)
     return forward, rows, graph
-
-
-def _update_io(done: Mapping[str, str], groups: Iterable[tuple[str, int]]) -> list[GraphIO]:
-    """The inputs and outputs the update in the backward adds (update_in_backward.py)."""
-    from ortrain.core.names import IN_BACKWARD_STATES, hyper_name, state_key
-
-    io = [
-        GraphIO(state_key(s, p), Role.OPTIMIZER_STATE, of=p)
-        for p in done
-        for s in IN_BACKWARD_STATES
-    ]
-    group_of = dict(groups)
-    io += [GraphIO(hyper_name(g), Role.HYPERPARAMETER) for g in sorted({group_of[p] for p in done})]
-    io += [GraphIO(out, Role.UPDATE_APPLIED, of=p) for p, out in done.items()]
-    return io
 
 
 def build_eval(
@@ -322,7 +266,13 @@ def build_eval(
 
     log = _Log("eval", config, first)
     ex = log.export(module, batch, False, loss_fn)
+    from ortrain.graph_passes.infra.serialize import Serialized
+
     checks = index_ranges(ex.model, ex.io)
-    serialized = _Serialized()
+    serialized = Serialized()
     log.run(ex.model, eval_pipeline(config), serialized)
-    return _built(ex.model, ex, log, serialized, index_checks=checks)
+    outputs = [
+        GraphIO(name, Role.LOSS if k == "loss" else Role.OUTPUT)
+        for name, k in zip(ex.output_names, ex.output_keys)
+    ]
+    return _built(ex.model, ex, log, serialized, io=ex.io + outputs, index_checks=checks)

@@ -44,9 +44,7 @@ from ortrain.core.errors import (
     first_line,
 )
 from ortrain.core.names import (
-    DROPOUT_SWITCH_INPUT,
     IN_BACKWARD_STATES,
-    LOSS_SCALE_INPUT,
     GradientError,
     UpdateInBackwardError,
     state_key,
@@ -68,6 +66,7 @@ from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
+from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import (
     BoundSession,
@@ -85,7 +84,7 @@ from ortrain.runtime.update_engines import (
     make_engine,
 )
 from ortrain.segments.training import SegmentedTraining
-from ortrain.verify import Tolerance, compare, graph_step_mismatches, report
+from ortrain.verify import Tolerance, as_float64, compare, graph_step_mismatches, report
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -429,7 +428,7 @@ class ORTTrainer:
         if new_shape:
             _warn_many_shapes(len(self._forwards), batch)
         self.build_log.extend(built.log)
-        grad_params = sorted(built.grad_outputs, key=self.trainable.index)
+        grad_params = sorted(built.grad_params, key=self.trainable.index)
         if self.device.type == "cpu":  # sized by this graph, before the update's session
             register_cpu_arena(built.planned_peak_bytes)
         if self.grad_params is None and self._reducer is not None:  # before any gradient moves
@@ -447,15 +446,7 @@ class ORTTrainer:
             )
         with self._graph_cache.session_stage("train"):
             session = self._session(built, graph_capture=True)
-        st = self.state
-        session.bind_inputs({**st.params, **st.buffers, LOSS_SCALE_INPUT: st.loss_scale})
-        session.bind_inputs({DROPOUT_SWITCH_INPUT: self._dropout_on})
-        session.bind_inputs(
-            {acc: st.grads[out[len("grad:") :]] for acc, out in built.accumulators.items()}
-        )
-        session.bind_outputs({built.output_names[0]: st.loss})
-        updates = self._bind_buffer_updates(session, built)
-        self._engine.bind_train(session, built)
+        updates = bind_training_graph(session, built, self.state, self._engine, self._dropout_on)
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
@@ -466,21 +457,6 @@ class ORTTrainer:
         self._train[(sig, rows)] = compiled
         self.build_count += 1
         return compiled
-
-    def _bind_buffer_updates(
-        self, session: BoundSession, built: BuiltGraph
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each buffer update (``Role.UPDATED_BUFFER``: BatchNorm statistics) into a tensor of
-        its own, copied into the buffer after the run: bound to the buffer itself, the new
-        value could be written while a later node (the backward) still reads the old one."""
-        updates = []
-        for r in built.io:
-            if r.role is Role.UPDATED_BUFFER:
-                assert r.of is not None
-                new = torch.empty_like(self.buffers[r.of])
-                session.bind_outputs({r.name: new})
-                updates.append((new, self.buffers[r.of]))
-        return updates
 
     def _compiled(self, batch: Mapping[str, Any], *, train: bool, fresh: bool = False) -> _Compiled:
         sig = _signature(batch)
@@ -625,10 +601,13 @@ class ORTTrainer:
         return loss
 
     # ------------------------------------------------------------------ checks, fallback
-    def _loss_of(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Eager PyTorch's loss of ``batch`` (what the graph computes)."""
-        args, kwargs = call_arguments(self.module, batch)
-        out = self.module(*args, **kwargs)
+    def _loss_of(self, batch: Mapping[str, Any], module: torch.nn.Module) -> torch.Tensor:
+        """Eager PyTorch's loss of ``batch`` through ``module`` (the trainer's, or a float64
+        copy of it: the batch's floating tensors follow its dtype)."""
+        if any(p.dtype == torch.float64 for p in module.parameters()):
+            batch = as_float64(batch)
+        args, kwargs = call_arguments(module, batch)
+        out = module(*args, **kwargs)
         return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
 
     def _checks_out(self, compiled: _Compiled, batch: dict[str, Any]) -> bool:
@@ -638,8 +617,8 @@ class ORTTrainer:
         ``VerificationError``."""
         st = self.state
         names = list(st.grad_params or [])
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        written = list(compiled.session.written_in_place().values())
+        # at loss scale 1: a dynamic scale's first steps may overflow, which is no mismatch
+        written = [st.loss_scale, *compiled.session.written_in_place().values()]
         if self._engine.in_backward:
             # the update with lr 0 and beta1 0 leaves the parameters and writes each
             # gradient into exp_avg; every moment is put back afterwards
@@ -653,6 +632,7 @@ class ORTTrainer:
             grads = {p: st.grads[p] for p in names}
 
         def run() -> None:  # inside the check: what it changes is put back after
+            st.loss_scale.fill_(1.0)
             if self._engine.in_backward:
                 for t in hyper:
                     t[0] = 0.0  # lr
@@ -664,10 +644,10 @@ class ORTTrainer:
             compiled.session.run()
 
         def read() -> dict[str, torch.Tensor]:
-            return {p: g / scale for p, g in grads.items()}
+            return grads
 
         bad, sites, seconds = graph_step_mismatches(
-            lambda: self._loss_of(batch),
+            lambda module: self._loss_of(batch, module),
             self.module,
             run,
             names,
@@ -676,6 +656,7 @@ class ORTTrainer:
             self._dropout_on,
             Tolerance.of(self.options.mixed_precision),
             st.loss,
+            exact=self.options.mixed_precision is None,
         )
         self.verify_seconds += seconds
         if self._reducer is not None:  # every rank takes the same way
@@ -701,7 +682,7 @@ class ORTTrainer:
         else:
             from ortrain.verify import module_of
 
-            bad_text = report(what, bad, {m.name: module_of(m.name) for m in bad})
+            bad_text = report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3)
         if self.options.fallback == "off":
             raise VerificationError(f"{bad_text}. {hint}")
         raise _NotOneGraph(f"its first step disagrees with eager: {bad_text}")

@@ -467,14 +467,20 @@ REFUSED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_embedding_bag_with_data_dependent_bags_is_refused(case: str) -> None:
+    """With fallback="off", the refusal; with "auto" the bag runs in eager and trains like
+    it (tests/test_fallback.py covers the mechanism)."""
     bag, form, last = REFUSED[case]
     model = BagModel(**bag)
-    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters()), TrainerOptions())
+    opts = TrainerOptions(fallback="off")
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters()), opts)
     batch = _batches(form, 1, bag.get("padding_idx"), False, last)[0]
     with pytest.raises(GradientError) as err:
         trainer.train_step(**batch)
     msg = str(err.value)
     assert "op If" in msg and "module.bag" in msg and "['bag.weight']" in msg
+    if case == "sum-padding":
+        trainer = _train_against_eager(bag, _batches(form, 3, bag.get("padding_idx"), False, last))
+        assert trainer.segments is not None
 
 
 def test_embedding_max_norm_is_an_export_error() -> None:

@@ -32,6 +32,7 @@ from tests.dist_worker import (
     CLIP,
     RESUME_AT,
     STEPS,
+    make_segmented,
     make_trainer,
     micro_batches,
     run,
@@ -144,6 +145,20 @@ def test_matches_single_process_on_combined_batch(trained, reference, stage):
     assert norms[0] == norms[1] and norms[0] > CLIP  # every rank clipped alike
     assert norms[0] == pytest.approx(ref_trainer.last_grad_norm, rel=TOL)
     assert_params(torch.load(out / f"{stage}_params.pt"), ref_trainer.module)
+
+
+@pytest.mark.slow
+def test_segmented_model_matches_single_process_on_combined_batch(tmp_path):
+    """A model trained as compiled segments inside eager PyTorch (ortrain/segments): data
+    parallel and ZeRO-1 on 2 gloo ranks train as one process on the combined batches."""
+    results = finish(launch("segmented", tmp_path), tmp_path, "segmented")
+    for stage in (0, 1):
+        single = make_segmented(stage)
+        losses = run(single, None, micro_batches(0, 1), 0, 2 * ACCUM)
+        assert single.segments is not None
+        assert all(r[f"segments{stage}"] == sorted(single.segments.model.compiled) for r in results)
+        assert_losses(rank_mean(results, f"stage{stage}"), losses)
+        assert_params(torch.load(tmp_path / f"segmented{stage}_params.pt"), single.module)
 
 
 @pytest.mark.slow

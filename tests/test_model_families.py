@@ -275,6 +275,8 @@ def _trains_like_eager(
     out = trainer.eval_step(**batches[-1])
     for key in outputs:
         _assert_close_scaled(out[key], out_ref[key], f"eval {key}")
+    # every family compiles whole: its first step agreed with eager (no segments)
+    assert trainer.segments is None, trainer.segments.summary()
     return trainer
 
 

@@ -19,7 +19,7 @@ from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import VerificationError
 from ortrain.core.names import DROPOUT_SWITCH_INPUT
 from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
-from ortrain.verify import Tolerance, compare, no_dropout, restoring
+from ortrain.verify import Tolerance, compare, confirm, no_dropout, restoring
 
 
 # ----------------------------------------------------------------------------- compare
@@ -50,10 +50,24 @@ def test_compare_flags_one_sided_shapes_and_non_finite():
     got = {"x": None, "y": torch.zeros(3), "z": torch.tensor([1.0, float("nan")])}
     names = sorted(m.name for m in compare(got, want, 1e-3))
     # a gradient only eager has fails, an all-zero one only the graph has agrees
-    assert names == ["x", "z (non-finite values differ)"]
+    assert names == ["x (only eager has it)", "z (non-finite values differ)"]
     assert compare({"x": torch.ones(2, 2)}, {"x": torch.ones(4)}, 1e-3)[0].name.startswith(
         "x (shape"
     )
+
+
+def test_confirm_keeps_what_float64_confirms():
+    """Both float32 results wander from the exact one alike (kinks, deep normalization):
+    not a mismatch. Only the graph wandering far further than eager stands."""
+    torch.manual_seed(0)
+    exact = {"w": torch.randn(1000, dtype=torch.float64)}
+    eager = {"w": exact["w"] + 0.01 * torch.randn(1000, dtype=torch.float64)}
+    close = {"w": exact["w"] + 0.01 * torch.randn(1000, dtype=torch.float64)}
+    far = {"w": exact["w"] * 1.2}
+    for got, kept in ((close, 0), (far, 1)):
+        bad = compare(got, eager, 1e-3)
+        assert len(bad) == 1  # float32 against float32 flags both
+        assert len(confirm(bad, got, eager, exact, 1e-3)) == kept
 
 
 # ----------------------------------------------------------------------------- eager side
@@ -229,7 +243,7 @@ def test_an_exporter_that_drops_an_option_is_caught_when_off():
     trainer = ORTTrainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
     )
-    with pytest.raises(VerificationError, match=r"loss .*largest difference"):
+    with pytest.raises(VerificationError, match=r"loss .*differs by"):
         trainer.train_step(*_batches(1)[0])
     for k, v in model.state_dict().items():  # nothing trained
         assert torch.equal(v, before[k]), k

@@ -13,7 +13,8 @@ class Role(str, enum.Enum):
     BATCH = "batch"
     LOSS = "loss"
     OUTPUT = "output"  # other model outputs (evaluation graphs)
-    GRADIENT = "gradient"
+    GRADIENT = "gradient"  # a parameter's gradient (``of`` it; two outputs may share one)
+    ACCUMULATOR = "accumulator"  # the gradient sum an accumulating graph adds to, ``of``
     OPTIMIZER_STATE = "optimizer_state"
     HYPERPARAMETER = "hyperparameter"  # lr, betas, ... read from param_groups each step
     STEP = "step"

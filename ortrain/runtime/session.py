@@ -16,19 +16,31 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnxruntime as ort
 import torch
 
-from ortrain.build import BuiltGraph, serialize_for_ort
 from ortrain.core.errors import DeviceError
 from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
 from ortrain.runtime import cpu_ops
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
+
+class CompiledGraph(Protocol):
+    """A graph built and serialized for ONNX Runtime elsewhere (``ortrain/build.py``'s
+    ``BuiltGraph``, a segment's ``GraphBytes``): what a session is made from."""
+
+    @property
+    def ort_data(self) -> bytes: ...
+
+    recomputes: bool  # holds recomputed copies (ONNX Runtime's CSE must stay off)
+    planned_peak_bytes: int
+    blas_gemm: bool
+    cpu_kernels: bool
 
 # Keep ONNX Runtime from deleting Dropout nodes: training graphs need live masks.
 DISABLED_OPTIMIZERS = ["EliminateDropout"]
@@ -263,7 +275,7 @@ def register_cpu_arena(planned_peak_bytes: int = 0) -> None:
 
 
 def make_session(
-    model: ir.Model | BuiltGraph,
+    model: ir.Model | CompiledGraph,
     *,
     threads: int | None,
     save_path: str | None = None,
@@ -273,12 +285,14 @@ def make_session(
 ) -> ort.InferenceSession:
     device = device or torch.device("cpu")
     if cuda_graph and device.type == "cuda":
-        refuse_random_nodes(model.model() if isinstance(model, BuiltGraph) else model)
+        refuse_random_nodes(model.model() if hasattr(model, "ort_data") else model)
     arena_bytes = 0
     if hasattr(model, "ort_data"):  # built apart (ortrain/build.py, segments): ordered already
         data, recomputes = model.ort_data, model.recomputes
         arena_bytes, blas, kernels = model.planned_peak_bytes, model.blas_gemm, model.cpu_kernels
-    else:
+    else:  # an onnx_ir model made in this process (an update graph)
+        from ortrain.graph_passes.infra.serialize import serialize_for_ort
+
         data, recomputes = serialize_for_ort(model)
         blas = BLAS_DOMAIN in model.opset_imports
         kernels = CPU_DOMAIN in model.opset_imports

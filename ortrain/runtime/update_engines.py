@@ -124,13 +124,11 @@ class _AfterBackward:
         return None
 
     def bind_train(self, session: BoundSession, built: BuiltGraph) -> None:
+        """Each gradient output into its parameter's gradient buffer (two outputs of one
+        gradient share it: ``scatter_in_place.py``)."""
         st = self.state
         assert st.grad_params is not None
-        session.bind_outputs({built.grad_outputs[p]: st.grads[p] for p in st.grad_params})
-        param_of = {out: p for p, out in built.grad_outputs.items()}
-        session.bind_outputs(
-            {out: st.grads[param_of[grad]] for out, grad in built.shared_outputs.items()}
-        )
+        session.bind_outputs({r.name: st.grads[r.of] for r in built.roles(Role.GRADIENT)})
 
     def before_run(self, values: Values) -> None:
         pass
@@ -337,10 +335,11 @@ class BackwardUpdate:
         st = self.state
         assert st.grad_params is not None
         index = {p: i for i, p in enumerate(st.grad_params)}
-        states = {r.name: st.opt_state[r.name] for r in built.io if r.role is Role.OPTIMIZER_STATE}
+        states = {r.name: st.opt_state[r.name] for r in built.roles(Role.OPTIMIZER_STATE)}
         session.bind_inputs(states)
         session.bind_inputs({hyper_name(gi): t for gi, t in enumerate(self.hyper)})
-        session.bind_outputs({out: self.done[index[p]] for p, out in built.update_outputs.items()})
+        done = built.roles(Role.UPDATE_APPLIED)
+        session.bind_outputs({r.name: self.done[index[r.of]] for r in done})
 
     def before_run(self, values: Values) -> None:
         """This step's values of what ``hyper:group<i>`` holds (``HYPER_NAMES``)."""

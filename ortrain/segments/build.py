@@ -67,7 +67,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
-    from ortrain.build import serialize_for_ort
+    from ortrain.graph_passes.infra.serialize import serialize_for_ort
 
     data, recomputes = serialize_for_ort(model)
     inputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.inputs]

@@ -38,7 +38,15 @@ from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
 from ortrain.segments.runner import SegmentFunction, SegmentRunner
-from ortrain.verify import Mismatch, Tolerance, compare, no_dropout, restoring
+from ortrain.verify import (
+    Mismatch,
+    Tolerance,
+    compare,
+    confirm,
+    in_float64,
+    no_dropout,
+    restoring,
+)
 
 SessionFactory = Callable[[GraphBytes], BoundSession]
 Key = tuple  # (call signature, module.training)
@@ -104,53 +112,81 @@ def _structure(module: torch.nn.Module, key: Key) -> tuple:
     return (type(module).__module__, type(module).__qualname__, repr(module), params, buffers, key)
 
 
-def verify_call(
-    module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
-) -> list[Mismatch]:
-    """The compiled call against eager on the same inputs and weights, without dropout:
-    outputs, and the gradients of the inputs and parameters for random output gradients."""
+def _eager_call(
+    module: torch.nn.Module, call: Call, runner: SegmentRunner, seeds: list | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor], list]:
+    """Eager ``module(*call)`` without dropout, in the module's dtype: (its tensors with
+    grad as they require it, the gradients of those and of ``runner.grad_params`` for
+    output gradients ``seeds`` (drawn when None), the outputs, the seeds)."""
+    dtype = next((p.dtype for p in module.parameters()), torch.float32)
     tensors = [
-        t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
+        (t.detach().to(dtype) if t.is_floating_point() else t.detach())
+        .clone()
+        .requires_grad_(t.requires_grad and t.is_floating_point())
         for t in call.tensors
     ]
     args, kwargs = call.with_tensors(tensors)
     params = dict(module.named_parameters())
-    wrt_params = [params[p] for p in runner.grad_params]
-    buffers = list(module.buffers())
-    gen = torch.Generator().manual_seed(0)
-    grad_inputs = [t for t in tensors if t.requires_grad]
-    wrt = grad_inputs + wrt_params
+    wrt = [t for t in tensors if t.requires_grad] + [params[p] for p in runner.grad_params]
     # the buffers (BatchNorm statistics) are put back after the backward, which checks
     # that nothing it saved was changed in place
-    with restoring(buffers), no_dropout(), torch.enable_grad():
+    with restoring(list(module.buffers())), no_dropout(), torch.enable_grad():
         out = _original_forward(module)(*args, **kwargs)
         outs = runner.graphs.result.tensors(out)
-        seeds = [
-            torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)
-            if o.is_floating_point()
-            else None
-            for o in outs
+        if seeds is None:
+            gen = torch.Generator().manual_seed(0)
+            seeds = [
+                torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)
+                if o.is_floating_point()
+                else None
+                for o in outs
+            ]
+        pairs = [
+            (o, s.to(o.dtype)) for o, s in zip(outs, seeds) if s is not None and o.requires_grad
         ]
-        pairs = [(o, s) for o, s in zip(outs, seeds) if s is not None and o.requires_grad]
-        eager = (
+        grads = (
             torch.autograd.grad(
                 [o for o, _ in pairs], wrt, [s for _, s in pairs], allow_unused=True
             )
             if pairs and wrt
             else [None] * len(wrt)
         )
-    with restoring(buffers), runner.dropout(False), torch.no_grad():
+    return tensors, list(grads), [o.detach() for o in outs], seeds
+
+
+def _named(tensors: list[torch.Tensor], grads: list, outs: list, runner: SegmentRunner):
+    """(outputs by name, gradients by name) of one side of a check."""
+    outputs = {f"output {k}": o for k, o in enumerate(outs)}
+    grad_inputs = [k for k, t in enumerate(tensors) if t.requires_grad]
+    named = {f"gradient of input {k}": g for k, g in zip(grad_inputs, grads)}
+    named.update(zip(runner.grad_params, grads[len(grad_inputs) :]))
+    return outputs, named
+
+
+def verify_call(
+    module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
+) -> list[Mismatch]:
+    """The compiled call against eager on the same inputs and weights, without dropout:
+    outputs, and the gradients of the inputs and parameters for random output gradients;
+    a mismatch stands only if a float64 eager run confirms it (``verify.confirm``)."""
+    tensors, grads, outs, seeds = _eager_call(module, call, runner, None)
+    with restoring(list(module.buffers())), runner.dropout(False), torch.no_grad():
         couts, saved = runner.forward(module, tensors)
         in_grads, param_grads = runner.backward(module, tensors, saved, seeds, couts)
-    got = {f"output {k}": o for k, o in enumerate(couts)}
-    want = {f"output {k}": o.detach() for k, o in enumerate(outs)}
-    bad = compare(got, want, tol.loss)
-    eager_in = dict(zip([k for k, t in enumerate(tensors) if t.requires_grad], eager))
-    got_g = {f"gradient of input {k}": g for k, g in enumerate(in_grads) if k in eager_in}
-    want_g = {f"gradient of input {k}": eager_in[k] for k in eager_in}
-    got_g.update(param_grads)
-    want_g.update(zip(runner.grad_params, eager[len(grad_inputs) :]))
-    return bad + compare(got_g, want_g, tol.grad)
+    want_out, want = _named(tensors, grads, outs, runner)
+    got_out = {f"output {k}": o for k, o in enumerate(couts)}
+    got = {f"gradient of input {k}": in_grads[k] for k, t in enumerate(tensors) if t.requires_grad}
+    got.update(param_grads)
+    bad_out = compare(got_out, want_out, tol.loss)
+    bad = compare(got, want, tol.grad, tol.floor)
+    if bad_out or bad:
+        module64 = in_float64(module)
+        if module64 is not None:
+            t64, g64, o64, _ = _eager_call(module64, call, runner, seeds)
+            exact_out, exact = _named(t64, g64, o64, runner)
+            bad_out = confirm(bad_out, got_out, want_out, exact_out, tol.loss)
+            bad = confirm(bad, got, want, exact, tol.grad)
+    return bad_out + bad
 
 
 @dataclasses.dataclass

@@ -96,7 +96,7 @@ class SegmentedTraining:
 
         self.model = SegmentedModel(self.module, plan, self.session, self.device, replan)
         self.plan_seconds = time.perf_counter() - start
-        warnings.warn(self.summary(), stacklevel=4)
+        warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
 
     def summary(self) -> str:
         """One line per fallback: the module, the cause, the eager share of the forward."""
