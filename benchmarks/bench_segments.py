@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         row = {"model": name}
         for backend in ("torch", "ortrain"):
-            cmd = [sys.executable, __file__, "--child", name, backend, "--steps",
-                   str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+            cmd = [sys.executable, __file__, "--child", name, backend, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
             if done.returncode != 0:

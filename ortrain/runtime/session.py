@@ -42,6 +42,7 @@ class CompiledGraph(Protocol):
     blas_gemm: bool
     cpu_kernels: bool
 
+
 # Keep ONNX Runtime from deleting Dropout nodes: training graphs need live masks.
 DISABLED_OPTIMIZERS = ["EliminateDropout"]
 # Graphs with recomputed copies (graph_passes/memory/recompute.py) also keep ONNX Runtime's CSE
