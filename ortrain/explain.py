@@ -9,9 +9,15 @@ if TYPE_CHECKING:
 
 
 def explain(trainer: ORTTrainer) -> str:
-    """Per pass: graph, time, node count before/after (export has no 'before') and the
-    op-type changes it made."""
-    rows = [f"{'graph':<6} {'stage':<22} {'ms':>9} {'nodes':>15}  op changes", "-" * 90]
+    """The trainer's program (one graph, or segments with their fallbacks and time), the
+    first-step checks against eager, then per pass: graph, time, node count before/after
+    (export has no 'before') and the op-type changes it made."""
+    head = [trainer.program.format()]
+    if trainer.segments is not None:
+        head.append(trainer.segments.explain())
+    head.append(_build_time(trainer))
+    rows = [*head, "", f"{'graph':<6} {'stage':<22} {'ms':>9} {'nodes':>15}  op changes"]
+    rows.append("-" * 90)
     for r in trainer.build_log:
         nodes = (
             f"{r.nodes_after}" if r.stage == "export" else f"{r.nodes_before} -> {r.nodes_after}"
@@ -26,3 +32,15 @@ def explain(trainer: ORTTrainer) -> str:
     if not trainer.build_log:
         rows.append("(nothing built yet: call train_step or eval_step first)")
     return "\n".join(rows)
+
+
+def _build_time(trainer: ORTTrainer) -> str:
+    """Where the builds' time went, by stage: what a first step costs beyond a step."""
+    stages = {"export": 0.0, "passes": 0.0, "cache": 0.0}
+    for r in trainer.build_log:
+        key = r.stage if r.stage in ("export", "cache") else "passes"
+        stages[key] += r.seconds
+    sessions = trainer.session_seconds
+    parts = [f"{k} {v:.2f} s" for k, v in stages.items() if v]
+    parts += [f"sessions {sessions:.2f} s", f"checks against eager {trainer.verify_seconds:.2f} s"]
+    return "build time: " + ", ".join(parts)

@@ -66,6 +66,7 @@ from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
+from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import (
@@ -119,11 +120,13 @@ class _Compiled:
 
 
 class _NotOneGraph(Exception):
-    """The whole model cannot be one training graph; ``fallback="auto"`` segments it."""
+    """The whole model cannot be one training graph; ``fallback="auto"`` segments it.
+    ``error``: what to raise instead where eager cannot run the batch either."""
 
-    def __init__(self, cause: str):
+    def __init__(self, cause: str, error: Exception):
         super().__init__(cause)
         self.cause = cause
+        self.error = error
 
 
 class StepOutputs(dict):
@@ -416,7 +419,7 @@ class ORTTrainer:
             except (ExportError, GradientError) as exc:
                 if self.options.fallback == "off":
                     raise
-                raise _NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}") from exc
+                raise _NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
             except UpdateInBackwardError as exc:
                 # "auto" takes the update after the session where the graph cannot run it
                 # (choose_engine raises the refusal where the engine may not change)
@@ -548,6 +551,15 @@ class ORTTrainer:
                 return self._graph_step(batch)
             except _NotOneGraph as exc:
                 self._start_segments(exc.cause)
+                try:
+                    return self._segment_step(batch)
+                except Exception as eager:
+                    if self._segments is None or self._segments.model is not None:
+                        raise
+                    # eager cannot run this batch either (its recording forward failed):
+                    # the model's own error, as the build named it, not a fallback's
+                    self._segments = None
+                    raise exc.error from eager
         return self._segment_step(batch)
 
     def _graph_step(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -685,7 +697,8 @@ class ORTTrainer:
             bad_text = report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3)
         if self.options.fallback == "off":
             raise VerificationError(f"{bad_text}. {hint}")
-        raise _NotOneGraph(f"its first step disagrees with eager: {bad_text}")
+        cause = f"its first step disagrees with eager: {bad_text}"
+        raise _NotOneGraph(cause, VerificationError(f"{bad_text}. {hint}"))
 
     def _warn_lost_dropout(self, compiled: _Compiled, eager_sites: int) -> None:
         from ortrain.runtime.session import random_nodes
@@ -791,6 +804,26 @@ class ORTTrainer:
                 named[n].grad = g
 
     @property
+    def program(self) -> TrainingProgram:
+        """What the model is compiled into (``ortrain/program.py``): one training graph, or
+        compiled segments, fallbacks and eager glue; and where the update runs."""
+        if self._segments is None:
+            graphs = list(self._train.values())
+            checked = sum(c.verified for c in graphs)
+            whole = ProgramSegment("", "graph", len(graphs), checked)
+            return TrainingProgram((whole,), self._engine.name)
+        model = self._segments.model
+        segments = []
+        if model is not None:
+            for name, plan in model.plans.items():
+                if plan.status == "compiled":
+                    n = len(model.runners.get(name, {}))
+                    segments.append(ProgramSegment(name, "compiled", n, n))
+                else:
+                    segments.append(ProgramSegment(name, plan.status, cause=plan.cause))
+        return TrainingProgram(tuple(segments), self._engine.name)
+
+    @property
     def segments(self) -> SegmentedTraining | None:
         """The model as compiled segments inside eager PyTorch (``fallback="auto"`` after it
         could not be one graph); None while it is one training graph."""
@@ -823,6 +856,11 @@ class ORTTrainer:
     def loss_scale(self) -> float | None:
         """The loss scale the next step's backward uses (None without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else None
+
+    @property
+    def session_seconds(self) -> float:
+        """Seconds spent making ONNX Runtime sessions for the training and eval graphs."""
+        return sum(r.seconds for r in self._graph_cache.session_log)
 
     @property
     def cache_hits(self) -> int:

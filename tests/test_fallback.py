@@ -115,6 +115,10 @@ def test_a_mixed_model_trains_like_eager_with_one_warning():
     assert trainer.update_engine.name != "backward"
     assert sorted(trainer.grad_params) == sorted(n for n, _ in _Mixed().named_parameters())
     assert "compiled  encoder" in seg.explain()
+    program = trainer.program
+    assert not program.whole and program.update == trainer.update_engine.name
+    kinds = {s.module: s.kind for s in program.segments}
+    assert kinds["encoder"] == "compiled" and kinds["scorer"] == "split"
 
 
 def test_fallback_off_raises_the_cause():

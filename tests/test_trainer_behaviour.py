@@ -250,6 +250,10 @@ def test_explain_lists_build_stages_with_node_counts():
     text = explain(trainer)
     for stage in ("export", "fuse_gelu", "autodiff", "lower_cross_entropy"):
         assert stage in text
+    # the program (one graph, checked against eager) and the first step's time by stage
+    assert trainer.program.whole and trainer.program.segments[0].checked == 1
+    assert "graph     (the model) (1 graph(s), 1 checked)" in text
+    assert "build time: export" in text and "checks against eager" in text
     autodiff = next(r for r in trainer.build_log if r.stage == "autodiff")
     assert autodiff.nodes_after > 2 * autodiff.nodes_before  # the backward was added
     gelu = next(r for r in trainer.build_log if r.stage == "fuse_gelu")
