@@ -256,3 +256,24 @@ def test_a_model_that_compiles_whole_stays_one_graph():
         warnings.simplefilter("error")
         trainer = train_like_eager(lambda: copy.deepcopy(Whole()), _batches(2))
     assert trainer.segments is None and len(trainer._train) == 1
+
+
+class _InPlaceGlue(torch.nn.Module):
+    """Eager glue that changes a segment's output in place, as eager code may when the
+    op that made it does not keep it for its backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.scorer = _Det(8)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        h.mul_(2.0)
+        return F.cross_entropy(h[:, :3], y) + 0.01 * self.scorer(h).mean()
+
+
+def test_eager_glue_may_change_a_segments_output_in_place():
+    trainer = train_like_eager(_InPlaceGlue, _batches(3))
+    assert "lin" in trainer.segments.model.compiled

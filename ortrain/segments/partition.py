@@ -172,7 +172,9 @@ def verify_call(
     tensors, grads, outs, seeds = _eager_call(module, call, runner, None)
     with restoring(list(module.buffers())), runner.dropout(False), torch.no_grad():
         couts, saved = runner.forward(module, tensors)
-        in_grads, param_grads = runner.backward(module, tensors, saved, seeds, couts)
+        zeros = [torch.zeros_like(o) if s is None else s for o, s in zip(couts, seeds)]
+        read = {k: tensors[k] for k in runner.backward_reads}
+        in_grads, param_grads = runner.backward(module, len(tensors), read, saved, zeros)
     want_out, want = _named(tensors, grads, outs, runner)
     got_out = {f"output {k}": o for k, o in enumerate(couts)}
     got = {f"gradient of input {k}": in_grads[k] for k, t in enumerate(tensors) if t.requires_grad}

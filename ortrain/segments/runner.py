@@ -60,6 +60,9 @@ class SegmentRunner:
         ]
         self.trainable = list(dict.fromkeys(self.trainable))
         self.grad_params = [p for p in self.trainable if p in graphs.grads]
+        # the call's tensors the backward graph reads (only those are kept for it)
+        bwd_inputs = {r.name for r in graphs.backward.inputs if r.role is Role.SEGMENT_INPUT}
+        self.backward_reads = sorted(int(n[3:]) for n in bwd_inputs)
         self.runs = 0  # forward runs (a test's and ``explain``'s count)
         self.seconds = 0.0  # in both graphs' runs (``explain``'s share of the step)
 
@@ -122,20 +125,22 @@ class SegmentRunner:
     def backward(
         self,
         module: torch.nn.Module,
-        inputs: list[torch.Tensor],
+        n_inputs: int,
+        read: dict[int, torch.Tensor],
         saved: list[torch.Tensor],
-        grad_outputs: list[torch.Tensor | None],
-        outputs: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
-        """(gradients of the call's tensors, gradients of the trainable parameters)."""
+        """(gradients of the call's ``n_inputs`` tensors, gradients of the trainable
+        parameters) for the output gradients ``grad_outputs``; ``read``: the call's tensors
+        the backward graph reads (``backward_reads``), by position."""
         g = self.graphs.backward
-        feed = {**self._state(module, g), **{f"in:{k}": t.detach() for k, t in enumerate(inputs)}}
+        feed = {**self._state(module, g), **{f"in:{k}": t.detach() for k, t in read.items()}}
         feed.update(zip(self.graphs.saved, saved))
         seeds = {r.of: r.name for r in g.inputs if r.role is Role.OUTPUT_GRADIENT}
         names = [r.name for r in self.graphs.forward.outputs if r.role is Role.SEGMENT_OUTPUT]
-        for name, grad, out in zip(names, grad_outputs, outputs, strict=True):
+        for name, grad in zip(names, grad_outputs, strict=True):
             if name in seeds:
-                feed[seeds[name]] = torch.zeros_like(out) if grad is None else grad
+                feed[seeds[name]] = grad
         keep = self._bind(self.bwd, feed)
         outs = self._outputs(self.bwd, g)
         start = time.perf_counter()
@@ -143,7 +148,7 @@ class SegmentRunner:
         self.seconds += time.perf_counter() - start
         del keep
         grads = self.graphs.grads
-        in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(len(inputs))]
+        in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
         param_grads = {p: outs[grads[p]] for p in self.grad_params}
         return in_grads, param_grads
 
@@ -172,19 +177,22 @@ class SegmentFunction(torch.autograd.Function):
         ctx.runner = runner
         ctx.module = module
         ctx.n_inputs = n_inputs
-        ctx.n_params = len(flat) - n_inputs
-        ctx.save_for_backward(*inputs, *saved, *outs)
-        ctx.n_saved = len(saved)
+        # only what the backward graph reads: eager may change the rest in place, as it may
+        # where its own backward does not read it
+        read = [inputs[k] for k in runner.backward_reads]
+        ctx.save_for_backward(*read, *saved)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
         runner: SegmentRunner = ctx.runner
         tensors = ctx.saved_tensors
-        n, s = ctx.n_inputs, ctx.n_saved
-        inputs, saved, outs = list(tensors[:n]), list(tensors[n : n + s]), list(tensors[n + s :])
-        grads = [None if g is None else g.contiguous() for g in grad_outputs]
-        in_grads, param_grads = runner.backward(ctx.module, inputs, saved, grads, outs)
+        n = len(runner.backward_reads)
+        read = dict(zip(runner.backward_reads, tensors[:n]))
+        grads = [g.contiguous() for g in grad_outputs]  # torch gives zeros for unused ones
+        in_grads, param_grads = runner.backward(
+            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads
+        )
         params = [param_grads.get(p) for p in runner.grad_params]
         return (None, None, None, *in_grads, *params)
