@@ -74,6 +74,8 @@ class BuiltGraph:
     index_checks: dict[str, list] = dataclasses.field(default_factory=dict)
     # ("input|output <name>", "dtype shape"): compared across ranks (distributed/fingerprint.py)
     signature: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # an evaluation graph built from the training export (``build_eval``), not its own
+    from_training_export: bool = False
 
     def model(self) -> ir.Model:
         import onnx
@@ -145,11 +147,13 @@ class _Log:
     def export(
         self, module: torch.nn.Module, batch: Mapping[str, Any], train: bool, loss_fn: LossFn | None
     ) -> ExportedForward:
+        """The forward of ``batch`` with the model's other outputs too (a training build
+        drops them; its evaluation graph is built from the same export)."""
         import time
 
         stage("export")  # the line a long build prints (ortrain/build_cache.py)
         t = time.perf_counter()
-        ex = export_here(module, batch, train, loss_fn, not train)
+        ex = export_here(module, batch, train, loss_fn, True)
         seconds = time.perf_counter() - t
         self.records.append(StageRecord(self.graph, "export", seconds, 0, len(ex.model.graph)))
         self.next += 1
@@ -230,11 +234,13 @@ def build_train(
 
     log = _Log("train", config, first)
     if forward is None:
-        ex = log.export(module, batch, True, loss_fn)
+        full = log.export(module, batch, True, loss_fn)
+        wire = full.to_wire()  # with the model's outputs: an evaluation graph's source
+        ex = training_view(full)
         sites = find_label_sites(ex.model) if config.optimize else []
-        forward = ForwardSource(ex.to_wire(), sites)
+        forward = ForwardSource(wire, sites)
     else:
-        ex = ExportedForward.from_wire(forward.wire)
+        ex = training_view(ExportedForward.from_wire(forward.wire))
     rows = label_rows(forward.sites, batch, headroom=True)
     checks = index_ranges(ex.model, ex.io)  # of the exported forward, before the passes
     model = ex.model  # from_wire / a fresh export: the passes may rewrite it in place
@@ -254,18 +260,57 @@ def build_train(
     return forward, rows, graph
 
 
+def training_view(ex: ExportedForward) -> ExportedForward:
+    """The export a training graph is built from: the loss and the buffer updates as its
+    outputs, the model's other outputs dropped (in place)."""
+    graph = ex.model.graph
+    others = set(ex.output_names[1:])
+    for v in [v for v in graph.outputs if v.name in others]:
+        graph.outputs.remove(v)
+    return ExportedForward(ex.model, ex.io, ex.output_names[:1], ex.output_keys[:1])
+
+
+def evaluation_view(ex: ExportedForward) -> ExportedForward:
+    """A training export as an evaluation forward (in place): no buffer updates, and every
+    Dropout in inference mode. Whatever else the model does by mode (BatchNorm's batch
+    statistics, ``if self.training``) the evaluation graph's first run finds against
+    eager, and the trainer exports in evaluation mode then."""
+    import numpy as np
+    import onnx_ir as ir
+
+    graph = ex.model.graph
+    updated = {r.name for r in ex.io if r.role is Role.UPDATED_BUFFER}
+    for v in [v for v in graph.outputs if v.name in updated]:
+        graph.outputs.remove(v)
+    off = None
+    for node in graph:
+        if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
+            if off is None:
+                off = ir.Value(name="dropout_off", const_value=ir.tensor(np.array(False)))
+                graph.register_initializer(off)
+            node.replace_input_with(2, off)
+    io = [r for r in ex.io if r.role is not Role.UPDATED_BUFFER]
+    return ExportedForward(ex.model, io, ex.output_names, ex.output_keys)
+
+
 def build_eval(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
     loss_fn: LossFn | None,
     config: BuildConfig,
     first: int,
+    forward: ForwardSource | None = None,
 ) -> BuiltGraph:
-    """The evaluation graph of ``batch``'s signature (loss and the model's outputs)."""
+    """The evaluation graph of ``batch``'s signature (loss and the model's outputs), from
+    the training export ``forward`` where given (one export per model and signature; its
+    first run is checked against eager), else from an export in evaluation mode."""
     from ortrain.graph_passes.training_pipeline import eval_pipeline
 
     log = _Log("eval", config, first)
-    ex = log.export(module, batch, False, loss_fn)
+    if forward is not None:
+        ex = evaluation_view(ExportedForward.from_wire(forward.wire))
+    else:
+        ex = log.export(module, batch, False, loss_fn)
     from ortrain.graph_passes.infra.serialize import Serialized
 
     checks = index_ranges(ex.model, ex.io)
@@ -275,4 +320,6 @@ def build_eval(
         GraphIO(name, Role.LOSS if k == "loss" else Role.OUTPUT)
         for name, k in zip(ex.output_names, ex.output_keys)
     ]
-    return _built(ex.model, ex, log, serialized, io=ex.io + outputs, index_checks=checks)
+    built = _built(ex.model, ex, log, serialized, io=ex.io + outputs, index_checks=checks)
+    built.from_training_export = forward is not None
+    return built

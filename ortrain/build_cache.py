@@ -578,17 +578,20 @@ class GraphCache:
         loss_fn: LossFn | None,
         settings: BuildConfig,
         first: int,
+        forward: ForwardSource | None = None,
+        fresh: bool = False,
     ) -> BuiltGraph:
-        """``ortrain.build.build_eval``'s result, from the cache where it has it."""
+        """``ortrain.build.build_eval``'s result, from the cache where it has it (``fresh``:
+        built anew over the entry, as for training graphs)."""
         from ortrain.build import build_eval
 
         self._progress("eval")
-        job = functools.partial(build_eval, module, batch, loss_fn, settings, first)
+        job = functools.partial(build_eval, module, batch, loss_fn, settings, first, forward)
         if not self.enabled:
             return self._run(run, job)
         t = time.perf_counter()
         key = _key("eval", self._base("eval", batch), _settings_token(settings))
-        built = self.load(key)
+        built = None if fresh else self.load(key)
         if built is not None:
             return self._hit(built, "eval", t)
         built = self._run(run, job)

@@ -480,12 +480,23 @@ class ORTTrainer:
                 return self._train[(sig, rows)]
         return self._build_train(sig, batch)
 
-    def _build_eval(self, batch: Mapping[str, Any]) -> _Compiled:
+    def _build_eval(self, batch: Mapping[str, Any], fresh: bool = False) -> _Compiled:
+        """The evaluation graph of ``batch``'s signature: from the training export of that
+        signature where there is one and graphs are checked (its first run against eager
+        decides), else (or ``fresh``) from an export in evaluation mode."""
+        sig = _signature(batch)
+        forward = None if fresh or not self.options.verify else self._forwards.get(sig)
         job = functools.partial(
-            build_eval, self.module, batch, self.loss_fn, self._settings(), len(self.build_log) + 1
+            build_eval,
+            self.module,
+            batch,
+            self.loss_fn,
+            self._settings(),
+            len(self.build_log) + 1,
+            forward,
         )
         run = functools.partial(self._run_build, batch=batch)
-        built = self._graph_cache.build_eval(run, *job.args)
+        built = self._graph_cache.build_eval(run, *job.args, fresh=fresh)
         self.build_log.extend(built.log)
         with self._graph_cache.session_stage("eval"):
             session = self._session(built)
@@ -928,6 +939,11 @@ class ORTTrainer:
         if self.options.verify and not compiled.verified:
             want = self._eager_outputs(batch)
             bad = compare(outputs, want, Tolerance.of(self.options.mixed_precision).loss)
+            if bad and compiled.graph.from_training_export:
+                # the model computes otherwise in evaluation mode (BatchNorm's running
+                # statistics, ``if self.training``): its own export, checked in turn
+                self._eval[sig] = self._build_eval(batch, fresh=True)
+                return self.eval_step(*args, **kwargs)
             if bad:
                 text = report(f"{type(self.module).__name__}'s evaluation graph", bad)
                 if self.options.fallback == "off":

@@ -376,3 +376,50 @@ def test_an_evaluation_graph_that_disagrees_runs_in_eager():
     )
     with pytest.raises(VerificationError, match="evaluation graph"):
         off.eval_step(x, y)
+
+
+def _exports(trainer: ORTTrainer) -> int:
+    return sum(r.stage == "export" for r in trainer.build_log)
+
+
+def test_evaluation_reuses_the_training_export():
+    """One export per model and signature: the evaluation graph is built from the training
+    export (dropout in inference mode), and its first run is checked against eager."""
+    model = _Net(dropout=0.3)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    trainer.train_step(x, y)
+    out = trainer.eval_step(x, y)
+    assert _exports(trainer) == 1 and trainer.build_count == 2
+    assert next(iter(trainer._eval.values())).graph.from_training_export
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.norm(self.lin(x))[:, :4], y)
+
+
+def test_a_model_that_evaluates_otherwise_gets_its_own_evaluation_export():
+    """BatchNorm normalizes with its running statistics in evaluation: the graph from the
+    training export disagrees on its first run, and the model is exported again."""
+    model = _Normed()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    trainer.train_step(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not eager: an export of its own
+        out = trainer.eval_step(x, y)
+    assert _exports(trainer) == 2
+    assert not next(iter(trainer._eval.values())).graph.from_training_export
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
