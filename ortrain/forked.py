@@ -102,7 +102,11 @@ def call_forked(job: Callable[[], T], *, what: str) -> T:
             stacklevel=3,
         )
         return job()
-    kind, value, notes = pickle.loads(data)
+    with warnings.catch_warnings():
+        # torch's pytree specs (a segment's call and result structure) warn about their
+        # own pickled form on load; nothing the user can act on
+        warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+        kind, value, notes = pickle.loads(data)
     for category, message in notes:
         warnings.warn(message, category, stacklevel=3)
     if kind == "error":

@@ -113,6 +113,7 @@ class _Compiled:
     )
     cache_hit: bool = False  # loaded from the graph cache, not built by this process
     verified: bool = False  # its first step agreed with eager (ortrain/verify.py)
+    unchecked: str = ""  # why it could not be checked (it draws random numbers)
 
     @functools.cached_property
     def model(self) -> ir.Model:
@@ -638,6 +639,8 @@ class ORTTrainer:
         True: it agrees. False: a cached graph disagrees (build it again). A graph built
         here that disagrees raises: ``_NotOneGraph`` (fallback "auto") or
         ``VerificationError``."""
+        if self._draws_randomly(compiled):
+            return True
         st = self.state
         names = list(st.grad_params or [])
         # at loss scale 1: a dynamic scale's first steps may overflow, which is no mismatch
@@ -710,6 +713,24 @@ class ORTTrainer:
             raise VerificationError(f"{bad_text}. {hint}")
         cause = f"its first step disagrees with eager: {bad_text}"
         raise _NotOneGraph(cause, VerificationError(f"{bad_text}. {hint}"))
+
+    def _draws_randomly(self, compiled: _Compiled) -> bool:
+        """A graph that draws random numbers besides its switchable Dropouts (RReLU's
+        slopes, a noise layer) cannot be compared with eager, which draws others: it is
+        trusted, with a warning."""
+        from ortrain.runtime.session import random_nodes
+
+        drawn = sorted({op for op, _ in random_nodes(compiled.model) if op != "Dropout"})
+        if not drawn:
+            return False
+        compiled.verified = True
+        compiled.unchecked = f"it draws random numbers ({', '.join(drawn)})"
+        warnings.warn(
+            f"ortrain: {type(self.module).__name__}'s training graph is not checked against "
+            f"eager: {compiled.unchecked}, which eager draws otherwise",
+            stacklevel=5,
+        )
+        return True
 
     def _warn_lost_dropout(self, compiled: _Compiled, eager_sites: int) -> None:
         from ortrain.runtime.session import random_nodes
@@ -820,7 +841,7 @@ class ORTTrainer:
         compiled segments, fallbacks and eager glue; and where the update runs."""
         if self._segments is None:
             graphs = list(self._train.values())
-            checked = sum(c.verified for c in graphs)
+            checked = sum(c.verified and not c.unchecked for c in graphs)
             whole = ProgramSegment("", "graph", len(graphs), checked)
             return TrainingProgram((whole,), self._engine.name)
         model = self._segments.model

@@ -190,6 +190,23 @@ _DROPOUTS = {
 }
 
 
+# recurrent layers draw their inter-layer dropout inside one call: (input, hx, params,
+# has_biases, num_layers, dropout, train, ...), or packed (data, batch_sizes, hx, ...)
+_RNNS = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
+
+
+def _rnn_without_dropout(args: tuple) -> tuple[tuple, int]:
+    """A recurrent call's arguments with its dropout 0, and the sites it would draw."""
+    packed = isinstance(args[1], torch.Tensor) and not args[1].is_floating_point()
+    at = 6 if packed else 5
+    if len(args) <= at + 1:
+        return args, 0
+    dropout, train, layers = args[at], args[at + 1], args[at - 1]
+    if not (train and float(dropout) > 0):
+        return args, 0
+    return (*args[:at], 0.0, *args[at + 1 :]), int(layers) - 1
+
+
 class _NoDropout(TorchFunctionMode):
     """Eager dropout as the identity; counts the sites that would have drawn."""
 
@@ -199,6 +216,10 @@ class _NoDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _RNNS and not kwargs and len(args) > 6:
+            args, sites = _rnn_without_dropout(tuple(args))
+            self.sites += sites
+            return func(*args)
         if func in _DROPOUTS:
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)

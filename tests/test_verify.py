@@ -423,3 +423,36 @@ def test_a_model_that_evaluates_otherwise_gets_its_own_evaluation_export():
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
+
+
+class _Noisy(torch.nn.Module):
+    """Noise injected in training: a graph that draws what eager draws otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        return F.cross_entropy(h + 0.1 * torch.randn_like(h), y)
+
+
+def test_a_graph_that_draws_random_numbers_is_trusted_with_a_warning():
+    model = _Noisy()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"not checked against eager: it draws random numbers"):
+        trainer.train_step(*_batches(1)[0])
+    assert trainer.segments is None
+    assert trainer.program.whole and trainer.program.segments[0].checked == 0
+
+
+def test_recurrent_inter_layer_dropout_is_off_in_the_check():
+    """nn.LSTM draws its inter-layer dropout inside one call, not through F.dropout."""
+    for cls in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN):
+        m = cls(4, 5, num_layers=3, dropout=0.5, batch_first=True)
+        x = torch.randn(2, 3, 4)
+        with no_dropout() as mode:
+            a = m(x)[0]
+        m.dropout = 0.0
+        assert mode.sites == 2 and torch.equal(a, m(x)[0]), cls.__name__

@@ -39,6 +39,8 @@ class GraphBytes:
     # output name -> (shape, dtype name): outputs are allocated by the runner
     output_types: dict[str, tuple[tuple[int, ...] | None, str]]
     planned_peak_bytes: int = 0  # what ``make_session`` sizes the CPU arena by
+    # random ops besides the switchable Dropouts: no check against eager can compare them
+    draws: tuple[str, ...] = ()
 
     @property
     def ort_data(self) -> bytes:
@@ -68,7 +70,9 @@ def _dtype_name(dtype: Any) -> str:
 
 def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
     from ortrain.graph_passes.infra.serialize import serialize_for_ort
+    from ortrain.runtime.session import random_nodes
 
+    draws = tuple(sorted({op for op, _ in random_nodes(model) if op != "Dropout"}))
     data, recomputes = serialize_for_ort(model)
     inputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.inputs]
     outputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.outputs]
@@ -86,6 +90,7 @@ def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
         BLAS_DOMAIN in model.opset_imports,
         CPU_DOMAIN in model.opset_imports,
         types,
+        draws=draws,
     )
 
 

@@ -168,7 +168,11 @@ def verify_call(
 ) -> list[Mismatch]:
     """The compiled call against eager on the same inputs and weights, without dropout:
     outputs, and the gradients of the inputs and parameters for random output gradients;
-    a mismatch stands only if a float64 eager run confirms it (``verify.confirm``)."""
+    a mismatch stands only if a float64 eager run confirms it (``verify.confirm``). A
+    graph that draws random numbers besides its Dropouts is not compared (eager draws
+    others): it passes, and ``ModulePlan.unchecked`` says so."""
+    if runner.graphs.forward.draws:
+        return []
     tensors, grads, outs, seeds = _eager_call(module, call, runner, None)
     with restoring(list(module.buffers())), runner.dropout(False), torch.no_grad():
         couts, saved = runner.forward(module, tensors)
@@ -201,6 +205,7 @@ class ModulePlan:
     graphs: dict[Key, int] = dataclasses.field(default_factory=dict)  # -> index in Plan.graphs
     seconds: float = 0.0  # eager time of its calls in the recording forward
     calls: int = 0
+    unchecked: str = ""  # why a compiled call could not be checked against eager
 
 
 @dataclasses.dataclass
@@ -272,6 +277,9 @@ def plan_segments(
                         worst = bad[0].describe()
                         raise _Mismatched(f"its first step disagrees with eager ({worst})")
             mp.graphs[key] = index
+            draws = graphs[index].forward.draws
+            if draws:
+                mp.unchecked = f"it draws random numbers ({', '.join(draws)})"
         return mp
 
     def visit(name: str, m: torch.nn.Module) -> None:

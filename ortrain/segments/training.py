@@ -111,6 +111,9 @@ class SegmentedTraining:
         for p in self.model.fallbacks:
             what = "runs in eager" if p.status == "eager" else "split into its children"
             lines.append(f"  {p.name}: {what}: {p.cause}")
+        for p in self.model.plans.values():
+            if p.unchecked:
+                lines.append(f"  {p.name}: compiled, not checked against eager: {p.unchecked}")
         if not self.model.compiled:
             lines.append("  (no sub-module could be compiled: the model trains in eager)")
         return "\n".join(lines)
@@ -140,7 +143,8 @@ class SegmentedTraining:
         rows = [f"segments of {type(self.module).__name__} ({self.cause}):"]
         for name in self.model.compiled:
             p = self.model.plans[name]
-            rows.append(f"  compiled  {name} ({len(p.graphs)} graph(s), {p.calls} call(s))")
+            note = f"; not checked: {p.unchecked}" if p.unchecked else ""
+            rows.append(f"  compiled  {name} ({len(p.graphs)} graph(s), {p.calls} call(s){note})")
         for p in self.model.fallbacks:
             rows.append(f"  {p.status:<9} {name_or_root(p.name)}: {p.cause}")
         compiled = self.model.compiled_seconds()
