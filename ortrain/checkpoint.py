@@ -9,8 +9,10 @@ Checkpoint files (``write_file``/``read_file``, also used by the sharded checkpo
 1. carry a CRC-32 of every tensor's bytes and a SHA-256 of everything else (names,
    shapes, dtypes, settings), checked on load: a damaged file raises ``CheckpointError``
    naming the damaged tensor; files written before checksums load with a warning;
-2. are written to ``<name>.tmp``, synced, then renamed: a failed or interrupted write
-   never touches the previous checkpoint, and the partial file is removed;
+2. are written to a new temporary file of a random name beside the target (never a fixed
+   ``<name>.tmp``: a symlink planted there is not followed; ``ortrain/safe_files.py``),
+   synced, then renamed: a failed or interrupted write never touches the previous
+   checkpoint, and the partial file is removed;
 3. are refused before writing anything when the filesystem has less space free than
    their tensors need.
 """
@@ -30,6 +32,7 @@ import torch
 
 from ortrain.core.errors import CheckpointError, first_line
 from ortrain.core.names import state_key
+from ortrain.safe_files import atomic_write
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer
@@ -329,7 +332,6 @@ def write_file(obj: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``torch.save(obj + checksums)`` to ``path`` atomically; any failure removes the
     partial file and raises CheckpointError, leaving what was at ``path`` as it was."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     needed = _needed_bytes(obj)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -342,19 +344,9 @@ def write_file(obj: Mapping[str, Any], path: str | os.PathLike) -> None:
             f"{_size(free)} are free; {_previous(path)}"
         )
     payload = {**obj, CHECKSUMS: checksums(obj)}
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
-    except BaseException as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if not isinstance(exc, Exception):
-            raise  # KeyboardInterrupt & co.: cleaned up, not ours to translate
+    try:  # atomic: a crash never leaves a half-written checkpoint; the partial file goes
+        atomic_write(path, lambda f: torch.save(payload, f))
+    except Exception as exc:  # (KeyboardInterrupt & co. pass through, cleaned up)
         os_error = _os_error(exc)
         cause = os_error.strerror if os_error is not None and os_error.strerror else None
         free = _free_bytes(path.parent)

@@ -156,7 +156,8 @@ def test_a_default_graph_cache_folder_others_can_write_warns_and_trains(cache_on
     """The folder nobody chose: training goes on, without the cache, and says so."""
     cache_on.mkdir(parents=True)
     cache_on.chmod(0o777)
-    with pytest.warns(UserWarning, match=f"without the graph cache: .*{cache_on}: other users can write"):
+    refused = f"without the graph cache: .*{cache_on}: other users can write"
+    with pytest.warns(UserWarning, match=refused):
         trainer = _trainer()
     loss = _step(trainer)
     assert not list(cache_on.iterdir())
