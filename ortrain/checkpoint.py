@@ -19,12 +19,13 @@ Checkpoint files (``write_file``/``read_file``, also used by the sharded checkpo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ import torch
 
 from ortrain.core.errors import CheckpointError, first_line
 from ortrain.core.names import state_key
+from ortrain.optim.state_check import check_counters, check_optimizer_state
 from ortrain.safe_files import atomic_write
 
 if TYPE_CHECKING:
@@ -132,26 +134,26 @@ def _check_model(trainer: ORTTrainer, model: Any) -> None:
             )
 
 
-def _check_optimizer(trainer: ORTTrainer, opt: Any) -> None:
-    if not isinstance(opt, Mapping) or not {"state", "param_groups"} <= set(opt):
-        raise CheckpointError(
-            "the state dict's 'optimizer' needs torch's 'state' and 'param_groups' entries"
-        )
-    names = index_names(trainer)
-    if len(opt["param_groups"]) != len(trainer.optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint has {len(opt['param_groups'])} param groups, the optimizer has "
-            f"{len(trainer.optimizer.param_groups)}"
-        )
-    for idx, entry in opt["state"].items():
-        idx = int(idx)
-        if idx >= len(names):
-            raise CheckpointError(f"optimizer state index {idx} has no parameter")
-        for s, t in entry.items():
-            if not isinstance(t, torch.Tensor):
-                raise CheckpointError(f"optimizer state '{s}' of {names[idx]} is not a tensor")
-            if s != "step" and tuple(t.shape) != tuple(trainer.state.params[names[idx]].shape):
-                raise CheckpointError(f"optimizer state '{s}' of {names[idx]} has wrong shape")
+def _check_optimizer(trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+    """The optimizer's state and ortrain's counters, against the trainer's optimizer
+    (``ortrain/optim/state_check.py``)."""
+    shapes = {n: p.shape for n, p in trainer.state.params.items()}
+    check_optimizer_state(
+        trainer.spec, trainer.optimizer, index_names(trainer), shapes, state["optimizer"]
+    )
+    st = trainer.state
+    check_counters(state.get("ortrain", {}), st.accumulation, st.scaler is not None)
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """A ``CheckpointError`` raised inside names the checkpoint ``path`` it came from."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if str(path) in str(exc):
+            raise
+        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
 
 
 def load_trainer_state_dict(
@@ -167,8 +169,8 @@ def load_trainer_state_dict(
     if not isinstance(state, Mapping) or "model" not in state or "optimizer" not in state:
         raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
     _check_model(trainer, state["model"])
+    _check_optimizer(trainer, state)
     opt = state["optimizer"]
-    _check_optimizer(trainer, opt)
     names = index_names(trainer)
     # Validated: now change things.
     with torch.no_grad():

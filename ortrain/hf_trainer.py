@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from ortrain.checkpoint import naming
 from ortrain.optim.lamb import Lamb
 from ortrain.options import TrainerOptions
 from ortrain.trainer import ORTTrainer
@@ -394,5 +395,6 @@ class ORTHFTrainer(Trainer):
             extra = torch.load(extra_file, map_location="cpu", weights_only=True)
         # Trainer loaded the weights into the module already (its memory is ortrain's).
         state = {"model": self.model.state_dict(), "optimizer": optimizer, "ortrain": extra}
-        self._ort().load_state_dict(state)
+        with naming(files[0]):  # checked against the optimizer (ortrain/optim/state_check.py)
+            self._ort().load_state_dict(state)
         self.lr_scheduler.load_state_dict(torch.load(files[1], weights_only=True))

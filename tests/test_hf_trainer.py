@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
-from ortrain import TrainerOptions
+from ortrain import CheckpointError, TrainerOptions
 from ortrain.hf_trainer import ORTHFTrainer, trainer_options
 from tests.conftest import bert_config, gpt2
 
@@ -201,6 +201,33 @@ def test_resume_from_mid_run_checkpoint_continues_the_losses(gpt2_runs, tmp_path
     assert trainer.ortrainer.step == STEPS
     assert_params(trainer.model, run["trainer"].model)
 
+
+
+def test_resume_from_another_optimizers_checkpoint_is_refused(tmp_path):
+    """A Trainer run's checkpoint of optim="sgd" resumed with AdamW: one error naming the
+    file and what differs (torch itself raises KeyError: 'step'); nothing trained changes."""
+    sgd = Trainer(
+        model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0),
+        args=arguments(tmp_path / "sgd", optim="sgd", max_steps=1, save_strategy="steps",
+                       save_steps=1),
+        train_dataset=TokenData(4, seed=3),
+    )  # fmt: skip
+    sgd.train()
+    folder = tmp_path / "sgd" / "checkpoint-1"
+    trainer = ORTHFTrainer(
+        model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0),
+        args=arguments(tmp_path / "adamw", max_steps=2),
+        train_dataset=TokenData(8, seed=3),
+    )
+    with pytest.raises(CheckpointError) as info:
+        trainer.train(resume_from_checkpoint=str(folder))
+    message = str(info.value)
+    assert str(folder / "optimizer.pt") in message and "\n" not in message
+    assert "expected AdamW's betas, eps" in message and "SGD's" in message
+    assert trainer.ortrainer is not None and trainer.ortrainer.step == 0
+    assert not trainer.ortrainer.opt_state or not any(
+        t.any() for t in trainer.ortrainer.opt_state.values()
+    )
 
 def accuracy(pred) -> dict[str, float]:
     logits, labels = pred.predictions, pred.label_ids

@@ -200,7 +200,9 @@ def read_any(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_any(trainer: ORTTrainer, path: str | os.PathLike) -> None:
-    checkpoint.load_trainer_state_dict(trainer, read_any(trainer, path))
+    state = read_any(trainer, path)
+    with checkpoint.naming(path):
+        checkpoint.load_trainer_state_dict(trainer, state)
 
 
 def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) -> None:
@@ -208,11 +210,15 @@ def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
     checkpoint file (re-sharded)."""
     path = Path(path)
     if not is_sharded(path):
-        sharded.load_state_dict(trainer, checkpoint.read(trainer, path))
+        state = checkpoint.read(trainer, path)
+        with checkpoint.naming(path):
+            sharded.load_state_dict(trainer, state)
         return
     manifest = read_manifest(trainer, path)
     if FlatLayout.from_json(manifest["layout"]) != sharded.config.layout:
-        sharded.load_state_dict(trainer, consolidate(path, manifest))  # other world size
+        state = consolidate(path, manifest)  # another world size
+        with checkpoint.naming(path):
+            sharded.load_state_dict(trainer, state)
         return
     shard = _load(path / manifest["shards"][sharded.config.rank], SHARD_KEYS)
     n = sharded.config.layout.shard_numel
@@ -220,4 +226,5 @@ def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
         if s not in shard["state"] or shard["state"][s].numel() != n:
             raise CheckpointError(f"{manifest['shards'][sharded.config.rank]}: no {n}-element {s}")
     base = _load(path / manifest["model"], MODEL_KEYS)
-    sharded.load_shards(trainer, base, shard["state"], set(manifest["state_of"]))
+    with checkpoint.naming(path):
+        sharded.load_shards(trainer, base, shard["state"], set(manifest["state_of"]))
