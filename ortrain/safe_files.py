@@ -15,12 +15,14 @@ choose, sometimes shared ones. Two rules keep another user of the machine out:
    random name made with ``O_CREAT | O_EXCL`` (``tempfile.mkstemp``), never an existing
    path, so a symlink planted at a predictable name (``<name>.tmp``) is never followed;
    it is synced and renamed over the target (``atomic_write``), and removed on any failure.
+   A set of files (``write_folder``) goes to a new folder beside their folder first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -109,7 +111,7 @@ def private_dir(folder: Path) -> Path:
     return folder
 
 
-def _umask() -> int:
+def umask() -> int:
     """The process's umask, read without changing it (another thread could create a file
     while it is changed); where /proc cannot tell, the usual 022."""
     with contextlib.suppress(OSError, ValueError):
@@ -132,7 +134,7 @@ def atomic_write(
     try:
         with os.fdopen(fd, "wb") as f:
             if not private:
-                os.fchmod(f.fileno(), 0o666 & ~_umask())
+                os.fchmod(f.fileno(), 0o666 & ~umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -141,3 +143,27 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_folder(out: Path, write: Callable[[Path], object], *, last: str) -> None:
+    """``write(folder)`` into a new private folder beside ``out``; then, where ``out`` does
+    not exist, that folder renamed to ``out`` (one step); else each of its files renamed
+    into ``out``, ``last`` (the file that makes the set usable: a manifest) removed first
+    and moved last, so an interrupted swap leaves a set without it rather than a mix. A
+    failure before the swap leaves ``out`` as it was; other files in ``out`` stay; a link
+    planted at a file's name is replaced, never followed."""
+    base = out.resolve().parent if out.exists() else out.parent
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        write(tmp)
+        if not out.exists() and not out.is_symlink():
+            tmp.chmod(0o777 & ~umask())  # what mkdir would have made
+            os.rename(tmp, out)
+            return
+        names = sorted(p.name for p in tmp.iterdir() if p.name != last)
+        (out / last).unlink(missing_ok=True)
+        for name in [*names, last]:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
