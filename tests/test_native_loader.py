@@ -201,7 +201,6 @@ def test_broken_kernel_library(native_dir: Path, kind: str) -> None:
     assert torch.isfinite(trainer.train_step(**batches[0]))
 
 
-
 _LOAD_TRUNCATED = """
 import json, warnings
 from ortrain.runtime import cpu_ops, kernels
@@ -247,6 +246,7 @@ def test_truncated_library_is_one_line_not_a_crash(native_dir: Path, keep: float
         assert out[key] is not None and "truncated" in out[key] and str(path) in out[key], out
         assert "\n" not in out[key]
     assert out["auto"] is False and any(str(bad[0]) in w for w in out["warned"])
+
 
 def test_missing_library_says_how_to_install(native_dir: Path) -> None:
     with pytest.raises(kernels.KernelLibraryError, match=r"pip install \.") as exc:
