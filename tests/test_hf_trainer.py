@@ -202,7 +202,6 @@ def test_resume_from_mid_run_checkpoint_continues_the_losses(gpt2_runs, tmp_path
     assert_params(trainer.model, run["trainer"].model)
 
 
-
 def test_resume_from_another_optimizers_checkpoint_is_refused(tmp_path):
     """A Trainer run's checkpoint of optim="sgd" resumed with AdamW: one error naming the
     file and what differs (torch itself raises KeyError: 'step'); nothing trained changes."""
@@ -228,6 +227,7 @@ def test_resume_from_another_optimizers_checkpoint_is_refused(tmp_path):
     assert not trainer.ortrainer.opt_state or not any(
         t.any() for t in trainer.ortrainer.opt_state.values()
     )
+
 
 def accuracy(pred) -> dict[str, float]:
     logits, labels = pred.predictions, pred.label_ids

@@ -200,7 +200,6 @@ def test_nonfinite_loss_raises_and_keeps_state():
     assert trainer.step == 1
 
 
-
 @pytest.mark.parametrize("what", ["parameters", "a buffer"])
 def test_a_model_on_the_meta_device_is_refused_at_construction(what):
     """Meta tensors have shapes and no data: a step would hand ONNX Runtime null pointers
@@ -219,6 +218,7 @@ def test_a_model_on_the_meta_device_is_refused_at_construction(what):
         ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     text = str(err.value)
     assert names in text and "to_empty" in text and "\n" not in text
+
 
 def test_bad_batch_dtype_is_named():
     model = tiny()
