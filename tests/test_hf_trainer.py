@@ -21,6 +21,7 @@ import torch
 from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
 from ortrain import CheckpointError, TrainerOptions
+from ortrain.core.errors import ExportError
 from ortrain.hf_trainer import ORTHFTrainer, trainer_options
 from tests.conftest import bert_config, gpt2
 
@@ -227,6 +228,42 @@ def test_resume_from_another_optimizers_checkpoint_is_refused(tmp_path):
     assert not trainer.ortrainer.opt_state or not any(
         t.any() for t in trainer.ortrainer.opt_state.values()
     )
+
+
+class Unlabelled(TokenData):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i]}
+
+
+def test_predict_and_evaluate_without_labels_give_outputs_without_a_loss(tmp_path):
+    """As Trainer: an unlabelled dataset predicts the model's outputs (no loss), and
+    evaluate reports its metrics without eval_loss; not an export error asking for labels.
+    Training without labels still says what to pass."""
+    kw = dict(args=arguments(tmp_path), train_dataset=TokenData(8, seed=3))
+    ref = Trainer(model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0), **kw)
+    ours = ORTHFTrainer(model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0), **kw)
+    data = Unlabelled(6, seed=4)
+    expected, got = ref.predict(data), ours.predict(data)
+    assert got.label_ids is None and "test_loss" not in got.metrics
+    assert set(got.metrics) - {
+        "test_runtime",
+        "test_samples_per_second",
+        "test_steps_per_second",
+    } == (
+        set(expected.metrics) - {"test_runtime", "test_samples_per_second", "test_steps_per_second"}
+    )
+    torch.testing.assert_close(
+        torch.as_tensor(got.predictions), torch.as_tensor(expected.predictions), rtol=1e-4,
+        atol=1e-5,
+    )  # fmt: skip
+    metrics = ours.evaluate(data)
+    assert "eval_loss" not in metrics and metrics.keys() == ref.evaluate(data).keys()
+    labelled = ours.evaluate(TokenData(4, seed=4))  # the loss again where there are labels
+    assert labelled["eval_loss"] == pytest.approx(
+        ref.evaluate(TokenData(4, seed=4))["eval_loss"], rel=1e-4
+    )
+    with pytest.raises(ExportError, match=r"loss=None.*labels="):
+        ours._ort().train_step(input_ids=data.ids[:2])
 
 
 def accuracy(pred) -> dict[str, float]:
