@@ -122,13 +122,20 @@ def _check_group(kind: str, gi: int, saved: Any, ours: Mapping[str, Any], spec_f
             raise _fail(
                 f"param group {gi}: {flag}={shown}, the training graph was built for {built}"
             )
-    for k in ("lr", "weight_decay", *keys):
+    for k in ("lr", "weight_decay", *(k for k in keys if k not in _FLAGS)):
         values = saved.get(k, 0.0)
         values = values if k == "betas" and isinstance(values, Sequence) else [values]
         if k == "betas" and len(values) != 2:
             raise _fail(f"param group {gi}: betas={saved[k]!r}, expected two numbers")
-        if not all(isinstance(v, numbers.Real) for v in values):
+        if not all(_is_number(v) for v in values):
             raise _fail(f"param group {gi}: {k}={saved[k]!r} is not a number")
+
+
+def _is_number(v: Any) -> bool:
+    """A real number, or a one-element real tensor (torch takes a tensor ``lr``)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not v.is_complex()
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _group_keys(group: Mapping[str, Any]) -> list[str]:
