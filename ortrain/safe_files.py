@@ -21,6 +21,7 @@ choose, sometimes shared ones. Two rules keep another user of the machine out:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -107,6 +108,8 @@ def private_dir(folder: Path) -> Path:
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):  # another process made it meanwhile
             d.mkdir(mode=0o700)
+    if not folder.is_dir():  # a file there: the OSError mkdir would have raised
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
     check_private_dir(folder)
     return folder
 

@@ -60,6 +60,9 @@ def test_private_dir_creates_missing_folders_0700(tmp_path: Path) -> None:
     assert private_dir(folder) == folder
     for d in (tmp_path / "a", tmp_path / "a" / "b", folder):
         assert _mode(d) == 0o700, d
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError):  # as mkdir would say, not "untrusted"
+        private_dir(tmp_path / "file")
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777, 0o722])
