@@ -19,6 +19,13 @@ Each entry is written atomically (a temporary file renamed over it) with a SHA-2
 content, checked before it is unpickled (by an unpickler that makes only ortrain's build
 records); a damaged entry is deleted with a warning and the graph is built again.
 
+Only this user may write the cache (``ortrain/safe_files.py``, docs/security.md): folders
+are created 0700; a folder another user owns or can write is refused (a folder the user
+named raises ``UntrustedPathError`` at construction; the default one warns and the trainer
+builds without a cache), and so is an entry (a symlink, another owner, group- or
+other-writable: built again, with a warning): its content hash proves only that it was
+written whole, not who wrote it.
+
 A training graph is two entries: the exported forward of a batch signature (the label
 sites the labelled-row count is read from) and the graph of that forward, settings and
 labelled-row bucket; a new bucket builds from the cached forward without exporting.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import functools
 import hashlib
 import importlib.metadata
@@ -42,7 +50,6 @@ import platform
 import re
 import sys
 import sysconfig
-import tempfile
 import time
 import types
 import warnings
@@ -53,6 +60,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ortrain.build_progress import BuildProgress
+from ortrain.safe_files import (
+    UntrustedPathError,
+    atomic_write,
+    private_dir,
+    untrusted_file,
+    untrusted_folder,
+)
 
 if TYPE_CHECKING:
     from ortrain.build import BuiltGraph, ForwardSource, StageRecord
@@ -92,6 +106,35 @@ def cache_dir(option: bool | str | os.PathLike | None) -> Path | None:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
     return base / "ortrain" / "graphs"
+
+
+def trusted_cache_dir(option: bool | str | os.PathLike | None) -> Path | None:
+    """``cache_dir(option)``, created (0700) and checked to be this user's alone; None: off.
+
+    A folder the user named (the option, ``ORTRAIN_GRAPH_CACHE=<dir>``) that another user
+    owns or can write raises ``UntrustedPathError``: they asked for it, and only they can
+    fix its mode. The default folder, nobody's choice, warns and turns the cache off: a
+    cache only saves time, training must not stop for it."""
+    folder = cache_dir(option)
+    if folder is None:
+        return None
+    try:
+        return private_dir(folder)
+    except UntrustedPathError as exc:
+        named = option is not True or os.environ.get(CACHE_ENV, "").strip().lower() not in _ON
+        if named:
+            raise UntrustedPathError(
+                f"graph cache: {exc}; `chmod go-w` it if it is yours, or name another folder "
+                f"(TrainerOptions.graph_cache, {CACHE_ENV})"
+            ) from None
+        warnings.warn(
+            f"ortrain: building without the graph cache: {exc}; `chmod go-w` it if it is "
+            f"yours, or name another folder ({CACHE_ENV}=<dir>)",
+            stacklevel=4,
+        )
+    except OSError as exc:  # a read-only home: train on, uncached
+        warnings.warn(f"ortrain: could not create the graph cache ({exc})", stacklevel=4)
+    return None
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -407,29 +450,57 @@ class _Unpickler(pickle.Unpickler):
 class DamagedEntry(Exception):
     """A cache entry that does not read back as written."""
 
+    verdict = "is damaged"
+
+
+class UntrustedEntry(DamagedEntry):
+    """A cache entry, or its folder, that another user wrote or could have written."""
+
+    verdict = "is not trusted"
+
 
 def write_entry(path: Path, key: str, value: Any) -> None:
-    """``(key, value)`` pickled, with its SHA-256, atomically at ``path``."""
+    """``(key, value)`` pickled, with its SHA-256, atomically at ``path`` (0600, in a
+    folder created 0700)."""
     data = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)
     blob = MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    private_dir(path.parent)
+    atomic_write(path, lambda f: f.write(blob), private=True)
+
+
+def _read_own(path: Path) -> bytes:
+    """``path``'s bytes, where it and its folder are this user's alone; opened without
+    following symlinks and checked on the open descriptors (no swap between check and read)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UntrustedEntry(f"its folder {path.parent} is a symlink") from None
         raise
+    try:
+        why = untrusted_folder(os.fstat(folder))
+        if why is not None:
+            raise UntrustedEntry(f"its folder {path.parent}: {why}")
+        try:
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UntrustedEntry("it is a symlink") from None
+            raise
+    finally:
+        os.close(folder)
+    with os.fdopen(fd, "rb") as f:
+        why = untrusted_file(os.fstat(f.fileno()))
+        if why is not None:
+            raise UntrustedEntry(why)
+        return f.read()
 
 
 def read_entry(path: Path, key: str) -> Any:
     """The value stored under ``key`` at ``path``; raises DamagedEntry (with why) where the
-    file is not what ``write_entry`` wrote for that key."""
-    blob = path.read_bytes()
+    file is not what ``write_entry`` wrote for that key, UntrustedEntry where another user
+    wrote it or could have."""
+    blob = _read_own(path)
     if not blob.startswith(MAGIC):
         raise DamagedEntry("not a graph cache entry")
     head, sep, data = blob[len(MAGIC) :].partition(b"\n")
@@ -451,7 +522,7 @@ class GraphCache:
         self, options: TrainerOptions, module: torch.nn.Module, loss_fn: LossFn | None
     ) -> None:
         # graphs saved after each pass (save_graphs_dir) need the passes to run
-        self.dir = None if options.save_graphs_dir else cache_dir(options.graph_cache)
+        self.dir = None if options.save_graphs_dir else trusted_cache_dir(options.graph_cache)
         self.progress_enabled = options.build_progress
         self.module = module
         self.loss_fn = loss_fn
@@ -481,8 +552,9 @@ class GraphCache:
         except FileNotFoundError:
             return None
         except (OSError, DamagedEntry) as exc:
+            verdict = exc.verdict if isinstance(exc, DamagedEntry) else DamagedEntry.verdict
             warnings.warn(
-                f"ortrain: graph cache entry {path} is damaged ({exc}); building the graph again",
+                f"ortrain: graph cache entry {path} {verdict} ({exc}); building the graph again",
                 stacklevel=4,
             )
             with contextlib.suppress(OSError):

@@ -9,20 +9,23 @@ Checkpoint files (``write_file``/``read_file``, also used by the sharded checkpo
 1. carry a CRC-32 of every tensor's bytes and a SHA-256 of everything else (names,
    shapes, dtypes, settings), checked on load: a damaged file raises ``CheckpointError``
    naming the damaged tensor; files written before checksums load with a warning;
-2. are written to ``<name>.tmp``, synced, then renamed: a failed or interrupted write
-   never touches the previous checkpoint, and the partial file is removed;
+2. are written to a new temporary file of a random name beside the target (never a fixed
+   ``<name>.tmp``: a symlink planted there is not followed; ``ortrain/safe_files.py``),
+   synced, then renamed: a failed or interrupted write never touches the previous
+   checkpoint, and the partial file is removed;
 3. are refused before writing anything when the filesystem has less space free than
    their tensors need.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,8 @@ import torch
 
 from ortrain.core.errors import CheckpointError, first_line
 from ortrain.core.names import state_key
+from ortrain.optim.state_check import check_counters, check_optimizer_state
+from ortrain.safe_files import atomic_write
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer
@@ -129,26 +134,26 @@ def _check_model(trainer: ORTTrainer, model: Any) -> None:
             )
 
 
-def _check_optimizer(trainer: ORTTrainer, opt: Any) -> None:
-    if not isinstance(opt, Mapping) or not {"state", "param_groups"} <= set(opt):
-        raise CheckpointError(
-            "the state dict's 'optimizer' needs torch's 'state' and 'param_groups' entries"
-        )
-    names = index_names(trainer)
-    if len(opt["param_groups"]) != len(trainer.optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint has {len(opt['param_groups'])} param groups, the optimizer has "
-            f"{len(trainer.optimizer.param_groups)}"
-        )
-    for idx, entry in opt["state"].items():
-        idx = int(idx)
-        if idx >= len(names):
-            raise CheckpointError(f"optimizer state index {idx} has no parameter")
-        for s, t in entry.items():
-            if not isinstance(t, torch.Tensor):
-                raise CheckpointError(f"optimizer state '{s}' of {names[idx]} is not a tensor")
-            if s != "step" and tuple(t.shape) != tuple(trainer.state.params[names[idx]].shape):
-                raise CheckpointError(f"optimizer state '{s}' of {names[idx]} has wrong shape")
+def _check_optimizer(trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+    """The optimizer's state and ortrain's counters, against the trainer's optimizer
+    (``ortrain/optim/state_check.py``)."""
+    shapes = {n: p.shape for n, p in trainer.state.params.items()}
+    check_optimizer_state(
+        trainer.spec, trainer.optimizer, index_names(trainer), shapes, state["optimizer"]
+    )
+    st = trainer.state
+    check_counters(state.get("ortrain", {}), st.accumulation, st.scaler is not None)
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """A ``CheckpointError`` raised inside names the checkpoint ``path`` it came from."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if str(path) in str(exc):
+            raise
+        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
 
 
 def load_trainer_state_dict(
@@ -164,8 +169,8 @@ def load_trainer_state_dict(
     if not isinstance(state, Mapping) or "model" not in state or "optimizer" not in state:
         raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
     _check_model(trainer, state["model"])
+    _check_optimizer(trainer, state)
     opt = state["optimizer"]
-    _check_optimizer(trainer, opt)
     names = index_names(trainer)
     # Validated: now change things.
     with torch.no_grad():
@@ -329,7 +334,6 @@ def write_file(obj: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``torch.save(obj + checksums)`` to ``path`` atomically; any failure removes the
     partial file and raises CheckpointError, leaving what was at ``path`` as it was."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     needed = _needed_bytes(obj)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -342,19 +346,9 @@ def write_file(obj: Mapping[str, Any], path: str | os.PathLike) -> None:
             f"{_size(free)} are free; {_previous(path)}"
         )
     payload = {**obj, CHECKSUMS: checksums(obj)}
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
-    except BaseException as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if not isinstance(exc, Exception):
-            raise  # KeyboardInterrupt & co.: cleaned up, not ours to translate
+    try:  # atomic: a crash never leaves a half-written checkpoint; the partial file goes
+        atomic_write(path, lambda f: torch.save(payload, f))
+    except Exception as exc:  # (KeyboardInterrupt & co. pass through, cleaned up)
         os_error = _os_error(exc)
         cause = os_error.strerror if os_error is not None and os_error.strerror else None
         free = _free_bytes(path.parent)

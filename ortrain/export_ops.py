@@ -56,15 +56,31 @@ def custom_translations() -> dict[Callable, Callable]:
     return table
 
 
+def eager_experts(module: torch.nn.Module) -> list[str]:
+    """The submodules that run transformers' eager experts loop: the expert modules its
+    ``use_experts_implementation`` decorator made (their ``__init__`` sets
+    ``_is_expert_parallel``; their ``forward`` dispatches on their config's
+    ``_experts_implementation``) whose implementation is "eager". The config attribute alone
+    says nothing: transformers gives every model one ("eager" by default), experts or not."""
+    found = []
+    for name, m in module.named_modules():
+        config = getattr(m, "config", None)
+        if hasattr(m, "_is_expert_parallel") and (
+            getattr(config, "_experts_implementation", None) == "eager"
+        ):
+            found.append(name)
+    return found
+
+
 def export_hint(module: torch.nn.Module) -> str:
-    """Advice to append to a failed export's error, for causes known by the model's config."""
-    config = getattr(module, "config", None)
-    if getattr(config, "_experts_implementation", None) == "eager":
+    """Advice to append to a failed export's error, for causes known from the model."""
+    experts = eager_experts(module)
+    if experts:
         # The eager experts loop runs only the experts a batch hits: data-dependent control
         # flow that torch.export cannot trace.
         return (
-            "; the model's experts loop (experts_implementation='eager') depends on the "
-            "routing: call model.set_experts_implementation('grouped_mm') (transformers' "
-            "default) or 'batched_mm', the same experts"
+            f"; the model's experts loop ({experts[0]}: experts_implementation='eager') "
+            "depends on the routing: call model.set_experts_implementation('grouped_mm') "
+            "(transformers' default) or 'batched_mm', the same experts"
         )
     return ""

@@ -19,7 +19,9 @@ scheduler it creates (or that are passed in), logging, callbacks, the evaluation
    them, multiplied by the process count with ``average_tokens_across_devices``; the update
    takes the sum of the weighted gradients (``ORTTrainer.grad_multiplier``) and an epoch's
    short last window updates with the micro-batches it has (``ORTTrainer.apply_update``).
-3. ``prediction_step`` is ``ORTTrainer.eval_step`` (no dropout, no update).
+3. ``prediction_step`` is ``ORTTrainer.eval_step`` (no dropout, no update). A batch without
+   labels predicts the model's outputs without a loss, as Trainer does (its graph's loss
+   output is a constant, dropped: ``_loss_or_none``).
 4. A checkpoint folder holds what Trainer writes, with ``optimizer.pt`` in torch's optimizer
    format (``ORTTrainer.state_dict``) and ``ortrain_state.pt`` (optimizer step, micro-step,
    loss scaler); resuming loads both, so a Trainer run's checkpoint resumes here too.
@@ -37,11 +39,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import Trainer
 
+from ortrain.checkpoint import naming
+from ortrain.export import LossFn, find_loss
 from ortrain.optim.lamb import Lamb
 from ortrain.options import TrainerOptions
 from ortrain.trainer import ORTTrainer
@@ -216,6 +221,25 @@ class _TrainedByOrtrain(torch.nn.Module):
         raise RuntimeError("ORTHFTrainer runs the model through ORTTrainer, not this wrapper")
 
 
+def _loss_or_none(module: torch.nn.Module, label_names: Sequence[str]) -> LossFn:
+    """ORTTrainer's ``loss_fn``: the model's loss, as without one (``find_loss``, its errors
+    included: training without labels still says what to pass); only in evaluation, for a
+    batch holding none of ``label_names`` whose outputs carry no loss, a constant 0 in the
+    loss's place. ortrain's graphs have a loss output; Trainer predicts unlabelled data
+    without one, and ``prediction_step`` drops it."""
+    names = tuple(label_names)
+
+    def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        unlabelled = all(batch.get(k) is None for k in names)
+        no_loss = isinstance(outputs, Mapping) and outputs.get("loss") is None
+        tensors = [v for v in outputs.values() if isinstance(v, torch.Tensor)] if no_loss else []
+        if not module.training and unlabelled and tensors:
+            return tensors[0].new_zeros((), dtype=torch.float32)
+        return find_loss(outputs)
+
+    return loss_fn
+
+
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's and our wrappers."""
     from accelerate.optimizer import AcceleratedOptimizer
@@ -262,7 +286,8 @@ class ORTHFTrainer(Trainer):
         ort = self.ortrainer
         if ort is not None and ort.optimizer is inner and ort.module is self.model:
             return optimizer
-        self.ortrainer = ORTTrainer(self.model, inner, self.ortrain_options)
+        loss_fn = _loss_or_none(self.model, self.label_names)
+        self.ortrainer = ORTTrainer(self.model, inner, self.ortrain_options, loss_fn=loss_fn)
         self.optimizer = _UpdatedByOrtrain(inner)
         return self.optimizer
 
@@ -363,7 +388,9 @@ class ORTHFTrainer(Trainer):
         loss = outputs["loss"].mean() * weight if with_loss and "loss" in outputs else None
         if prediction_loss_only:
             return loss, None, None
-        drop = [*ignore_keys, "loss"] if with_loss else list(ignore_keys)
+        # without labels the graph's "loss" is _loss_or_none's constant (a model that
+        # computes a loss without labels and is not marked can_return_loss loses it here)
+        drop = [*ignore_keys, "loss"]
         logits = tuple(v for k, v in outputs.items() if k not in drop)
         return loss, logits[0] if len(logits) == 1 else logits, labels
 
@@ -394,5 +421,6 @@ class ORTHFTrainer(Trainer):
             extra = torch.load(extra_file, map_location="cpu", weights_only=True)
         # Trainer loaded the weights into the module already (its memory is ortrain's).
         state = {"model": self.model.state_dict(), "optimizer": optimizer, "ortrain": extra}
-        self._ort().load_state_dict(state)
+        with naming(files[0]):  # checked against the optimizer (ortrain/optim/state_check.py)
+            self._ort().load_state_dict(state)
         self.lr_scheduler.load_state_dict(torch.load(files[1], weights_only=True))

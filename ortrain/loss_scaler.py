@@ -10,12 +10,20 @@ only moves the scale, after each update, from the graph's ``grads_finite`` flag:
   overflows (consecutive or not, since the last change) divide by it, never below
   ``min_scale``;
 - static: one fixed scale; overflowing steps are still skipped.
+
+A scale that cannot move any more (static, or dynamic at ``min_scale``) while every update
+overflows would skip all of training without a word: after ``SKIPPED_WARNING_AFTER``
+skipped updates in a row, the scaler says so once, naming the scale.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
+
+# updates skipped in a row, at a scale that no longer moves, before the scaler says so
+SKIPPED_WARNING_AFTER = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,8 @@ class LossScaler:
         self.good_steps = 0  # finite updates since the last growth or overflow
         self.overflows_left = config.hysteresis if config is not None else 1
         self.skipped_steps = 0
+        self.skipped_in_a_row = 0  # this process's: not part of the saved state
+        self._warned = False
 
     @classmethod
     def from_option(cls, option: Any) -> LossScaler:
@@ -70,14 +80,16 @@ class LossScaler:
         cfg = self.config
         if not finite:
             self.skipped_steps += 1
+            self.skipped_in_a_row += 1
             self.good_steps = 0
-            if cfg is None:
-                return
-            self.overflows_left -= 1
-            if self.overflows_left <= 0:
-                self.scale = max(self.scale / cfg.factor, cfg.min_scale)
-                self.overflows_left = cfg.hysteresis
+            if cfg is not None:
+                self.overflows_left -= 1
+                if self.overflows_left <= 0:
+                    self.scale = max(self.scale / cfg.factor, cfg.min_scale)
+                    self.overflows_left = cfg.hysteresis
+            self._warn_if_stuck()
             return
+        self.skipped_in_a_row = 0
         if cfg is None:
             return
         self.good_steps += 1
@@ -85,6 +97,29 @@ class LossScaler:
             self.scale *= cfg.factor
             self.good_steps = 0
             self.overflows_left = cfg.hysteresis
+
+    def _warn_if_stuck(self) -> None:
+        cfg = self.config
+        stuck = cfg is None or self.scale <= cfg.min_scale
+        if self._warned or not stuck or self.skipped_in_a_row < SKIPPED_WARNING_AFTER:
+            return
+        self._warned = True
+        if cfg is None:
+            why = (
+                f"at the static loss scale {self.scale:g}; lower it, or use "
+                "loss_scale='dynamic' (it halves on overflow)"
+            )
+        else:
+            why = (
+                f"even at the loss scale {self.scale:g} (DynamicLossScale.min_scale): the "
+                "loss or the model itself gives infinite or NaN gradients"
+            )
+        warnings.warn(
+            f"ortrain: the last {self.skipped_in_a_row} updates were all skipped, their "
+            f"gradients overflowing {why}; the parameters have not changed since",
+            RuntimeWarning,
+            stacklevel=6,  # the caller of ORTTrainer.train_step
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -35,8 +35,11 @@ from ortrain.graph_passes.training_pipeline import (
     build_pipeline,
     target_pipeline,
 )
+from ortrain.optim.lamb import Lamb
+from ortrain.options import TrainerOptions
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
+from ortrain.safe_files import write_folder
 
 MANIFEST = "manifest.json"
 DEFAULTS = {
@@ -71,10 +74,11 @@ def build_training(
     trainer's optimization passes (folding, fusions, backward cleanup) around autodiff.
     """
     src, out = Path(src), Path(out_dir)
-    if not src.is_file():
-        raise ArtifactError(f"{src}: no such file")
     if optimizer not in HYPERPARAMETERS:
         raise ArtifactError(f"optimizer {optimizer!r}: use one of {sorted(HYPERPARAMETERS)}")
+    values = check_settings(optimizer, lr, hyper or {}, max_grad_norm)
+    if not src.is_file():
+        raise ArtifactError(f"{src}: no such file")
     try:
         model = ir.serde.deserialize_model(onnx.load(str(src)))
     except Exception as exc:
@@ -117,11 +121,6 @@ def build_training(
     spec = OptimizerSpec(optimizer, (GroupSpec(tuple(grads), momentum=True),))
     shapes = {n: tuple(state[n].shape) for n in grads}
     update = build_update_graph(spec, shapes, clip_grad_norm=max_grad_norm is not None)
-    out.mkdir(parents=True, exist_ok=True)
-    ir.save(model, out / "gradient.onnx")
-    ir.save(update.model, out / "update.onnx")
-    np.savez(out / "state.npz", **state)
-    values = {**DEFAULTS[optimizer], **(hyper or {}), "lr": lr}
     manifest = {
         "format": "ortrain.artifacts/1",
         "loss": loss,
@@ -140,8 +139,52 @@ def build_training(
         "max_grad_norm": max_grad_norm,
         "update_aliases": update.aliases,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    def write(folder: Path) -> None:
+        ir.save(model, folder / "gradient.onnx")
+        ir.save(update.model, folder / "update.onnx")
+        np.savez(folder / "state.npz", **state)
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    try:  # a failed write leaves what was at ``out`` as it was
+        write_folder(out, write, last=MANIFEST)
+    except OSError as exc:
+        raise ArtifactError(f"cannot write {out}: {exc.strerror or exc}") from exc
     return manifest
+
+
+_CLASSES = {
+    "adamw": ("torch.optim.AdamW", torch.optim.AdamW),
+    "adam": ("torch.optim.Adam", torch.optim.Adam),
+    "sgd": ("torch.optim.SGD", torch.optim.SGD),
+    "lamb": ("ortrain.optim.Lamb", Lamb),
+}
+
+
+def check_settings(
+    optimizer: str, lr: float, hyper: Mapping[str, float], max_grad_norm: float | None
+) -> dict[str, float]:
+    """The hyperparameters the artifacts carry (defaults filled in), refused as a trainer
+    would refuse them, in its words: by the torch optimizer's own constructor (what users of
+    ``ORTTrainer`` construct) and ``TrainerOptions``' rule for ``max_grad_norm``."""
+    unknown = sorted(set(hyper) - set(HYPERPARAMETERS[optimizer]))
+    if unknown:
+        raise ArtifactError(f"{optimizer} has no hyperparameter {', '.join(unknown)}")
+    values = {**DEFAULTS[optimizer], **hyper, "lr": lr}
+    kwargs = {k: v for k, v in values.items() if k not in ("beta1", "beta2")}
+    if "beta1" in values:
+        kwargs["betas"] = (values["beta1"], values["beta2"])
+    name, cls = _CLASSES[optimizer]
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except ValueError as exc:
+        raise ArtifactError(f"{exc} ({name} refuses it)") from None
+    if max_grad_norm is not None:
+        try:
+            TrainerOptions(max_grad_norm=max_grad_norm)
+        except ValueError as exc:
+            raise ArtifactError(str(exc)) from None
+    return values
 
 
 def fix_input_dims(model: ir.Model, dims: Mapping[str, int], weights: set[str]) -> None:

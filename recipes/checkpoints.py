@@ -8,7 +8,6 @@ tokenizer fingerprint, config), with ``checkpoints/latest`` naming the newest co
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import shutil
 from pathlib import Path
@@ -21,6 +20,7 @@ from ortrain.recipes.backends import Backend
 from ortrain.recipes.config import TrainConfig
 from ortrain.recipes.processes import Env
 from ortrain.recipes.task import Task
+from ortrain.safe_files import atomic_write
 
 
 def _checkpoint_dir(env: Env, step: int) -> Path:
@@ -60,8 +60,7 @@ def save_checkpoint(
         }
         torch.save(recipe, folder / "recipe.pt")
         latest = folder.parent / "latest"
-        latest.with_suffix(".tmp").write_text(folder.name)
-        os.replace(latest.with_suffix(".tmp"), latest)
+        atomic_write(latest, lambda f: f.write(folder.name.encode()))  # the commit
         done = sorted(p for p in folder.parent.glob("step_*") if p.is_dir())
         for old in done[: -cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)

@@ -27,12 +27,14 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from ortrain.recipes import RecipeError
+from ortrain.safe_files import atomic_write
 
 GPT2_EOS = "<|endoftext|>"
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -215,18 +217,12 @@ def cache_dir() -> Path:
     return Path(base) / "ortrain" / "recipes"
 
 
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` then rename: concurrent processes (torchrun ranks) never see a
-    half-written cache file."""
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a new temporary file, then renamed (``ortrain/safe_files.py``):
+    concurrent processes (torchrun ranks) never see a half-written cache file, and a link
+    planted at a predictable temporary name is never followed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
-        np.savez(f, **arrays)
+    atomic_write(path, write)
 
 
 def get_tokenizer(
@@ -246,7 +242,7 @@ def get_tokenizer(
     if cached.is_file():
         return load_tokenizer(cached, kind), f"{kind} {vocab_size}, cached at {cached}"
     tok = train_tokenizer(corpus.texts, kind, vocab_size)
-    _atomic_write(cached, lambda tmp: tok.save(str(tmp)))
+    _atomic_write(cached, lambda f: f.write(tok.to_str(pretty=True).encode()))
     return tok, f"{kind} {vocab_size}, trained on the corpus, cached at {cached}"
 
 
@@ -287,7 +283,7 @@ def encode(tokenizer: Tokenizer, corpus: Corpus, cache: Path | None = None) -> T
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int32, count=starts[-1])
-    _atomic_write(cached, lambda tmp: _save_npz(tmp, ids=ids, starts=starts))
+    _atomic_write(cached, lambda f: np.savez(f, ids=ids, starts=starts))
     return TokenStream(ids, starts)
 
 

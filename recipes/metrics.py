@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from ortrain.recipes.backends import Backend
 from ortrain.recipes.config import TrainConfig
 from ortrain.recipes.processes import Env
 from ortrain.recipes.task import Task
+from ortrain.safe_files import atomic_write
 
 
 class Metrics:
@@ -63,10 +63,8 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- peak FLOP/s

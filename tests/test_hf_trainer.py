@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
-from ortrain import TrainerOptions
+from ortrain import CheckpointError, TrainerOptions
+from ortrain.core.errors import ExportError
 from ortrain.hf_trainer import ORTHFTrainer, trainer_options
 from tests.conftest import bert_config, gpt2
 
@@ -200,6 +201,69 @@ def test_resume_from_mid_run_checkpoint_continues_the_losses(gpt2_runs, tmp_path
     assert_logs(resumed, expected)
     assert trainer.ortrainer.step == STEPS
     assert_params(trainer.model, run["trainer"].model)
+
+
+def test_resume_from_another_optimizers_checkpoint_is_refused(tmp_path):
+    """A Trainer run's checkpoint of optim="sgd" resumed with AdamW: one error naming the
+    file and what differs (torch itself raises KeyError: 'step'); nothing trained changes."""
+    sgd = Trainer(
+        model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0),
+        args=arguments(tmp_path / "sgd", optim="sgd", max_steps=1, save_strategy="steps",
+                       save_steps=1),
+        train_dataset=TokenData(4, seed=3),
+    )  # fmt: skip
+    sgd.train()
+    folder = tmp_path / "sgd" / "checkpoint-1"
+    trainer = ORTHFTrainer(
+        model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0),
+        args=arguments(tmp_path / "adamw", max_steps=2),
+        train_dataset=TokenData(8, seed=3),
+    )
+    with pytest.raises(CheckpointError) as info:
+        trainer.train(resume_from_checkpoint=str(folder))
+    message = str(info.value)
+    assert str(folder / "optimizer.pt") in message and "\n" not in message
+    assert "expected AdamW's betas, eps" in message and "SGD's" in message
+    assert trainer.ortrainer is not None and trainer.ortrainer.step == 0
+    assert not trainer.ortrainer.opt_state or not any(
+        t.any() for t in trainer.ortrainer.opt_state.values()
+    )
+
+
+class Unlabelled(TokenData):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i]}
+
+
+def test_predict_and_evaluate_without_labels_give_outputs_without_a_loss(tmp_path):
+    """As Trainer: an unlabelled dataset predicts the model's outputs (no loss), and
+    evaluate reports its metrics without eval_loss; not an export error asking for labels.
+    Training without labels still says what to pass."""
+    kw = dict(args=arguments(tmp_path), train_dataset=TokenData(8, seed=3))
+    ref = Trainer(model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0), **kw)
+    ours = ORTHFTrainer(model=gpt2(layers=1, hidden=32, vocab=VOCAB, seed=0), **kw)
+    data = Unlabelled(6, seed=4)
+    expected, got = ref.predict(data), ours.predict(data)
+    assert got.label_ids is None and "test_loss" not in got.metrics
+    assert set(got.metrics) - {
+        "test_runtime",
+        "test_samples_per_second",
+        "test_steps_per_second",
+    } == (
+        set(expected.metrics) - {"test_runtime", "test_samples_per_second", "test_steps_per_second"}
+    )
+    torch.testing.assert_close(
+        torch.as_tensor(got.predictions), torch.as_tensor(expected.predictions), rtol=1e-4,
+        atol=1e-5,
+    )  # fmt: skip
+    metrics = ours.evaluate(data)
+    assert "eval_loss" not in metrics and metrics.keys() == ref.evaluate(data).keys()
+    labelled = ours.evaluate(TokenData(4, seed=4))  # the loss again where there are labels
+    assert labelled["eval_loss"] == pytest.approx(
+        ref.evaluate(TokenData(4, seed=4))["eval_loss"], rel=1e-4
+    )
+    with pytest.raises(ExportError, match=r"loss=None.*labels="):
+        ours._ort().train_step(input_ids=data.ids[:2])
 
 
 def accuracy(pred) -> dict[str, float]:

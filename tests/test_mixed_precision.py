@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
 
-from ortrain import ORTTrainer, TrainerOptions
+from ortrain import ORTTrainer, TrainerOptions, loss_scaler
 from ortrain.export import export_forward
 from ortrain.graph_passes.fusions.lower_cross_entropy import LOWERED_FROM
 from ortrain.graph_passes.infra.pipeline import run_pipeline
@@ -293,6 +294,55 @@ def test_dynamic_rule_minimum_and_hysteresis():
     static.update(False)
     static.update(True)
     assert static.scale == 128.0 and static.skipped_steps == 1
+
+
+# updates skipped in a row before the scaler says so (10: the rule's constant)
+SKIPPED_WARNING_AFTER = getattr(loss_scaler, "SKIPPED_WARNING_AFTER", 10)
+
+
+def test_a_static_scale_that_always_overflows_says_so_once():
+    """Every update skipped, the scale never moving: after SKIPPED_WARNING_AFTER in a row
+    one warning naming the scale (before: silence while nothing trained)."""
+    static = LossScaler.from_option(128.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(SKIPPED_WARNING_AFTER - 1):
+            static.update(False)
+        static.update(True)  # a finite update ends the run of skips
+        for _ in range(SKIPPED_WARNING_AFTER - 1):
+            static.update(False)
+    with pytest.warns(
+        RuntimeWarning, match=rf"last {SKIPPED_WARNING_AFTER} updates .* loss scale 128"
+    ) as told:
+        for _ in range(3 * SKIPPED_WARNING_AFTER):
+            static.update(False)
+    assert len(told) == 1  # once
+
+
+def test_a_dynamic_scale_overflowing_at_its_minimum_says_so():
+    s = LossScaler.from_option(DynamicLossScale(initial=4.0, min_scale=1.0))
+    with pytest.warns(RuntimeWarning, match=r"min_scale") as told:
+        for _ in range(2 + SKIPPED_WARNING_AFTER):
+            s.update(False)
+    assert len(told) == 1 and s.scale == 1.0
+
+
+def test_trainer_warns_when_every_update_is_skipped():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    trainer = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerOptions(loss_scale=3e38),  # a static scale: every fp32 gradient overflows
+        loss_fn=lambda out, batch: out.square().mean() * 100,
+    )
+    weight = trainer.params["weight"].clone()
+    with pytest.warns(RuntimeWarning, match=r"loss scale 3e\+38") as told:
+        for _ in range(SKIPPED_WARNING_AFTER + 2):
+            trainer.train_step(torch.ones(2, 4))
+    assert len([w for w in told if "updates" in str(w.message)]) == 1
+    assert trainer.skipped_steps == SKIPPED_WARNING_AFTER + 2 and trainer.step == 0
+    assert torch.equal(trainer.params["weight"], weight)
 
 
 def test_option_errors_are_clear():

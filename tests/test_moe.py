@@ -180,3 +180,23 @@ def test_eager_experts_name_the_implementation_to_use() -> None:
     ids = torch.randint(0, V, (B, S))
     with pytest.raises(ExportError, match="experts_implementation"):
         trainer.train_step(input_ids=ids, labels=ids)
+
+
+def test_the_experts_hint_needs_expert_modules() -> None:
+    """transformers gives every model's config an experts implementation ("eager" by
+    default): the hint goes only to models that hold expert modules, and an export error of
+    a model without any names its own cause alone."""
+    from ortrain.export_ops import export_hint
+    from tests.conftest import gpt2
+
+    dense = gpt2(layers=1, hidden=32, vocab=64)
+    assert getattr(dense.config, "_experts_implementation", "eager") == "eager"
+    assert export_hint(dense) == ""
+    trainer = ORTTrainer(dense, torch.optim.SGD(dense.parameters(), lr=0.1))
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ExportError, match=r"'indices'") as err:
+        trainer.train_step(input_ids=ids.float(), labels=ids)
+    assert "expert" not in str(err.value)
+    moe = dataclasses.replace(FAMILIES["mixtral"], experts="eager").build()
+    assert "set_experts_implementation('grouped_mm')" in export_hint(moe)
+    assert export_hint(FAMILIES["mixtral"].build()) == ""  # grouped_mm: no loop to trace

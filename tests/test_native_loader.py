@@ -201,6 +201,53 @@ def test_broken_kernel_library(native_dir: Path, kind: str) -> None:
     assert torch.isfinite(trainer.train_step(**batches[0]))
 
 
+_LOAD_TRUNCATED = """
+import json, warnings
+from ortrain.runtime import cpu_ops, kernels
+out = {}
+for name, load in [("cpu_ops", lambda: cpu_ops.use_grad_kernels("ortrain")),
+                   ("kernels", lambda: kernels.library("cpu"))]:
+    try:
+        load()
+        out[name] = None
+    except Exception as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+with warnings.catch_warnings(record=True) as told:
+    warnings.simplefilter("always")
+    out["auto"] = cpu_ops.use_grad_kernels("auto")
+out["warned"] = [str(w.message) for w in told]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.02])
+def test_truncated_library_is_one_line_not_a_crash(native_dir: Path, keep: float) -> None:
+    """An interrupted copy (a library cut short): loading it used to map pages past the end
+    of the file and die of SIGBUS; now the ELF header's own sizes are checked first. In a
+    child process: the old failure kills the process."""
+    installed = native.installed_dirs()
+    names = [cpu_ops.library_name(WIDEST), kernels.LIBRARY_NAMES["cpu"]]
+    sources = [native.find(n, installed) for n in names]
+    if None in sources:
+        pytest.skip("no installed native library to cut short (a source tree)")
+    bad = []
+    for name, src in zip(names, sources, strict=True):
+        data = src.read_bytes()  # type: ignore[union-attr]
+        (native_dir / name).write_bytes(data[: int(len(data) * keep)])
+        bad.append(native_dir / name)
+    env = {**os.environ, "ORTRAIN_NATIVE_DIR": str(native_dir), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_TRUNCATED], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for key, path in (("cpu_ops", bad[0]), ("kernels", bad[1])):
+        assert out[key] is not None and "truncated" in out[key] and str(path) in out[key], out
+        assert "\n" not in out[key]
+    assert out["auto"] is False and any(str(bad[0]) in w for w in out["warned"])
+
+
 def test_missing_library_says_how_to_install(native_dir: Path) -> None:
     with pytest.raises(kernels.KernelLibraryError, match=r"pip install \.") as exc:
         kernels.library("cpu")

@@ -121,6 +121,82 @@ def test_build_training_errors(exported, tmp_path, capsys):
         TrainingSession.load(tmp_path / "empty")
 
 
+def _cli(path, out, *extra: str) -> int:
+    args = ["build-training", str(path), "--loss", "loss", "--trainable-from-initializers"]
+    return main([*args, *extra, "-o", str(out)])
+
+
+@pytest.mark.parametrize(
+    "flags, told",
+    [
+        (("--max-grad-norm", "-1"), "TrainerOptions.max_grad_norm must be > 0, got -1.0"),
+        (("--max-grad-norm", "0"), "TrainerOptions.max_grad_norm must be > 0, got 0.0"),
+        (("--max-grad-norm", "nan"), "TrainerOptions.max_grad_norm must be a number, got nan"),
+        (("--lr", "nan"), "Invalid learning rate: nan"),
+        (("--lr", "-0.1"), "Invalid learning rate: -0.1"),
+        (("--weight-decay", "nan"), "Invalid weight_decay value: nan"),
+        (("--optimizer", "sgd", "--weight-decay", "-1"), "Invalid weight_decay value: -1.0"),
+        (("--optimizer", "lamb", "--lr", "nan"), "Invalid learning rate: nan"),
+    ],
+)
+def test_build_training_refuses_what_the_trainer_refuses(tmp_path, capsys, flags, told):
+    """The same rule and words as ORTTrainer's (TrainerOptions, the torch optimizer's own
+    constructor), before the model is read: a missing model file is not even looked at."""
+    out = tmp_path / "a"
+    assert _cli(tmp_path / "not-read.onnx", out, *flags) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and told in err[0], err
+    assert not out.exists()
+
+
+def _written(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_failed_build_leaves_an_existing_folder_as_it_was(
+    exported, tmp_path, monkeypatch, capsys
+):
+    _, path = exported
+    out = tmp_path / "artifacts"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")  # what else the folder holds stays
+    assert _cli(path, out, "--lr", "0.01") == 0
+    before = _written(out)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("ortrain.offline.np.savez", full_disk)
+    # another update graph: written before the state, it would replace the old one
+    assert _cli(path, out, "--optimizer", "sgd", "--lr", "0.02") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot write {out}: No space left on device" in err[-1], err
+    assert _written(out) == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp
+    assert _cli(path, tmp_path / "new", "--lr", "0.02") == 1
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    assert _cli(path, out, "--optimizer", "sgd", "--lr", "0.02") == 0  # a build that works
+    assert TrainingSession.load(out).manifest["optimizer"]["kind"] == "sgd"  # replaces them
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_build_training_never_follows_links_in_its_folder(exported, tmp_path):
+    """A shared artifact folder with links planted at the artifacts' names: they are
+    replaced, the files they point to are not written."""
+    _, path = exported
+    out = tmp_path / "shared"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for name in ("gradient.onnx", "update.onnx", "state.npz", "manifest.json"):
+        (out / name).symlink_to(victim)
+    assert _cli(path, out) == 0
+    assert victim.read_text() == "precious"
+    assert not any((out / n).is_symlink() for n in ("gradient.onnx", "manifest.json"))
+    TrainingSession.load(out)
+
+
 @pytest.fixture(scope="module")
 def dynamic_gpt2(tmp_path_factory):
     """GPT-2 with its loss, exported with dynamic batch and sequence axes (``optimize=False``:

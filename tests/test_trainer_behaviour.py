@@ -201,6 +201,26 @@ def test_nonfinite_loss_raises_and_keeps_state():
     assert trainer.step == 1
 
 
+@pytest.mark.parametrize("what", ["parameters", "a buffer"])
+def test_a_model_on_the_meta_device_is_refused_at_construction(what):
+    """Meta tensors have shapes and no data: a step would hand ONNX Runtime null pointers
+    (a segmentation fault). One line naming the tensors and what to do instead."""
+    from ortrain.core.errors import DeviceError
+
+    if what == "parameters":
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+        names = "0.weight, 0.bias, 1.weight, 1.bias"
+    else:
+        model = torch.nn.BatchNorm1d(3)
+        model.running_mean = torch.empty(3, device="meta")
+        names = "running_mean"
+    with pytest.raises(DeviceError, match="meta device") as err:
+        ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    text = str(err.value)
+    assert names in text and "to_empty" in text and "\n" not in text
+
+
 def test_bad_batch_dtype_is_named():
     model = tiny()
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))

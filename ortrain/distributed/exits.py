@@ -8,6 +8,12 @@ its pid, and a file Python's ``faulthandler`` writes its fatal signal into (only
 process has not enabled faulthandler itself). A survivor diagnosing a dead peer on the
 same host reads that file, or the peer's ``/proc`` entry (a zombie not yet reaped by its
 launcher holds its wait status); on another host it can say nothing more.
+
+The records live under the temporary folder, in a folder of this user's alone
+(``ortrain-ranks-<uid>``, created 0700; ``ortrain/safe_files.py``): the job's name is no
+secret, and in a folder another user could write first, a link planted at a record's name
+would make a rank overwrite whatever it points to. Where that folder is not this user's
+alone, a rank keeps no record (and says so once): the diagnosis is a courtesy.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import signal
 import socket
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import IO
+
+from ortrain.safe_files import atomic_write, private_dir
 
 # faulthandler's first line -> the signal
 _FATAL = {
@@ -42,7 +51,7 @@ def _job_dir() -> Path | None:
         return None
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{addr}-{port}-{run}")
-    return Path(tempfile.gettempdir()) / "ortrain-ranks" / name
+    return Path(tempfile.gettempdir()) / f"ortrain-ranks-{os.getuid()}" / name
 
 
 class ExitRecorder:
@@ -54,19 +63,25 @@ class ExitRecorder:
         self._fault: IO[str] | None = None
         if folder is None:
             return
+        try:
+            private_dir(folder)
+        except OSError as exc:  # UntrustedPathError included: no record, and why
+            warnings.warn(f"ortrain: rank {rank} keeps no exit record: {exc}", stacklevel=3)
+            self.folder = None
+            return
         _prune(folder.parent)
-        folder.mkdir(parents=True, exist_ok=True)
         fault = folder / f"rank{rank}.fault"
+        # an earlier job's file (same address and port) must not speak for this one
+        fault.unlink(missing_ok=True)
         owned = not faulthandler.is_enabled()  # the user's own faulthandler setup wins
-        if owned:
-            self._fault = open(fault, "w")  # open while the process lives
+        if owned:  # open while the process lives; a new file, never through a link
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fault = os.fdopen(os.open(fault, flags, 0o600), "w")
             faulthandler.enable(self._fault)
-        else:  # an earlier job's file (same address and port) must not speak for this one
-            fault.unlink(missing_ok=True)
         self.record = folder / f"rank{rank}.json"
         where = str(fault) if owned else None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "fault": where}
-        self.record.write_text(json.dumps(info))
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "fault": where})
+        atomic_write(self.record, lambda f: f.write(info.encode()), private=True)
         atexit.register(self.close)
 
     @classmethod

@@ -30,6 +30,7 @@ import torch
 from ortrain import checkpoint
 from ortrain.core.errors import CheckpointError
 from ortrain.distributed.layout import FlatLayout
+from ortrain.safe_files import atomic_write
 
 if TYPE_CHECKING:
     from ortrain.distributed.sharded_state import ShardedState
@@ -37,7 +38,11 @@ if TYPE_CHECKING:
 
 FORMAT = "ortrain.sharded-checkpoint/1"
 MANIFEST = "manifest.json"
-_OWN_FILE = re.compile(r"^[0-9a-f]{12}\.(model|rank\d+-of-\d+)\.pt(\.tmp)?$")
+# this module's files, and the temporary files a crash in the middle of writing one left
+# (``safe_files.atomic_write``: ".<name>.<random>.tmp")
+_OWN_FILE = re.compile(
+    r"^(\.)?([0-9a-f]{12}\.(model|rank\d+-of-\d+)\.pt|manifest\.json)(?(1)\.\w+\.tmp)$"
+)
 MODEL_KEYS = frozenset({"model", "optimizer", "ortrain"})
 SHARD_KEYS = frozenset({"rank", "state"})
 MANIFEST_KEYS = frozenset(
@@ -95,23 +100,19 @@ def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
         ) from error
     committed = False
     if comm.rank == 0:
-        tmp = path / (MANIFEST + ".tmp")
         try:
             manifest = _manifest(trainer, sharded, model, shards)
             manifest["sha256"] = _digest(manifest)
-            with open(tmp, "w") as f:
-                f.write(json.dumps(manifest, indent=1))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path / MANIFEST)  # the commit point of the save
+            text = json.dumps(manifest, indent=1).encode()
+            # the commit point of the save (a new temporary file renamed over the manifest)
+            atomic_write(path / MANIFEST, lambda f: f.write(text))
             committed = True
-            keep = {model, *shards}
+            keep = {model, *shards, MANIFEST}
             for f in path.iterdir():
                 if _OWN_FILE.match(f.name) and f.name not in keep:
                     f.unlink()
         except Exception as exc:
             error = exc
-            _remove([tmp])
     if comm.any(error is not None):  # also the barrier: nobody returns before the commit
         if not comm.broadcast_object(committed if comm.rank == 0 else None):
             _remove(written)  # not committed: this save's parts go
@@ -199,7 +200,9 @@ def read_any(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_any(trainer: ORTTrainer, path: str | os.PathLike) -> None:
-    checkpoint.load_trainer_state_dict(trainer, read_any(trainer, path))
+    state = read_any(trainer, path)
+    with checkpoint.naming(path):
+        checkpoint.load_trainer_state_dict(trainer, state)
 
 
 def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) -> None:
@@ -207,11 +210,15 @@ def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
     checkpoint file (re-sharded)."""
     path = Path(path)
     if not is_sharded(path):
-        sharded.load_state_dict(trainer, checkpoint.read(trainer, path))
+        state = checkpoint.read(trainer, path)
+        with checkpoint.naming(path):
+            sharded.load_state_dict(trainer, state)
         return
     manifest = read_manifest(trainer, path)
     if FlatLayout.from_json(manifest["layout"]) != sharded.config.layout:
-        sharded.load_state_dict(trainer, consolidate(path, manifest))  # other world size
+        state = consolidate(path, manifest)  # another world size
+        with checkpoint.naming(path):
+            sharded.load_state_dict(trainer, state)
         return
     shard = _load(path / manifest["shards"][sharded.config.rank], SHARD_KEYS)
     n = sharded.config.layout.shard_numel
@@ -219,4 +226,5 @@ def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
         if s not in shard["state"] or shard["state"][s].numel() != n:
             raise CheckpointError(f"{manifest['shards'][sharded.config.rank]}: no {n}-element {s}")
     base = _load(path / manifest["model"], MODEL_KEYS)
-    sharded.load_shards(trainer, base, shard["state"], set(manifest["state_of"]))
+    with checkpoint.naming(path):
+        sharded.load_shards(trainer, base, shard["state"], set(manifest["state_of"]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -39,6 +41,24 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     )
 
 
+def group_spec(kind: str, group: Mapping[str, Any], params: tuple[str, ...] = ()) -> GroupSpec:
+    """The ``GroupSpec`` of one torch param group of an optimizer of ``kind``: the flags
+    that shape the update graph. Raises ``UnsupportedOptimizerError`` (without saying
+    where: callers do) for a flag ortrain cannot honour; a state dict's param groups go
+    through here too (``ortrain/optim/state_check.py``)."""
+    for opt in ("amsgrad", "maximize"):
+        if group.get(opt):
+            raise UnsupportedOptimizerError(f"{opt}=True is not supported")
+    if kind == "sgd" and group.get("nesterov") and group.get("dampening", 0) != 0:
+        raise UnsupportedOptimizerError("nesterov momentum requires dampening=0")
+    return GroupSpec(
+        params,
+        nesterov=bool(group.get("nesterov", False)),
+        momentum=float(group.get("momentum", 0.0)) != 0.0,
+        bias_correction=bool(group.get("bias_correction", True)),
+    )
+
+
 def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimizerSpec:
     """Describe ``optimizer``; ``names`` maps id(parameter) -> parameter name."""
     kind = _kind(optimizer)
@@ -46,13 +66,10 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> O
     groups = []
     seen: set[str] = set()
     for gi, group in enumerate(optimizer.param_groups):
-        for opt in ("amsgrad", "maximize"):
-            if group.get(opt):
-                raise UnsupportedOptimizerError(
-                    f"{name}({opt}=True) in param group {gi} is not supported"
-                )
-        if kind == "sgd" and group.get("nesterov") and group.get("dampening", 0) != 0:
-            raise UnsupportedOptimizerError("SGD: nesterov momentum requires dampening=0")
+        try:
+            group_spec(kind, group)
+        except UnsupportedOptimizerError as exc:
+            raise UnsupportedOptimizerError(f"{name} param group {gi}: {exc}") from None
         pnames = []
         for p in group["params"]:
             if id(p) not in names:
@@ -65,14 +82,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> O
             seen.add(names[id(p)])
             if p.requires_grad:
                 pnames.append(names[id(p)])
-        groups.append(
-            GroupSpec(
-                tuple(pnames),
-                nesterov=bool(group.get("nesterov", False)),
-                momentum=float(group.get("momentum", 0.0)) != 0.0,
-                bias_correction=bool(group.get("bias_correction", True)),
-            )
-        )
+        groups.append(group_spec(kind, group, tuple(pnames)))
     return OptimizerSpec(kind, tuple(groups))
 
 

@@ -33,7 +33,6 @@ import functools
 import hashlib
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import warnings
@@ -44,6 +43,7 @@ import torch
 
 from ortrain.runtime import native
 from ortrain.runtime.native import NativeLibraryError
+from ortrain.safe_files import UntrustedPathError, atomic_write, private_dir
 
 _HERE = Path(__file__).resolve().parent
 SOURCES = tuple(
@@ -214,19 +214,15 @@ def _openmp_flags() -> list[str]:
 
 
 def _private_dir(folder: Path) -> Path:
-    """``folder``, created if need be; refused when another user owns it or may write it
-    (they could swap the library ortrain is about to load)."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"{folder} is not a folder")
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    """``folder``, created (0700) if need be; refused when another user owns it or may write
+    it, or a folder above it (they could swap the library ortrain is about to load): the
+    rule of ``ortrain/safe_files.py``, which the graph cache follows too."""
+    try:
+        return private_dir(folder)
+    except UntrustedPathError as exc:
         raise CpuOpsLibraryError(
-            f"refusing the cache folder {folder}: other users can write it (mode "
-            f"{stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}); `chmod go-w` it or set "
-            "ORTRAIN_CACHE_DIR"
-        )
-    return folder
+            f"{exc}; `chmod go-w` it if it is yours, or set ORTRAIN_CACHE_DIR"
+        ) from None
 
 
 def _sha256(path: Path) -> str:
@@ -254,7 +250,8 @@ def _development_build(isa: str) -> Path:
                 stacklevel=2,
             )
         _compile(cc, isa, path)
-        stamp.write_text(_sha256(path) + "\n")
+        digest = _sha256(path) + "\n"
+        atomic_write(stamp, lambda f: f.write(digest.encode()))
     except OSError as exc:  # an unwritable cache folder, a compiler that cannot run
         raise CpuOpsLibraryError(f"cannot build {path}: {exc}") from None
     return path

@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import os
 import platform
+import struct
 from pathlib import Path
 
 from ortrain.core.errors import OrtrainError
@@ -124,9 +125,56 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+# ELF header fields by class (1: 32-bit, 2: 64-bit): (header size, where e_phoff and
+# e_shoff sit and their format, where e_phentsize..e_shnum sit, a program header's
+# p_offset and p_filesz as one struct format)
+_ELF = {
+    1: (52, 0x1C, "II", 0x2A, "4xI8xI"),
+    2: (64, 0x20, "QQ", 0x36, "8xQ16xQ"),
+}
+
+
+def elf_size(data: bytes) -> int | None:
+    """The bytes an ELF file needs by its own headers: its header, the ends of its program
+    and section header tables and of each program segment's bytes; None where ``data`` is
+    no ELF file (the loader's own error then says what it is)."""
+    if data[:4] != b"\x7fELF" or len(data) < 6 or data[4] not in _ELF or data[5] not in (1, 2):
+        return None
+    header, offsets_at, offsets, sizes_at, segment = _ELF[data[4]]
+    if len(data) < header:
+        return header
+    order = "<" if data[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(order + offsets, data, offsets_at)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", data, sizes_at)
+    table_end = phoff + phentsize * phnum
+    need = max(header, table_end, shoff + shentsize * shnum if shnum else 0)
+    if table_end <= len(data):
+        for i in range(phnum):
+            offset, size = struct.unpack_from(order + segment, data, phoff + i * phentsize)
+            need = max(need, offset + size)
+    return need
+
+
+def _check_whole(path: Path) -> None:
+    """Refuse an ELF file shorter than its own headers say (an interrupted copy, a full
+    disk): the loader would map pages past its end, and the first read of one kills the
+    process with SIGBUS, no Python error, no message."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise NativeLibraryError(f"{path}: cannot be read: {_first_line(exc)}") from None
+    need = elf_size(data)
+    if need is not None and need > len(data):
+        raise NativeLibraryError(
+            f"{path}: truncated ({len(data)} bytes, its ELF headers need {need}): an "
+            "interrupted copy or a full disk; reinstall ortrain (pip install .) or rebuild it"
+        )
+
+
 def load(path: Path, abi_symbol: str, abi_version: int) -> ctypes.CDLL:
     """Loads ``path`` and checks that ``abi_symbol()`` returns ``abi_version``; raises
     ``NativeLibraryError`` (one line, naming the file) otherwise."""
+    _check_whole(path)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:  # not an ELF file, truncated, a missing dependency

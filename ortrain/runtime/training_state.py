@@ -26,12 +26,29 @@ from collections.abc import Mapping
 
 import torch
 
+from ortrain.core.errors import DeviceError
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.loss_scaler import LossScaler
 
 
 def _scalar(device: torch.device, value: float = 0.0, dtype: torch.dtype = torch.float32):
     return torch.full((), value, dtype=dtype, device=device)
+
+
+def _refuse_meta(module: torch.nn.Module) -> None:
+    """Meta tensors have a shape and no data: bound to ONNX Runtime they are null pointers
+    (a step would crash the process). Say which, and how to get real ones."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    meta = [n for n, t in tensors if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+        raise DeviceError(
+            f"{type(module).__name__}: {shown} {'is' if len(meta) == 1 else 'are'} on the meta "
+            "device (a shape, no data: a model "
+            "made under torch.device('meta') or init_empty_weights); give it real tensors "
+            "first, e.g. module.to_empty(device='cpu') then load_state_dict(...), or "
+            "from_pretrained without a meta device_map"
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,6 +92,7 @@ class TrainingState:
         cls, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device, **kwargs
     ) -> TrainingState:
         """The module's parameters (float32, made contiguous) and buffers, shared."""
+        _refuse_meta(module)
         params: dict[str, torch.Tensor] = {}
         for n, p in module.named_parameters():
             if p.dtype != torch.float32:
