@@ -85,7 +85,14 @@ from ortrain.runtime.update_engines import (
     make_engine,
 )
 from ortrain.segments.training import SegmentedTraining
-from ortrain.verify import Tolerance, as_float64, compare, graph_step_mismatches, report
+from ortrain.verify import (
+    Tolerance,
+    as_float64,
+    compare,
+    graph_step_mismatches,
+    in_mode,
+    report,
+)
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -631,8 +638,9 @@ class ORTTrainer:
         if any(p.dtype == torch.float64 for p in module.parameters()):
             batch = as_float64(batch)
         args, kwargs = call_arguments(module, batch)
-        out = module(*args, **kwargs)
-        return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+        with in_mode(module, True):  # what the training graph computes
+            out = module(*args, **kwargs)
+            return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
 
     def _checks_out(self, compiled: _Compiled, batch: dict[str, Any]) -> bool:
         """The graph's first step against eager (``ortrain/verify.py``), its batch bound.

@@ -246,6 +246,19 @@ def no_dropout() -> Iterator[_NoDropout]:
 
 
 @contextlib.contextmanager
+def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
+    """``module`` (and its children) in training or evaluation mode inside, as it was
+    after: a training graph is the training-mode forward whatever mode the module is in."""
+    modes = {m: m.training for m in module.modules()}
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, was in modes.items():
+            m.training = was
+
+
+@contextlib.contextmanager
 def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """Put these tensors' values back afterwards (a run that must leave no trace)."""
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

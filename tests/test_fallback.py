@@ -277,3 +277,27 @@ class _InPlaceGlue(torch.nn.Module):
 def test_eager_glue_may_change_a_segments_output_in_place():
     trainer = train_like_eager(_InPlaceGlue, _batches(3))
     assert "lin" in trainer.segments.model.compiled
+
+
+@pytest.mark.slow
+def test_segments_train_in_training_mode_whatever_the_modules_mode():
+    """A training graph is the training-mode forward whatever mode the module is in (an HF
+    Trainer leaves it in eval mode after evaluating): segments and their checks too."""
+
+    def make():
+        m = _Normed()
+        m.eval()
+        return m
+
+    model, ref = make(), _Normed()
+    trainer = ORTTrainer(model, _sgd(model.parameters()))
+    opt = _sgd(ref.parameters())
+    for x, y in _batches(2):
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
+    assert not model.training  # its mode is left as it was
+    for (k, b), r in zip(model.named_buffers(), ref.buffers()):  # training-mode statistics
+        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=k)

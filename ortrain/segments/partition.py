@@ -44,6 +44,7 @@ from ortrain.verify import (
     compare,
     confirm,
     in_float64,
+    in_mode,
     no_dropout,
     restoring,
 )
@@ -164,7 +165,11 @@ def _named(tensors: list[torch.Tensor], grads: list, outs: list, runner: Segment
 
 
 def verify_call(
-    module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
+    module: torch.nn.Module,
+    call: Call,
+    runner: SegmentRunner,
+    tol: Tolerance,
+    training: bool = True,
 ) -> list[Mismatch]:
     """The compiled call against eager on the same inputs and weights, without dropout:
     outputs, and the gradients of the inputs and parameters for random output gradients;
@@ -173,6 +178,13 @@ def verify_call(
     others): it passes, and ``ModulePlan.unchecked`` says so."""
     if runner.graphs.forward.draws:
         return []
+    with in_mode(module, training):  # the mode the call was made (and compiled) in
+        return _verify_call(module, call, runner, tol)
+
+
+def _verify_call(
+    module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
+) -> list[Mismatch]:
     tensors, grads, outs, seeds = _eager_call(module, call, runner, None)
     with restoring(list(module.buffers())), runner.dropout(False), torch.no_grad():
         couts, saved = runner.forward(module, tensors)
@@ -188,6 +200,7 @@ def verify_call(
     if bad_out or bad:
         module64 = in_float64(module)
         if module64 is not None:
+            module64.train(module.training)
             t64, g64, o64, _ = _eager_call(module64, call, runner, seeds)
             exact_out, exact = _named(t64, g64, o64, runner)
             bad_out = confirm(bad_out, got_out, want_out, exact_out, tol.loss)
@@ -255,7 +268,7 @@ def plan_segments(
             index = shared.get(struct)
             if index is not None and tol is not None:
                 start = time.perf_counter()
-                bad = verify_call(m, call, runner(index), tol)
+                bad = verify_call(m, call, runner(index), tol, training)
                 spent[0] += time.perf_counter() - start
                 if bad:
                     index = None  # another module's graph does not fit this one: its own
@@ -271,7 +284,7 @@ def plan_segments(
                 shared.setdefault(struct, index)
                 if tol is not None:
                     start = time.perf_counter()
-                    bad = verify_call(m, call, runner(index), tol)
+                    bad = verify_call(m, call, runner(index), tol, training)
                     spent[0] += time.perf_counter() - start
                     if bad:
                         worst = bad[0].describe()

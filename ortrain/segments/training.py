@@ -29,7 +29,7 @@ from ortrain.segments.partition import (
     plan_segments,
     record_calls,
 )
-from ortrain.verify import Tolerance
+from ortrain.verify import Tolerance, in_mode
 
 Runner = Callable[[Callable[[], Any], Mapping[str, Any]], Any]  # the trainer's _run_build
 
@@ -64,10 +64,12 @@ class SegmentedTraining:
         self.steps = 0
 
     def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The training-mode forward's loss, whatever mode the module is in (as a training
+        graph computes it)."""
         args, kwargs = call_arguments(self.module, batch)
-        with no_kv_cache(self.module):
+        with no_kv_cache(self.module), in_mode(self.module, True):
             out = self.module(*args, **kwargs)
-        return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+            return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
 
     def _plan_job(self, only: str | None = None, call: Call | None = None) -> Callable[[], Plan]:
         recorded = self.recorded
