@@ -455,8 +455,14 @@ class ORTTrainer:
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
-        with self._graph_cache.session_stage("train"):
-            session = self._session(built, graph_capture=True)
+        try:
+            with self._graph_cache.session_stage("train"):
+                session = self._session(built, graph_capture=True)
+        except Exception as exc:
+            if self.options.fallback == "off" or not _from_onnxruntime(exc):
+                raise
+            # a graph ONNX Runtime refuses (a kernel it lacks for these types): segments
+            raise _NotOneGraph(f"ONNX Runtime refused the graph: {first_line(exc)}", exc) from exc
         updates = bind_training_graph(session, built, self.state, self._engine, self._dropout_on)
         batch_names = [r.name for r in built.io if r.role is Role.BATCH]
         dtypes = {k: batch[k].dtype for k in batch_names}
@@ -1037,6 +1043,11 @@ class ORTTrainer:
         if self._reducer is not None:
             return self._reducer.load_checkpoint(self, path)
         sharded_checkpoint.load_any(self, path)
+
+
+def _from_onnxruntime(exc: BaseException) -> bool:
+    """An error ONNX Runtime raised (its own exception types)."""
+    return type(exc).__module__.startswith("onnxruntime")
 
 
 def _window_restarts(discarded: int) -> str:

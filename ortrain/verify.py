@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -92,8 +93,14 @@ class Mismatch:
         )
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """As float64 on the host, dense (a sparse embedding's gradient)."""
+    t = t.detach()
+    return (t.to_dense() if t.is_sparse else t).to(torch.float64).cpu()
+
+
 def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach().to(torch.float64))) if t.numel() else 0.0
+    return float(torch.linalg.vector_norm(_dense(t))) if t.numel() else 0.0
 
 
 def compare(
@@ -120,8 +127,7 @@ def compare(
                 side = "eager" if g is None else "the graph"
                 out.append(Mismatch(f"{name} (only {side} has it)", float("inf"), 0, 0, name))
             continue
-        g = g.detach().to(torch.float64).cpu()
-        w = w.detach().to(torch.float64).cpu()
+        g, w = _dense(g), _dense(w)
         if g.shape != w.shape:
             shapes = f"{name} (shape {list(g.shape)} vs {list(w.shape)})"
             out.append(Mismatch(shapes, float("inf"), 0.0, 0.0, name))
@@ -166,10 +172,10 @@ def confirm(
         if g is None or w is None or e is None or g.shape != e.shape or not m.scale:
             kept.append(m)
             continue
-        e64 = e.detach().to(torch.float64).cpu()
+        e64 = _dense(e)
         finite = torch.isfinite(e64)
-        ours = _norm((g.detach().to(torch.float64).cpu() - e64)[finite])
-        theirs = _norm((w.detach().to(torch.float64).cpu() - e64)[finite])
+        ours = _norm((_dense(g) - e64)[finite])
+        theirs = _norm((_dense(w) - e64)[finite])
         if ours > factor * theirs and ours > rtol * _norm(e64[finite]):
             kept.append(m)
     return kept
@@ -214,19 +220,19 @@ class _NoDropout(TorchFunctionMode):
         super().__init__()
         self.sites = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)`` without its dropout."""
         if getattr(func, "__name__", "") in _RNNS and not kwargs and len(args) > 6:
             args, sites = _rnn_without_dropout(tuple(args))
             self.sites += sites
             return func(*args)
-        if func in _DROPOUTS:
+        if func in _DROPOUTS or getattr(func, "__name__", "") in _F_DROPOUTS:
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training and float(p) > 0:
                 self.sites += 1
             return args[0] if args else kwargs["input"]
-        if func is F.scaled_dot_product_attention:
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
             p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             if float(p) > 0:
                 self.sites += 1
@@ -236,13 +242,40 @@ class _NoDropout(TorchFunctionMode):
                     kwargs = {**kwargs, "dropout_p": 0.0}
         return func(*args, **kwargs)
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.call(func, tuple(args), dict(kwargs or {}))
+
+
+# torch.nn.functional's dropouts and attention, replaced while the check runs: a mode's
+# handler runs with the mode off, so a dropout that another function the mode sees calls
+# inside (multi_head_attention_forward's) would still draw; torch.nn.functional looks its
+# own names up at call time, so the replacements reach those calls too
+_F_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+               "feature_alpha_dropout")  # fmt: skip
+_F_REPLACED = (*_F_DROPOUTS, "scaled_dot_product_attention")
+
 
 @contextlib.contextmanager
 def no_dropout() -> Iterator[_NoDropout]:
     """Eager PyTorch without dropout inside; ``.sites`` counts the dropouts skipped."""
     mode = _NoDropout()
-    with mode:
-        yield mode
+    originals = {name: getattr(F, name) for name in _F_REPLACED}
+
+    def replaced(func: Any) -> Any:
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return mode.call(func, args, kwargs)
+
+        return call
+
+    for name, func in originals.items():
+        setattr(F, name, replaced(func))
+    try:
+        with mode:
+            yield mode
+    finally:
+        for name, func in originals.items():
+            setattr(F, name, func)
 
 
 @contextlib.contextmanager
