@@ -76,6 +76,9 @@ class BuiltGraph:
     signature: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     # an evaluation graph built from the training export (``build_eval``), not its own
     from_training_export: bool = False
+    # (op type, node name) of the nodes that draw random numbers (``random_nodes``): the
+    # training process reads them without loading the graph libraries
+    random_ops: tuple[tuple[str, str], ...] = ()
 
     def model(self) -> ir.Model:
         import onnx
@@ -201,6 +204,7 @@ def _built(
     from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
     from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
     from ortrain.graph_passes.memory.memory_plan import planned_peak_bytes
+    from ortrain.runtime.session import random_nodes
 
     ort_data = serialized.ort_data(model)
     return BuiltGraph(
@@ -215,6 +219,7 @@ def _built(
         blas_gemm=BLAS_DOMAIN in model.opset_imports,
         cpu_kernels=CPU_DOMAIN in model.opset_imports,
         signature=_graph_signature(model),
+        random_ops=tuple(random_nodes(model)),
         **extra,
     )
 

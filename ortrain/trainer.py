@@ -732,9 +732,7 @@ class ORTTrainer:
         """A graph that draws random numbers besides its switchable Dropouts (RReLU's
         slopes, a noise layer) cannot be compared with eager, which draws others: it is
         trusted, with a warning."""
-        from ortrain.runtime.session import random_nodes
-
-        drawn = sorted({op for op, _ in random_nodes(compiled.model) if op != "Dropout"})
+        drawn = sorted({op for op, _ in compiled.graph.random_ops if op != "Dropout"})
         if not drawn:
             return False
         compiled.verified = True
@@ -747,11 +745,9 @@ class ORTTrainer:
         return True
 
     def _warn_lost_dropout(self, compiled: _Compiled, eager_sites: int) -> None:
-        from ortrain.runtime.session import random_nodes
-
         if not eager_sites:
             return
-        drawn = len([n for n in random_nodes(compiled.model) if n[0] == "Dropout"])
+        drawn = len([n for n in compiled.graph.random_ops if n[0] == "Dropout"])
         if drawn < eager_sites:
             warnings.warn(
                 f"ortrain: {type(self.module).__name__} draws dropout at {eager_sites} place(s) "

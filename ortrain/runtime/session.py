@@ -286,7 +286,8 @@ def make_session(
 ) -> ort.InferenceSession:
     device = device or torch.device("cpu")
     if cuda_graph and device.type == "cuda":
-        refuse_random_nodes(model.model() if hasattr(model, "ort_data") else model)
+        built = getattr(model, "random_ops", None)  # a built graph says so (no graph library)
+        refuse_random_nodes(list(built) if built is not None else random_nodes(model))
     arena_bytes = 0
     if hasattr(model, "ort_data"):  # built apart (ortrain/build.py, segments): ordered already
         data, recomputes = model.ort_data, model.recomputes
@@ -398,10 +399,9 @@ def random_nodes(model: ir.Model) -> list[tuple[str, str]]:
     return found
 
 
-def refuse_random_nodes(model: ir.Model) -> None:
+def refuse_random_nodes(nodes: list[tuple[str, str]]) -> None:
     """``cuda_graph=True`` would freeze the random draws (dropout masks) at the captured
-    first step's: refuse a graph that has any, naming them."""
-    nodes = random_nodes(model)
+    first step's: refuse a graph that has any (``random_nodes``), naming them."""
     if nodes:
         raise DeviceError(
             f"cuda_graph=True: {_describe(nodes)} draw random numbers; a CUDA graph replays "
