@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -276,6 +277,73 @@ def _groups_file(config: pytest.Config) -> Path:
 
 
 _GROUPS = pytest.StashKey[Path]()
+
+
+# ------------------------------------------------------------------- per-test time budget
+# No single test may take more than BUDGET_CPU_S seconds of CPU time: its setup (module and
+# session fixtures it is the first to use included), its call and teardown, in this process
+# and in the processes it started and waited for (forked builds, ranks, CLIs). CPU time, not
+# wall time, so that the budget holds on a loaded machine; a wall-clock ceiling of
+# BUDGET_WALL_S catches a test that waits instead (no test may sleep). docs/development.md
+# names both; ORTRAIN_TEST_BUDGET_S sets the CPU budget (0: off, e.g. under a debugger) and
+# the ceiling with it.
+BUDGET_CPU_S = float(os.environ.get("ORTRAIN_TEST_BUDGET_S", "240"))
+BUDGET_WALL_S = 4 * BUDGET_CPU_S
+_STARTED = pytest.StashKey[tuple[float, float]]()  # (wall clock, CPU seconds) at setup
+
+
+def _cpu_s() -> float:
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = (time.perf_counter(), _cpu_s())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    started = item.stash.get(_STARTED, None)
+    if BUDGET_CPU_S <= 0 or started is None or report.when != "teardown" or report.failed:
+        return
+    wall, cpu = time.perf_counter() - started[0], _cpu_s() - started[1]
+    report.user_properties.append(("cost_s", (cpu, wall)))  # for the summary, also via xdist
+    if cpu > BUDGET_CPU_S or wall > BUDGET_WALL_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {cpu:.0f} s of CPU time and {wall:.0f} s of wall time, over "
+            f"the budget of {BUDGET_CPU_S:.0f} s of CPU time (and {BUDGET_WALL_S:.0f} s of wall "
+            "time) for any single test (tests/conftest.py, docs/development.md): make it "
+            "cheaper (a smaller model, a shared fixture) or split it"
+        )
+
+
+_COSTS: dict[str, tuple[float, float]] = {}  # test id -> (CPU s, wall s), where reported
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "cost_s":
+            _COSTS[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _COSTS:
+        return
+    top = sorted(_COSTS.items(), key=lambda kv: -kv[1][0])[:10]
+    terminalreporter.section(
+        f"most CPU time per test (budget {BUDGET_CPU_S:.0f} s CPU, {BUDGET_WALL_S:.0f} s wall)"
+    )
+    for nodeid, (cpu, wall) in top:
+        terminalreporter.write_line(f"{cpu:7.1f} s CPU {wall:7.1f} s wall  {nodeid}")
+    if path := os.environ.get("ORTRAIN_TEST_COSTS"):  # every test's, as JSON
+        Path(path).write_text(json.dumps(_COSTS, indent=0))
 
 
 @pytest.fixture(autouse=True)
