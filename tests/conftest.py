@@ -281,7 +281,7 @@ _GROUPS = pytest.StashKey[Path]()
 
 # ------------------------------------------------------------------- per-test time budget
 # No single test may take more than BUDGET_CPU_S seconds of CPU time: its setup (module and
-# session fixtures it is the first to use included), its call and teardown, in this process
+# session fixtures it is the first to use included) and its call, in this process
 # and in the processes it started and waited for (forked builds, ranks, CLIs). CPU time, not
 # wall time, so that the budget holds on a loaded machine; a wall-clock ceiling of
 # BUDGET_WALL_S catches a test that waits instead (no test may sleep). docs/development.md
@@ -310,7 +310,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     started = item.stash.get(_STARTED, None)
-    if BUDGET_CPU_S <= 0 or started is None or report.when != "teardown" or report.failed:
+    if BUDGET_CPU_S <= 0 or started is None or report.when != "call" or report.failed:
         return
     wall, cpu = time.perf_counter() - started[0], _cpu_s() - started[1]
     report.user_properties.append(("cost_s", (cpu, wall)))  # for the summary, also via xdist
