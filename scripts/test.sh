@@ -17,7 +17,10 @@ parallel=()
 case " $* " in
   *" -n "* | *" -n"[0-9]* | *" --numprocesses"* | *" -p no:xdist "* | *" -pno:xdist "*) ;;
   *)
-    workers=${ORTRAIN_TEST_WORKERS:-$(python -c 'import os; print(len(os.sched_getaffinity(0)))')}
+    # one per core, at most one per 3 GiB of available memory (a worker's end-to-end tests
+    # hold torch, transformers and ONNX Runtime sessions: about 1-2 GiB)
+    workers=${ORTRAIN_TEST_WORKERS:-$(python -c 'import os, psutil
+print(max(1, min(len(os.sched_getaffinity(0)), psutil.virtual_memory().available // (3 * 2**30))))')}
     parallel=(-n "$workers" --dist loadgroup)
     ;;
 esac
