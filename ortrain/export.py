@@ -170,7 +170,10 @@ def call_arguments(module: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[
 
 
 def find_loss(outputs: Any) -> torch.Tensor:
-    """The loss in a model's output: a tensor, a tuple's first item, or ``.loss``."""
+    """The loss in a model's output: a tensor, ``.loss`` (or a mapping's ``"loss"``), or in a
+    tuple or list the first item where it is a 0-dim floating tensor, else the tuple's one
+    0-dim floating tensor (``(logits, loss)``, nanoGPT's shape); raises naming the
+    ``loss_fn`` to pass where no item or several items could be the loss."""
     if isinstance(outputs, torch.Tensor):
         return outputs
     loss = getattr(outputs, "loss", None)
@@ -178,8 +181,34 @@ def find_loss(outputs: Any) -> torch.Tensor:
         return loss
     if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), torch.Tensor):
         return outputs["loss"]
-    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        return outputs[0]
+    if isinstance(outputs, (tuple, list)) and outputs:
+        scalars = [
+            i
+            for i, v in enumerate(outputs)
+            if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point()
+        ]
+        if scalars and scalars[0] == 0:
+            return outputs[0]
+        if len(scalars) == 1:
+            return outputs[scalars[0]]
+        items = ", ".join(
+            f"Tensor{list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+            if isinstance(v, torch.Tensor)
+            else type(v).__name__.replace("NoneType", "None")
+            for v in outputs
+        )
+        kind = type(outputs).__name__
+        if scalars:
+            picks = " or ".join(f"loss_fn=lambda out, batch: out[{i}]" for i in scalars)
+            raise ExportError(
+                f"the model returned a {kind} ({items}) with several 0-dim float tensors: "
+                f"pass the loss to ORTTrainer, {picks}"
+            )
+        raise ExportError(
+            f"the model returned a {kind} ({items}) with no loss (no 0-dim float tensor): "
+            "pass the targets in the batch (labels=..., targets=...), or "
+            "loss_fn=lambda out, batch: <the loss from out and batch> to ORTTrainer"
+        )
     if hasattr(outputs, "loss") or (isinstance(outputs, Mapping) and "loss" in outputs):
         raise ExportError(
             f"the model returned loss=None ({type(outputs).__name__}): pass the targets in the "
@@ -187,8 +216,8 @@ def find_loss(outputs: Any) -> torch.Tensor:
         )
     raise ExportError(
         f"cannot find a loss in the model output of type {type(outputs).__name__}: return a "
-        "loss tensor, a tuple whose first item is the loss, an object with .loss, or pass "
-        "loss_fn=(outputs, batch) -> loss to ORTTrainer"
+        "loss tensor, a tuple holding it (first, or its only 0-dim float tensor), an object "
+        "with .loss, or pass loss_fn=(outputs, batch) -> loss to ORTTrainer"
     )
 
 

@@ -21,75 +21,93 @@ from ortrain.loss_scaler import DynamicLossScale
 class TrainerOptions:
     """How ORTTrainer builds and runs the training graph.
 
-    device: "cpu", "cuda" or "cuda:N": where the graphs run (CUDA needs onnxruntime-gpu:
-        ``pip install ortrain[gpu]``); the module is moved there.
-    cuda_graph: capture each CUDA session once and replay it (ONNX Runtime's
-        ``enable_cuda_graph``; static shapes, the batch is copied into fixed buffers).
+    One entry per field, in the form ``name: meaning``; ``python -m ortrain.options_doc
+    --write`` puts them into the tables of docs/options.md (``tests/test_options_doc.py``
+    fails when the page is stale or a field has no entry).
+
+    device: "cpu", "cuda" or "cuda:N": where the graphs run; the module is moved there.
+        CUDA needs onnxruntime-gpu (``pip install ortrain[gpu]``); "cuda" is the current
+        device (``torch.cuda.set_device``).
+    cuda_graph: CUDA only: capture each session once and replay it (ONNX Runtime's
+        ``enable_cuda_graph``; static shapes, batches copied into fixed buffers); graphs
+        with dropout or other random ops are refused.
     update_engine: what runs the optimizer update. "graph": the update ONNX graph;
-        "kernels": the fused kernels of ``cuda_kernels/`` (AdamW/Adam/LAMB; build them with
-        CMake); "torch": torch's fused Adam/AdamW kernels (``fused=True``'s) over flat
-        buffers; "backward": each parameter's Adam/AdamW update inside the training
-        graph, right after its gradient is made (CPU, one process, fp32, no accumulation,
-        clipping or loss scaling): no gradient buffers at all (a gradient dies at its
-        update, which lowers the peak), and ``trainer.grads`` stays empty; "auto" (default):
-        "backward" where it applies, else on CUDA the kernels when built, on CPU torch's
-        for Adam/AdamW in a single process, the graph otherwise.
-    grad_accumulation_steps: micro-steps per optimizer update; gradients are averaged,
-        so N micro-batches of size b train like one batch of size N*b.
-    max_grad_norm: global L2 clipping (torch ``clip_grad_norm_`` semantics); None = off;
-        ``math.inf``: no clipping, ``last_grad_norm`` still reported.
-    seed: seeds dropout masks in the graph (two runs with one seed are identical).
-    intra_op_threads: ONNX Runtime threads per session (None: ORT's default). On CPU the
-        BLAS products and ortrain's kernels run on torch's OpenMP threads instead
+        "kernels": the fused kernels of ``cuda_kernels/`` (AdamW / Adam / LAMB; built by
+        CMake); "torch": torch's fused Adam/AdamW kernels (those of ``AdamW(fused=True)``)
+        over the module's own parameter tensors and flat gradient / moment buffers;
+        "backward": each parameter's Adam/AdamW update inside the gradient graph right
+        after its gradient is made (CPU, one process, fp32, no accumulation, clipping or
+        loss scaling): no gradient buffers at all (a gradient dies at its update, which
+        lowers the peak), and ``trainer.grads`` stays empty. "auto": "backward" where it
+        applies, else on CUDA the kernels when built, on CPU torch's kernels for
+        Adam/AdamW in a single process, the graph otherwise.
+    grad_accumulation_steps: micro-steps per update; gradients are averaged, so N
+        micro-batches of size b train like one batch of N·b. A micro-batch that fails in
+        ONNX Runtime (``BatchError``) or gives a NaN/Inf loss ends its window: the window
+        starts over without the good micro-batches before it, and the error says how many
+        it discarded.
+    max_grad_norm: global L2 clipping with ``torch.nn.utils.clip_grad_norm_`` semantics;
+        None: off; ``math.inf``: no clipping, but ``trainer.last_grad_norm`` is still
+        reported.
+    seed: seeds the graph's dropout masks: same seed, same run.
+    intra_op_threads: ONNX Runtime threads per session (None: ONNX Runtime's default). On
+        CPU the BLAS products and ortrain's kernels run on torch's OpenMP threads instead
         (``torch.set_num_threads``), as eager torch's would.
-    save_graphs_dir: write the ONNX graph after each build stage there (for Netron).
-    check_finite: raise NonFiniteLossError (without applying the update) on NaN/Inf loss.
-    zero_stage: with torch.distributed initialised (torchrun): 0 = data parallel (every
-        rank holds the whole state; gradients are averaged), 1 = ZeRO-1 (each rank keeps
-        and updates only its shard of the optimizer state). Ignored single-process.
-    process_group: the torch.distributed group to train over (None: the default group).
-    dist_timeout: seconds a collective waits for the other ranks before failing with
-        RankFailureError naming the rank that died or hangs.
+    save_graphs_dir: write the ONNX graph after each build pass there, numbered in pass
+        order (open it in Netron).
+    check_finite: a NaN/Inf loss raises ``NonFiniteLossError`` and the update is not
+        applied.
+    zero_stage: with ``torch.distributed`` initialised (torchrun): 0 = data parallel
+        (every rank holds the whole state; gradients are averaged), 1 = ZeRO-1 (each rank
+        keeps and updates only its shard of the optimizer state). Ignored in a single
+        process.
+    process_group: the ``torch.distributed`` group to train over (None: the default
+        group).
+    dist_timeout: seconds a collective waits for the other ranks before
+        ``RankFailureError`` names the rank that died or hangs.
     mixed_precision: "fp16" or "bf16": the graphs compute in half precision from copies
-        of the fp32 parameters (master weights); the fp32 op list is in
-        ``graph_passes/precision/mixed_precision.py``. bf16 needs a CUDA device. None: fp32.
-    loss_scale: "dynamic" (or a ``DynamicLossScale`` with its settings), a fixed float, or
-        None. "auto" (default): dynamic with fp16, none otherwise. With a loss scale,
-        steps whose gradients overflow are skipped (see ``trainer.skipped_steps``).
-    optimize_graph: run the optimization passes (constant folding, CSE, GELU / LayerNorm /
-        FusedMatMul / Gemm / BiasGelu fusions, label sparsity, backward cleanup; see
-        ``graph_passes/training_pipeline.py``). False builds the plain gradient graph, to
-        compare or to debug a pass.
-    memory_plan: recompute cheap forward values (casts, reshapes, activations,
-        LayerNorm) in the backward instead of keeping them alive from the forward
-        (``RecomputePolicy.CHEAP_OPS``); ``trainer.memory_report()`` shows what is kept.
-    cpu_gemm: what runs the fp32 matrix products of CPU graphs. "onnxruntime": ONNX
-        Runtime's own (MLAS); "blas": ``ortrain.blas.Gemm``, a custom op calling the BLAS
-        torch loaded (MKL on x86), built with the package (``CMakeLists.txt``; loaded by
-        ``ortrain/runtime/native.py``); "auto" (default): "blas" on Intel CPUs when
-        torch has MKL and the op builds, MLAS elsewhere (MLAS is the faster one on AMD).
-    cpu_kernels: what runs the fp32 GELU, LayerNorm and Softmax backwards, the Softmaxes
-        (with an attention mask's Add) and the embedding gradients of CPU graphs.
-        "ortrain": fused kernels of ortrain's CPU op library (``ortrain.cpu`` domain,
-        ``ortrain/runtime/grad_kernels.c``, ``softmax.c``, the same library as
-        ``cpu_gemm``'s op);
-        "onnxruntime": chains of standard ONNX ops (stock onnxruntime has no training
-        kernels); "auto" (default): "ortrain" when the library builds, with a warning
-        and standard ops otherwise.
-    bucketing: "auto" (default): pad each batch's sequence axis to one of a few bucket
-        lengths (16, 32, 48, 64, 80, 96, 112, 128, 160, ...) so variable-length data builds
-        a few graphs instead of one per length, where padding is exact: batches with an
-        ``attention_mask`` whose loss and gradients (and ``eval_step``'s outputs, cut back
-        to the batch's length) are checked eagerly to be unchanged by padding
-        (``ortrain/bucketing.py``); "off": one graph per batch shape.
+        of the fp32 master weights; the op lists are in
+        ``graph_passes/precision/mixed_precision.py``. bf16 needs CUDA (the CPU execution
+        provider has no bf16 kernels). None: fp32.
+    loss_scale: "dynamic" (or a ``DynamicLossScale(initial, window, factor, min_scale,
+        hysteresis)``), a fixed float, or None. "auto": dynamic with fp16, none otherwise.
+        Steps whose gradients overflow are skipped bit-identically
+        (``trainer.skipped_steps``, ``trainer.loss_scale``).
+    optimize_graph: the optimization passes (constant folding, CSE, GELU / LayerNorm /
+        FusedMatMul / Gemm / BiasGelu fusions, label sparsity, backward cleanup); False
+        builds the plain gradient graph, to compare or to debug a pass.
+    memory_plan: recompute cheap forward values (casts, reshapes, activations, LayerNorm)
+        and attention probabilities in the backward instead of keeping them alive;
+        ``trainer.memory_report()`` shows what is kept.
+    cpu_gemm: what runs the fp32 matrix products of CPU graphs: "onnxruntime" (MLAS),
+        "blas" (``ortrain.blas.Gemm`` / ``BatchMatMul``, custom ops on the BLAS torch
+        loaded: MKL on x86). "auto": "blas" on Intel CPUs when torch has MKL, MLAS
+        elsewhere (MLAS measured the faster on AMD EPYC).
+    cpu_kernels: what runs the fp32 GELU, LayerNorm and Softmax backwards, the masked and
+        loss Softmaxes, the embedding gradients, the forward LayerNorms and GELUs and large
+        element-wise ops of CPU graphs: "ortrain" (fused kernels, ``ortrain.cpu`` domain),
+        "onnxruntime" (chains of standard ONNX ops: stock onnxruntime has no training
+        kernels). "auto": "ortrain" when the library loads, with a warning and standard
+        ops otherwise.
+    bucketing: pad each batch's sequence axis on the right to one of a few bucket lengths
+        (multiples of 16 up to 64, then four per doubling: 16, 32, 48, 64, 80, 96, 112,
+        128, 160, ...) so variable-length data builds a few graphs instead of one per
+        length. Only where padding is exact: the first batch of each layout (with an
+        ``attention_mask``, -100-ignored labels) runs eagerly padded and unpadded once,
+        and is bucketed only where loss, gradients and outputs agree (left padding where
+        the model allows it, e.g. BERT); else ortrain warns and builds per shape.
+        ``eval_step`` outputs are cut back to the batch's length. "off": one graph per
+        batch shape. A new shape builds a new gradient graph (the update graph is
+        shared); at the 4th, 8th, 16th... shape ortrain warns.
     graph_cache: keep built graphs on disk, keyed by the model's structure and code, the
-        batch signature, the options and the library versions (not the weights), so a
-        second run of a script does not export and run the passes again
-        (``ortrain/build_cache.py``). True (default): ``$XDG_CACHE_HOME/ortrain/graphs``
-        (``ORTRAIN_GRAPH_CACHE=<dir>`` moves it, ``=0`` turns it off); a path: that
-        folder; False: off. Off with ``save_graphs_dir`` (its graphs need the passes run).
-    build_progress: while a build has run 2 s, print on stderr which stage it is in
-        (export, passes, session), one line per stage; False: quiet.
+        ``loss_fn``, the batch signature, every build option and the library versions
+        (not the weights), so a second run skips the export and the passes
+        (``trainer.cache_hits``). True: ``$XDG_CACHE_HOME/ortrain/graphs`` (default
+        ``~/.cache/ortrain/graphs``; ``ORTRAIN_GRAPH_CACHE=<dir>`` moves it, ``=0`` turns
+        it off); a path: that folder; False: off. Entries are checked by a content hash; a
+        damaged one is rebuilt with a warning. Off with ``save_graphs_dir``.
+    build_progress: a build that runs over 2 s prints one line per stage (export, passes,
+        session) on stderr; False: quiet.
     verify: check every compiled graph's first step against eager PyTorch on the same
         batch and weights (the loss and every parameter's gradient, both without dropout;
         an evaluation graph's outputs), also a graph loaded from the graph cache

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import resource
 import shutil
 import subprocess
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 warnings.filterwarnings("ignore", category=UserWarning)
+
+# Hypothesis keeps no example database and its other files (by default .hypothesis/ in the
+# checkout) in the temporary folder: the tests write nothing into the repository. A failing
+# example is still printed with what reproduces it.
+settings.register_profile("ortrain", database=None)
+settings.load_profile("ortrain")
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"ortrain-hypothesis-{os.getuid()}")
 
 
 def _quiet_transformers() -> None:
@@ -142,18 +154,196 @@ def kind_of(item: pytest.Item) -> str:
     return "unit"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# ------------------------------------------------------ parallel workers (pytest-xdist)
+# scripts/test.sh runs the suite on one worker per core (``-n``, ``--dist loadgroup``). Each
+# worker then gets its share of the cores for torch's and ONNX Runtime's threads, so that two
+# workers on two cores do not fight over them (ONNX Runtime's default is every core, per
+# session); a single process keeps 2 threads, as before.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+THREADS = max(1, _cores() // WORKERS) if WORKERS > 1 else 2
+if WORKERS > 1:  # what the processes the tests start inherit (torch's OpenMP team)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(THREADS)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ort_threads_per_worker():
+    """ONNX Runtime sessions made without an explicit thread count (TrainerOptions'
+    ``intra_op_threads=None``) get this worker's share of the cores."""
+    if WORKERS == 1:
+        yield
+        return
+    import ortrain.offline
+    import ortrain.trainer
+    from ortrain.runtime import session
+
+    real = session.make_session
+
+    def per_worker(model, *, threads, **kw):
+        return real(model, threads=THREADS if threads is None else threads, **kw)
+
+    patch = pytest.MonkeyPatch()
+    for module in (session, ortrain.trainer, ortrain.offline):
+        patch.setattr(module, "make_session", per_worker)
+    yield
+    patch.undo()
+
+
+def _shared_fixture(item: pytest.Item) -> str | None:
+    """The group of a test that uses a fixture built once for several tests (module-scoped
+    in its module, session-scoped in conftest.py): the module, or the fixture's name."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    for name in item.fixturenames:
+        for fdef in info.name2fixturedefs.get(name, ()):
+            code = getattr(fdef.func, "__code__", None)
+            where = Path(code.co_filename) if code is not None else None
+            if fdef.scope == "function" or where is None or where.parent != ROOT / "tests":
+                continue
+            if where.name != "conftest.py":
+                return where.stem  # the module's (autouse ones too: the module's tests)
+            if not getattr(fdef, "_autouse", False):  # (an autouse one here: every test's)
+                return name
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's kind; on an xdist worker, the groups of tests that share a built fixture
+    (for the scheduler below), and end-to-end tests first, so that the long ones are handed
+    out before the quick ones that fill in."""
     for item in items:
         # A kind already marked by hand is kept, so that tests/test_markers.py sees a wrong
         # one instead of this hook hiding it under a second kind.
         if not any(item.get_closest_marker(k) for k in KINDS):
             item.add_marker(kind_of(item))
+    groups_file = getattr(config, "workerinput", {}).get("ortrain_groups")
+    if groups_file is None:
+        return
+    groups = {item.nodeid: g for item in items if (g := _shared_fixture(item)) is not None}
+    tmp = Path(f"{groups_file}.{os.getpid()}")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, groups_file)  # every worker writes the same: one whole file
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    torch.set_num_threads(2)
-    yield
+# pytest-xdist's own ``--dist loadgroup`` puts a group in each test id, which pytest 9.2's
+# ids no longer take (every test ran alone), so the controller schedules by the groups the
+# workers found: one unit of work per group, one per test otherwise.
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput["ortrain_groups"] = str(_groups_file(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist", None) != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    path = _groups_file(config)
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:  # written by the workers before they report
+                self._groups = json.loads(path.read_text()) if path.is_file() else {}
+            return self._groups.get(nodeid, nodeid)
+
+    return SharedFixtureScheduling(config, log)
+
+
+def _groups_file(config: pytest.Config) -> Path:
+    if _GROUPS not in config.stash:
+        folder = Path(tempfile.mkdtemp(prefix="ortrain-xdist-"))
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        config.stash[_GROUPS] = folder / "groups.json"
+    return config.stash[_GROUPS]
+
+
+_GROUPS = pytest.StashKey[Path]()
+
+
+# ------------------------------------------------------------------- per-test time budget
+# No single test may take more than BUDGET_CPU_S seconds of CPU time: its setup (module and
+# session fixtures it is the first to use included) and its call, in this process
+# and in the processes it started and waited for (forked builds, ranks, CLIs). CPU time, not
+# wall time, so that the budget holds on a loaded machine; a wall-clock ceiling of
+# BUDGET_WALL_S catches a test that waits instead (no test may sleep). docs/development.md
+# names both; ORTRAIN_TEST_BUDGET_S sets the CPU budget (0: off, e.g. under a debugger) and
+# the ceiling with it.
+BUDGET_CPU_S = float(os.environ.get("ORTRAIN_TEST_BUDGET_S", "240"))
+BUDGET_WALL_S = 4 * BUDGET_CPU_S
+_STARTED = pytest.StashKey[tuple[float, float]]()  # (wall clock, CPU seconds) at setup
+
+
+def _cpu_s() -> float:
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = (time.perf_counter(), _cpu_s())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    started = item.stash.get(_STARTED, None)
+    if BUDGET_CPU_S <= 0 or started is None or report.when != "call" or report.failed:
+        return
+    wall, cpu = time.perf_counter() - started[0], _cpu_s() - started[1]
+    report.user_properties.append(("cost_s", (cpu, wall)))  # for the summary, also via xdist
+    if cpu > BUDGET_CPU_S or wall > BUDGET_WALL_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {cpu:.0f} s of CPU time and {wall:.0f} s of wall time, over "
+            f"the budget of {BUDGET_CPU_S:.0f} s of CPU time (and {BUDGET_WALL_S:.0f} s of wall "
+            "time) for any single test (tests/conftest.py, docs/development.md): make it "
+            "cheaper (a smaller model, a shared fixture) or split it"
+        )
+
+
+_COSTS: dict[str, tuple[float, float]] = {}  # test id -> (CPU s, wall s), where reported
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "cost_s":
+            _COSTS[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _COSTS:
+        return
+    top = sorted(_COSTS.items(), key=lambda kv: -kv[1][0])[:10]
+    terminalreporter.section(
+        f"most CPU time per test (budget {BUDGET_CPU_S:.0f} s CPU, {BUDGET_WALL_S:.0f} s wall)"
+    )
+    for nodeid, (cpu, wall) in top:
+        terminalreporter.write_line(f"{cpu:7.1f} s CPU {wall:7.1f} s wall  {nodeid}")
+    if path := os.environ.get("ORTRAIN_TEST_COSTS"):  # every test's, as JSON
+        Path(path).write_text(json.dumps(_COSTS, indent=0))
 
 
 @pytest.fixture(autouse=True)

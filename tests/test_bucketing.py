@@ -293,8 +293,8 @@ def test_200_steps_of_realistic_lengths():
 
     def make():
         torch.manual_seed(0)
-        cfg = GPT2Config(
-            n_layer=4, n_embd=256, n_head=4, vocab_size=512, n_positions=128,
+        cfg = GPT2Config(  # small: what is checked is the lengths, builds and losses
+            n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
         )  # fmt: skip
         return GPT2LMHeadModel(cfg)

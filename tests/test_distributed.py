@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -52,12 +53,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, out: Path, world: int = WORLD, **env: str) -> list[subprocess.Popen]:
-    """``world`` ranks of tests/dist_worker.py with the environment torchrun would set."""
+def launch(
+    scenario: str, out: Path, world: int = WORLD, piped: int | None = None, **env: str
+) -> list[subprocess.Popen]:
+    """``world`` ranks of tests/dist_worker.py with the environment torchrun would set; the
+    stdout of rank ``piped`` comes through a pipe (the others' go to log files)."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
         log = open(out / f"{scenario}.log{rank}", "w")
+        stdout = subprocess.PIPE if rank == piped else log
         env_r = {
             **os.environ,
             **env,
@@ -70,7 +75,7 @@ def launch(scenario: str, out: Path, world: int = WORLD, **env: str) -> list[sub
             "OMP_NUM_THREADS": "1",
         }
         cmd = [sys.executable, "-m", "tests.dist_worker", scenario, str(out)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_r, stdout=log, stderr=log))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_r, stdout=stdout, stderr=log))
     return procs
 
 
@@ -293,13 +298,14 @@ def assert_same_state(loaded: dict, expected: dict) -> None:
 def test_failed_rank_fails_the_other_within_timeout(tmp_path, fault, sig, timeout):
     """A killed rank is noticed at once (its connections close); a stopped one when the
     collective times out. Either way rank 0 raises RankFailureError naming rank 1."""
-    procs = launch("loop", tmp_path, ORTRAIN_TEST_TIMEOUT=str(timeout))
+    procs = launch("loop", tmp_path, piped=1, ORTRAIN_TEST_TIMEOUT=str(timeout))
     try:
-        log1 = tmp_path / "loop.log1"
-        deadline = time.monotonic() + 120
-        while "STEP 3\n" not in (log1.read_text() if log1.exists() else ""):
-            assert time.monotonic() < deadline and procs[1].poll() is None, log1.read_text()
-            time.sleep(0.1)
+        said, deadline, fd = b"", time.monotonic() + 120, procs[1].stdout.fileno()
+        while b"STEP 3\n" not in said:  # rank 1's own word that it is training
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(fd, 4096) if ready else b""  # b"": it ended, or the deadline
+            assert chunk, f"rank 1 said {said!r}:\n{(tmp_path / 'loop.log1').read_text()}"
+            said += chunk
         start = time.time()
         procs[1].send_signal(sig)
         rc = procs[0].wait(timeout=timeout + 30)
@@ -392,19 +398,20 @@ def test_rank_health_names_dead_missing_and_lagging_ranks():
     me.seq = 7
     peers = dist.PrefixStore("ortrain/health/", store)
     peers.set("1", "5 7")  # beat once, then nothing: dead or stopped
-    stop = threading.Event()
+    stop, beating = threading.Event(), threading.Event()
 
-    def lagging() -> None:  # rank 2 beats on but sits at collective #6
+    def lagging() -> None:  # rank 2 beats on (each interval) but sits at collective #6
         beats = 0
         while not stop.is_set():
             peers.set("2", f"{beats} 6")
             beats += 1
-            time.sleep(0.02)
+            beating.set()
+            stop.wait(me.interval / 2)
 
     t = threading.Thread(target=lagging, daemon=True)
     t.start()
     try:
-        time.sleep(0.1)
+        assert beating.wait(30)
         blamed, why = me.diagnose([1, 2, 3])  # rank 3 never beat at all
     finally:
         stop.set()

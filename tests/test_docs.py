@@ -1,10 +1,13 @@
-"""The documentation: `docs/` builds as a site without warnings, and every relative link in
-README.md and docs/ resolves (to a file, and an `#anchor` to a heading of it)."""
+"""The documentation: `docs/` builds as a site without warnings, every relative link in
+README.md and docs/ resolves (to a file, and an `#anchor` to a heading of it), and every
+code block marked runnable (a ```python block right after a `<!-- runnable -->` line) runs
+as printed, in a new Python process in an empty folder."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +22,19 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+MARK = "<!-- runnable -->"
+RUNNABLE = re.compile(r"^<!-- runnable -->\n```python\n(.*?)^```\s*$", re.S | re.M)
+
+
+def runnable_blocks(pages: list[Path] = PAGES, root: Path = ROOT) -> list[tuple[str, str]]:
+    """(page:line of the mark, the block's code) for every block marked runnable."""
+    blocks = []
+    for page in pages:
+        text = page.read_text()
+        for m in RUNNABLE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            blocks.append((f"{page.relative_to(root)}:{line}", m.group(1)))
+    return blocks
 
 
 def _prose(text: str) -> str:
@@ -104,3 +120,30 @@ def test_benchmark_history_is_data() -> None:
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", row["date"]), row
         assert re.fullmatch(r"[0-9a-f]{7}", row["commit"]), row
         assert row["cpu"] and row["metric"] and row["value"] and row["command"], row
+
+
+def test_every_runnable_mark_opens_a_python_block(tmp_path: Path) -> None:
+    """A mark a block does not follow (or a block that is not Python) is an error, not a
+    block left unrun; the README's "Use" example is one of the runnable blocks."""
+    marks = sum(line == MARK for page in PAGES for line in page.read_text().splitlines())
+    blocks = runnable_blocks()
+    assert marks == len(blocks), f"{marks} marks, {len(blocks)} runnable blocks: {blocks}"
+    assert any(where.startswith("README.md") and "ORTTrainer" in code for where, code in blocks)
+    page = tmp_path / "docs" / "x.md"
+    page.parent.mkdir()
+    page.write_text(f"{MARK}\n```python\nprint(1)\n```\n\n{MARK}\n```bash\nls\n```\n")
+    assert runnable_blocks([page], tmp_path) == [("docs/x.md:1", "print(1)\n")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,code", runnable_blocks(), ids=[w for w, _ in runnable_blocks()])
+def test_runnable_block_runs_as_printed(where: str, code: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},  # the installed ortrain, as a user has it
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{where} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

@@ -586,10 +586,19 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
     """Data parallel and ZeRO-1 through the reducer at world size 1 (one process on one
     device: the collectives run, over gloo on CPU and NCCL on CUDA) train as one process
     without a reducer, and every tensor handed to a collective that moves the model lives
-    on the trainer's device."""
+    on the trainer's device.
+
+    Per step: the loss, the gradient norm and every gradient element the update read (a
+    reducer that drops or doubles a gradient changes them; AdamW alone would not see a
+    doubled gradient: its step is scale-free), then every parameter. Two runs differ by
+    reduction-order noise (on CUDA), which AdamW turns into steps of up to lr where the
+    gradient is zero in exact arithmetic (the attention key biases): each parameter
+    element may also differ by what the two runs' gradient differences can move Adam's
+    steps (tests/adam_noise.py), nothing where the gradients differ beyond float noise."""
     import ortrain.trainer as trainer_mod
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
+    from tests.adam_noise import NOISE_FLOOR, AdamDrift, TrainerGradients, assert_params_close
 
     if device == "cuda" and session_mod.cuda_unavailable_reason() is not None:
         pytest.skip(f"needs ONNX Runtime's CUDA provider: {session_mod.cuda_unavailable_reason()}")
@@ -604,12 +613,15 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
 
         monkeypatch.setattr(Comm, op, spy)
 
+    lr, max_norm = 1e-2, 1.0
     base, batches = gpt2(layers=1, hidden=32, vocab=64), lm_batches(4, vocab=64)
-    opts = dict(device=device, zero_stage=stage, max_grad_norm=1.0, update_engine="graph")
+    opts = dict(device=device, zero_stage=stage, max_grad_norm=max_norm, update_engine="graph")
 
-    def train(reducer: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    def train(reducer: bool):
+        """Per step (loss, gradient norm, the gradients the update read: clipped as it
+        clips them), and the parameters at the end."""
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
         if reducer:
             monkeypatch.setattr(
                 trainer_mod,
@@ -617,18 +629,32 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
                 lambda t: make_reducer(t, Comm(None, 60.0, t.device)),
             )
         trainer = ORTTrainer(model, opt, TrainerOptions(**opts))
-        losses = [trainer.train_step(**b).item() for b in batches]
+        read, steps = TrainerGradients(trainer), []
+        for b in batches:
+            loss = trainer.train_step(**b).item()
+            norm = trainer.last_grad_norm
+            clip = min(1.0, max_norm / (norm + 1e-6))
+            grads = {k: g * clip for k, g in read(trainer.grad_params).items()}
+            steps.append((loss, norm, grads))
         trainer.sync_to_module()
-        return losses, {k: v.detach().cpu() for k, v in model.named_parameters()}
+        return steps, {k: v.detach().cpu() for k, v in model.named_parameters()}
 
     plain, plain_params = train(reducer=False)
     assert handed == []
     reduced, reduced_params = train(reducer=True)
-    np.testing.assert_allclose(reduced, plain, rtol=1e-5, atol=0)
+    drift = AdamDrift(lr)
+    for (loss, norm, grads), (loss0, norm0, grads0) in zip(reduced, plain, strict=True):
+        np.testing.assert_allclose(loss, loss0, rtol=1e-5, atol=0)
+        np.testing.assert_allclose(norm, norm0, rtol=1e-5, atol=0)
+        assert grads.keys() == grads0.keys()
+        scale = max(g.abs().max().item() for g in grads0.values())
+        for name, g in grads.items():
+            torch.testing.assert_close(
+                g, grads0[name], rtol=1e-5, atol=NOISE_FLOOR * scale, msg=name
+            )
+        drift.observe(grads0, grads)
     # the last step's update (clipping, ZeRO-1's shard update and gather) too
-    assert reduced_params.keys() == plain_params.keys()
-    for name, value in reduced_params.items():
-        torch.testing.assert_close(value, plain_params[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_params_close(reduced_params, plain_params, rtol=1e-5, atol=1e-6, drift=drift)
     # the model's tensors (float32) on the trainer's device; the ranks' fingerprints
     # (distributed/fingerprint.py: bytes and lengths) are host control messages
     model_ops = {op for op, _, dtype in handed if dtype == torch.float32}

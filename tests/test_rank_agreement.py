@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,7 @@ def test_fields_hold_shapes_optimizer_and_options():
 
 
 _CHILD = """
-import os, signal, sys, time
+import os, signal, sys
 from pathlib import Path
 from ortrain.distributed.exits import ExitRecorder
 ExitRecorder(1, Path(sys.argv[1]))
@@ -245,7 +246,7 @@ elif how == "exit":
     sys.exit(0)
 else:
     os.kill(os.getpid(), getattr(signal, how))
-    time.sleep(60)
+    signal.pause()  # not reached: killed, or stopped until the test kills it
 """
 
 
@@ -270,11 +271,11 @@ def test_exit_records_tell_how_a_peer_ended(tmp_path, how, told):
     child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
-        deadline = time.monotonic() + 30
-        state = Path(f"/proc/{child.pid}/stat")
-        while state.exists() and state.read_text().rsplit(")", 1)[1].split()[0] not in "ZT":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # until it has ended or stopped, leaving it unreaped (a zombie) for the record
+        guard = threading.Timer(60, child.kill)  # a child that does neither: fails below
+        guard.start()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
+        guard.cancel()
         me = ExitRecorder(0, tmp_path)
         said = me.how_ended(1)
         me.close()

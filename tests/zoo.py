@@ -30,9 +30,6 @@ class Entry:
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], Batch]
     slow: bool = False  # export + build over ~20 s on a 2-core machine
-    # "sgd" where parameters with an exactly-zero gradient would make AdamW compare float
-    # noise blown up to lr-sized steps
-    optimizer: str = "adamw"
 
 
 ZOO: dict[str, Entry] = {}
@@ -43,10 +40,9 @@ def entry(
     category: str,
     batch: Callable[[torch.Generator], Batch],
     slow: bool = False,
-    optimizer: str = "adamw",
 ):
     def deco(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        ZOO[name] = Entry(name, category, build, batch, slow, optimizer)
+        ZOO[name] = Entry(name, category, build, batch, slow)
         return build
 
     return deco
@@ -537,14 +533,8 @@ def _classify(g: torch.Generator) -> Batch:
             "labels": torch.randint(0, 5, (B,), generator=g)}  # fmt: skip
 
 
-# AdamW on Mixtral: tests/test_moe.py; here one attention weight element of 512 sat at
-# 1.2e-4 after 8 steps (Adam's normalized step on a near-noise gradient)
-_SGD = {"mixtral"}
 for _name, (_model, _config, _kw, _batch) in HF.items():
-    _opt = "sgd" if _name in _SGD else "adamw"
-    entry(_name, _CATEGORY.get(_name, "hf"), _batch or _classify, optimizer=_opt)(
-        _hf(_model, _config, **_kw)
-    )
+    entry(_name, _CATEGORY.get(_name, "hf"), _batch or _classify)(_hf(_model, _config, **_kw))
 
 
 def _clip_batch(g: torch.Generator) -> Batch:
