@@ -53,11 +53,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     # ONNX Runtime refuses the exported graph; the fallback does not catch it
     "CrossEntropyLoss(probability targets)": "InvalidGraph",
     "CrossEntropyLoss(label_smoothing=0.2, weight=rand[5], probability targets)": "InvalidGraph",
-    # a Linear over a vector (1-D input): FusedMatMul's rule made a wrong-shaped gradient
-    "MarginRankingLoss": "FusedMatMul",
-    "MarginRankingLoss(reduction='sum')": "FusedMatMul",
-    "MarginRankingLoss(reduction='none')": "FusedMatMul",
-    "MarginRankingLoss(margin=0.3)": "FusedMatMul",
 }
 
 
