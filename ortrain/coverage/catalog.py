@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ortrain.coverage.functional_specs import EXERCISED_BY, NOT_AN_OP, functional_specs
-from ortrain.coverage.nn_specs import NOT_A_LAYER, nn_specs
+from ortrain.coverage.nn_specs import NOT_A_LAYER, nn_specs, utils_specs
 from ortrain.coverage.spec import Spec
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "all_specs",
     "functional_names",
     "nn_classes",
+    "section",
     "spec_by_id",
 ]
 
@@ -44,8 +45,16 @@ def functional_names() -> list[str]:
 
 @functools.cache
 def all_specs() -> tuple[Spec, ...]:
-    """The table's rows in order: the torch.nn classes', then the functions'."""
-    return (*nn_specs(), *functional_specs())
+    """The table's rows in order: the torch.nn classes', the functions', then the
+    ``torch.nn.utils`` parametrizations'."""
+    return (*nn_specs(), *functional_specs(), *utils_specs())
+
+
+def section(spec: Spec) -> str:
+    """Which table a spec is a row of: "nn", "functional" or "utils"."""
+    if spec.covers.startswith("F."):
+        return "functional"
+    return "utils" if spec.covers.startswith("utils.") else "nn"
 
 
 @functools.cache

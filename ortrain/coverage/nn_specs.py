@@ -600,6 +600,33 @@ def _losses() -> list[Spec]:
     ]  # fmt: skip
 
 
+# --------------------------------------------------------------------------- torch.nn.utils
+def _wrapped(name: str, wrap, make, inputs, note: str = "") -> Spec:
+    """A module transformed by a ``torch.nn.utils`` function (a parametrization, a hook)."""
+    return Spec(f"utils.{name}", note, lambda: wrap(make()), tuple(inputs))
+
+
+def utils_specs() -> list[Spec]:
+    """Weight parametrizations users add to their layers (not module classes themselves:
+    ``tests/test_nn_coverage.py`` checks the names exist in ``torch.nn.utils``)."""
+    from torch.nn.utils import parametrizations as P
+
+    lin, sq = (lambda: nn.Linear(8, 5)), (lambda: nn.Linear(5, 5))
+    conv = lambda: nn.Conv2d(3, 4, 3)  # noqa: E731
+    return [
+        _wrapped("parametrizations.weight_norm", P.weight_norm, lin, [x(3, 8)], "of a Linear"),
+        _wrapped("parametrizations.weight_norm", P.weight_norm, conv, [x(2, 3, 5, 5)],
+                 "of a Conv2d"),
+        _wrapped("parametrizations.spectral_norm", P.spectral_norm, lin, [x(3, 8)],
+                 "of a Linear"),
+        _wrapped("parametrizations.spectral_norm", P.spectral_norm, conv, [x(2, 3, 5, 5)],
+                 "of a Conv2d"),
+        _wrapped("parametrizations.orthogonal", P.orthogonal, sq, [x(3, 5)], "of a Linear"),
+        _wrapped("weight_norm", nn.utils.weight_norm, lin, [x(3, 8)], "of a Linear (hook)"),
+        _wrapped("spectral_norm", nn.utils.spectral_norm, lin, [x(3, 8)], "of a Linear (hook)"),
+    ]  # fmt: skip
+
+
 def nn_specs() -> list[Spec]:
     """Every spec of a ``torch.nn`` class, family by family."""
     return [

@@ -31,6 +31,7 @@ from ortrain.coverage.catalog import (
     all_specs,
     functional_names,
     nn_classes,
+    section,
     spec_by_id,
 )
 from ortrain.coverage.check import COMPILED, FALLBACK, REFUSED, WRONG, Outcome
@@ -73,8 +74,9 @@ def render(outcomes: Mapping[str, Outcome]) -> str:
     missing = [s.id for s in specs if s.id not in outcomes]
     if missing:
         raise KeyError(f"no outcome for {len(missing)} specs (first: {missing[:3]})")
-    nn_rows = [s for s in specs if not s.covers.startswith("F.")]
-    fn_rows = [s for s in specs if s.covers.startswith("F.")]
+    nn_rows = [s for s in specs if section(s) == "nn"]
+    fn_rows = [s for s in specs if section(s) == "functional"]
+    utils_rows = [s for s in specs if section(s) == "utils"]
     classes, functions = nn_classes(), functional_names()
     with_spec = {s.covers for s in specs}
     fn_own = sorted({s.covers[2:] for s in fn_rows})
@@ -109,6 +111,7 @@ def render(outcomes: Mapping[str, Outcome]) -> str:
         "|---|---|---|",
         f"| torch.nn classes | {len(nn_rows)} | {_counts(outcomes[s.id] for s in nn_rows)} |",
         f"| torch.nn.functional | {len(fn_rows)} | {_counts(outcomes[s.id] for s in fn_rows)} |",
+        f"| torch.nn.utils | {len(utils_rows)} | {_counts(outcomes[s.id] for s in utils_rows)} |",
         f"| all | {len(specs)} | {_counts(outcomes[s.id] for s in specs)} |",
         "",
         f"{len(classes)} classes in `torch.nn`: {sum(c in with_spec for c in classes)} with "
@@ -130,6 +133,12 @@ def render(outcomes: Mapping[str, Outcome]) -> str:
         "| function | options | outcome | compared | cause |",
         "|---|---|---|---|---|",
         *[_row(s, outcomes[s.id]) for s in fn_rows],
+        "",
+        "### torch.nn.utils parametrizations",
+        "",
+        "| function | options | outcome | compared | cause |",
+        "|---|---|---|---|---|",
+        *[_row(s, outcomes[s.id]) for s in utils_rows],
         "",
         "### Classes that are no trainable layer",
         "",

@@ -21,7 +21,6 @@ parameter.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,13 +102,16 @@ class Harness(nn.Module):
         self.pre = nn.ModuleList(nn.Linear(f.shape[-1], f.shape[-1]) for f in floats)
         self.unit = spec.unit()
         if spec.head == "mse":
-            # a first call on the first batch: it materializes lazy modules (on the unit
-            # itself) and gives the outputs' shapes (on a copy, so no statistics move)
+            # a first call on the first batch: it materializes lazy modules and gives the
+            # outputs' shapes; what it changes otherwise (BatchNorm statistics, a max_norm
+            # renormalization) is put back
             with torch.no_grad():
                 lazy = any(isinstance(p, nn.parameter.UninitializedParameter)
                            for p in self.unit.parameters())  # fmt: skip
-                probe = self if lazy else copy.deepcopy(self)
-                outs = probe._outputs(*first)
+                saved = None if lazy else {k: v.clone() for k, v in self.state_dict().items()}
+                outs = self._outputs(*first)
+                if saved is not None:
+                    self.load_state_dict(saved)
             g = torch.Generator().manual_seed(99)
             for k, o in enumerate(outs):
                 self.register_buffer(f"target_{k}", torch.randn(o.shape, generator=g))
