@@ -79,6 +79,8 @@ class BuiltGraph:
     # (op type, node name) of the nodes that draw random numbers (``random_nodes``): the
     # training process reads them without loading the graph libraries
     random_ops: tuple[tuple[str, str], ...] = ()
+    # ONNX Runtime optimizers that would compute this graph wrongly (``optimizers_to_disable``)
+    wrong_optimizers: tuple[str, ...] = ()
 
     def model(self) -> ir.Model:
         import onnx
@@ -204,7 +206,7 @@ def _built(
     from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
     from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
     from ortrain.graph_passes.memory.memory_plan import planned_peak_bytes
-    from ortrain.runtime.session import random_nodes
+    from ortrain.runtime.session import optimizers_to_disable, random_nodes
 
     ort_data = serialized.ort_data(model)
     return BuiltGraph(
@@ -220,6 +222,7 @@ def _built(
         cpu_kernels=CPU_DOMAIN in model.opset_imports,
         signature=_graph_signature(model),
         random_ops=tuple(random_nodes(model)),
+        wrong_optimizers=optimizers_to_disable(model),
         **extra,
     )
 

@@ -227,6 +227,18 @@ def test_matmul_transpose_keeps_head_permutation_and_shared_transpose():
     assert _ops(model) == collections.Counter({"Transpose": 2, "MatMul": 2})
 
 
+def test_matmul_transpose_keeps_a_transposed_matrix_times_a_vector():
+    """W.T @ v (spectral_norm's power iteration): ONNX Runtime's FusedMatMul ignores transA
+    when B is 1-D, so folding the Transpose would compute W @ v's numbers in W.T @ v's
+    shape (tests/test_rules_coverage.py checks that ONNX Runtime still does)."""
+    g = TinyGraph()
+    w, v = g.input("w", (5, 8)), g.input("v", (5,))
+    wt = g.op("Transpose", w, name="wt", shape=(8, 5), perm=[1, 0])
+    model = g.model(g.op("MatMul", wt, v, name="mv", shape=(8,)))
+    assert fuse_matmul_transpose(model) == 0
+    assert _ops(model) == collections.Counter({"Transpose": 1, "MatMul": 1})
+
+
 def test_fused_matmul_rule_rejects_trans_batch_which_no_fusion_emits():
     g = TinyGraph()
     a, b = g.input("a", (3, 2, 4)), g.input("b", (2, 4, 5))

@@ -15,7 +15,10 @@ Cases (``op`` is MatMul or FusedMatMul; A Transpose output read by anything else
 
 Not folded: perms that move the last axis away (a head permutation [0, 2, 1, 3] feeding
 a MatMul stays: FusedMatMul's transBatch attributes move axis 0, not a middle axis, and
-ortrain's FusedMatMul gradient rule does not take them); FusedMatMul with transBatch set.
+ortrain's FusedMatMul gradient rule does not take them); FusedMatMul with transBatch set;
+a Transpose of A when B is 1-D or of unknown rank (``W.T @ v``, spectral_norm's power
+iteration): ONNX Runtime's CPU FusedMatMul ignores transA when B is 1-D
+(tests/test_rules_coverage.py shows it).
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class TransposeIntoMatMul(pattern.RewriteRuleClassBase):
         shape = dims(src)
         if shape is None or len(shape) < 2:
             return result.fail("the transposed operand needs a static rank >= 2", src)
+        other = dims(y if self.pos == 0 else x)
+        if self.pos == 0 and (other is None or len(other) < 2):
+            return result.fail("B is 1-D: ONNX Runtime's FusedMatMul ignores transA then", y)
         rank = len(shape)
         attr = t.producer().attributes.get("perm")
         perm = list(attr.value) if attr is not None else list(reversed(range(rank)))

@@ -292,10 +292,12 @@ def make_session(
     if hasattr(model, "ort_data"):  # built apart (ortrain/build.py, segments): ordered already
         data, recomputes = model.ort_data, model.recomputes
         arena_bytes, blas, kernels = model.planned_peak_bytes, model.blas_gemm, model.cpu_kernels
+        wrong = tuple(getattr(model, "wrong_optimizers", ()))
     else:  # an onnx_ir model made in this process (an update graph)
         from ortrain.graph_passes.infra.serialize import serialize_for_ort
 
         data, recomputes = serialize_for_ort(model)
+        wrong = optimizers_to_disable(model)
         blas = BLAS_DOMAIN in model.opset_imports
         kernels = CPU_DOMAIN in model.opset_imports
     if save_path is not None:
@@ -322,7 +324,7 @@ def make_session(
         so.add_session_config_entry("session.use_env_allocators", "1")
     else:
         so.add_session_config_entry(_RECORD_ASSIGNMENT, "1")
-    disabled = DISABLED_OPTIMIZERS + (RECOMPUTE_DISABLED if recomputes else [])
+    disabled = [*DISABLED_OPTIMIZERS, *wrong, *(RECOMPUTE_DISABLED if recomputes else [])]
 
     def new(capture: bool) -> ort.InferenceSession:
         return ort.InferenceSession(
@@ -397,6 +399,21 @@ def random_nodes(model: ir.Model) -> list[tuple[str, str]]:
                 continue
         found.append((node.op_type, node.name or ""))
     return found
+
+
+def optimizers_to_disable(model: ir.Model) -> tuple[str, ...]:
+    """ONNX Runtime graph optimizers that would compute this graph wrongly, besides
+    ``DISABLED_OPTIMIZERS``: MatmulTransposeFusion folds a Transpose into a MatMul whose
+    other operand is 1-D, and the CPU FusedMatMul then ignores ``transA`` (``W.T @ v``
+    computed as ``W @ v``; ortrain's own fuse_matmul_transpose leaves those alone)."""
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type == "MatMul" and any(
+            v is not None and v.shape is not None and len(v.shape) == 1 for v in node.inputs
+        ):
+            return ("MatmulTransposeFusion",)
+    return ()
 
 
 def refuse_random_nodes(nodes: list[tuple[str, str]]) -> None:

@@ -41,6 +41,7 @@ class GraphBytes:
     planned_peak_bytes: int = 0  # what ``make_session`` sizes the CPU arena by
     # random ops besides the switchable Dropouts: no check against eager can compare them
     draws: tuple[str, ...] = ()
+    wrong_optimizers: tuple[str, ...] = ()  # ``session.optimizers_to_disable``
 
     @property
     def ort_data(self) -> bytes:
@@ -70,7 +71,7 @@ def _dtype_name(dtype: Any) -> str:
 
 def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
     from ortrain.graph_passes.infra.serialize import serialize_for_ort
-    from ortrain.runtime.session import random_nodes
+    from ortrain.runtime.session import optimizers_to_disable, random_nodes
 
     draws = tuple(sorted({op for op, _ in random_nodes(model) if op != "Dropout"}))
     data, recomputes = serialize_for_ort(model)
@@ -91,6 +92,7 @@ def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
         CPU_DOMAIN in model.opset_imports,
         types,
         draws=draws,
+        wrong_optimizers=optimizers_to_disable(model),
     )
 
 

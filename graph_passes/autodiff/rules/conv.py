@@ -11,12 +11,16 @@ With y = conv(x, w) over the spatial axes:
   with stride and dilation exchanged; trailing taps beyond the kernel (positions the
   forward never read) are sliced off.
 - db sums dy over the batch and spatial axes.
+
+Col2Im (torch's ``Fold``) adds image patches back into an image; its gradient gathers
+them out again (``col2im``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 from ortrain.graph_passes.autodiff.context import GradContext
@@ -151,3 +155,42 @@ def weight_grad(
     return _weight_grad(
         ctx, x, gy, xs, gys, o, cg, ks, group, list(strides), list(dilations), list(pads)
     )
+
+
+@gradient("Col2Im", nondiff_inputs=(1, 2))
+def col2im(ctx: GradContext):
+    # torch's Fold: y[n, c, p] = sum of x[n, c*K + k, l] over the (kernel tap k, block l)
+    # pairs that land on image position p. Its adjoint gathers: dx[n, c*K + k, l] is dy at
+    # the position of tap k in block l, or 0 where that position is padding. The positions
+    # are static, so dx is one Gather of dy padded with zeros and flattened.
+    x, g = ctx.I(0), ctx.GO(0)
+    image = ctx.const_ints(ctx.I(1))
+    block = ctx.const_ints(ctx.I(2))
+    if image is None or block is None:
+        raise NotImplementedError("Col2Im with a non-constant image or block shape")
+    nd = len(block)
+    dilations = list(ctx.attr("dilations", None) or [1] * nd)
+    strides = list(ctx.attr("strides", None) or [1] * nd)
+    pads = list(ctx.attr("pads", None) or [0] * (2 * nd))
+    n, ck, blocks = ctx.shape(x)
+    taps = int(np.prod(block))
+    c = ck // taps
+    padded = [image[d] + pads[d] + pads[nd + d] for d in range(nd)]
+    counts = [(padded[d] - dilations[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(nd)]
+    if int(np.prod(counts)) != blocks:
+        raise NotImplementedError(f"Col2Im: {blocks} blocks, the attributes make {counts}")
+    # position of tap k (row-major over the kernel) in block l (row-major over the grid)
+    tap = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1).reshape(-1, nd)
+    grid = np.stack(np.meshgrid(*[np.arange(m) for m in counts], indexing="ij"), -1)
+    grid = grid.reshape(-1, nd)
+    where = grid[None, :, :] * np.array(strides) + tap[:, None, :] * np.array(dilations)
+    flat = np.ravel_multi_index(tuple(where[..., d] for d in range(nd)), padded)  # [K, L]
+    gp = g
+    if any(pads):
+        zero = [0, 0]
+        gp = ctx.op("Pad", g, ctx.ints([*zero, *pads[:nd], *zero, *pads[nd:]]),
+                    shape=[n, c, *padded])  # fmt: skip
+    gp = ctx.reshape(gp, (n, c, int(np.prod(padded))))
+    index = ctx.const(flat.tolist(), ir.DataType.INT64)
+    gathered = ctx.op("Gather", gp, index, axis=2, shape=[n, c, taps, blocks])
+    return {0: ctx.reshape(gathered, (n, ck, blocks))}

@@ -1,5 +1,7 @@
 """MatMul and Gemm. Backward matmuls carry their transposes as attributes (Gemm
-transA/transB, com.microsoft FusedMatMul) instead of explicit Transpose nodes."""
+transA/transB, com.microsoft FusedMatMul) instead of explicit Transpose nodes. A 1-D
+operand is promoted as numpy does (a row for A, a column for B) and its gradient
+reshaped back."""
 
 from __future__ import annotations
 
@@ -15,12 +17,35 @@ def _prod(xs) -> int:
     return p
 
 
+def _promoted(ctx: GradContext, a, b, g, sa, sb, so):
+    """numpy's 1-D operands as matrices: a [K] as [1, K], b [K] as [K, 1], and the output
+    gradient with the axes the product dropped put back. Returns the values, their shapes
+    and the shapes to give the input gradients back."""
+    back = (sa, sb)
+    a1, b1 = len(sa) == 1, len(sb) == 1
+    if a1:
+        sa = (1, sa[0])
+        a = ctx.reshape(a, sa)
+    if b1:
+        sb = (sb[0], 1)
+        b = ctx.reshape(b, sb)
+    if a1 and b1:
+        so = (1, 1)
+    elif a1:  # the row axis the product dropped
+        so = (*so[:-1], 1, so[-1])
+    elif b1:  # the column axis
+        so = (*so, 1)
+    if a1 or b1:
+        g = ctx.reshape(g, so)
+    return a, b, g, sa, sb, so, back
+
+
 @gradient("MatMul")
 def matmul(ctx: GradContext):
-    a, b, g = ctx.I(0), ctx.I(1), ctx.GO(0)
-    sa, sb, so = ctx.shape(a), ctx.shape(b), ctx.shape(ctx.O(0))
-    if len(sa) < 2 or len(sb) < 2:
-        raise NotImplementedError(f"MatMul with a 1-D operand (shapes {sa} x {sb})")
+    a, b, g, sa, sb, so, back = _promoted(
+        ctx, ctx.I(0), ctx.I(1), ctx.GO(0), ctx.shape(ctx.I(0)), ctx.shape(ctx.I(1)),
+        ctx.shape(ctx.O(0)),
+    )  # fmt: skip
     out = {}
     if len(sb) == 2:
         # x[..., K] @ W[K, N]: fold batch dims into rows, one Gemm each way.
@@ -33,15 +58,16 @@ def matmul(ctx: GradContext):
         if ctx.needs(1):
             a2 = ctx.reshape(a, (rows, k))
             out[1] = ctx.op("Gemm", a2, g2, transA=1, shape=(k, n))
-        return out
-    batch = so[:-2]
-    if ctx.needs(0):
-        ga = ctx.op("FusedMatMul", g, b, domain=MS_DOMAIN, transB=1, alpha=1.0)
-        out[0] = ctx.sum_to(ga, (*batch, sa[-2], sa[-1]), sa)
-    if ctx.needs(1):
-        gb = ctx.op("FusedMatMul", a, g, domain=MS_DOMAIN, transA=1, alpha=1.0)
-        out[1] = ctx.sum_to(gb, (*batch, sb[-2], sb[-1]), sb)
-    return out
+    else:
+        batch = so[:-2]
+        sga, sgb = (*batch, sa[-2], sa[-1]), (*batch, sb[-2], sb[-1])
+        if ctx.needs(0):
+            ga = ctx.op("FusedMatMul", g, b, domain=MS_DOMAIN, transB=1, alpha=1.0, shape=sga)
+            out[0] = ctx.sum_to(ga, sga, sa)
+        if ctx.needs(1):
+            gb = ctx.op("FusedMatMul", a, g, domain=MS_DOMAIN, transA=1, alpha=1.0, shape=sgb)
+            out[1] = ctx.sum_to(gb, sgb, sb)
+    return {i: ctx.reshape(v, back[i]) for i, v in out.items()}
 
 
 @gradient("Gemm")
@@ -73,31 +99,45 @@ def gemm(ctx: GradContext):
 @gradient("FusedMatMul", domain=MS_DOMAIN)
 def fused_matmul(ctx: GradContext):
     # Y = alpha * op(A) @ op(B) with batch broadcasting (op: transA/transB swap the last
-    # two axes). transBatchA/B are not emitted by ortrain's fusions and raise here.
+    # two axes). transBatchA/B are not emitted by ortrain's fusions and raise here. A 1-D
+    # operand (a Linear over a vector) is a matrix of one row (A) or one column (B), as
+    # in MatMul. Refused: transposing a 1-D operand, and transA with a 1-D B (ONNX
+    # Runtime's forward of it is not numpy's product of the transpose and the vector).
     if ctx.attr("transBatchA", 0) or ctx.attr("transBatchB", 0):
         raise NotImplementedError("FusedMatMul with transBatchA/transBatchB")
     a, b = ctx.I(0), ctx.I(1)
     ta, tb = int(ctx.attr("transA", 0)), int(ctx.attr("transB", 0))
-    if len(ctx.shape(b)) == 2 and not ta and len(ctx.shape(a)) >= 2:
+    sa, sb = ctx.shape(a), ctx.shape(b)
+    if (len(sa) == 1 and ta) or (len(sb) == 1 and (ta or tb)):
+        raise NotImplementedError(
+            f"FusedMatMul with a 1-D operand and transA={ta}, transB={tb} (shapes {sa} x {sb})"
+        )
+    if len(sb) == 2 and not ta and len(sa) >= 2:
         return _fused_matmul_2d_weight(ctx, tb)
     g = ctx.GO(0)
+    so = ctx.shape(ctx.O(0))
+    if len(sa) == 1 or len(sb) == 1:
+        a, b, g, sa, sb, so, back = _promoted(ctx, a, b, g, sa, sb, so)
+    else:
+        back = (sa, sb)
     alpha = float(ctx.attr("alpha", 1.0))
-    sa, sb, so = ctx.shape(a), ctx.shape(b), ctx.shape(ctx.O(0))
     batch = so[:-2]
+    sga, sgb = (*batch, sa[-2], sa[-1]), (*batch, sb[-2], sb[-1])
+    mm = {"domain": MS_DOMAIN, "alpha": alpha}
     out = {}
     if ctx.needs(0):
         if not ta:
-            ga = ctx.op("FusedMatMul", g, b, domain=MS_DOMAIN, transB=1 - tb, alpha=alpha)
+            ga = ctx.op("FusedMatMul", g, b, transB=1 - tb, shape=sga, **mm)
         else:
-            ga = ctx.op("FusedMatMul", b, g, domain=MS_DOMAIN, transA=tb, transB=1, alpha=alpha)
-        out[0] = ctx.sum_to(ga, (*batch, sa[-2], sa[-1]), sa)
+            ga = ctx.op("FusedMatMul", b, g, transA=tb, transB=1, shape=sga, **mm)
+        out[0] = ctx.sum_to(ga, sga, sa)
     if ctx.needs(1):
         if not tb:
-            gb = ctx.op("FusedMatMul", a, g, domain=MS_DOMAIN, transA=1 - ta, alpha=alpha)
+            gb = ctx.op("FusedMatMul", a, g, transA=1 - ta, shape=sgb, **mm)
         else:
-            gb = ctx.op("FusedMatMul", g, a, domain=MS_DOMAIN, transA=1, transB=ta, alpha=alpha)
-        out[1] = ctx.sum_to(gb, (*batch, sb[-2], sb[-1]), sb)
-    return out
+            gb = ctx.op("FusedMatMul", g, a, transA=1, transB=ta, shape=sgb, **mm)
+        out[1] = ctx.sum_to(gb, sgb, sb)
+    return {i: ctx.reshape(v, back[i]) for i, v in out.items()}
 
 
 def _fused_matmul_2d_weight(ctx: GradContext, tb: int):

@@ -111,15 +111,97 @@ def slice_(ctx: GradContext):
 def pad(ctx: GradContext):
     # Constant mode: y = x with p[i] zeros/values added (p < 0: entries removed) at each
     # end, so dx = Pad(dy, -p): added entries are cut off, removed ones get zero gradient.
+    # reflect / edge / wrap: each added entry is a copy of an input entry, whose gradient
+    # it adds to (_copied_pad).
     mode = ctx.attr("mode", "constant")
-    if mode != "constant":
-        raise NotImplementedError(f"Pad mode {mode!r}")
     pads = ctx.const_ints(ctx.I(1))
     if pads is None:
         raise NotImplementedError("Pad with non-constant pads")
+    if mode != "constant":
+        return {0: _copied_pad(ctx, str(mode), pads)}
     extra = (None, ctx.I(3)) if ctx.has_input(3) else ()  # same axes, constant 0
     neg = ctx.ints([-p for p in pads])
     return {0: ctx.op("Pad", ctx.GO(0), neg, *extra, shape=ctx.shape(ctx.I(0)))}
+
+
+def _copied_pad(ctx: GradContext, mode: str, pads: list[int]):
+    """The gradient of a reflect / edge / wrap Pad, one padded axis at a time (these
+    pads are successive one-axis pads, so their gradients are too). Along an axis of n
+    entries padded by b before and a after, dy's middle n entries are x's own; the added
+    ones go back to the entries they copy:
+
+    1. reflect: y[b - 1 - i] = x[1 + i] (i < b), y[b + n + j] = x[n - 2 - j] (j < a): the
+       added runs, reversed, add onto x[1 : 1 + b] and x[n - 1 - a : n - 1];
+    2. edge: every added entry copies x[0] (before) or x[n - 1] (after): their sums add
+       onto those;
+    3. wrap: y[i] = x[n - b + i], y[b + n + j] = x[j]: the runs add onto x[n - b :] and
+       x[: a] unreversed.
+    """
+    x = ctx.I(0)
+    shape = list(ctx.shape(x))
+    rank = len(shape)
+    axes = ctx.const_ints(ctx.I(3)) if ctx.has_input(3) else list(range(rank))
+    if axes is None:
+        raise NotImplementedError("Pad with non-constant axes")
+    if mode not in ("reflect", "edge", "wrap"):
+        raise NotImplementedError(f"Pad mode {mode!r}")
+    k = len(axes)
+    cur = ctx.GO(0)
+    cur_shape = list(ctx.shape(ctx.O(0)))
+    for i, axis in enumerate(axes):
+        axis %= rank
+        before, after, n = pads[i], pads[k + i], shape[axis]
+        if before == after == 0:
+            continue
+        limit = n - 1 if mode == "reflect" else n
+        if before < 0 or after < 0 or max(before, after) > limit:
+            raise NotImplementedError(f"Pad mode {mode!r} with pads {pads} of an axis of {n}")
+        cur = _unpad_axis(ctx, mode, cur, cur_shape, axis, before, after, n)
+        cur_shape[axis] = n
+    return cur
+
+
+def _unpad_axis(ctx: GradContext, mode: str, g, g_shape, axis: int, b: int, a: int, n: int):
+    """``g`` (b + n + a entries along ``axis``) folded back onto n entries."""
+
+    def part(start: int, stop: int, reverse: bool = False):
+        shape = list(g_shape)
+        shape[axis] = stop - start
+        piece = ctx.op("Slice", g, ctx.ints([start]), ctx.ints([stop]), ctx.ints([axis]),
+                       shape=shape)  # fmt: skip
+        if reverse:
+            ends = ctx.ints([-(2**62)])
+            piece = ctx.op("Slice", piece, ctx.ints([-1]), ends, ctx.ints([axis]), ctx.ints([-1]),
+                           shape=shape)  # fmt: skip
+        return piece, shape
+
+    def placed(piece, shape, offset: int):
+        """``piece`` at ``offset`` in zeros of n entries along the axis."""
+        pads = [0] * (2 * len(shape))
+        pads[axis], pads[len(shape) + axis] = offset, n - offset - shape[axis]
+        full = list(shape)
+        full[axis] = n
+        return ctx.op("Pad", piece, ctx.ints(pads), shape=full) if any(pads) else piece
+
+    out_shape = list(g_shape)
+    out_shape[axis] = n
+    total, _ = part(b, b + n)
+    terms = []
+    if b:
+        piece, shape = part(0, b, reverse=mode == "reflect")
+        if mode == "edge":
+            shape[axis] = 1
+            piece = ctx.op("ReduceSum", piece, ctx.ints([axis]), keepdims=1, shape=shape)
+        terms.append(placed(piece, shape, {"reflect": 1, "edge": 0, "wrap": n - b}[mode]))
+    if a:
+        piece, shape = part(b + n, b + n + a, reverse=mode == "reflect")
+        if mode == "edge":
+            shape[axis] = 1
+            piece = ctx.op("ReduceSum", piece, ctx.ints([axis]), keepdims=1, shape=shape)
+        terms.append(placed(piece, shape, {"reflect": n - 1 - a, "edge": n - 1, "wrap": 0}[mode]))
+    for term in terms:
+        total = ctx.op("Add", total, term, shape=out_shape)
+    return total
 
 
 def _scatter_add_rows(ctx: GradContext, table_shape, indices, updates, skip_row: int = -1):
