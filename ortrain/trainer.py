@@ -638,9 +638,20 @@ class ORTTrainer:
         return loss
 
     # ------------------------------------------------------------------ checks, fallback
+    def _on_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch`` with its tensors where the module is: eager PyTorch (the checks, the
+        segments, eager evaluation) does not move a host batch as the graphs' binding does."""
+        return {
+            k: v.to(self.device, non_blocking=True)
+            if isinstance(v, torch.Tensor) and v.device != self.device
+            else v
+            for k, v in batch.items()
+        }
+
     def _loss_of(self, batch: Mapping[str, Any], module: torch.nn.Module) -> torch.Tensor:
         """Eager PyTorch's loss of ``batch`` through ``module`` (the trainer's, or a float64
         copy of it: the batch's floating tensors follow its dtype)."""
+        batch = self._on_device(batch)
         if any(p.dtype == torch.float64 for p in module.parameters()):
             batch = as_float64(batch)
         args, kwargs = call_arguments(module, batch)
@@ -796,7 +807,7 @@ class ORTTrainer:
         if scale is not None:
             st.loss_scale.fill_(scale)
         try:
-            loss = self._segments.forward_backward(batch, scale)
+            loss = self._segments.forward_backward(self._on_device(batch), scale)
         except Exception:
             discarded, self.micro_step = self.micro_step, 0
             del discarded
@@ -998,7 +1009,7 @@ class ORTTrainer:
         was = self.module.training
         self.module.eval()
         try:
-            args, kwargs = call_arguments(self.module, batch)
+            args, kwargs = call_arguments(self.module, self._on_device(batch))
             out = self.module(*args, **kwargs)
             loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
         finally:

@@ -456,3 +456,19 @@ def test_recurrent_inter_layer_dropout_is_off_in_the_check():
             a = m(x)[0]
         m.dropout = 0.0
         assert mode.sites == 2 and torch.equal(a, m(x)[0]), cls.__name__
+
+
+def test_eager_runs_get_the_batch_on_the_modules_device(monkeypatch):
+    """The graphs' binding copies a host batch to the device; the eager runs (the check,
+    segments, eager evaluation) must too: on an H200 every first-step check of a host
+    batch stopped with 'index is on cpu' before this."""
+    model = torch.nn.Linear(3, 2)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.setattr(trainer, "device", torch.device("meta"))
+    batch = {"input": torch.ones(2, 3), "ids": torch.tensor([1, 2]), "flag": True}
+    moved = trainer._on_device(batch)
+    assert {k: v.device.type for k, v in moved.items() if torch.is_tensor(v)} == {
+        "input": "meta",
+        "ids": "meta",
+    }
+    assert moved["flag"] is True and batch["input"].device.type == "cpu"
