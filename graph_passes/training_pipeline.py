@@ -31,6 +31,8 @@ left out with ``optimize=False``):
 6.  loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
 7.  autodiff           minimal gradient graph, outputs ``grad:<param>`` (``cpu_kernels=True``:
                        GELU, LayerNorm and Softmax backwards as fused ``ortrain.cpu`` ops)
+    drop_stop_gradients  ``x.detach()`` / ``torch.no_grad()`` markers removed once
+                       autodiff has stopped the gradient there (``ortrain/stop_gradient.py``)
 8.  fold_transpose_gemm* / lower_cross_entropy*   backward and loss kernels
 9.  clean_backward*    folding, CSE, Transpose folding, merged gradient Sums
 10. accumulate         ``grad = acc + micro-grad`` bound in place
@@ -100,6 +102,7 @@ from ortrain.core.names import (
 )
 from ortrain.core.roles import GraphIO, Role
 from ortrain.graph_passes.autodiff import GradientGraphResult, build_gradient_graph
+from ortrain.graph_passes.cleanup.drop_stop_gradients import drop_stop_gradients
 from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transpose_into_gemm
 from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
 from ortrain.graph_passes.cleanup.pad_as_concat import pad_as_concat
@@ -368,6 +371,11 @@ def pipeline_entries(
         Entry(
             Pass("autodiff", autodiff, stage="autodiff", test="tests/test_gradient_rules.py",
                  impl=build_gradient_graph),
+            _always,
+        ),
+        Entry(
+            Pass("drop_stop_gradients", drop_stop_gradients, stage="cleanup",
+                 test="tests/test_stop_gradient.py", on_eval=True),
             _always,
         ),
         Entry(

@@ -36,6 +36,8 @@ from ortrain.core.roles import GraphIO, Role
 from ortrain.export_ops import custom_translations, export_hint
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
+from ortrain.stop_gradient import mark_stop_gradients
+from ortrain.stop_gradient import translations as stop_gradient_translations
 
 if TYPE_CHECKING:  # the training process does not import them (ortrain/build.py)
     import onnx_ir as ir
@@ -438,6 +440,20 @@ class Traced:
         return roles + updated_io(self.model, self.updated)
 
 
+def _exported(
+    traced: torch.nn.Module, flat: tuple
+) -> torch.nn.Module | torch.export.ExportedProgram:
+    """``traced`` exported as the ONNX exporter would first try it (non-strict), with its
+    detached and no-grad values marked (``ortrain/stop_gradient.py``); ``traced`` itself
+    where that fails, for the exporter's other strategies to try and to name the error."""
+    try:
+        program = torch.export.export(traced, flat, strict=False)
+    except Exception:
+        return traced
+    mark_stop_gradients(program)
+    return program
+
+
 def trace_to_onnx(
     module: torch.nn.Module,
     wrapper: torch.nn.Module,
@@ -469,13 +485,17 @@ def trace_to_onnx(
             warnings.simplefilter("ignore")
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)
             program = torch.onnx.export(
-                traced,
+                _exported(traced, flat),
                 flat,
                 dynamo=True,
                 optimize=False,  # below, once the buffers are inputs (not folded)
                 verbose=False,
                 input_names=pnames + input_names,
-                custom_translation_table={**custom_translations(), **batch_norm_translations()},
+                custom_translation_table={
+                    **custom_translations(),
+                    **batch_norm_translations(),
+                    **stop_gradient_translations(),
+                },
             )
             signature = program.exported_program.graph_signature
             first_batch = next(

@@ -39,22 +39,11 @@ from ortrain.coverage.spec import Float, Harness, Spec
 SPECS = catalog.all_specs()
 
 # Specs that are refused today, each with a part of its cause (the exception's type and
-# first line): a refusal not listed here fails, and so does a listed one that trains. Each
-# group is a bug of the fallback or of the first-step check, shown on its own in section 6.
-_IN_PLACE = "modified by an inplace operation"  # eager changes a segment's output in place
-EXPECTED_REFUSALS: dict[str, str] = {
-    "RReLU(inplace=True)": _IN_PLACE,
-    "Dropout(inplace=True)": _IN_PLACE,
-    "Dropout1d(inplace=True)": _IN_PLACE,
-    "Dropout2d(inplace=True)": _IN_PLACE,
-    "Dropout3d(inplace=True)": _IN_PLACE,
-    "F.rrelu_": _IN_PLACE,
-    # the first-step check cannot take a sparse gradient
-    "Embedding(sparse=True)": "NotImplementedError: Could not run 'aten::max'",
-    # ONNX Runtime refuses the exported graph; the fallback does not catch it
-    "CrossEntropyLoss(probability targets)": "InvalidGraph",
-    "CrossEntropyLoss(label_smoothing=0.2, weight=rand[5], probability targets)": "InvalidGraph",
-}
+# first line): a refusal not listed here fails, and so does a listed one that trains. None
+# today: the refusals the table first showed (eager changing a segment's output in place,
+# a sparse gradient in the first-step check, a graph ONNX Runtime refuses) were bugs of the
+# fallback, fixed, each shown on its own in section 6.
+EXPECTED_REFUSALS: dict[str, str] = {}
 
 
 # ----------------------------------------------------------------------------- 1. entries

@@ -149,18 +149,19 @@ _FORWARD = [
     [
         (
             BuildConfig(blas_gemm=True, blas_batch=True, cpu_kernels=True),
-            [*_FORWARD, "lower_cross_entropy", "blas_gemm", "blas_batch_matmul", "cpu_softmax",
+            [*_FORWARD, "drop_stop_gradients", "lower_cross_entropy", "blas_gemm", "blas_batch_matmul", "cpu_softmax",
              "causal_products", "cpu_layer_norm", "cpu_gelu", "cpu_split_concat",
              "cpu_elementwise", "ort_order", "kernel_threads"],
         ),
         (
             BuildConfig(target="cuda", mixed_precision="fp16"),
-            [*_FORWARD, "mixed_precision", "lower_cross_entropy", "ort_order"],
+            [*_FORWARD, "mixed_precision", "drop_stop_gradients", "lower_cross_entropy",
+             "ort_order"],
         ),
         (
             BuildConfig(optimize=False),
-            ["seed_dropout", "masked_attention_rows", "stable_log_sigmoid", "ort_order",
-             "kernel_threads"],
+            ["seed_dropout", "masked_attention_rows", "stable_log_sigmoid",
+             "drop_stop_gradients", "ort_order", "kernel_threads"],
         ),
     ],
     ids=["cpu-kernels", "cuda-fp16", "no-optimize"],

@@ -14,6 +14,10 @@ LOSS_SCALE_INPUT = "loss_scale"  # graph input the backward is seeded with (loss
 DROPOUT_SWITCH_INPUT = "dropout_on"
 BLAS_DOMAIN = "ortrain.blas"  # the BLAS GEMM custom op's domain (blas_gemm.py)
 CPU_DOMAIN = "ortrain.cpu"  # fused CPU backward kernels (ortrain/runtime/grad_kernels.c)
+# ``x.detach()`` and values made under ``torch.no_grad()`` (ortrain/stop_gradient.py): an
+# identity autodiff does not differentiate through, dropped after autodiff
+GRAD_DOMAIN = "ortrain.grad"
+STOP_GRADIENT = "StopGradient"
 
 
 class GradientError(RuntimeError):

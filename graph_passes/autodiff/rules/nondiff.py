@@ -1,5 +1,6 @@
 """Ops through which no gradient flows, and ops that must not be differentiated."""
 
+from ortrain.core.names import GRAD_DOMAIN, STOP_GRADIENT
 from ortrain.graph_passes.autodiff.registry import no_gradient, not_differentiable
 
 # Piecewise-constant or integer-valued outputs: nothing flows back.
@@ -44,3 +45,6 @@ no_gradient(
 # Control flow: the subgraph would need its own gradient graph, which ortrain does not build.
 for _op in ("If", "Loop", "Scan"):
     not_differentiable(_op, "control flow (subgraphs) is not supported by ortrain's autodiff")
+
+# x.detach() and values made under torch.no_grad() (ortrain/stop_gradient.py)
+no_gradient(STOP_GRADIENT, domain=GRAD_DOMAIN)
