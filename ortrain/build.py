@@ -26,7 +26,7 @@ from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.core.names import LabelSite, label_rows_bucket
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export import ExportedForward, LossFn, export_here
-from ortrain.index_check import index_ranges
+from ortrain.index_check import ComputedIndices, computed_indices, index_ranges
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -72,6 +72,8 @@ class BuiltGraph:
     cpu_kernels: bool = False  # has ortrain.cpu nodes: the session needs the library too
     # batch input -> its uses as an index: checked before a batch is bound (index_check.py)
     index_checks: dict[str, list] = dataclasses.field(default_factory=dict)
+    # indices computed from batch values: checked by a small graph of their own
+    computed_indices: ComputedIndices | None = None
     # ("input|output <name>", "dtype shape"): compared across ranks (distributed/fingerprint.py)
     signature: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     # an evaluation graph built from the training export (``build_eval``), not its own
@@ -251,6 +253,7 @@ def build_train(
         ex = training_view(ExportedForward.from_wire(forward.wire))
     rows = label_rows(forward.sites, batch, headroom=True)
     checks = index_ranges(ex.model, ex.io)  # of the exported forward, before the passes
+    computed = computed_indices(ex.model, ex.io)
     model = ex.model  # from_wire / a fresh export: the passes may rewrite it in place
     inputs = {r.name for r in ex.io}
     build_inputs = BuildInputs(
@@ -264,7 +267,15 @@ def build_train(
     serialized = Serialized()
     log.run(model, build_pipeline(config, build_inputs, products), serialized)
     check_updates(model, ex.io)  # the buffer updates the trainer writes back
-    graph = _built(model, ex, log, serialized, io=ex.io + products.io, index_checks=checks)
+    graph = _built(
+        model,
+        ex,
+        log,
+        serialized,
+        io=ex.io + products.io,
+        index_checks=checks,
+        computed_indices=computed,
+    )
     return forward, rows, graph
 
 
@@ -322,12 +333,21 @@ def build_eval(
     from ortrain.graph_passes.infra.serialize import Serialized
 
     checks = index_ranges(ex.model, ex.io)
+    computed = computed_indices(ex.model, ex.io)
     serialized = Serialized()
     log.run(ex.model, eval_pipeline(config), serialized)
     outputs = [
         GraphIO(name, Role.LOSS if k == "loss" else Role.OUTPUT)
         for name, k in zip(ex.output_names, ex.output_keys)
     ]
-    built = _built(ex.model, ex, log, serialized, io=ex.io + outputs, index_checks=checks)
+    built = _built(
+        ex.model,
+        ex,
+        log,
+        serialized,
+        io=ex.io + outputs,
+        index_checks=checks,
+        computed_indices=computed,
+    )
     built.from_training_export = forward is not None
     return built

@@ -14,19 +14,22 @@ operands it reaches:
 3. the label of ``SoftmaxCrossEntropyLoss`` / ``NegativeLogLikelihoodLoss``: ``[0, C)``
    and the node's ``ignore_index``.
 
-Values that go through arithmetic, a comparison, ``Where``, ``Clip`` or a masked
-selection first (position ids from a cumsum, ``where(ids < 0, 0, ids)``) are left alone:
-only values that reach an index unchanged are checked. ``Slice`` and ``Pad`` count as
-passing values on, so the whole input is checked even where a slice drops a part eager
-never reads (GPT-2's shifted labels drop position 0).
-
+``Slice`` and ``Pad`` count as passing values on, so the whole input is checked even
+where a slice drops a part eager never reads (GPT-2's shifted labels drop position 0).
 ``check_batch`` runs one min/max pass per checked input (a second, masked one only when
 the input holds an allowed extra value such as ``ignore_index``) and raises ``BatchError``
 naming the input, the bad value, its position and the valid range.
+
+An index computed from batch values (``emb(ids - 1)``, a ``clamp``, a ``where``, position
+ids from a cumsum of the mask) is checked as computed (``computed_indices``): the part of
+the forward that computes it from the batch, and from nothing the model holds, is cut out
+as a small graph of its own, run on each batch before the step, and its values checked
+like an input's. An index that also depends on a parameter or a buffer is not checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -232,3 +235,127 @@ def check_batch(checks: Mapping[str, list[IndexUse]], batch: Mapping[str, Any]) 
                 f"the valid range {_valid(uses)} (it is the {where}; eager PyTorch raises "
                 "IndexError on it); the batch was not run and nothing was applied"
             )
+
+
+def _reached(start: ir.Value) -> set[ir.Value]:
+    """The values holding ``start``'s values unchanged (``_passes_on``), ``start`` too."""
+    seen = {start}
+    todo = [start]
+    while todo:
+        for node, idx in todo.pop().uses():
+            for out in _passes_on(node, idx):
+                if out not in seen:
+                    seen.add(out)
+                    todo.append(out)
+    return seen
+
+
+_STATIC = {"Shape", "Size"}  # of a graph built for one batch shape: constants
+
+
+def _batch_sources(value: ir.Value, batch: set[str]) -> set[str] | None:
+    """The batch inputs whose values ``value`` is computed from; None where it also reads
+    another graph input (a parameter, a buffer) or a subgraph."""
+    sources: set[str] = set()
+    seen: set[ir.Value] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if v in seen or v.is_initializer() or v.const_value is not None:
+            continue
+        seen.add(v)
+        node = v.producer()
+        if node is None:
+            if v.name not in batch:
+                return None
+            sources.add(v.name)  # type: ignore[arg-type]
+            continue
+        if any(a.type.name in ("GRAPH", "GRAPHS") for a in node.attributes.values()):
+            return None
+        if node.op_type in _STATIC and node.domain in ("", "ai.onnx"):
+            continue
+        todo.extend(i for i in node.inputs if i is not None)
+    return sources
+
+
+@dataclasses.dataclass
+class ComputedIndices:
+    """Indices computed from the batch: the graph that computes them, and their uses."""
+
+    data: bytes  # an ONNX model: batch inputs -> the computed index operands
+    inputs: tuple[str, ...]
+    # (graph output, its use, the batch inputs it is computed from)
+    outputs: tuple[tuple[str, IndexUse, tuple[str, ...]], ...]
+    _session: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_session": None}
+
+    def check(self, batch: Mapping[str, Any]) -> None:
+        """Raise ``BatchError`` where an index computed from ``batch`` is out of range."""
+        import onnxruntime as ort
+
+        if self._session is None:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = 1
+            so.log_severity_level = 3
+            self._session = ort.InferenceSession(self.data, so, providers=["CPUExecutionProvider"])
+        feeds = {n: batch[n].detach().cpu().numpy() for n in self.inputs}
+        values = self._session.run([o[0] for o in self.outputs], feeds)
+        for (_, (lo, hi, extras, where), sources), value in zip(self.outputs, values, strict=True):
+            t = torch.from_numpy(value)
+            if t.numel() == 0:
+                continue
+            pos, bad = _first_bad(t, lo, hi, extras)
+            if pos >= 0:
+                raise BatchError(
+                    f"the {where} is computed from batch input(s) {', '.join(sources)} and "
+                    f"holds {bad} at {_position(t.shape, pos)}, outside the valid range "
+                    f"[{lo}, {hi}) (eager PyTorch raises IndexError on it); the batch was not "
+                    "run and nothing was applied"
+                )
+
+
+def computed_indices(model: ir.Model, io: Iterable[GraphIO]) -> ComputedIndices | None:
+    """The index operands of ``model`` (an exported forward) computed from batch values
+    alone, not reached unchanged from an input (``index_ranges`` checks those), as a
+    graph to run on each batch; None when there are none."""
+    import onnx_ir as ir
+
+    from ortrain.graph_passes.cleanup.drop_stop_gradients import drop_stop_gradients
+
+    batch = {r.name for r in io if r.role is Role.BATCH}
+    direct: set[ir.Value] = set()
+    for v in model.graph.inputs:
+        if v.name in batch:
+            direct |= _reached(v)
+    found: dict[ir.Value, list[tuple[IndexUse, tuple[str, ...]]]] = {}
+    for node in model.graph:
+        for i, value in enumerate(node.inputs):
+            if value is None or value in direct or value.const_value is not None:
+                continue
+            use = _use(node, i)
+            sources = _batch_sources(value, batch) if use is not None else None
+            if use is not None and sources:
+                found.setdefault(value, []).append((use, tuple(sorted(sources))))
+    if not found:
+        return None
+    inputs = [v for v in model.graph.inputs if v.name in batch]
+    try:
+        graph = ir.convenience.extract(model.graph, inputs, list(found))
+    except ValueError:  # a Shape of a weight on the way: not bounded by the batch
+        return None
+    used = [v for v in graph.inputs if v.uses()]
+    graph.inputs.clear()
+    graph.inputs.extend(used)
+    part = ir.Model(graph, ir_version=model.ir_version)
+    part.opset_imports.update(model.opset_imports)
+    drop_stop_gradients(part)
+    names = [v.name for v in found]
+    outputs = tuple(
+        (name, use, sources)
+        for name, uses in zip(names, found.values(), strict=True)
+        for use, sources in uses
+    )
+    data = ir.serde.serialize_model(part).SerializeToString()
+    return ComputedIndices(data, tuple(v.name for v in graph.inputs), outputs)  # type: ignore[misc]

@@ -592,6 +592,8 @@ class ORTTrainer:
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
             compiled = self._compiled(batch, train=True, fresh=attempt > 0)
             check_batch(compiled.graph.index_checks, batch)  # ids/labels in range, as eager
+            if compiled.graph.computed_indices is not None:  # and indices computed from them
+                compiled.graph.computed_indices.check(batch)
             keep = self._bind_batch(compiled, batch)
             accum = self.options.grad_accumulation_steps
             if accum > 1 and self.micro_step == 0:
@@ -967,6 +969,8 @@ class ORTTrainer:
                 self._eval_in_eager(sig, f"{type(exc).__name__}: {first_line(exc)}")
                 return StepOutputs(padded.cut(self._eager_outputs(batch)))
             check_batch(compiled.graph.index_checks, batch)
+            if compiled.graph.computed_indices is not None:
+                compiled.graph.computed_indices.check(batch)
             keep = self._bind_batch(compiled, batch)
             try:
                 compiled.session.run()

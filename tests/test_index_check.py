@@ -160,3 +160,62 @@ def test_index_ranges_of_exported_gpt2_and_check_cost():
         check_batch(checks, big)
     per_batch = (time.perf_counter() - start) / n
     print(f"index check of an 8x1024 GPT-2 batch (labels with ignore_index): {per_batch:.1e} s")
+
+
+class _Computed(torch.nn.Module):
+    """Indices made by arithmetic on the batch: ids - 1, a clamp of a sum, positions from
+    a cumsum of the mask (as left-padded decoders make them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.pos = torch.nn.Embedding(6, 8)
+        self.w = torch.nn.Parameter(torch.randn(VOCAB, 8))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, shift: torch.Tensor):
+        positions = mask.cumsum(-1) - 1
+        h = self.emb(ids - 1) + self.pos(positions)
+        picked = torch.index_select(self.w, 0, (ids + shift).clamp(max=VOCAB + 3).reshape(-1))
+        return h.square().mean() + picked.square().mean()
+
+
+@pytest.mark.parametrize(
+    "change, where",
+    [
+        ({"ids": torch.tensor([[3, 0, 2]])}, "aten.embedding"),  # 0 - 1 = -1
+        ({"shift": torch.tensor(VOCAB)}, "aten.index_select"),  # past the table
+        ({"mask": torch.tensor([[0, 1, 1]])}, "aten.embedding"),  # a position of -1
+    ],
+    ids=["ids-1", "clamp", "cumsum"],
+)
+def test_an_index_computed_from_the_batch_is_checked(change, where):
+    torch.manual_seed(0)
+    model, ref = _Computed(), _Computed()
+    ref.load_state_dict(model.state_dict())
+    trainer = _trainer(model)
+    good = {"ids": torch.tensor([[3, 1, 2]]), "mask": torch.ones(1, 3, dtype=torch.long),
+            "shift": torch.tensor(2)}  # fmt: skip
+    torch.testing.assert_close(trainer.train_step(**good), ref(**good).detach(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    (graph,) = trainer._train.values()
+    computed = graph.graph.computed_indices
+    assert computed is not None and sorted(computed.inputs) == ["ids", "mask", "shift"]
+    assert len(computed.outputs) == 3  # one per Gather; the batch inputs reach none unchanged
+    bad = {**good, **change}
+    with pytest.raises(IndexError):
+        ref(**bad)
+    before, micro = _snapshot(trainer), trainer.micro_step
+    with pytest.raises(BatchError, match="is computed from batch input") as err:
+        trainer.train_step(**bad)
+    assert where in str(err.value) and "nothing was applied" in str(err.value)
+    assert trainer.micro_step == micro
+    for k, t in _snapshot(trainer).items():
+        assert torch.equal(before[k], t), k
+    assert trainer.build_count == 1  # no rebuild
+
+
+def test_models_without_computed_indices_get_no_index_graph(gpt2_trained):
+    _, trainer, _ = gpt2_trained
+    (graph,) = trainer._train.values()
+    assert graph.graph.computed_indices is None  # positions from arange: static

@@ -149,9 +149,9 @@ _FORWARD = [
     [
         (
             BuildConfig(blas_gemm=True, blas_batch=True, cpu_kernels=True),
-            [*_FORWARD, "drop_stop_gradients", "lower_cross_entropy", "blas_gemm", "blas_batch_matmul", "cpu_softmax",
-             "causal_products", "cpu_layer_norm", "cpu_gelu", "cpu_split_concat",
-             "cpu_elementwise", "ort_order", "kernel_threads"],
+            [*_FORWARD, "drop_stop_gradients", "lower_cross_entropy", "blas_gemm",
+             "blas_batch_matmul", "cpu_softmax", "causal_products", "cpu_layer_norm",
+             "cpu_gelu", "cpu_split_concat", "cpu_elementwise", "ort_order", "kernel_threads"],
         ),
         (
             BuildConfig(target="cuda", mixed_precision="fp16"),
