@@ -22,6 +22,7 @@ Usage::
 
     PYTHONPATH=. python benchmarks/bench_varlen.py                 # 200 steps, batch 8
     PYTHONPATH=. python benchmarks/bench_varlen.py --steps 24 --backends torch,ortrain
+    PYTHONPATH=. python benchmarks/bench_varlen.py --steps 24 --no-mask   # packed, no mask
 """
 
 from __future__ import annotations
@@ -73,6 +74,22 @@ def make_batches(rows: list[list[int]], steps: int, batch: int, pad: int, seed: 
         out.append(
             {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
         )
+    return out
+
+
+def make_packed_batches(rows: list[list[int]], steps: int, batch: int, seed: int) -> list[Batch]:
+    """Batches without a mask whose length changes every step (``--no-mask``): the same
+    lengths as ``make_batches`` draws, each row a run of that many tokens of the corpus's
+    paragraphs laid end to end (packed data): every token real, labels the ids."""
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.tensor([t for r in rows for t in r])
+    out = []
+    for _ in range(steps):
+        pick = [rows[int(i)] for i in torch.randint(0, len(rows), (batch,), generator=g)]
+        n = max(len(r) for r in pick)
+        starts = torch.randint(0, len(stream) - n, (batch,), generator=g)
+        ids = torch.stack([stream[int(s) : int(s) + n] for s in starts])
+        out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
 
@@ -140,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--graph-cache", action="store_true", help="keep ortrain's on-disk cache on")
+    p.add_argument("--no-mask", action="store_true", help="packed batches, no attention_mask")
     args = p.parse_args(argv)
     if not args.graph_cache:
         os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
@@ -151,12 +169,16 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
 
     rows, vocab, pad = paragraphs(args.corpus_mb, args.max_len, args.min_len)
-    batches = make_batches(rows, args.steps, args.batch, pad, args.seed)
+    if args.no_mask:
+        batches = make_packed_batches(rows, args.steps, args.batch, args.seed)
+    else:
+        batches = make_batches(rows, args.steps, args.batch, pad, args.seed)
     lengths = [b["input_ids"].shape[1] for b in batches]
-    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    real = sum(int(b.get("attention_mask", b["input_ids"] * 0 + 1).sum()) for b in batches)
     print(
         f"GPT-2 {args.layers} layers x {args.hidden}, vocab {vocab}, batch {args.batch}, "
-        f"{args.steps} steps; {len(rows)} paragraphs of the recipe corpus; batch lengths "
+        f"{args.steps} steps{' without a mask (packed)' if args.no_mask else ''}; "
+        f"{len(rows)} paragraphs of the recipe corpus; batch lengths "
         f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths):.0f}, "
         f"{len(set(lengths))} distinct); real tokens {real / (args.batch * sum(lengths)):.0%} "
         "of the batches' tokens"

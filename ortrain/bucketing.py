@@ -14,18 +14,24 @@ sees:
    batches too: their padding stays where it was), padded keys are masked out, and
    padded labels are skipped, so the loss and every gradient equal the unpadded batch's
    (up to float rounding).
-2. Not bucketed (one graph per shape, as ``bucketing="off"``): no 2-D ``attention_mask``
-   of 0/1 values, a batch tensor with the length on another axis or with an unknown
-   name, non-integer labels.
+2. Batches without an ``attention_mask`` (packed or length-sorted data, a short last
+   batch) are padded the same way on the right of their ``input_ids``' length: exact for
+   a causal model whose loss skips -100 labels (no real position sees a later one), and
+   checked like any layout (3.), which refuses it for a bidirectional encoder. Not
+   bucketed (one graph per shape, as ``bucketing="off"``): an ``attention_mask`` that is
+   not 2-D 0/1, no mask and no 2-D integer ``input_ids``, a batch tensor with the length
+   on another axis or with an unknown name, non-integer labels.
 3. "Exact" is a claim about the model, so it is checked, not assumed: the first time a
-   batch layout (its keys; right- or left-padded; training or evaluation) would be
-   padded, the module runs eagerly (eval mode: no dropout) on the batch and on it
-   padded to a larger bucket; loss, parameter gradients (training) and outputs cut back
-   (evaluation) must agree to float32 rounding. A layout whose results change warns
-   once and keeps one graph per shape: pooling over all positions, a loss averaged over
-   every token, a classifier reading the last position, or a left-padded causal LM
-   batch (a fully masked query row attends uniformly to every key, the appended ones
-   too, and GPT-2 predicts the first real label from such a row).
+   batch layout (its keys; right-padded, left-padded, a mask with holes, or no mask;
+   training or evaluation) would be padded, the module runs eagerly on the batch and on
+   it padded to a larger bucket, a training layout in training mode (batch statistics
+   see the padding) and both without dropout, the buffers put back; loss, parameter
+   gradients (training) and outputs cut back (evaluation) must agree to float32
+   rounding. A layout whose results change warns once and keeps one graph per shape:
+   pooling over all positions, a loss averaged over every token, a classifier reading
+   the last position, BatchNorm over tokens in training, an encoder without a mask, or
+   a left-padded causal LM batch (a fully masked query row attends uniformly to every
+   key, the appended ones too, and GPT-2 predicts the first real label from such a row).
 4. A length whose bucket has no graph yet runs on a longer bucket's graph, up to
    ``BORROW_LIMIT`` times, then builds its own: a long tail of rare lengths costs no
    builds (padding further is as exact).
@@ -100,6 +106,11 @@ def _continue_positions(t: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([t, t[:, -1:] + step], dim=1)
 
 
+def _on(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``batch`` with its tensors on the module's device (the eager check)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def _integer(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
@@ -110,10 +121,16 @@ class Layout:
 
     length: int
     pads: dict[str, PadFn]
-    right_padded: bool  # every row's mask is ones then zeros (or all ones)
+    # "right": every row's mask is ones then zeros (or all ones); "left": zeros then ones;
+    # "holes": any other mask; "unmasked": no attention_mask (causal models, packed data)
+    side: str
+
+    @property
+    def right_padded(self) -> bool:
+        return self.side in ("right", "unmasked")
 
     def key(self, train: bool) -> tuple:
-        return (train, tuple(sorted(self.pads)), self.right_padded)
+        return (train, tuple(sorted(self.pads)), self.side)
 
     def apply(self, batch: Mapping[str, Any], to: int) -> dict[str, Any]:
         extra = to - self.length
@@ -123,13 +140,29 @@ class Layout:
 
 
 def layout(batch: Mapping[str, Any], pad_id: int) -> Layout | str:
-    """The batch's padding plan, or why it cannot be padded exactly."""
+    """The batch's padding plan, or why it cannot be padded."""
     mask = batch.get(MASK)
+    if mask is None:  # unmasked: keyed by its input_ids
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or not _integer(ids):
+            return f"no {MASK} and no 2-D integer input_ids"
+        b, n = ids.shape
+        return _plan(batch, b, n, pad_id, "unmasked")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         return f"no 2-D {MASK}"
     if not bool(((mask == 0) | (mask == 1)).all()):
         return f"{MASK} holds values other than 0 and 1"
     b, n = mask.shape
+    if bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        side = "right"
+    elif bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        side = "left"
+    else:
+        side = "holes"
+    return _plan(batch, b, n, pad_id, side)
+
+
+def _plan(batch: Mapping[str, Any], b: int, n: int, pad_id: int, side: str) -> Layout | str:
     pads: dict[str, PadFn] = {}
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
@@ -141,8 +174,7 @@ def layout(batch: Mapping[str, Any], pad_id: int) -> Layout | str:
             pads[k] = fn
         elif n in tuple(v.shape[1:]):
             return f"'{k}' {list(v.shape)} has the length {n} on an axis other than 1"
-    right = bool((mask[:, 1:] <= mask[:, :-1]).all())
-    return Layout(n, pads, right)
+    return Layout(n, pads, side)
 
 
 def _pad_fn(key: str, t: torch.Tensor, pad_id: int) -> PadFn | str:
@@ -246,7 +278,7 @@ class Bucketing:
         if verdict is None:
             verdict = self.verdicts[key] = self._check(batch, plan, to, train)
             if not verdict.exact:
-                side = "" if plan.right_padded else "left-padded "
+                side = {"left": "left-padded ", "holes": "masked (with holes) "}.get(plan.side, "")
                 warnings.warn(
                     f"ortrain: {side}batches with {', '.join(sorted(plan.pads))} are not padded "
                     f"to bucket lengths ({'training' if train else 'evaluation'}): "
@@ -279,20 +311,27 @@ class Bucketing:
         if self._sync is not None:
             self._sync()
         module = self.module
-        was_training = module.training
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and train]
         params = [p for _, p in named]
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        from ortrain.verify import in_mode, no_dropout, restoring
+
         try:
-            module.eval()
-            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(train):
+            # a training layout in training mode (batch statistics see the padding), dropout
+            # off on both runs; the buffers a training forward updates are put back
+            batch = _on(batch, next(module.parameters(), torch.empty(0)).device)
+            with (
+                in_mode(module, train),
+                torch.random.fork_rng(devices=devices),
+                torch.set_grad_enabled(train),
+                no_dropout(),
+                restoring(list(module.buffers())),
+            ):
                 real = self._run(batch, params)
                 padded = self._run(plan.apply(batch, to), params)
         except Exception as exc:  # the unpadded step will raise its own error, if any
             why = f"{type(exc).__name__}: {first_line(exc)}"
             return Verdict(False, f"the eager check failed ({why})")
-        finally:
-            module.train(was_training)
         return compare(real, padded, plan.length, to, [n for n, _ in named])
 
     def _run(

@@ -7,6 +7,7 @@ import copy
 import re
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def test_padding_values():
 @pytest.mark.parametrize(
     "change,why",
     [
-        (lambda b: b.pop("attention_mask"), "no 2-D attention_mask"),
+        (lambda b: (b.pop("attention_mask"), b.pop("input_ids")), "no attention_mask and no"),
         (lambda b: b.update(attention_mask=b["attention_mask"][:, None]), "no 2-D"),
         (lambda b: b["attention_mask"].__setitem__((0, 0), 2), "other than 0 and 1"),
         (lambda b: b.update(extra=torch.zeros(2, 6, dtype=torch.long)), "no padding rule"),
@@ -243,19 +244,100 @@ def test_eval_outputs_cut_back_to_the_batch_length():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no-mask", "off"])
+@pytest.mark.parametrize("case", ["inexact", "off"])
 def test_refused_batches_build_one_graph_per_shape(case):
     model = gpt2(layers=1, hidden=32)
     options = TrainerOptions(bucketing="off" if case == "off" else "auto")
-    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), options)
+    loss_fn = (lambda out, batch: out.logits.mean()) if case == "inexact" else None
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), options,
+                         loss_fn=loss_fn)  # fmt: skip
     for n in (20, 24, 20):
         batch = varlen_batch([n, n - 3], seed=n)
-        if case == "no-mask":
-            del batch["attention_mask"]
-        trainer.train_step(**batch)
+        del batch["attention_mask"]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.train_step(**batch)
+        refusals = [w for w in seen if "padding changed the loss" in str(w.message)]
+        assert len(refusals) == (case == "inexact" and n == 20 and trainer.step == 1)
     assert trainer.build_count == 2
     assert graph_lengths(trainer) == {20, 24}
-    assert not trainer.bucketing.verdicts
+    verdicts = trainer.bucketing.verdicts
+    assert len(verdicts) == (case == "inexact") and not any(v.exact for v in verdicts.values())
+
+
+def packed_batches(steps: int, lo: int, hi: int, seed: int, vocab: int = 512) -> list[dict]:
+    """Batches without a mask whose length changes every step (packed or length-sorted
+    data): every token real, labels the ids."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        ids = torch.randint(1, vocab, (4, n), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+@pytest.mark.slow
+def test_unmasked_causal_batches_are_bucketed_and_train_like_eager():
+    batches = packed_batches(24, 6, 60, seed=5)
+    lengths = {b["input_ids"].shape[1] for b in batches}
+    assert len(lengths) >= 15
+    trainer = train_both(lambda: gpt2(layers=2, hidden=64), batches)
+    buckets = {bucket_length(n) for n in lengths}
+    assert graph_lengths(trainer) <= buckets and trainer.build_count <= len(buckets)
+    (key,) = trainer.bucketing.verdicts
+    assert key[2] == "unmasked" and trainer.bucketing.verdicts[key].exact
+
+
+def test_an_unmasked_encoder_is_not_padded():
+    # without a mask a bidirectional encoder attends to the appended tokens: the check
+    # (in training mode, dropout off) refuses it
+    b = Bucketing(bert_mlm(), None)
+    batch = varlen_batch([21, 21], mlm=True)
+    del batch["attention_mask"]
+    with pytest.warns(UserWarning, match="not padded"):
+        out = b.pad(batch, train=True)
+    assert out.length is None and out.batch["input_ids"].shape == (2, 21)
+
+
+class _TokenBatchNorm(torch.nn.Module):
+    """BatchNorm over tokens: in training its statistics include the padded positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(512, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 512)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.norm(self.emb(input_ids).transpose(1, 2)).transpose(1, 2)
+        h = h * attention_mask[..., None]
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_batch_statistics_over_tokens_refuse_padding_in_training():
+    model = _TokenBatchNorm()
+    running = model.norm.running_mean.clone()
+    b = Bucketing(model, lambda out, batch: out)
+    with pytest.warns(UserWarning, match="padding changed"):
+        out = b.pad(varlen_batch([20, 9]), train=True)
+    assert out.length is None
+    assert torch.equal(model.norm.running_mean, running)  # the check put the buffers back
+    # evaluation normalises with the running statistics: padding is exact there
+    assert b.pad(varlen_batch([20, 9]), train=False).length == 20
+
+
+def test_left_padding_and_masks_with_holes_are_keyed_apart():
+    left = layout(varlen_batch([6, 4], left=True), 0)
+    holes = varlen_batch([6, 4])
+    holes["attention_mask"][0, 2] = 0
+    right = layout(varlen_batch([6, 4]), 0)
+    plans = [left, layout(holes, 0), right]
+    assert all(isinstance(p, Layout) for p in plans)
+    assert [p.side for p in plans] == ["left", "holes", "right"]  # type: ignore[union-attr]
+    assert len({p.key(True) for p in plans}) == 3  # type: ignore[union-attr]
 
 
 def test_option_is_validated():
