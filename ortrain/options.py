@@ -92,10 +92,12 @@ class TrainerOptions:
     bucketing: pad each batch's sequence axis on the right to one of a few bucket lengths
         (multiples of 16 up to 64, then four per doubling: 16, 32, 48, 64, 80, 96, 112,
         128, 160, ...) so variable-length data builds a few graphs instead of one per
-        length. Only where padding is exact: the first batch of each layout (with an
-        ``attention_mask``, -100-ignored labels) runs eagerly padded and unpadded once,
-        and is bucketed only where loss, gradients and outputs agree (left padding where
-        the model allows it, e.g. BERT); else ortrain warns and builds per shape.
+        length. Only where padding is exact: the first batch of each layout (its keys;
+        right- or left-padded ``attention_mask``, one with holes, or none; -100-ignored
+        labels) runs eagerly padded and unpadded once, a training layout in training
+        mode without dropout, and is bucketed only where loss, gradients and outputs
+        agree (left padding where the model allows it, e.g. BERT; no mask for a causal
+        LM); else ortrain warns and builds per shape.
         ``eval_step`` outputs are cut back to the batch's length. "off": one graph per
         batch shape. A new shape builds a new gradient graph (the update graph is
         shared); at the 4th, 8th, 16th... shape ortrain warns.
