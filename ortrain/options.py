@@ -113,8 +113,10 @@ class TrainerOptions:
     verify: check every compiled graph's first step against eager PyTorch on the same
         batch and weights (the loss and every parameter's gradient, both without dropout;
         an evaluation graph's outputs), also a graph loaded from the graph cache
-        (``ortrain/verify.py``). Its cost is about one eager step per graph built;
-        ``ortrain.explain`` reports it. False: trust the graphs unchecked.
+        (``ortrain/verify.py``). Its cost is one eager step per graph built, on CPU run
+        on one thread in a forked child before the build (so an eager step's memory does
+        not set the training process's peak); ``ortrain.explain`` reports it. False:
+        trust the graphs unchecked.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments

@@ -86,9 +86,11 @@ from ortrain.runtime.update_engines import (
 )
 from ortrain.segments.training import SegmentedTraining
 from ortrain.verify import (
+    EagerStep,
     Tolerance,
     as_float64,
     compare,
+    eager_loss_and_grads,
     graph_step_mismatches,
     in_mode,
     report,
@@ -589,6 +591,7 @@ class ORTTrainer:
 
     def _graph_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """A step of the whole model's training graph."""
+        reference = self._early_reference(batch)
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
             compiled = self._compiled(batch, train=True, fresh=attempt > 0)
             check_batch(compiled.graph.index_checks, batch)  # ids/labels in range, as eager
@@ -602,7 +605,9 @@ class ORTTrainer:
                 self.state.loss_scale.fill_(self.scaler.scale)
             if self._engine.in_backward:  # this step's hyperparameters go into the graph
                 self._engine.before_run(group_values(self.optimizer, self.spec))
-            if compiled.verified or not self.options.verify or self._checks_out(compiled, batch):
+            if compiled.verified or not self.options.verify:
+                break
+            if self._checks_out(compiled, batch, reference if attempt == 0 else None):
                 break
             if not compiled.cache_hit:
                 raise AssertionError("unreachable: _checks_out raises for a built graph")
@@ -661,7 +666,34 @@ class ORTTrainer:
             out = module(*args, **kwargs)
             return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
 
-    def _checks_out(self, compiled: _Compiled, batch: dict[str, Any]) -> bool:
+    def _early_reference(self, batch: dict[str, Any]) -> EagerStep | None:
+        """Eager's step on ``batch`` for the first-step check, taken before this signature's
+        first graph is built, in a forked child where the process can fork (as the builds):
+        an eager step's activations would otherwise set the training process's peak (the
+        graph's is lower), and the memory a process frees stays with it. The child runs on
+        one thread (OpenMP's team does not survive a fork). None where no new graph is due
+        or eager fails on the batch (the check then runs after the build, in this process,
+        where errors are named as before)."""
+        sig = _signature(batch)
+        if not self.options.verify or any(s == sig for s, _ in self._train):
+            return None
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+
+        def step() -> EagerStep:
+            return eager_loss_and_grads(
+                lambda: self._loss_of(batch, self.module), self.module, names
+            )
+
+        try:
+            if can_fork([*self.module.parameters(), *self.module.buffers()]):
+                return call_forked(step, what="the first step's eager check")
+            return step()
+        except Exception:
+            return None
+
+    def _checks_out(
+        self, compiled: _Compiled, batch: dict[str, Any], reference: EagerStep | None = None
+    ) -> bool:
         """The graph's first step against eager (``ortrain/verify.py``), its batch bound.
         True: it agrees. False: a cached graph disagrees (build it again). A graph built
         here that disagrees raises: ``_NotOneGraph`` (fallback "auto") or
@@ -710,6 +742,7 @@ class ORTTrainer:
             Tolerance.of(self.options.mixed_precision),
             st.loss,
             exact=self.options.mixed_precision is None,
+            reference=reference,
         )
         self.verify_seconds += seconds
         if self._reducer is not None:  # every rank takes the same way

@@ -306,11 +306,15 @@ def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
                 t.copy_(saved)
 
 
+# eager's loss, its gradients by parameter name, the dropout sites skipped, seconds
+EagerStep = tuple[torch.Tensor, dict[str, torch.Tensor | None], int, float]
+
+
 def eager_loss_and_grads(
     loss_of: Any,
     module: torch.nn.Module,
     names: Sequence[str],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor | None], int, float]:
+) -> EagerStep:
     """One eager forward (``loss_of()``) and backward without dropout, leaving ``.grad``
     and the module's buffers as they were: (loss, the gradients of the parameters
     ``names``, the dropout sites skipped, seconds)."""
@@ -379,15 +383,22 @@ def graph_step_mismatches(
     tol: Tolerance,
     loss: torch.Tensor,
     exact: bool = True,
+    reference: EagerStep | None = None,
 ) -> tuple[list[Mismatch], int, float]:
     """A whole training graph's first step against eager: ``run()`` runs the graph once
     (its batch bound), after which ``loss`` holds its loss and ``read_grads()`` its
     gradients of the parameters ``names``; every tensor in ``written`` is put back
     afterwards. ``loss_of(module)`` is eager's loss of the step's batch (in the module's
     dtype); ``exact``: a float32 graph's mismatches get a float64 second look
-    (``confirm``). Returns (mismatches, eager's dropout sites, seconds)."""
+    (``confirm``). ``reference``: eager's step taken already (before the graph was built,
+    ``eager_loss_and_grads`` over at least ``names``). Returns (mismatches, eager's
+    dropout sites, seconds)."""
     start = time.perf_counter()
-    want_loss, want, sites, _ = eager_loss_and_grads(lambda: loss_of(module), module, names)
+    earlier = 0.0 if reference is None else reference[3]  # its seconds, counted here too
+    if reference is None:
+        reference = eager_loss_and_grads(lambda: loss_of(module), module, names)
+    want_loss, every, sites, _ = reference
+    want = {n: every[n] for n in names}
     with restoring([*written, loss]):
         if dropout_on is not None:
             dropout_on.fill_(False)
@@ -410,4 +421,4 @@ def graph_step_mismatches(
                 bad_loss, {"loss": got_loss}, {"loss": want_loss}, {"loss": loss64}, tol.loss
             )
             bad = confirm(bad, got, want, exact_grads, tol.grad)
-    return bad_loss + bad, sites, time.perf_counter() - start
+    return bad_loss + bad, sites, time.perf_counter() - start + earlier

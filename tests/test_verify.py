@@ -472,3 +472,32 @@ def test_eager_runs_get_the_batch_on_the_modules_device(monkeypatch):
         "ids": "meta",
     }
     assert moved["flag"] is True and batch["input"].device.type == "cpu"
+
+
+def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatch):
+    """An eager step's activations would set the training process's peak memory (the
+    graph's is lower): the check takes eager's step in a forked child, once per new
+    signature, before the graph is built."""
+    import ortrain.trainer as trainer_mod
+
+    calls: list[str] = []
+    real = trainer_mod.call_forked
+
+    def recording(job, what):
+        calls.append(what)
+        return real(job, what=what)
+
+    monkeypatch.setattr(trainer_mod, "call_forked", recording)
+    monkeypatch.delenv("ORTRAIN_BUILD_IN_PROCESS", raising=False)
+    monkeypatch.delenv("ORTRAIN_EXPORT_IN_PROCESS", raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    options = TrainerOptions(fallback="off", graph_cache=False, build_progress=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options,
+                         loss_fn=lambda out, batch: out.square().mean())  # fmt: skip
+    for n in (3, 3, 5):
+        trainer.train_step(torch.randn(n, 4))
+    checks = [c for c in calls if c == "the first step's eager check"]
+    assert len(checks) == 2  # one per signature (3 rows, 5 rows); none for the repeat
+    assert calls.index(checks[0]) == 0  # before the first build's job
+    assert all(g.verified for g in trainer._train.values())
