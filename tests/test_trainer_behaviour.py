@@ -375,7 +375,7 @@ def test_failing_run_applies_nothing_and_the_next_window_starts_clean(monkeypatc
     monkeypatch.setattr("ortrain.trainer.check_batch", lambda checks, batch: None)
     ref = tiny()
     model = copy.deepcopy(ref)
-    opts = TrainerOptions(grad_accumulation_steps=2)
+    opts = TrainerOptions(grad_accumulation_steps=2, bucketing="off")  # the batch as given
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), opts)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     good = lm_batches(3, batch=2, seq=8, vocab=128)
@@ -401,8 +401,10 @@ def test_failing_run_applies_nothing_and_the_next_window_starts_clean(monkeypatc
 def test_many_batch_shapes_warn_once_per_doubling():
     import warnings
 
-    model = tiny()
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = tiny()  # unmasked causal batches would be bucketed: one graph per shape here
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(bucketing="off")
+    )
     g = torch.Generator().manual_seed(0)
     warned = []
     for seq in (8, 9, 10, 11, 12, 8, 11):  # 5 shapes, two seen again
