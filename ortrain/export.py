@@ -34,6 +34,7 @@ from ortrain.buffer_updates import (
 from ortrain.core.errors import ExportError, first_line
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export_ops import custom_translations, export_hint
+from ortrain.exporter_registry import cached_registry
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
 from ortrain.stop_gradient import mark_stop_gradients
@@ -481,6 +482,7 @@ def trace_to_onnx(
             contextlib.redirect_stdout(sink),
             _eager_attention_for_dropout(module, train),
             exportable_batch_norms(module),
+            cached_registry(),
         ):
             warnings.simplefilter("ignore")
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)

@@ -180,6 +180,18 @@ def _threads():
     yield
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The ONNX exporter's translation table made once in each process that runs tests,
+    before any test (no test's budget pays it): every build's forked child inherits it
+    instead of making it again (``ortrain/exporter_registry.py``)."""
+    config = session.config
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test
+    from ortrain import exporter_registry
+
+    exporter_registry.warm()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ort_threads_per_worker():
     """ONNX Runtime sessions made without an explicit thread count (TrainerOptions'

@@ -208,6 +208,9 @@ def import_compiler() -> None:
 
     import ortrain.build
     import ortrain.graph_passes.training_pipeline  # noqa: F401
+    from ortrain import exporter_registry
+
+    exporter_registry.warm()
 
 
 def _train(spec_id: str) -> Outcome:

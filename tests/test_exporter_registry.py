@@ -1,0 +1,32 @@
+"""The exporter's translation table made once per process (ortrain/exporter_registry.py)."""
+
+from __future__ import annotations
+
+from torch.onnx._internal.exporter import _registration
+
+from ortrain import exporter_registry
+
+
+def test_each_export_gets_its_own_copy_of_one_table():
+    exporter_registry.warm()
+    with exporter_registry.cached_registry():
+        first = _registration.ONNXRegistry.from_torchlib()
+        target = next(iter(first.functions))
+        first.functions[target].append("registered by one export")
+        second = _registration.ONNXRegistry.from_torchlib()
+    assert second is not first and second.functions is not first.functions
+    assert "registered by one export" not in second.functions[target]
+    assert second.functions.keys() == first.functions.keys()
+    assert second.opset_version == first.opset_version
+
+
+def test_the_exporters_own_constructor_is_back_after_an_export():
+    before = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    with exporter_registry.cached_registry():
+        assert _registration.ONNXRegistry.__dict__["from_torchlib"] is not before
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is before
+    fresh = _registration.ONNXRegistry.from_torchlib()  # the exporter's, made anew
+    with exporter_registry.cached_registry():
+        cached = _registration.ONNXRegistry.from_torchlib()
+    assert fresh.functions.keys() == cached.functions.keys()
+    assert all(len(fresh.functions[k]) == len(cached.functions[k]) for k in fresh.functions)
