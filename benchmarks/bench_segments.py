@@ -10,9 +10,9 @@ gpt2-smoothed  GPT-2 (4 layers, 256 wide, seq 128) with a label-smoothed cross-e
 encoder-ctc    a convolutional front and a 4-layer transformer encoder trained with CTC
                (``ctc_loss`` has data-dependent shapes the exporter refuses): the front and
                the encoder compile, the CTC loss in eager
-cnn-spectral   a residual CNN whose classifier is spectrally normalized (a power iteration
-               through a 1-D MatMul the gradient rules refuse): the convolutions compile,
-               the classifier in eager
+cnn-spectral   a residual CNN whose classifier is spectrally normalized (a no-grad power
+               iteration through a 1-D MatMul): it trained as segments until both had
+               rules / markers; it compiles whole now and stays as a CNN workload
 
 Each (model, backend) runs in its own process with the same thread count: build, warm-up
 steps (ortrain's first step holds its export, builds and checks against eager), then
