@@ -5,6 +5,7 @@ torchrun-style with ``--rank-of BACKEND --json PATH`` and RANK/WORLD_SIZE/MASTER
 
   ortrain-dp     ORTTrainer(zero_stage=0): whole state per rank, all-reduced gradients
   ortrain-zero1  ORTTrainer(zero_stage=1): optimizer state sharded over the ranks
+  ortrain-zero2  ORTTrainer(zero_stage=2): gradients sharded too, reduced block by block
   torch-ddp      DistributedDataParallel + torch.optim.AdamW
   torch-zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer
 
@@ -43,7 +44,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("ortrain-dp", "ortrain-zero1", "torch-ddp", "torch-zero")
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.hardware import cpu_description  # noqa: E402
+
+BACKENDS = ("ortrain-dp", "ortrain-zero1", "ortrain-zero2", "torch-ddp", "torch-zero")
+STAGES = {"ortrain-dp": 0, "ortrain-zero1": 1, "ortrain-zero2": 2}
 WORLD = 2
 
 
@@ -62,6 +70,8 @@ WORKLOADS = {
     for w in [
         Workload("gpt2-tiny", 4, 256, 8192, 4, 128),
         Workload("gpt2-27m", 6, 512, 16384, 4, 128),
+        # GPT-2 medium's shape (355M parameters): model states dominate the memory
+        Workload("gpt2-medium", 24, 1024, 50257, 1, 64),
     ]
 }
 
@@ -75,7 +85,7 @@ def build_model(w: Workload) -> torch.nn.Module:
     cfg = GPT2Config(
         n_layer=w.layers,
         n_embd=w.hidden,
-        n_head=8,
+        n_head=8 if w.hidden < 1024 else 16,
         vocab_size=w.vocab,
         n_positions=w.seq,
         resid_pdrop=0.0,
@@ -113,16 +123,18 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         from ortrain import ORTTrainer, TrainerOptions
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        stage = 1 if backend == "ortrain-zero1" else 0
-        trainer = ORTTrainer(
-            model, opt, TrainerOptions(zero_stage=stage, intra_op_threads=args.threads)
-        )
+        options = TrainerOptions(zero_stage=STAGES[backend], intra_op_threads=args.threads)
+        trainer = ORTTrainer(model, opt, options)
 
         def step(b: dict[str, torch.Tensor]) -> float:
             return float(trainer.train_step(**b))
 
         def held_state() -> int:
             return state_bytes(trainer.opt_state.values())
+
+        def held_grads() -> int:
+            shards = trainer.state.shard_grads
+            return state_bytes([*trainer.grads.values(), *shards])
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -147,6 +159,9 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
             inner = opt.optim if backend == "torch-zero" else opt  # this rank's shard
             return sum(state_bytes(s.values()) for s in inner.state.values())
 
+        def held_grads() -> int:
+            return sum(p.numel() * 4 for p in model.parameters())  # DDP's buckets
+
     t = time.perf_counter()
     first_loss = step(data[0])
     first_s = time.perf_counter() - t
@@ -168,6 +183,7 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
         "steady_rss_mib": psutil.Process().memory_info().rss / 2**20,
         "opt_state_mib": held_state() / 2**20,
+        "grads_mib": held_grads() / 2**20,
         "first_loss_mean": mean_first.item() / dist.get_world_size(),
         "params": sum(p.numel() for p in model.parameters()),
     }
@@ -223,25 +239,35 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
         "",
         "| backend | rank | ms/step | first step s | peak RSS MiB | steady RSS MiB "
-        "| optimizer state MiB | first loss (rank mean) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| optimizer state MiB | gradients MiB | peak / data parallel | first loss (rank mean) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    dp = results.get("ortrain-dp") or results.get("torch-ddp")
     for b, ranks in results.items():
         for r in ranks:
             lines.append(
                 f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {r['first_step_s']:.1f} "
                 f"| {r['peak_rss_mib']:.0f} | {r['steady_rss_mib']:.0f} "
-                f"| {r['opt_state_mib']:.1f} | {r['first_loss_mean']:.6f} |"
+                f"| {r['opt_state_mib']:.1f} | {r.get('grads_mib', 0):.1f} "
+                f"| {ratio(r, dp)} | {r['first_loss_mean']:.6f} |"
             )
     lines += [
         "",
         "ms/step: median of the timed steps (rank processes share the machine's CPUs); "
         "peak RSS: ru_maxrss (for ortrain it includes the one-off export); steady RSS: RSS "
-        "after the timed steps; optimizer state: bytes of state tensors this rank holds.",
-        f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs",
+        "after the timed steps; optimizer state / gradients: bytes of the state and gradient "
+        "tensors this rank keeps between steps; peak / data parallel: this rank's peak RSS "
+        "over the same rank's under ortrain-dp (torch-ddp without it).",
+        f"torch {torch.__version__}, python {platform.python_version()}, {cpu_description()}",
         f"command: {command}",
     ]
     return "\n".join(lines)
+
+
+def ratio(r: dict[str, Any], dp: list[dict[str, Any]] | None) -> str:
+    if not dp:
+        return "-"
+    return f"{r['peak_rss_mib'] / dp[r['rank']]['peak_rss_mib']:.2f}x"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ from ortrain.core.errors import (
     UnsupportedOptimizerError,
 )
 from ortrain.explain import explain
+from ortrain.memory_estimate import StateBytes, estimate_memory
 from ortrain.options import TrainerOptions
 from ortrain.trainer import ORTTrainer, StepOutputs
 
@@ -36,8 +37,10 @@ __all__ = [
     "ORTTrainer",
     "OrtrainError",
     "RankFailureError",
+    "StateBytes",
     "StepOutputs",
     "TrainerOptions",
     "UnsupportedOptimizerError",
+    "estimate_memory",
     "explain",
 ]

@@ -59,8 +59,15 @@ class TrainerOptions:
         applied.
     zero_stage: with ``torch.distributed`` initialised (torchrun): 0 = data parallel
         (every rank holds the whole state; gradients are averaged), 1 = ZeRO-1 (each rank
-        keeps and updates only its shard of the optimizer state). Ignored in a single
+        keeps and updates only its shard of the optimizer state), 2 = ZeRO-2 (also
+        gradients: the model trains as segments cut at its repeated blocks, each
+        block's gradients are reduced while the backward runs on, and a rank keeps only
+        its shard of them; ``ortrain/distributed/sharded_grads.py``). Ignored in a single
         process.
+    reduce_bucket_mb: the size of a gradient bucket in MiB: data parallel all-reduces
+        its gradients in buckets of this size, ZeRO-2 reduces each bucket as soon as
+        the backward has produced its gradients (a rank holds the buckets in flight,
+        not whole gradients).
     process_group: the ``torch.distributed`` group to train over (None: the default
         group).
     dist_timeout: seconds a collective waits for the other ranks before
@@ -123,6 +130,13 @@ class TrainerOptions:
         inside torch autograd and the rest in eager PyTorch, with one warning naming each
         module left in eager and why (``ortrain/segments``; ``ortrain.explain`` lists the
         segments and their time); "off": raise instead (an all-compiled guarantee).
+    segments: "auto": the whole model is one training graph where it compiles (else
+        ``fallback``); "blocks": it trains as compiled segments cut at its repeated
+        blocks (the layers of a transformer, children of a ``ModuleList`` or
+        ``Sequential`` with the same structure), each checked against eager, blocks of
+        one structure sharing one graph and session, the code around them in eager: a
+        deep model builds about one block's graph, and its gradients come block by
+        block (ZeRO-2 needs that, and sets it).
     """
 
     device: str = "cpu"
@@ -148,6 +162,8 @@ class TrainerOptions:
     build_progress: bool = True
     verify: bool = True
     fallback: str = "auto"
+    segments: str = "auto"
+    reduce_bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         _check_types(self)  # every field against its annotation; no NaN
@@ -174,8 +190,13 @@ class TrainerOptions:
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainerOptions.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"TrainerOptions.zero_stage must be 0 or 1, got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"TrainerOptions.zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if not 0 < self.reduce_bucket_mb < math.inf:
+            raise ValueError(
+                "TrainerOptions.reduce_bucket_mb must be finite and > 0, got "
+                f"{self.reduce_bucket_mb}"
+            )
         if not 0 < self.dist_timeout < math.inf:
             raise ValueError(
                 f"TrainerOptions.dist_timeout must be finite and > 0, got {self.dist_timeout}"
@@ -211,6 +232,10 @@ class TrainerOptions:
         if self.bucketing not in ("auto", "off"):
             raise ValueError(
                 f"TrainerOptions.bucketing must be 'auto' or 'off', got {self.bucketing!r}"
+            )
+        if self.segments not in ("auto", "blocks"):
+            raise ValueError(
+                f"TrainerOptions.segments must be 'auto' or 'blocks', got {self.segments!r}"
             )
         if self.fallback not in ("auto", "off"):
             raise ValueError(

@@ -7,7 +7,8 @@ A program is a list of segments and where the optimizer update runs:
 2. a model that is not is segments of kind "compiled" (a sub-module run by its forward and
    backward graphs inside torch autograd), "split" (a module whose children were tried
    instead, its own code in eager) and "eager" (a module that runs in eager PyTorch),
-   each fallback with its cause; the rest of the model is eager glue;
+   each fallback with its cause; and "cut" (a module cut at its repeated blocks by choice:
+   ``segments="blocks"``, ZeRO-2); the rest of the model is eager glue;
 3. ``update``: the update engine's name; "backward" runs inside the training graph,
    every other engine after the backward.
 
@@ -23,7 +24,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class ProgramSegment:
     module: str  # the module's qualified name; "" for the whole model
-    kind: str  # "graph" | "compiled" | "split" | "eager"
+    kind: str  # "graph" | "compiled" | "split" | "cut" | "eager"
     graphs: int = 0  # compiled graphs (one per call or batch signature)
     checked: int = 0  # of them, checked against eager so far
     cause: str = ""  # why not compiled (split, eager)

@@ -64,6 +64,7 @@ from ortrain.export import (
 from ortrain.forked import call_forked, can_fork
 from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
+from ortrain.memory_estimate import StateBytes, storage_bytes
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.program import ProgramSegment, TrainingProgram
@@ -234,6 +235,12 @@ class ORTTrainer:
         # The model as compiled segments inside eager PyTorch, once it cannot be one graph
         # (ortrain/segments); None while the whole model is one training graph.
         self._segments: SegmentedTraining | None = None
+        # ...or from the first step by choice: cut at its repeated blocks (ZeRO-2 reduces
+        # gradients block by block)
+        zero2 = self._reducer is not None and self.options.zero_stage == 2
+        self._blocks = "ZeRO-2" if zero2 else "segments='blocks'"
+        if not zero2 and self.options.segments != "blocks":
+            self._blocks = ""
         # every training Dropout's training_mode (prepare/dropout_switch.py): off only while
         # a first step is checked against eager; on the host, where ONNX Runtime reads it
         self._dropout_on = torch.ones((), dtype=torch.bool)
@@ -573,6 +580,8 @@ class ORTTrainer:
 
     def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         batch = self.bucketing.pad(self._normalize(args, kwargs), train=True).batch
+        if self._segments is None and self._blocks:
+            self._start_segments(self._blocks, blocks=True)
         if self._segments is None:
             try:
                 return self._graph_step(batch)
@@ -802,8 +811,9 @@ class ORTTrainer:
                 stacklevel=5,
             )
 
-    def _start_segments(self, cause: str) -> None:
-        """From now on the model trains as compiled segments inside eager PyTorch."""
+    def _start_segments(self, cause: str, blocks: bool = False) -> None:
+        """From now on the model trains as compiled segments inside eager PyTorch (cut at
+        its repeated blocks with ``blocks``)."""
         if self.options.mixed_precision is not None:
             warnings.warn(
                 f"ortrain: mixed_precision={self.options.mixed_precision!r} is not applied to "
@@ -821,6 +831,7 @@ class ORTTrainer:
             self.device,
             Tolerance.of(None) if self.options.verify else None,
             cause,
+            blocks,
         )
         if self._engine.in_backward:  # the update runs after torch's backward now
             self._engine = self._choose_engine()
@@ -836,18 +847,24 @@ class ORTTrainer:
         if self.micro_step == 0:
             st.zero_grads()  # torch accumulates into .grad: every window starts at 0
         named = dict(self.module.named_parameters())
-        for p in st.grad_params or []:
-            named[p].grad = st.grads[p]
+        # ZeRO-2 takes each gradient from autograd as it is made (distributed/sharded_grads.py)
+        collecting = getattr(self._reducer, "collecting", None)
+        if collecting is None:
+            for p in st.grad_params or []:
+                named[p].grad = st.grads[p]
         scale = self.scaler.scale if self.scaler is not None else None
         if scale is not None:
             st.loss_scale.fill_(scale)
         try:
-            loss = self._segments.forward_backward(self._on_device(batch), scale)
+            with collecting() if collecting is not None else contextlib.nullcontext():
+                loss = self._segments.forward_backward(self._on_device(batch), scale)
         except Exception:
-            discarded, self.micro_step = self.micro_step, 0
-            del discarded
+            self.micro_step = 0  # the window starts over (its sums are incomplete)
             raise
-        self._take_grads(named)
+        if collecting is None:
+            self._take_grads(named)
+        else:
+            self._take_reduced(self._reducer.reached)  # type: ignore[union-attr]
         st.loss.copy_(loss)
         if self.options.check_finite and not math.isfinite(float(loss)):
             discarded, self.micro_step = self.micro_step, 0
@@ -890,6 +907,24 @@ class ORTTrainer:
             if got is not None and got is not g:
                 g.copy_(got)  # a new tensor (the user set .grad to None): the window's sum
                 named[n].grad = g
+
+    def _take_reduced(self, reached: set[str]) -> None:
+        """ZeRO-2's gradients are reduced already: the first step learns which parameters
+        the loss reaches (and lays out the update); a later one may not reach others."""
+        st = self.state
+        if st.grad_params is None:
+            if not reached:
+                raise BatchError("the loss reaches no trainable parameter")
+            st.grad_params = [n for n in self.trainable if n in reached]
+            if self._engine.prepare():
+                self._eval.clear()
+            return
+        extra = reached - set(st.grad_params)
+        if extra:
+            raise BatchError(
+                f"this batch reaches parameters the first one did not ({sorted(extra)}); "
+                "ortrain needs one set"
+            )
 
     @property
     def program(self) -> TrainingProgram:
@@ -974,6 +1009,20 @@ class ORTTrainer:
         from ortrain.graph_passes.memory.memory_plan import memory_report
 
         return memory_report(self.train_graphs[0], top=top)
+
+    def state_bytes(self) -> StateBytes:
+        """The model-state bytes this rank holds now, by class (``ortrain/memory_estimate.py``;
+        ``ortrain.estimate_memory`` predicts them before a run)."""
+        st, reducer = self.state, self._reducer
+        stage = self.options.zero_stage if reducer is not None else 0
+        return StateBytes(
+            world_size=reducer.world_size if reducer is not None else 1,
+            zero_stage=stage,
+            parameters=storage_bytes(st.params.values()),
+            gradients=storage_bytes([*st.grads.values(), *st.shard_grads]),
+            in_flight=4 * getattr(reducer, "peak_open_numel", 0),
+            optimizer_state=storage_bytes(st.opt_state.values()),
+        )
 
     @property
     def update_graph(self) -> ir.Model | None:

@@ -88,7 +88,7 @@ class EagerBackend:
             from torch.nn.parallel import DistributedDataParallel
 
             self.forward = DistributedDataParallel(self.model)
-            if cfg.zero == 1:
+            if cfg.zero >= 1:  # torch's sharding of optimizer state (it has no stage 2)
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
                 cls = type(optimizer)

@@ -49,7 +49,7 @@ class TrainConfig:
     seed: int = field(0, "seed of weights, data order and masks")
     # system
     backend: str = field("ortrain", "ortrain, or torch (eager)", choices=("ortrain", "torch"))
-    zero: int = field(0, "under torchrun: 0 data parallel, 1 ZeRO-1", choices=(0, 1))
+    zero: int = field(0, "under torchrun: 0 data parallel, 1 ZeRO-1, 2 ZeRO-2", choices=(0, 1, 2))
     mixed_precision: str | None = field(None, "fp16 or bf16", choices=("fp16", "bf16"))
     device: str = field("cpu", "device for the model ('cuda': with --backend torch for now)")
     threads: int | None = field(None, "intra-op threads (ONNX Runtime / torch) [library default]")

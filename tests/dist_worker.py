@@ -12,6 +12,7 @@ overflow  data parallel and ZeRO-1 with loss scaling: rank 1 alone overflows one
         every rank must skip that update and keep its state
 segmented data parallel, then ZeRO-1, of a model that trains as compiled segments (its
         loss's label smoothing is lost in the export: the first step disagrees with eager)
+zero2   ZeRO-2 (sharded checkpoint after RESUME_AT steps); zero2_resume continues from it
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -19,6 +20,7 @@ Each rank's model starts from a different seed: the trainer must broadcast rank 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ortrain import ORTTrainer, RankFailureError, TrainerOptions
+from ortrain import ORTTrainer, RankFailureError, TrainerOptions, estimate_memory
 from ortrain.core.roles import Role
 from ortrain.runtime.update_engines import GraphUpdate
 from tests.conftest import decay_groups, gpt2, lm_batches
@@ -44,7 +46,12 @@ def warmup(step: int) -> float:
 
 
 def make_trainer(
-    zero_stage: int, seed: int = 0, timeout: float = 120.0, group=None, layers: int = 2
+    zero_stage: int,
+    seed: int = 0,
+    timeout: float = 120.0,
+    group=None,
+    layers: int = 2,
+    **options: Any,
 ):
     model = gpt2(layers=layers, hidden=64, vocab=128, seed=seed)
     opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
@@ -56,14 +63,18 @@ def make_trainer(
         intra_op_threads=1,
         dist_timeout=timeout,
         process_group=group,
+        **options,
     )
     return ORTTrainer(model, opt, options), sched
 
 
-def micro_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
-    """Micro-step i of rank r: its slice of the combined micro-batch i (world=1: all)."""
-    combined = lm_batches(STEPS * ACCUM, batch=2 * PER_RANK, vocab=128, seed=11)
-    per = 2 * PER_RANK // world
+def micro_batches(
+    rank: int, world: int, total: int = 2 * PER_RANK
+) -> list[dict[str, torch.Tensor]]:
+    """Micro-step i of rank r: its slice of the combined micro-batch i of ``total``
+    sequences (world=1: all)."""
+    combined = lm_batches(STEPS * ACCUM, batch=total, vocab=128, seed=11)
+    per = total // world
     return [{k: v[rank * per : (rank + 1) * per] for k, v in b.items()} for b in combined]
 
 
@@ -231,6 +242,67 @@ def scenario_segmented(rank: int, world: int, out: Path) -> dict[str, Any]:
     return result
 
 
+ZERO2_TOTAL = 6  # sequences per combined micro-batch: splits over 2 and 3 ranks
+ZERO2_BUCKET_MB = 0.05  # about 13k gradient elements: a 2-layer model has several buckets
+
+
+def make_zero2(stage: int = 2, seed: int = 0, **options: Any):
+    return make_trainer(stage, seed=seed, reduce_bucket_mb=ZERO2_BUCKET_MB, **options)
+
+
+def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """ZeRO-2 over all the steps, a sharded checkpoint at RESUME_AT."""
+    batches = micro_batches(rank, world, ZERO2_TOTAL)
+    trainer, sched = make_zero2(seed=rank)
+    mid = RESUME_AT * ACCUM
+    losses = run(trainer, sched, batches, 0, mid)
+    trainer.save_checkpoint(out / f"zero2_{world}")
+    if rank == 0:
+        torch.save(sched.state_dict(), out / f"zero2_{world}_sched.pt")
+    losses += run(trainer, sched, batches, mid, STEPS * ACCUM)
+    reducer = trainer.reducer
+    layout = reducer.config.layout  # type: ignore[union-attr]
+    segments = trainer.segments
+    assert segments is not None and segments.model is not None
+    result = {
+        "losses": losses,
+        "grad_norm": trainer.last_grad_norm,
+        "whole_grads": len(trainer.grads),
+        "flat_grads": reducer.flat_grads is not None,  # type: ignore[union-attr]
+        "grad_shard": reducer.grad_shard.numel(),  # type: ignore[union-attr]
+        "shard_numel": layout.shard_numel,
+        "numel": layout.numel,
+        "buckets": list(reducer.bucket_sizes()),  # type: ignore[union-attr]
+        "peak_open": reducer.peak_open_numel,  # type: ignore[union-attr]
+        "compiled": sorted(segments.model.compiled),
+        "builds": segments.model.builds,
+        "engine": trainer.update_engine.name,
+        "state_bytes": dataclasses.asdict(trainer.state_bytes()),
+        "estimate": dataclasses.asdict(
+            estimate_memory(
+                trainer.module, world, 2, trainer.optimizer, reduce_bucket_mb=ZERO2_BUCKET_MB
+            )
+        ),
+        "padding": layout.padding,
+    }
+    final = trainer.state_dict()
+    if rank == 0:
+        torch.save(params(trainer), out / f"zero2_{world}_params.pt")
+        torch.save(final, out / f"zero2_{world}_state.pt")
+    return result
+
+
+def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
+    batches = micro_batches(rank, world, ZERO2_TOTAL)
+    trainer, sched = make_zero2(seed=rank + 100)  # the checkpoint replaces everything
+    trainer.load_checkpoint(out / f"zero2_{world}")
+    sched.load_state_dict(torch.load(out / f"zero2_{world}_sched.pt", weights_only=True))
+    losses = run(trainer, sched, batches, RESUME_AT * ACCUM, STEPS * ACCUM)
+    if rank == 0:
+        torch.save(params(trainer), out / f"zero2_{world}_resumed_params.pt")
+    return {"losses": losses}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -243,6 +315,8 @@ def main() -> None:
         "loop": scenario_loop,
         "overflow": scenario_overflow,
         "segmented": scenario_segmented,
+        "zero2": scenario_zero2,
+        "zero2_resume": scenario_zero2_resume,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

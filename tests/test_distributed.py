@@ -33,8 +33,10 @@ from tests.dist_worker import (
     CLIP,
     RESUME_AT,
     STEPS,
+    ZERO2_TOTAL,
     make_segmented,
     make_trainer,
+    make_zero2,
     micro_batches,
     run,
 )
@@ -164,6 +166,97 @@ def test_segmented_model_matches_single_process_on_combined_batch(tmp_path):
         assert all(r[f"segments{stage}"] == sorted(single.segments.model.compiled) for r in results)
         assert_losses(rank_mean(results, f"stage{stage}"), losses)
         assert_params(torch.load(tmp_path / f"segmented{stage}_params.pt"), single.module)
+
+
+@pytest.fixture(scope="module")
+def zero2_reference():
+    """One process on the combined batches, the same options: the whole model as one
+    training graph ("auto") and as segments cut at its blocks, as ZeRO-2 trains it."""
+    out = {}
+    for segments in ("auto", "blocks"):
+        trainer, sched = make_zero2(0, segments=segments)
+        losses = run(trainer, sched, micro_batches(0, 1, ZERO2_TOTAL), 0, END)
+        out[segments] = (trainer, losses)
+    assert out["auto"][0].segments is None and out["blocks"][0].segments is not None
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero2_matches_single_process_and_holds_no_whole_gradients(
+    tmp_path, zero2_reference, world
+):
+    """ZeRO-2 on 2 and 3 gloo ranks (clipping, 2-step accumulation, tied embedding and
+    head, an LR schedule) trains as one process on the combined batches, whole graph or
+    cut at its blocks: per-step losses, the clipped norm, final parameters and optimizer
+    state. No rank holds whole gradients: its shard of them and the buckets in flight.
+    Its sharded checkpoint resumes bit for bit and loads into one process."""
+    results = finish(launch("zero2", tmp_path, world=world), tmp_path, "zero2")
+    blocks = zero2_reference["blocks"][0]
+    for trainer, losses in zero2_reference.values():
+        assert_losses(rank_mean(results, "losses"), losses)
+        assert all(
+            r["grad_norm"] == pytest.approx(trainer.last_grad_norm, rel=TOL) for r in results
+        )
+        assert_params(torch.load(tmp_path / f"zero2_{world}_params.pt"), trainer.module)
+    assert results[0]["grad_norm"] > CLIP  # clipping was active
+    assert len({tuple(r["losses"]) for r in results}) == world  # each rank its own batches
+
+    assert blocks.segments is not None and blocks.segments.model is not None
+    compiled = sorted(blocks.segments.model.compiled)
+    assert "transformer.h.0" in compiled and "transformer.h.1" in compiled
+    for r in results:
+        assert r["engine"] == "zero1"  # the shard's update graph
+        assert r["compiled"] == compiled
+        assert r["builds"] == blocks.segments.model.builds == len(compiled) - 1  # one block graph
+        assert r["whole_grads"] == 0 and not r["flat_grads"]
+        assert r["grad_shard"] == r["shard_numel"] == r["numel"] // world
+        assert len(r["buckets"]) >= 4 and sum(r["buckets"]) == r["numel"]
+        # in flight at most: one block's gradients (its backward graph makes them at once)
+        # and the buckets it straddles; never all of them
+        block = sum(p.numel() for p in blocks.module.transformer.h[0].parameters())
+        assert r["peak_open"] <= block + 2 * max(r["buckets"])
+        assert r["peak_open"] < r["numel"] - max(r["buckets"])
+
+    # what each rank holds, measured from its tensors' storages, is what
+    # ortrain.estimate_memory predicted before the run (up to the layout's alignment)
+    for r in results:
+        held, est, pad = r["state_bytes"], r["estimate"], 4 * r["padding"]
+        assert held["zero_stage"] == est["zero_stage"] == 2
+        assert est["parameters"] <= held["parameters"] <= est["parameters"] + pad
+        assert est["gradients"] <= held["gradients"] <= est["gradients"] + pad
+        assert est["optimizer_state"] <= held["optimizer_state"] <= est["optimizer_state"] + 2 * pad
+        assert 0 < held["in_flight"] <= est["in_flight"]
+        assert held["gradients"] * world <= est["parameters"] + pad  # 1/N of them
+
+    # the consolidated state dict: the single process's, moments included
+    ours, ref = torch.load(tmp_path / f"zero2_{world}_state.pt"), blocks.state_dict()
+    assert ours["ortrain"] == ref["ortrain"] == {"step": STEPS, "micro_step": 0}
+    names = index_names(blocks)
+    for idx, entry in ref["optimizer"]["state"].items():
+        for s, t in entry.items():
+            mine = ours["optimizer"]["state"][idx][s]
+            name = f"{s} of {names[idx]}"
+            if s == "step":
+                assert torch.equal(mine, t), name
+            else:
+                m = blocks.module
+                assert_tensor(
+                    drop_key_bias(names[idx], mine, m), drop_key_bias(names[idx], t, m), name
+                )
+
+    resumed = finish(launch("zero2_resume", tmp_path, world=world), tmp_path, "zero2_resume")
+    for r in range(world):
+        assert resumed[r]["losses"] == results[r]["losses"][MID:]
+    final = torch.load(tmp_path / f"zero2_{world}_params.pt")
+    again = torch.load(tmp_path / f"zero2_{world}_resumed_params.pt")
+    for name, t in final.items():
+        assert torch.equal(again[name], t), name
+
+    single, _ = make_zero2(0)  # the shards, loaded into one process, give the same state
+    single.load_checkpoint(tmp_path / f"zero2_{world}")
+    mid_state = single.state_dict()
+    assert mid_state["ortrain"] == {"step": RESUME_AT, "micro_step": 0}
 
 
 @pytest.mark.slow
@@ -424,6 +517,6 @@ def test_rank_health_names_dead_missing_and_lagging_ranks():
 
 def test_options_validate_distributed_fields():
     with pytest.raises(ValueError, match="zero_stage"):
-        TrainerOptions(zero_stage=2)
+        TrainerOptions(zero_stage=3)
     with pytest.raises(ValueError, match="dist_timeout"):
         TrainerOptions(dist_timeout=0)

@@ -386,12 +386,12 @@ def distributed_trainer(out: Path, batch: int, zero_stage: int) -> ORTHFTrainer:
 
 
 def _rank_main(out: Path) -> None:
-    """One torchrun rank: data parallel, ZeRO-1, ZeRO-1 resumed from its checkpoint half-way
-    (``resume``); rank 0 writes the logs and the trained parameters."""
+    """One torchrun rank: data parallel, ZeRO-1, ZeRO-2, ZeRO-1 resumed from its checkpoint
+    half-way (``resume``); rank 0 writes the logs and the trained parameters."""
     torch.set_num_threads(1)
     logs = {}
-    for stage in (0, 1, "resume"):
-        zero = 0 if stage == 0 else 1
+    for stage in (0, 1, 2, "resume"):
+        zero = 1 if stage == "resume" else int(stage)
         trainer = distributed_trainer(out / f"stage{stage}", 4 // WORLD, zero)
         if stage == "resume":
             trainer.train(resume_from_checkpoint=str(out / f"stage1/checkpoint-{DIST_STEPS // 2}"))
@@ -418,7 +418,7 @@ def test_torchrun_two_processes_match_one_on_the_combined_batch(tmp_path):
     one = distributed_trainer(tmp_path / "one", 4, 0)
     one.train()
     assert len(steps(one)) == DIST_STEPS
-    for stage in ("0", "1", "resume"):
+    for stage in ("0", "1", "2", "resume"):
         expected = steps(one)[DIST_STEPS // 2 :] if stage == "resume" else steps(one)
         assert_logs(logs[stage], expected)
         params = torch.load(tmp_path / f"params{stage}.pt", weights_only=True)

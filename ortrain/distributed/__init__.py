@@ -1,4 +1,4 @@
-"""Training over torch.distributed: data parallel (stage 0) and ZeRO-1 (stage 1).
+"""Training over torch.distributed: data parallel (stage 0), ZeRO-1 and ZeRO-2.
 
 The trainer holds one ``Reducer`` when torch.distributed is initialised (torchrun) and
 the group has more than one rank; single-process training never touches this package.
@@ -59,11 +59,11 @@ def join_process_group(trainer: ORTTrainer) -> Reducer | None:
 
 
 def make_reducer(trainer: ORTTrainer, comm: Comm) -> Reducer:
-    """Data parallel or ZeRO-1 (``TrainerOptions.zero_stage``) over ``comm``, on the
+    """Data parallel, ZeRO-1 or ZeRO-2 (``TrainerOptions.zero_stage``) over ``comm``, on the
     trainer's device: host tensors over gloo, CUDA tensors over NCCL (``Comm.group_for``).
     Any world size, one included."""
     # Imported here: a single process does not load ZeRO's graph builders.
-    from ortrain.distributed.data_parallel import DataParallel
+    from ortrain.distributed.data_parallel import DataParallel, DataParallelConfig
     from ortrain.distributed.fingerprint import agree_on_start
     from ortrain.distributed.sharded_state import ShardedState
 
@@ -71,6 +71,16 @@ def make_reducer(trainer: ORTTrainer, comm: Comm) -> Reducer:
         raise ValueError(f"the trainer runs on {trainer.device}, its collectives on {comm.device}")
     # Ranks holding other models/options stop here, all alike, before anything moves.
     agree_on_start(trainer, comm)
+    if trainer.options.zero_stage == 2:
+        from ortrain.distributed.sharded_grads import ShardedGradients
+
+        return ShardedGradients(trainer, comm, bucket_numel(trainer.options.reduce_bucket_mb))
     if trainer.options.zero_stage == 1:
         return ShardedState(trainer, comm)
-    return DataParallel(trainer, comm)
+    config = DataParallelConfig(bucket_numel=bucket_numel(trainer.options.reduce_bucket_mb))
+    return DataParallel(trainer, comm, config)
+
+
+def bucket_numel(mib: float) -> int:
+    """fp32 gradient elements in a bucket of ``mib`` MiB (at least one)."""
+    return max(1, int(mib * 2**20) // 4)

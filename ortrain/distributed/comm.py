@@ -188,6 +188,28 @@ class Comm:
             for w in works:
                 w.wait()
 
+    def reduce_to_owners(self, part: torch.Tensor, start: int, shard_numel: int) -> None:
+        """In place, for ``part`` = elements ``[start, start + part.numel())`` of a flat
+        buffer whose rank-i shard is ``[i * shard_numel, (i + 1) * shard_numel)``: on the
+        rank owning each stretch of it, that stretch becomes the sum over ranks; the rest
+        is left undefined. One reduce per owner, all in flight at once (ZeRO-2's bucket)."""
+        stop, group = start + part.numel(), self.group_for(part)
+        with self._guard("reduce of a gradient bucket"):
+            works = []
+            for i in range(self.world_size):
+                lo, hi = max(start, i * shard_numel), min(stop, (i + 1) * shard_numel)
+                if lo < hi:
+                    works.append(
+                        dist.reduce(
+                            part[lo - start : hi - start],
+                            dst=self.global_ranks[i],
+                            group=group,
+                            async_op=True,
+                        )
+                    )
+            for w in works:
+                w.wait()
+
     def all_gather(self, flat: torch.Tensor) -> None:
         """In place: every rank's shard of ``flat`` to every rank (one broadcast per shard,
         all in flight at once: on gloo several times faster than its all_gather; NCCL

@@ -48,6 +48,8 @@ AGREED_OPTIONS = (
     "update_engine",
     "verify",
     "fallback",
+    "segments",
+    "reduce_bucket_mb",
 )
 DIGEST_BYTES = 32
 ABSENT = "<absent>"

@@ -79,7 +79,7 @@ class ShardedState:
     def __init__(self, trainer: ORTTrainer, comm: Comm):
         state = trainer.state
         check_shardable(state.spec)
-        shapes = {n: tuple(state.params[n].shape) for n in state.trainable}
+        shapes = {n: tuple(state.params[n].shape) for n in self._layout_order(state)}
         self.config = ShardConfig.build(state.spec, shapes, comm.rank, comm.world_size)
         self.comm = comm
         self.world_size = comm.world_size
@@ -93,14 +93,29 @@ class ShardedState:
             + list(state.buffers.values())
         )
         n = layout.shard_numel
-        self.flat_grads = torch.zeros(layout.numel, device=comm.device)
-        self.grad_shard = self.flat_grads[self.config.shard]  # reduced here
+        self.grad_shard = self._make_grads(trainer.state)  # this rank's gradients, reduced
         self.state = {s: torch.zeros(n, device=comm.device) for s in self.config.state_names}
         self.sq_norm = torch.zeros((), device=comm.device)
         self._norm: BoundSession | None = None
         # Parameters whose optimizer state is live: those with gradients, and those a
         # loaded checkpoint had state for (before the first step says which get gradients).
         self.stateful: set[str] = set()
+
+    def _layout_order(self, state: TrainingState) -> list[str]:
+        """The trainable parameters in the order they are laid out: param-group order."""
+        return state.trainable
+
+    def _make_grads(self, state: TrainingState) -> torch.Tensor:
+        """ZeRO-1: whole flat gradients (the gradient graph writes them all); the shard,
+        a view of them, is where the reduce-scatter leaves this rank's sums."""
+        self.flat_grads = torch.zeros(self.config.layout.numel, device=self.comm.device)
+        return self.flat_grads[self.config.shard]
+
+    def _adopt_grads(self, state: TrainingState) -> None:
+        """The gradient buffers the backward writes: views of the flat gradients."""
+        assert state.grad_params is not None
+        views = self.config.layout.views(self.flat_grads)
+        state.adopt_grads({p: views[p] for p in state.grad_params})
 
     # ------------------------------------------------------------------ building
     def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
@@ -109,8 +124,7 @@ class ShardedState:
         cfg, spec = self.config, state.spec
         reached = set(state.grad_params)
         self.stateful |= reached
-        views = cfg.layout.views(self.flat_grads)
-        state.adopt_grads({p: views[p] for p in state.grad_params})
+        self._adopt_grads(state)
         pieces = [pc for pc in cfg.layout.pieces(cfg.rank) if pc.name in reached]
         group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
         clip = state.max_grad_norm is not None

@@ -68,6 +68,8 @@ class TrainingState:
     grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     opt_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     grad_params: list[str] | None = None  # trainable params reached by the loss
+    # gradient sums kept other than per parameter (ZeRO-2: this rank's shard of them)
+    shard_grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
     micro_step: int = 0
     # device scalars (created in __post_init__ on ``device``)
     step_tensor: torch.Tensor = dataclasses.field(init=False)
@@ -151,7 +153,7 @@ class TrainingState:
             self.opt_state.update(states)
 
     def zero_grads(self) -> None:
-        for g in self.grads.values():
+        for g in [*self.grads.values(), *self.shard_grads]:
             g.zero_()
 
     # ------------------------------------------------------------------ updates

@@ -415,7 +415,7 @@ def choose_engine(f: EngineFacts) -> str:
     3. "auto": the update in the backward where it can run; where a graph refused it
        (``refused``), the choice below, if no update was laid out yet (otherwise, and for
        "backward" requested, the refusal is raised);
-    4. ZeRO-1: its shard's update graph; "auto" on CUDA in a single process: the kernels
+    4. ZeRO-1 and ZeRO-2: the shard's update graph; "auto" on CUDA in a single process: the kernels
        when built and they cover the optimizer; "auto" on CPU in a single process: torch's
        kernels for Adam/AdamW; otherwise the update graph.
     """
@@ -449,7 +449,7 @@ def choose_engine(f: EngineFacts) -> str:
             raise f.refused
     elif req in ("auto", "backward") and not why:
         return "backward"
-    if f.zero_stage == 1:
+    if f.zero_stage in (1, 2):  # ZeRO-2 updates its shard as ZeRO-1 does
         return "zero1"
     if req == "auto":
         # (single process: the kernels' engine runs no reducer, whose all-reduce would be lost)

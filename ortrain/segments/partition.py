@@ -13,7 +13,11 @@ forked where the trainer forks its builds) walks the module tree from the top:
 3. modules with the same structure and the same call signature (a transformer's layers)
    share one built graph; each is still checked on its own calls, and one that disagrees
    gets a graph of its own;
-4. a module without parameters runs in eager (it is glue: activations, dropout, pooling).
+4. a module without parameters runs in eager (it is glue: activations, dropout, pooling);
+5. cut at repeated blocks (``segments="blocks"``, ZeRO-2): a module that holds repeated
+   blocks (``repeated_blocks``) is not compiled whole but cut ("cut"): its own code runs
+   in eager and its children are planned, so each block is a segment of its own and
+   the blocks share one graph (case 3).
 
 ``SegmentedModel`` holds the plan's sessions and, while ``active``, replaces each compiled
 module's ``forward`` by a call of its graphs through ``SegmentFunction``. A call whose
@@ -213,7 +217,7 @@ class ModulePlan:
     """One module's outcome."""
 
     name: str
-    status: str  # "compiled" | "eager" | "split" (its children were tried)
+    status: str  # "compiled" | "eager" | "split" (its children were tried) | "cut" (case 5)
     cause: str = ""  # why not compiled (eager / split)
     graphs: dict[Key, int] = dataclasses.field(default_factory=dict)  # -> index in Plan.graphs
     seconds: float = 0.0  # eager time of its calls in the recording forward
@@ -226,6 +230,36 @@ class Plan:
     modules: list[ModulePlan]
     graphs: list[SegmentGraphs]
     verify_seconds: float = 0.0
+
+
+CUT = "cut at its repeated blocks"
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+def repeated_blocks(module: torch.nn.Module) -> frozenset[str]:
+    """The sub-modules that are one of two or more children of a ``ModuleList``,
+    ``Sequential`` or ``ModuleDict`` with the same class and parameter shapes (a
+    transformer's layers, a stack of residual blocks)."""
+    out: set[str] = set()
+    for name, m in module.named_modules():
+        if not isinstance(m, _CONTAINERS):
+            continue
+        groups: dict[tuple, list[str]] = collections.defaultdict(list)
+        for child, cm in m.named_children():
+            shapes = tuple((n, tuple(p.shape)) for n, p in cm.named_parameters())
+            if shapes:
+                groups[(type(cm), shapes)].append(f"{name}.{child}" if name else child)
+        for names in groups.values():
+            if len(names) > 1:
+                out.update(names)
+    return frozenset(out)
+
+
+def _holds_blocks(name: str, blocks: frozenset[str]) -> bool:
+    """``name`` holds a repeated block and is not one, nor inside one."""
+    if any(name == b or name.startswith(b + ".") for b in blocks):
+        return False
+    return any(b.startswith(name + ".") for b in blocks)
 
 
 def _cause(exc: BaseException) -> str:
@@ -241,8 +275,10 @@ def plan_segments(
     device: torch.device,
     tol: Tolerance | None,
     only: str | None = None,
+    blocks: frozenset[str] = frozenset(),
 ) -> Plan:
-    """Cases 1-4 of the module docstring (``only``: plan that one module alone)."""
+    """Cases 1-4 of the module docstring (``only``: plan that one module alone;
+    ``blocks``: the repeated blocks to cut at, case 5)."""
     plans: list[ModulePlan] = []
     graphs: list[SegmentGraphs] = []
     shared: dict[tuple, int] = {}  # structure -> graph index
@@ -296,6 +332,13 @@ def plan_segments(
         return mp
 
     def visit(name: str, m: torch.nn.Module) -> None:
+        if blocks and _holds_blocks(name, blocks):
+            if name in recorded.calls:  # (a ModuleList is never called: nothing to say)
+                calls, seconds = len(recorded.calls[name]), recorded.seconds.get(name, 0.0)
+                plans.append(ModulePlan(name, "cut", CUT, seconds=seconds, calls=calls))
+            for child, cm in m.named_children():
+                visit(f"{name}.{child}", cm)
+            return
         if name in recorded.calls and any(p.requires_grad for p in m.parameters()):
             try:
                 plans.append(compile_module(name, m))
@@ -369,7 +412,7 @@ class SegmentedModel:
 
     @property
     def fallbacks(self) -> list[ModulePlan]:
-        return [p for p in self.plans.values() if p.status != "compiled"]
+        return [p for p in self.plans.values() if p.status not in ("compiled", "cut")]
 
     def compiled_seconds(self) -> float:
         seen: dict[int, SegmentRunner] = {}

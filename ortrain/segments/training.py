@@ -28,6 +28,7 @@ from ortrain.segments.partition import (
     eager_share,
     plan_segments,
     record_calls,
+    repeated_blocks,
 )
 from ortrain.verify import Tolerance, in_mode
 
@@ -47,6 +48,7 @@ class SegmentedTraining:
         device: torch.device,
         tol: Tolerance | None,
         cause: str,
+        blocks: bool = False,
     ):
         self.module = module
         self.loss_fn = loss_fn
@@ -56,6 +58,8 @@ class SegmentedTraining:
         self.device = device
         self.tol = tol
         self.cause = cause  # why the whole model is not one graph
+        # cut at the repeated blocks by choice (segments="blocks", ZeRO-2), not a fallback
+        self.blocks = repeated_blocks(module) if blocks else None
         self.model: SegmentedModel | None = None
         self.recorded: Recorded | None = None
         self.plan_seconds = 0.0
@@ -77,11 +81,13 @@ class SegmentedTraining:
         if only is not None and call is not None:
             recorded = Recorded({only: [call]}, {only: [True]}, {}, 0.0)
         module, config, session = self.module, self.config, self.session
-        device, tol = self.device, self.tol
+        device, tol, blocks = self.device, self.tol, self.blocks or frozenset()
 
         def job() -> Plan:
             with no_kv_cache(module):
-                return plan_segments(module, recorded, config, session, device, tol, only)
+                return plan_segments(
+                    module, recorded, config, session, device, tol, only, blocks=blocks
+                )
 
         return job
 
@@ -98,15 +104,21 @@ class SegmentedTraining:
 
         self.model = SegmentedModel(self.module, plan, self.session, self.device, replan)
         self.plan_seconds = time.perf_counter() - start
-        warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
+        if self.blocks is None or self.model.fallbacks:  # a fallback, or one in the cut
+            warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
 
     def summary(self) -> str:
         """One line per fallback: the module, the cause, the eager share of the forward."""
         assert self.model is not None and self.recorded is not None
         name = type(self.module).__name__
         share = eager_share(self.model.plans, self.recorded.total)
+        why = (
+            f"is cut at its repeated blocks ({self.cause})"
+            if self.blocks is not None
+            else f"does not compile as one graph ({self.cause})"
+        )
         lines = [
-            f"ortrain: {name} does not compile as one graph ({self.cause}); it trains as "
+            f"ortrain: {name} {why}; it trains as "
             f"{len(self.model.compiled)} compiled segment(s) inside eager PyTorch, "
             f"{share:.0%} of its forward's time in eager:"
         ]

@@ -1,0 +1,190 @@
+"""ZeRO-2: gradients are reduced bucket by bucket while the backward produces them, and a
+rank keeps only its shard of their sums (as it keeps only its shard of the optimizer
+state under ZeRO-1, whose layout, update graph and checkpoints this shares).
+
+The model trains as segments cut at its repeated blocks (``segments="blocks"``), so its
+gradients arrive through torch autograd block by block. Per micro-step:
+
+    backward  -> each trainable parameter's gradient, when autograd has accumulated it
+                 (a post-accumulate-grad hook), is copied into its bucket and dropped
+    reduce    -> a bucket whose gradients are all in goes to the ranks that own its
+                 stretches of the flat layout (``Comm.reduce_to_owners``); this rank adds
+                 its stretch to its gradient shard, and the bucket is freed
+    end       -> buckets still open (parameters this batch did not reach) go out too
+
+The flat layout follows the module's declaration order; buckets are contiguous ranges
+of it and go out in one fixed order, the last first (a backward reaches the last layers
+first), so every rank issues the same collectives whatever order its own gradients came
+in. A bucket completed out of that order waits for the ones before it. Per optimizer step: ZeRO-1's
+steps without its reduce-scatter (partial norm and all-reduce for clipping, the shard's
+update graph, all-gather of the parameters).
+
+Beside the whole parameters a rank holds 1/N of the optimizer state, 1/N of the
+gradients and the buckets in flight (``peak_open_numel``): no whole gradient buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ortrain.distributed.comm import Comm
+from ortrain.distributed.layout import FlatLayout
+from ortrain.distributed.sharded_state import ShardedState
+
+if TYPE_CHECKING:
+    from ortrain.runtime.training_state import TrainingState
+    from ortrain.runtime.update_engines import GraphUpdate
+    from ortrain.trainer import ORTTrainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    start: int  # flat elements [start, stop) of the layout
+    stop: int
+    names: tuple[str, ...]  # the parameters laid out in it
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def make_buckets(layout: FlatLayout, numel: int) -> list[Bucket]:
+    """Contiguous ranges covering the whole layout, each closed at the first parameter
+    boundary at or past ``numel`` elements (a parameter larger than that is a bucket)."""
+    out: list[Bucket] = []
+    start, names = 0, []
+    for e in layout.entries:
+        if names and e.offset - start >= numel:
+            out.append(Bucket(start, e.offset, tuple(names)))
+            start, names = e.offset, []
+        names.append(e.name)
+    out.append(Bucket(start, layout.numel, tuple(names)))
+    return out
+
+
+class ShardedGradients(ShardedState):
+    """ZeRO-2 (a ``Reducer`` that takes the gradients from torch autograd itself)."""
+
+    takes_grads = True  # the trainer leaves ``.grad`` to it (``collecting``)
+
+    def __init__(self, trainer: ORTTrainer, comm: Comm, bucket_numel: int):
+        super().__init__(trainer, comm)
+        layout = self.config.layout
+        self.buckets = make_buckets(layout, bucket_numel)
+        self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
+        self._entries = {e.name: e for e in layout.entries}
+        # per bucket, the gradients that close it: all its parameters until the first
+        # step says which ones the loss reaches
+        self._expected = [len(b.names) for b in self.buckets]
+        self._waiting = list(self._expected)
+        self._open: dict[int, torch.Tensor] = {}
+        self._next = len(self.buckets) - 1  # the next bucket to go out
+        self._armed = False
+        self.reached: set[str] = set()  # parameters with a gradient in this micro-step
+        self.peak_open_numel = 0  # most bucket elements held at once so far
+        params = dict(trainer.module.named_parameters())
+        self._hooks = [
+            params[n].register_post_accumulate_grad_hook(self._arrival(n)) for n in layout.names
+        ]
+
+    # ------------------------------------------------------------------ layout
+    def _layout_order(self, state: TrainingState) -> list[str]:
+        """The module's own order (parameter groups would mix every layer's biases into
+        one bucket): modules are declared in about the order the forward calls them, so
+        a bucket holds neighbouring layers and closes as the backward passes them."""
+        trainable = set(state.trainable)
+        return [n for n, _ in state.module.named_parameters() if n in trainable]
+
+    def _make_grads(self, state: TrainingState) -> torch.Tensor:
+        self.flat_grads = None  # no whole gradients: only this rank's shard of their sums
+        shard = torch.zeros(self.config.layout.shard_numel, device=self.comm.device)
+        state.shard_grads.append(shard)  # zeroed where an accumulation window starts
+        return shard
+
+    def _adopt_grads(self, state: TrainingState) -> None:
+        pass  # the update graph reads the shard; ``trainer.grads`` stays empty
+
+    def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
+        bound = super().prepare_update(state, engine)
+        reached = set(state.grad_params or ())
+        self._expected = [sum(n in reached for n in b.names) for b in self.buckets]
+        return bound
+
+    # ------------------------------------------------------------------ the backward
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Around one micro-step's forward and backward: gradients are bucketed and
+        reduced as they arrive, the rest when it ends. ``reached`` then names the
+        parameters that got one."""
+        self.reached = set()
+        self._waiting = list(self._expected)
+        self._next = len(self.buckets) - 1
+        self._armed = True
+        try:
+            yield
+            self._send(every=True)
+        finally:
+            self._armed = False
+            self._open.clear()  # a failed backward's buckets: its window starts over
+
+    def _arrival(self, name: str) -> Callable[[torch.Tensor], None]:
+        def arrived(p: torch.Tensor) -> None:
+            if not self._armed or p.grad is None:
+                return
+            k = self._bucket_of[name]
+            if k > self._next:
+                raise RuntimeError(
+                    f"ZeRO-2: a second gradient of {name} arrived after its bucket was "
+                    "reduced (the loss was differentiated twice in one micro-step)"
+                )
+            bucket = self.buckets[k]
+            buf = self._open.get(k)
+            if buf is None:
+                buf = self._open[k] = torch.zeros(bucket.numel, device=self.comm.device)
+                held = sum(t.numel() for t in self._open.values())
+                self.peak_open_numel = max(self.peak_open_numel, held)
+            e = self._entries[name]
+            view = buf[e.offset - bucket.start : e.stop - bucket.start]
+            grad = p.grad.detach().reshape(-1)
+            if name in self.reached:  # accumulated twice in one backward: both count
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+                self.reached.add(name)
+                self._waiting[k] -= 1
+            p.grad = None  # the whole gradient dies here
+            self._send()
+
+        return arrived
+
+    def _send(self, every: bool = False) -> None:
+        """Reduce the buckets that are complete, in the fixed order (``every``: all left)."""
+        lo, hi = self.config.layout.shard(self.config.rank)
+        n = self.config.layout.shard_numel
+        while self._next >= 0 and (every or self._waiting[self._next] <= 0):
+            k = self._next
+            bucket = self.buckets[k]
+            buf = self._open.pop(k, None)
+            if buf is None:  # no gradient here on this rank: the others may have some
+                buf = torch.zeros(bucket.numel, device=self.comm.device)
+            self.comm.reduce_to_owners(buf, bucket.start, n)
+            a, b = max(bucket.start, lo), min(bucket.stop, hi)
+            if a < b:
+                self.grad_shard[a - lo : b - lo].add_(buf[a - bucket.start : b - bucket.start])
+            self._next -= 1
+
+    # ------------------------------------------------------------------ the update
+    def update(self, run_update: Callable[[], None]) -> None:
+        if self._norm is not None:  # the shard holds the reduced sums already
+            self._norm.run()
+            self.comm.all_reduce(self.sq_norm)
+        run_update()
+        self.comm.all_gather(self.flat_params)
+
+    def bucket_sizes(self) -> Sequence[int]:
+        return [b.numel for b in self.buckets]

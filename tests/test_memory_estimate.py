@@ -1,0 +1,72 @@
+"""ortrain.estimate_memory against what a trainer holds (ORTTrainer.state_bytes), and its
+arithmetic per ZeRO stage. The distributed stages are measured in test_distributed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ortrain import ORTTrainer, TrainerOptions, estimate_memory
+from ortrain.memory_estimate import storage_bytes
+from tests.conftest import gpt2, lm_batches
+
+
+@pytest.mark.parametrize(
+    "make_opt,states,engine",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), 2, "graph"),
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), 2, "auto"),  # the update in the backward
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1, "auto"),
+    ],
+    ids=["adamw-graph", "adamw-auto", "sgd-momentum"],
+)
+def test_a_single_process_holds_what_was_estimated(make_opt, states, engine):
+    model = gpt2(layers=1, hidden=32, vocab=64)
+    model.transformer.wpe.weight.requires_grad_(False)  # frozen: no gradient, no state
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    est = estimate_memory(model, optimizer=opt)
+    trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=1, update_engine=engine))
+    trainer.train_step(**lm_batches(1, batch=2, vocab=64)[0])
+    held = trainer.state_bytes()
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # tied: once
+    whole = sum(p.numel() for p in model.parameters())
+    assert (est.parameters, est.gradients, est.optimizer_state) == (
+        4 * whole,
+        4 * psi,
+        4 * states * psi,
+    )
+    assert held.parameters == est.parameters
+    if trainer.update_engine.in_backward:  # each gradient dies at its update: none kept
+        assert held.gradients == 0
+    else:
+        assert held.gradients == est.gradients
+    assert held.optimizer_state == est.optimizer_state
+    assert held.in_flight == est.in_flight == 0
+    assert "optimizer state" in held.format() and f"{held.total / 2**20:.1f}" in held.format()
+
+
+def test_stages_shard_what_the_zero_papers_say():
+    """Per rank at N ranks, Adam: data parallel 16 bytes per parameter, ZeRO-1 4 + 4 + 8/N,
+    ZeRO-2 4 + 4/N + 8/N (plus the buckets in flight)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    psi = sum(p.numel() for p in model.parameters())
+    block = 64 * 64 + 64
+    n = 4
+    dp, z1, z2 = (estimate_memory(model, n, s, "adam", reduce_bucket_mb=0.01) for s in (0, 1, 2))
+    assert dp.total == 16 * psi
+    assert z1.total == 4 * psi + 4 * psi + 8 * psi // n
+    bucket = int(0.01 * 2**20) // 4
+    assert z2.in_flight == 4 * (2 * bucket + block)  # the Linears are repeated blocks
+    assert z2.total - z2.in_flight == 4 * psi + 4 * psi // n + 8 * psi // n
+    one = estimate_memory(model, 1, 2, "adam")  # one rank: no sharding, whatever the stage
+    assert one.zero_stage == 0 and one.total == dp.total
+    with pytest.raises(ValueError, match="zero_stage"):
+        estimate_memory(model, 2, 3)
+    with pytest.raises(ValueError, match="optimizer"):
+        estimate_memory(model, 2, 1, "rmsprop-ish")
+
+
+def test_storage_bytes_counts_a_shared_buffer_once():
+    flat = torch.zeros(100)
+    assert storage_bytes([flat[:10], flat[10:50], flat]) == 400
+    assert storage_bytes([torch.zeros(3), torch.zeros(3)]) == 24
