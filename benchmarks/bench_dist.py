@@ -233,7 +233,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) -> str:
-    params = results[BACKENDS[0]][0]["params"]
+    params = next(iter(results.values()))[0]["params"]
     lines = [
         f"{w.name}: GPT-2 {w.layers} layers, hidden {w.hidden}, vocab {w.vocab}, "
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",

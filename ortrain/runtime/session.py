@@ -510,7 +510,8 @@ class BoundSession:
         self.binding = session.io_binding()
         self.input_names = {i.name for i in session.get_inputs()}
         self.output_names = [o.name for o in session.get_outputs()]
-        self._keep: list[torch.Tensor] = []  # tensors whose memory is bound
+        # the tensors whose memory is bound, kept alive by name: binding a name again (a
+        # segment's outputs, allocated per call) lets the one it replaces go
         self.bound_inputs: dict[str, torch.Tensor] = {}  # persistent inputs, for inspection
         self.bound_outputs: dict[str, torch.Tensor] = {}
         self.captures = captures_cuda_graph(session) if captures is None else captures
@@ -528,19 +529,23 @@ class BoundSession:
         for name, t in tensors.items():
             if name in self.input_names:
                 self._check(name, t)
-                self._keep.append(t)
                 self.bound_inputs[name] = t
                 self.bind_batch(name, t)
 
     def bind_outputs(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             self._check(name, t)
-            self._keep.append(t)
             self.bound_outputs[name] = t
             kind, index = _where(t)
             self.binding.bind_output(
                 name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
             )
+
+    def release_outputs(self) -> None:
+        """Unbind the outputs and let their tensors go (a segment's, allocated per call and
+        handed on: the session must not keep them alive until its next call)."""
+        self.binding.clear_binding_outputs()
+        self.bound_outputs.clear()
 
     def mark_written(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Bound inputs the graph writes in place without an output bound to them (custom

@@ -111,6 +111,7 @@ class SegmentRunner:
         outs = self._outputs(self.fwd, g)
         start = time.perf_counter()
         self.fwd.run()
+        self.fwd.release_outputs()
         self.seconds += time.perf_counter() - start
         del keep
         self.runs += 1
@@ -145,6 +146,7 @@ class SegmentRunner:
         outs = self._outputs(self.bwd, g)
         start = time.perf_counter()
         self.bwd.run()
+        self.bwd.release_outputs()
         self.seconds += time.perf_counter() - start
         del keep
         grads = self.graphs.grads
