@@ -5,12 +5,13 @@ starts (fp32 parameters and gradients, the optimizer's state tensors per paramet
 ``ORTTrainer.state_bytes()`` measures what a trainer's rank holds, from the storages of
 its tensors, in the same classes:
 
-    parameters       every rank holds them whole (stages 0-2)
+    parameters       every rank holds them whole (stages 0-2); its shard of them (3)
     gradients        whole under data parallel and ZeRO-1; this rank's shard of their
                      sums under ZeRO-2; none where the update runs inside the backward
                      (``update_engine="backward"``: the estimate does not assume it)
     in flight        ZeRO-2: gradient buckets held during a backward (estimated: two
-                     buckets and the largest block's gradients; measured: the peak so far)
+                     buckets and the largest block's gradients; measured: the peak so far);
+                     ZeRO-3: also the parameters of the largest segment, gathered
     optimizer state  whole under data parallel; this rank's shard under ZeRO-1 and -2
 
 Activations come on top (``ORTTrainer.memory_report()`` plans them for a whole-model graph).
@@ -90,9 +91,9 @@ def estimate_memory(
 ) -> StateBytes:
     """Model-state bytes one rank of ``world_size`` will hold under ``zero_stage`` (fp32);
     a shard is rounded up to a whole element per rank."""
-    if world_size < 1 or zero_stage not in (0, 1, 2):
+    if world_size < 1 or zero_stage not in (0, 1, 2, 3):
         raise ValueError(
-            f"estimate_memory: world_size must be >= 1 and zero_stage 0, 1 or 2, got "
+            f"estimate_memory: world_size must be >= 1 and zero_stage 0, 1, 2 or 3, got "
             f"{world_size} and {zero_stage}"
         )
     trained = _unique(p for p in model.parameters() if p.requires_grad)
@@ -103,14 +104,17 @@ def estimate_memory(
     shard = -(-psi // n)
     k = _states_per_param(optimizer)
     in_flight = 0
-    if stage == 2:
+    if stage >= 2:
         bucket = int(reduce_bucket_mb * MIB) // 4
         in_flight = 4 * min(psi, 2 * bucket + _repeated_block_numel(model))
+    if stage == 3:  # and the largest segment's parameters, gathered for its backward
+        largest = max((p.numel() for p in model.parameters()), default=0)
+        in_flight += 4 * max(_repeated_block_numel(model), largest)
     return StateBytes(
         world_size=n,
         zero_stage=stage,
-        parameters=4 * whole,
-        gradients=4 * (shard if stage == 2 else psi),
+        parameters=4 * (-(-whole // n) if stage == 3 else whole),
+        gradients=4 * (shard if stage >= 2 else psi),
         in_flight=in_flight,
         optimizer_state=4 * k * (shard if stage >= 1 else psi),
     )

@@ -62,8 +62,12 @@ class TrainerOptions:
         keeps and updates only its shard of the optimizer state), 2 = ZeRO-2 (also
         gradients: the model trains as segments cut at its repeated blocks, each
         block's gradients are reduced while the backward runs on, and a rank keeps only
-        its shard of them; ``ortrain/distributed/sharded_grads.py``). Ignored in a single
-        process.
+        its shard of them; ``ortrain/distributed/sharded_grads.py``), 3 = ZeRO-3 (also
+        parameters: each rank keeps 1/N of them, a segment's are gathered for its forward
+        and again for its backward and dropped after; every module with parameters must
+        compile; ``model.parameters()`` are empty placeholders between steps, and
+        ``state_dict()``, checkpoints and ``eval_step`` gather them all for their
+        duration; ``sharded_params.py``). Ignored in a single process.
     reduce_bucket_mb: the size of a gradient bucket in MiB: data parallel all-reduces
         its gradients in buckets of this size, ZeRO-2 reduces each bucket as soon as
         the backward has produced its gradients (a rank holds the buckets in flight,
@@ -190,8 +194,10 @@ class TrainerOptions:
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainerOptions.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"TrainerOptions.zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"TrainerOptions.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}"
+            )
         if not 0 < self.reduce_bucket_mb < math.inf:
             raise ValueError(
                 "TrainerOptions.reduce_bucket_mb must be finite and > 0, got "

@@ -237,8 +237,8 @@ class ORTTrainer:
         self._segments: SegmentedTraining | None = None
         # ...or from the first step by choice: cut at its repeated blocks (ZeRO-2 reduces
         # gradients block by block)
-        zero2 = self._reducer is not None and self.options.zero_stage == 2
-        self._blocks = "ZeRO-2" if zero2 else "segments='blocks'"
+        zero2 = self._reducer is not None and self.options.zero_stage >= 2
+        self._blocks = f"ZeRO-{self.options.zero_stage}" if zero2 else "segments='blocks'"
         if not zero2 and self.options.segments != "blocks":
             self._blocks = ""
         # every training Dropout's training_mode (prepare/dropout_switch.py): off only while
@@ -832,6 +832,7 @@ class ORTTrainer:
             Tolerance.of(None) if self.options.verify else None,
             cause,
             blocks,
+            self._reducer if hasattr(self._reducer, "acquire") else None,  # ZeRO-3
         )
         if self._engine.in_backward:  # the update runs after torch's backward now
             self._engine = self._choose_engine()
@@ -1018,9 +1019,10 @@ class ORTTrainer:
         return StateBytes(
             world_size=reducer.world_size if reducer is not None else 1,
             zero_stage=stage,
-            parameters=storage_bytes(st.params.values()),
+            parameters=storage_bytes([*st.params.values(), *st.shard_params]),
             gradients=storage_bytes([*st.grads.values(), *st.shard_grads]),
-            in_flight=4 * getattr(reducer, "peak_open_numel", 0),
+            in_flight=4
+            * (getattr(reducer, "peak_open_numel", 0) + getattr(reducer, "peak_gathered_numel", 0)),
             optimizer_state=storage_bytes(st.opt_state.values()),
         )
 
@@ -1039,6 +1041,10 @@ class ORTTrainer:
         (host tensors)."""
         padded = self.bucketing.pad(self._normalize(args, kwargs), train=False)
         batch = padded.batch
+        materialized = getattr(self._reducer, "materialized", None)
+        if materialized is not None:  # ZeRO-3: eager, its parameters gathered meanwhile
+            with materialized():
+                return StepOutputs(padded.cut(self._eager_outputs(batch)))
         sig = _signature(batch)
         if sig in self._eager_eval:
             return StepOutputs(padded.cut(self._eager_outputs(batch)))

@@ -250,16 +250,38 @@ def make_zero2(stage: int = 2, seed: int = 0, **options: Any):
     return make_trainer(stage, seed=seed, reduce_bucket_mb=ZERO2_BUCKET_MB, **options)
 
 
+def _stage() -> int:
+    return int(os.environ.get("ORTRAIN_TEST_STAGE", "2"))
+
+
+def whole_params(trainer: ORTTrainer) -> dict[str, torch.Tensor]:
+    """The parameters, gathered where ZeRO-3 shards them (a collective)."""
+    materialized = getattr(trainer.reducer, "materialized", None)
+    if materialized is None:
+        return params(trainer)
+    with materialized():
+        return params(trainer)
+
+
 def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
-    """ZeRO-2 over all the steps, a sharded checkpoint at RESUME_AT."""
+    """ZeRO-2 (or ZeRO-``ORTRAIN_TEST_STAGE``) over all the steps, a sharded checkpoint at
+    RESUME_AT."""
+    stage = _stage()
+    tag = f"zero{stage}_{world}"
     batches = micro_batches(rank, world, ZERO2_TOTAL)
-    trainer, sched = make_zero2(seed=rank)
+    trainer, sched = make_zero2(stage, seed=rank)
+    opt = trainer.optimizer
+    estimate = estimate_memory(trainer.module, world, stage, opt, reduce_bucket_mb=ZERO2_BUCKET_MB)
     mid = RESUME_AT * ACCUM
     losses = run(trainer, sched, batches, 0, mid)
-    trainer.save_checkpoint(out / f"zero2_{world}")
+    reducer = trainer.reducer
+    training_gathered = getattr(reducer, "peak_gathered_numel", 0)
+    between = [p.numel() for p in trainer.module.parameters()]
+    trainer.save_checkpoint(out / tag)
     if rank == 0:
-        torch.save(sched.state_dict(), out / f"zero2_{world}_sched.pt")
+        torch.save(sched.state_dict(), out / f"{tag}_sched.pt")
     losses += run(trainer, sched, batches, mid, STEPS * ACCUM)
+    eval_loss = float(trainer.eval_step(**micro_batches(0, 1, ZERO2_TOTAL)[0]).loss)
     reducer = trainer.reducer
     layout = reducer.config.layout  # type: ignore[union-attr]
     segments = trainer.segments
@@ -278,28 +300,32 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "builds": segments.model.builds,
         "engine": trainer.update_engine.name,
         "state_bytes": dataclasses.asdict(trainer.state_bytes()),
-        "estimate": dataclasses.asdict(
-            estimate_memory(
-                trainer.module, world, 2, trainer.optimizer, reduce_bucket_mb=ZERO2_BUCKET_MB
-            )
-        ),
+        "estimate": dataclasses.asdict(estimate),
         "padding": layout.padding,
+        "training_gathered": training_gathered,
+        "numel_between_steps": sum(between),
+        "param_shard": getattr(reducer, "param_shard", torch.empty(0)).numel(),
+        "eval_loss": eval_loss,
     }
     final = trainer.state_dict()
+    whole = whole_params(trainer)
     if rank == 0:
-        torch.save(params(trainer), out / f"zero2_{world}_params.pt")
-        torch.save(final, out / f"zero2_{world}_state.pt")
+        torch.save(whole, out / f"{tag}_params.pt")
+        torch.save(final, out / f"{tag}_state.pt")
     return result
 
 
 def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
+    stage = _stage()
+    tag = f"zero{stage}_{world}"
     batches = micro_batches(rank, world, ZERO2_TOTAL)
-    trainer, sched = make_zero2(seed=rank + 100)  # the checkpoint replaces everything
-    trainer.load_checkpoint(out / f"zero2_{world}")
-    sched.load_state_dict(torch.load(out / f"zero2_{world}_sched.pt", weights_only=True))
+    trainer, sched = make_zero2(stage, seed=rank + 100)  # the checkpoint replaces everything
+    trainer.load_checkpoint(out / tag)
+    sched.load_state_dict(torch.load(out / f"{tag}_sched.pt", weights_only=True))
     losses = run(trainer, sched, batches, RESUME_AT * ACCUM, STEPS * ACCUM)
+    whole = whole_params(trainer)
     if rank == 0:
-        torch.save(params(trainer), out / f"zero2_{world}_resumed_params.pt")
+        torch.save(whole, out / f"{tag}_resumed_params.pt")
     return {"losses": losses}
 
 

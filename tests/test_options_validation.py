@@ -59,7 +59,7 @@ OUT_OF_RANGE: dict[str, list[Any]] = {
     "max_grad_norm": [0.0, -1.0, -math.inf, math.nan, 0],
     "seed": [],  # any int: dropout seeds are taken modulo 2**31 - 1
     "intra_op_threads": [0, -2],
-    "zero_stage": [3, -1],
+    "zero_stage": [4, -1],
     "reduce_bucket_mb": [0.0, -1.0, math.inf, math.nan, 0],
     "dist_timeout": [0, -5.0, math.inf, math.nan],
     "loss_scale": [0.0, -1.0, math.inf, math.nan],

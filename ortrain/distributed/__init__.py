@@ -1,4 +1,4 @@
-"""Training over torch.distributed: data parallel (stage 0), ZeRO-1 and ZeRO-2.
+"""Training over torch.distributed: data parallel (stage 0), ZeRO-1, -2 and -3.
 
 The trainer holds one ``Reducer`` when torch.distributed is initialised (torchrun) and
 the group has more than one rank; single-process training never touches this package.
@@ -71,10 +71,15 @@ def make_reducer(trainer: ORTTrainer, comm: Comm) -> Reducer:
         raise ValueError(f"the trainer runs on {trainer.device}, its collectives on {comm.device}")
     # Ranks holding other models/options stop here, all alike, before anything moves.
     agree_on_start(trainer, comm)
+    buckets = bucket_numel(trainer.options.reduce_bucket_mb)
+    if trainer.options.zero_stage == 3:
+        from ortrain.distributed.sharded_params import ShardedParams
+
+        return ShardedParams(trainer, comm, buckets)
     if trainer.options.zero_stage == 2:
         from ortrain.distributed.sharded_grads import ShardedGradients
 
-        return ShardedGradients(trainer, comm, bucket_numel(trainer.options.reduce_bucket_mb))
+        return ShardedGradients(trainer, comm, buckets)
     if trainer.options.zero_stage == 1:
         return ShardedState(trainer, comm)
     config = DataParallelConfig(bucket_numel=bucket_numel(trainer.options.reduce_bucket_mb))

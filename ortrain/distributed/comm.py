@@ -127,6 +127,11 @@ class Comm:
         with self._guard("broadcast"):
             dist.broadcast(t, src=self.global_ranks[0], group=self.group_for(t))
 
+    def broadcast_from(self, t: torch.Tensor, rank: int) -> None:
+        """``t`` from group rank ``rank`` to every rank, in place."""
+        with self._guard("broadcast"):
+            dist.broadcast(t, src=self.global_ranks[rank], group=self.group_for(t))
+
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Group rank 0's values of ``tensors`` to every rank, in place; one broadcast per
         device and dtype (gloo has no bool: those travel as bytes)."""

@@ -101,6 +101,11 @@ class ShardedState:
         # loaded checkpoint had state for (before the first step says which get gradients).
         self.stateful: set[str] = set()
 
+    def _param_piece(self, start: int, stop: int) -> torch.Tensor:
+        """Flat parameter elements ``[start, stop)`` of this rank's shard, as the update
+        graph writes them."""
+        return self.flat_params[start:stop]
+
     def _layout_order(self, state: TrainingState) -> list[str]:
         """The trainable parameters in the order they are laid out: param-group order."""
         return state.trainable
@@ -133,7 +138,7 @@ class ShardedState:
             spec, {pc.name: pc.numel for pc in pieces}, clip_grad_norm=clip, skip_nonfinite=skip
         )
         engine.save_graph(ug.model, "update.zero1")
-        params = {pc.name: self.flat_params[pc.start : pc.stop] for pc in pieces}
+        params = {pc.name: self._param_piece(pc.start, pc.stop) for pc in pieces}
         grads = {f"grad:{pc.name}": self.grad_shard[cfg.local(pc)] for pc in pieces}
         shard_state = {
             state_key(s, pc.name): self.state[s][cfg.local(pc)]

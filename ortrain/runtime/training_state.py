@@ -70,6 +70,8 @@ class TrainingState:
     grad_params: list[str] | None = None  # trainable params reached by the loss
     # gradient sums kept other than per parameter (ZeRO-2: this rank's shard of them)
     shard_grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # parameters kept other than whole (ZeRO-3: this rank's stretch of them)
+    shard_params: list[torch.Tensor] = dataclasses.field(default_factory=list)
     micro_step: int = 0
     # device scalars (created in __post_init__ on ``device``)
     step_tensor: torch.Tensor = dataclasses.field(init=False)

@@ -449,7 +449,7 @@ def choose_engine(f: EngineFacts) -> str:
             raise f.refused
     elif req in ("auto", "backward") and not why:
         return "backward"
-    if f.zero_stage in (1, 2):  # ZeRO-2 updates its shard as ZeRO-1 does
+    if f.zero_stage in (1, 2, 3):  # ZeRO-2 and -3 update their shard as ZeRO-1 does
         return "zero1"
     if req == "auto":
         # (single process: the kernels' engine runs no reducer, whose all-reduce would be lost)

@@ -41,7 +41,7 @@ from ortrain.core.names import GradientError
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
-from ortrain.segments.runner import SegmentFunction, SegmentRunner
+from ortrain.segments.runner import ParamHome, SegmentFunction, SegmentRunner
 from ortrain.verify import (
     Mismatch,
     Tolerance,
@@ -383,8 +383,10 @@ class SegmentedModel:
         session: SessionFactory,
         device: torch.device,
         replan: Callable[[str, Call, bool], Plan],
+        home: ParamHome | None = None,
     ):
         self.module = module
+        self.home = home  # ZeRO-3: gathers a compiled module's parameters around its calls
         self.device = device
         self.session = session
         self.replan = replan  # plan one module for a call signature the plan has not seen
@@ -410,6 +412,12 @@ class SegmentedModel:
     def compiled(self) -> list[str]:
         return [n for n, p in self.plans.items() if p.status == "compiled"]
 
+    def uncompiled_parameters(self) -> list[str]:
+        """Parameters no compiled module holds (eager code reads them)."""
+        modules = dict(self.module.named_modules())
+        covered = {id(p) for n in self.compiled for p in modules[n].parameters()}
+        return [n for n, p in self.module.named_parameters() if id(p) not in covered]
+
     @property
     def fallbacks(self) -> list[ModulePlan]:
         return [p for p in self.plans.values() if p.status not in ("compiled", "cut")]
@@ -427,6 +435,15 @@ class SegmentedModel:
         table = self.runners[name]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.home is None:
+                return run(*args, **kwargs)
+            self.home.acquire(m)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.home.release(m)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
             try:
                 call = Call.of(args, kwargs)
             except Uncompilable:
@@ -441,6 +458,7 @@ class SegmentedModel:
             outs = SegmentFunction.apply(
                 runner,
                 m,
+                self.home,
                 len(call.tensors),
                 *call.tensors,
                 *[params[p] for p in runner.grad_params],

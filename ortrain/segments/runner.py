@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -165,19 +165,35 @@ class SegmentRunner:
             self.dropout_on.fill_(before)
 
 
+class ParamHome(Protocol):
+    """Where a module's parameters live when they are not whole (ZeRO-3's shards):
+    ``acquire`` makes them whole before a graph reads them, ``release`` drops them."""
+
+    def acquire(self, module: torch.nn.Module) -> None: ...
+
+    def release(self, module: torch.nn.Module) -> None: ...
+
+
 class SegmentFunction(torch.autograd.Function):
-    """``apply(runner, module, n_inputs, *inputs, *params)``: the call's outputs,
+    """``apply(runner, module, home, n_inputs, *inputs, *params)``: the call's outputs,
     differentiable with respect to its tensors and ``module``'s trainable parameters
-    (``runner.grad_params``, in that order)."""
+    (``runner.grad_params``, in that order); ``home`` (or None) gathers the parameters
+    again for the backward."""
 
     @staticmethod
     def forward(
-        ctx: Any, runner: SegmentRunner, module: torch.nn.Module, n_inputs: int, *flat: torch.Tensor
+        ctx: Any,
+        runner: SegmentRunner,
+        module: torch.nn.Module,
+        home: ParamHome | None,
+        n_inputs: int,
+        *flat: torch.Tensor,
     ) -> Any:
         inputs = list(flat[:n_inputs])
         outs, saved = runner.forward(module, inputs)
         ctx.runner = runner
         ctx.module = module
+        ctx.home = home
         ctx.n_inputs = n_inputs
         # only what the backward graph reads: eager may change the rest in place, as it may
         # where its own backward does not read it
@@ -189,6 +205,8 @@ class SegmentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
         runner: SegmentRunner = ctx.runner
+        if ctx.home is not None:  # dropped after the forward; the home drops them again
+            ctx.home.acquire(ctx.module)
         tensors = ctx.saved_tensors
         n = len(runner.backward_reads)
         read = dict(zip(runner.backward_reads, tensors[:n]))
@@ -197,4 +215,4 @@ class SegmentFunction(torch.autograd.Function):
             ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads
         )
         params = [param_grads.get(p) for p in runner.grad_params]
-        return (None, None, None, *in_grads, *params)
+        return (None, None, None, None, *in_grads, *params)

@@ -30,6 +30,7 @@ from ortrain.segments.partition import (
     record_calls,
     repeated_blocks,
 )
+from ortrain.segments.runner import ParamHome
 from ortrain.verify import Tolerance, in_mode
 
 Runner = Callable[[Callable[[], Any], Mapping[str, Any]], Any]  # the trainer's _run_build
@@ -49,6 +50,7 @@ class SegmentedTraining:
         tol: Tolerance | None,
         cause: str,
         blocks: bool = False,
+        home: ParamHome | None = None,
     ):
         self.module = module
         self.loss_fn = loss_fn
@@ -60,6 +62,7 @@ class SegmentedTraining:
         self.cause = cause  # why the whole model is not one graph
         # cut at the repeated blocks by choice (segments="blocks", ZeRO-2), not a fallback
         self.blocks = repeated_blocks(module) if blocks else None
+        self.home = home  # ZeRO-3's sharded parameters (``runner.ParamHome``)
         self.model: SegmentedModel | None = None
         self.recorded: Recorded | None = None
         self.plan_seconds = 0.0
@@ -102,7 +105,16 @@ class SegmentedTraining:
             self.verify_seconds += new.verify_seconds
             return new
 
-        self.model = SegmentedModel(self.module, plan, self.session, self.device, replan)
+        self.model = SegmentedModel(self.module, plan, self.session, self.device, replan, self.home)
+        if self.home is not None:
+            eager = self.model.uncompiled_parameters()
+            if eager:
+                causes = "; ".join(f"{p.name}: {p.cause}" for p in self.model.fallbacks)
+                raise ValueError(
+                    f"ZeRO-3 shards every parameter, but {', '.join(eager[:6])} "
+                    f"{'is' if len(eager) == 1 else 'are'} read by eager code "
+                    f"({causes or 'outside every compiled module'}): use zero_stage=2"
+                )
         self.plan_seconds = time.perf_counter() - start
         if self.blocks is None or self.model.fallbacks:  # a fallback, or one in the cut
             warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
