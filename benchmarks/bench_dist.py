@@ -6,6 +6,7 @@ torchrun-style with ``--rank-of BACKEND --json PATH`` and RANK/WORLD_SIZE/MASTER
   ortrain-dp     ORTTrainer(zero_stage=0): whole state per rank, all-reduced gradients
   ortrain-zero1  ORTTrainer(zero_stage=1): optimizer state sharded over the ranks
   ortrain-zero2  ORTTrainer(zero_stage=2): gradients sharded too, reduced block by block
+  ortrain-zero3  ORTTrainer(zero_stage=3): parameters sharded too, gathered per segment
   torch-ddp      DistributedDataParallel + torch.optim.AdamW
   torch-zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer
 
@@ -50,8 +51,10 @@ if str(REPO) not in sys.path:
 
 from benchmarks.hardware import cpu_description  # noqa: E402
 
-BACKENDS = ("ortrain-dp", "ortrain-zero1", "ortrain-zero2", "torch-ddp", "torch-zero")
-STAGES = {"ortrain-dp": 0, "ortrain-zero1": 1, "ortrain-zero2": 2}
+BACKENDS = (
+    "ortrain-dp", "ortrain-zero1", "ortrain-zero2", "ortrain-zero3", "torch-ddp", "torch-zero"
+)  # fmt: skip
+STAGES = {"ortrain-dp": 0, "ortrain-zero1": 1, "ortrain-zero2": 2, "ortrain-zero3": 3}
 WORLD = 2
 
 
@@ -72,6 +75,8 @@ WORKLOADS = {
         Workload("gpt2-27m", 6, 512, 16384, 4, 128),
         # GPT-2 medium's shape (355M parameters): model states dominate the memory
         Workload("gpt2-medium", 24, 1024, 50257, 1, 64),
+        # GPT-2 large's (774M): fp32 Adam states of 12.4 GB per data-parallel rank
+        Workload("gpt2-large", 36, 1280, 50257, 1, 64),
     ]
 }
 
@@ -85,7 +90,7 @@ def build_model(w: Workload) -> torch.nn.Module:
     cfg = GPT2Config(
         n_layer=w.layers,
         n_embd=w.hidden,
-        n_head=8 if w.hidden < 1024 else 16,
+        n_head=8 if w.hidden < 1024 else w.hidden // 64,
         vocab_size=w.vocab,
         n_positions=w.seq,
         resid_pdrop=0.0,
@@ -117,13 +122,16 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build_model(w)
+    params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 empties them
     data = batches(w, rank, 4)
 
     if backend.startswith("ortrain"):
         from ortrain import ORTTrainer, TrainerOptions
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        options = TrainerOptions(zero_stage=STAGES[backend], intra_op_threads=args.threads)
+        options = TrainerOptions(
+            zero_stage=STAGES[backend], intra_op_threads=args.threads, verify=not args.no_verify
+        )
         trainer = ORTTrainer(model, opt, options)
 
         def step(b: dict[str, torch.Tensor]) -> float:
@@ -135,6 +143,9 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         def held_grads() -> int:
             shards = trainer.state.shard_grads
             return state_bytes([*trainer.grads.values(), *shards])
+
+        def held_params() -> int:
+            return trainer.state_bytes().parameters
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -162,6 +173,9 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         def held_grads() -> int:
             return sum(p.numel() * 4 for p in model.parameters())  # DDP's buckets
 
+        def held_params() -> int:
+            return sum(p.numel() * 4 for p in model.parameters())
+
     t = time.perf_counter()
     first_loss = step(data[0])
     first_s = time.perf_counter() - t
@@ -184,8 +198,10 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         "steady_rss_mib": psutil.Process().memory_info().rss / 2**20,
         "opt_state_mib": held_state() / 2**20,
         "grads_mib": held_grads() / 2**20,
+        "params_mib": held_params() / 2**20,
+        "losses": losses,
         "first_loss_mean": mean_first.item() / dist.get_world_size(),
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params,
     }
     dist.destroy_process_group()
     return result
@@ -220,7 +236,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 sys.executable, str(Path(__file__).resolve()), "--rank-of", backend,
                 "--json", str(out), "--workload", args.workload, "--threads", str(args.threads),
                 "--warmup", str(args.warmup), "--steps", str(args.steps),
-            ]  # fmt: skip
+            ] + (["--no-verify"] if args.no_verify else [])  # fmt: skip
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )
@@ -239,8 +255,9 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
         "",
         "| backend | rank | ms/step | first step s | peak RSS MiB | steady RSS MiB "
-        "| optimizer state MiB | gradients MiB | peak / data parallel | first loss (rank mean) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| parameters MiB | optimizer state MiB | gradients MiB | peak / data parallel "
+        "| first loss (rank mean) | later losses |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dp = results.get("ortrain-dp") or results.get("torch-ddp")
     for b, ranks in results.items():
@@ -248,8 +265,9 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
             lines.append(
                 f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {r['first_step_s']:.1f} "
                 f"| {r['peak_rss_mib']:.0f} | {r['steady_rss_mib']:.0f} "
-                f"| {r['opt_state_mib']:.1f} | {r.get('grads_mib', 0):.1f} "
-                f"| {ratio(r, dp)} | {r['first_loss_mean']:.6f} |"
+                f"| {r.get('params_mib', 0):.1f} | {r['opt_state_mib']:.1f} "
+                f"| {r.get('grads_mib', 0):.1f} | {ratio(r, dp)} | {r['first_loss_mean']:.6f} "
+                f"| {', '.join(f'{x:.4f}' for x in r.get('losses', []))} |"
             )
     lines += [
         "",
@@ -277,6 +295,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="TrainerOptions(verify=False): no first-step check against eager (it runs in a "
+        "forked child per rank, outside the rank's own peak RSS, but in the machine's memory)",
+    )
     p.add_argument("--rank-of", choices=BACKENDS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
