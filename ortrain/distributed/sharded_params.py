@@ -158,9 +158,11 @@ class ShardedParams(ShardedGradients):
     # ------------------------------------------------------------------ the backward
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
-        with super().collecting():
-            yield
-        self._drop(list(self.gathered))  # frozen or unreached ones, gathered by a backward
+        try:
+            with super().collecting():
+                yield
+        finally:  # frozen or unreached ones a backward gathered, or a failed step's
+            self._drop(list(self.gathered))
         if not self.sharded:
             self._shard_params()
 
