@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -117,13 +118,40 @@ def state_bytes(tensors: Any) -> int:
 
 
 # --------------------------------------------------------------------------- one rank
+class RssSampler:
+    """The process's RSS sampled every few milliseconds in a thread: the peak of each
+    phase (``take_peak`` starts the next), which ``ru_maxrss`` cannot split."""
+
+    def __init__(self, every_s: float = 0.005):
+        self._proc = psutil.Process()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def now(self) -> int:
+        return self._proc.memory_info().rss
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self._peak = max(self._peak, self.now())
+
+    def take_peak(self) -> int:
+        peak, self._peak = max(self._peak, self.now()), 0
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build_model(w)
     params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 empties them
-    data = batches(w, rank, 4)
+    data = batches(w, rank, 1 if args.same_batch else 4)
 
     if backend.startswith("ortrain"):
         from ortrain import ORTTrainer, TrainerOptions
@@ -176,9 +204,12 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         def held_params() -> int:
             return sum(p.numel() * 4 for p in model.parameters())
 
+    rss = RssSampler()
+    built_rss = rss.now()
     t = time.perf_counter()
     first_loss = step(data[0])
     first_s = time.perf_counter() - t
+    first_peak = rss.take_peak()
     for i in range(args.warmup):
         step(data[(1 + i) % len(data)])
     times, losses = [], []
@@ -187,6 +218,12 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         t = time.perf_counter()
         losses.append(step(b))
         times.append(time.perf_counter() - t)
+    steady_peak = rss.take_peak()
+    rss.stop()
+    classes = {}
+    if backend.startswith("ortrain"):
+        rep = trainer.memory_report()
+        classes = {k: v / 2**20 for k, v in rep.rows()}
     # Mean over ranks of the first loss: the same number for every backend.
     mean_first = torch.tensor([first_loss])
     dist.all_reduce(mean_first)
@@ -196,6 +233,10 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         "median_step_s": statistics.median(times),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
         "steady_rss_mib": psutil.Process().memory_info().rss / 2**20,
+        "built_rss_mib": built_rss / 2**20,
+        "first_step_peak_mib": first_peak / 2**20,
+        "steps_peak_mib": steady_peak / 2**20,
+        "memory_report_mib": classes,
         "opt_state_mib": held_state() / 2**20,
         "grads_mib": held_grads() / 2**20,
         "params_mib": held_params() / 2**20,
@@ -236,7 +277,8 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 sys.executable, str(Path(__file__).resolve()), "--rank-of", backend,
                 "--json", str(out), "--workload", args.workload, "--threads", str(args.threads),
                 "--warmup", str(args.warmup), "--steps", str(args.steps),
-            ] + (["--no-verify"] if args.no_verify else [])  # fmt: skip
+            ] + (["--no-verify"] if args.no_verify else []) + (
+                ["--same-batch"] if args.same_batch else [])  # fmt: skip
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )
@@ -254,25 +296,29 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"{w.name}: GPT-2 {w.layers} layers, hidden {w.hidden}, vocab {w.vocab}, "
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
         "",
-        "| backend | rank | ms/step | first step s | peak RSS MiB | steady RSS MiB "
+        "| backend | rank | ms/step | first step s | peak RSS MiB | built / first step / "
+        "steps peak MiB | steady RSS MiB "
         "| parameters MiB | optimizer state MiB | gradients MiB | peak / data parallel "
         "| first loss (rank mean) | later losses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dp = results.get("ortrain-dp") or results.get("torch-ddp")
     for b, ranks in results.items():
         for r in ranks:
             lines.append(
                 f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {r['first_step_s']:.1f} "
-                f"| {r['peak_rss_mib']:.0f} | {r['steady_rss_mib']:.0f} "
+                f"| {r['peak_rss_mib']:.0f} | {phases(r)} | {r['steady_rss_mib']:.0f} "
                 f"| {r.get('params_mib', 0):.1f} | {r['opt_state_mib']:.1f} "
                 f"| {r.get('grads_mib', 0):.1f} | {ratio(r, dp)} | {r['first_loss_mean']:.6f} "
                 f"| {', '.join(f'{x:.4f}' for x in r.get('losses', []))} |"
             )
+    lines += memory_table(results)
     lines += [
         "",
         "ms/step: median of the timed steps (rank processes share the machine's CPUs); "
-        "peak RSS: ru_maxrss (for ortrain it includes the one-off export); steady RSS: RSS "
+        "peak RSS: ru_maxrss (for ortrain it includes the one-off export); built / first "
+        "step / steps peak: RSS once the model and trainer exist, the sampled peak during the "
+        "first step (export, builds, checks) and during the timed steps; steady RSS: RSS "
         "after the timed steps; optimizer state / gradients: bytes of the state and gradient "
         "tensors this rank keeps between steps; peak / data parallel: this rank's peak RSS "
         "over the same rank's under ortrain-dp (torch-ddp without it).",
@@ -280,6 +326,32 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"command: {command}",
     ]
     return "\n".join(lines)
+
+
+def memory_table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """``trainer.memory_report()`` of each ortrain rank: its classes against its peak."""
+    rows = [(b, r) for b, ranks in results.items() for r in ranks if r.get("memory_report_mib")]
+    if not rows:
+        return []
+    keys = list(rows[0][1]["memory_report_mib"])
+    lines = [
+        "",
+        "memory_report() per rank, MiB (total: the classes' sum; measured peak: ru_maxrss):",
+        "",
+        "| backend | rank | " + " | ".join(keys) + " | total / measured peak |",
+        "|---|---:|" + "---:|" * (len(keys) + 1),
+    ]
+    for b, r in rows:
+        m = r["memory_report_mib"]
+        share = m["total"] / m["measured peak"]
+        cells = " | ".join(f"{m[k]:.0f}" for k in keys)
+        lines.append(f"| {b} | {r['rank']} | {cells} | {share:.2f} |")
+    return lines
+
+
+def phases(r: dict[str, Any]) -> str:
+    keys = ("built_rss_mib", "first_step_peak_mib", "steps_peak_mib")
+    return " / ".join(f"{r[k]:.0f}" if k in r else "-" for k in keys)
 
 
 def ratio(r: dict[str, Any], dp: list[dict[str, Any]] | None) -> str:
@@ -300,6 +372,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="TrainerOptions(verify=False): no first-step check against eager (it runs in a "
         "forked child per rank, outside the rank's own peak RSS, but in the machine's memory)",
+    )
+    p.add_argument(
+        "--same-batch",
+        action="store_true",
+        help="every step on one batch per rank (random tokens: the loss falls only as the "
+        "model learns that batch, a check that the updates train)",
     )
     p.add_argument("--rank-of", choices=BACKENDS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -132,7 +132,7 @@ def probe(backend: str, workload: str, batch: int, steps: int, threads: int) -> 
         "first_loss": first_loss,
     }
     if backend != "torch":
-        report = trainer.memory_report()
+        report = trainer.memory_report().graph
         out["kept_mib"] = report.kept_bytes / 2**20
         out["planned_peak_mib"] = report.planned_peak_bytes / 2**20
         out["recomputed_nodes"] = report.recomputed_nodes

@@ -68,6 +68,7 @@ from ortrain.memory_estimate import StateBytes, storage_bytes
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.program import ProgramSegment, TrainingProgram
+from ortrain.rank_memory import RankMemory, peak_resident_bytes, resident_bytes
 from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import (
@@ -100,7 +101,6 @@ from ortrain.verify import (
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from ortrain.graph_passes.memory.memory_plan import MemoryReport
 
 __all__ = ["ORTTrainer", "StageRecord", "StepOutputs"]
 T = TypeVar("T")
@@ -177,6 +177,11 @@ class ORTTrainer:
         *,
         loss_fn: LossFn | None = None,
     ):
+        # the process without the trainer and the module's tensors (``memory_report``)
+        self._runtime_bytes = resident_bytes() - storage_bytes(
+            t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"
+        )
+        self._session_bytes = 0  # resident bytes creating sessions added
         self.module = model
         self.optimizer = optimizer
         self.options = options or TrainerOptions()
@@ -357,15 +362,16 @@ class ORTTrainer:
     def _session(
         self, model: ir.Model | BuiltGraph, *, graph_capture: bool = False
     ) -> BoundSession:
-        return BoundSession(
-            make_session(
-                model,
-                threads=self.options.intra_op_threads,
-                device=self.device,
-                stream=self._stream,
-                cuda_graph=graph_capture and self.options.cuda_graph,
-            )
+        before = resident_bytes()
+        session = make_session(
+            model,
+            threads=self.options.intra_op_threads,
+            device=self.device,
+            stream=self._stream,
+            cuda_graph=graph_capture and self.options.cuda_graph,
         )
+        self._session_bytes += max(0, resident_bytes() - before)
+        return BoundSession(session)
 
     # ------------------------------------------------------------------ building
     def _save(self, model: ir.Model, name: str) -> None:
@@ -1002,14 +1008,33 @@ class ORTTrainer:
         count, see ``graph_passes/training/label_sparsity.py``)."""
         return [c.model for c in self._train.values()]
 
-    def memory_report(self, top: int = 10) -> MemoryReport:
-        """Planned activation bytes of the (first) gradient graph and what its backward
-        keeps from the forward; needs one ``train_step`` first."""
-        if not self._train:
+    def memory_report(self, top: int = 10) -> RankMemory:
+        """This rank's bytes by class (``ortrain/rank_memory.py``) against its measured
+        peak; with a whole-model gradient graph, also its plan (``.graph``: planned
+        activation bytes and what the backward keeps, the ``top`` largest). Needs one
+        ``train_step`` first."""
+        if not self._train and (self._segments is None or self._segments.model is None):
             raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
         from ortrain.graph_passes.memory.memory_plan import memory_report
 
-        return memory_report(self.train_graphs[0], top=top)
+        graph = memory_report(self.train_graphs[0], top=top) if self._train else None
+        if self._segments is not None and self._segments.model is not None:
+            activations = self._segments.model.tally.peak
+        else:
+            activations = graph.arena_peak_bytes if graph is not None else 0
+        reducer = self._reducer
+        return RankMemory(
+            states=self.state_bytes(),
+            runtime=self._runtime_bytes,
+            buckets=4 * getattr(reducer, "peak_open_numel", 0),
+            gathered=4 * getattr(reducer, "peak_gathered_numel", 0),
+            first_step=4 * getattr(reducer, "first_step_numel", 0),
+            activations=activations,
+            sessions=self._session_bytes,
+            measured_peak=peak_resident_bytes(),
+            measured_now=resident_bytes(),
+            graph=graph,
+        )
 
     def state_bytes(self) -> StateBytes:
         """The model-state bytes this rank holds now, by class (``ortrain/memory_estimate.py``;

@@ -277,6 +277,8 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
     reducer = trainer.reducer
     training_gathered = getattr(reducer, "peak_gathered_numel", 0)
     between = [p.numel() for p in trainer.module.parameters()]
+    report = trainer.memory_report()
+    memory = {**dict(report.rows()), "states_match": report.states == trainer.state_bytes()}
     trainer.save_checkpoint(out / tag)
     if rank == 0:
         torch.save(sched.state_dict(), out / f"{tag}_sched.pt")
@@ -306,6 +308,7 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "numel_between_steps": sum(between),
         "param_shard": getattr(reducer, "param_shard", torch.empty(0)).numel(),
         "eval_loss": eval_loss,
+        "memory_report": memory,
     }
     final = trainer.state_dict()
     whole = whole_params(trainer)

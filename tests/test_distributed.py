@@ -240,6 +240,16 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
             assert r["param_shard"] == r["shard_numel"] and r["numel_between_steps"] == 0
             assert 4 * (r["peak_open"] + r["training_gathered"]) <= est["in_flight"]
             assert 0 < r["training_gathered"] < r["numel"]  # never the whole model
+        # memory_report(): the states as measured, the reducer's peaks in bytes, the saved
+        # activations of the segments, and no more than the process's measured peak
+        m = r["memory_report"]
+        assert m["states_match"] and m["gradients"] == held["gradients"]
+        assert m["gradient buckets"] == 4 * r["peak_open"] > 0
+        assert m["gathered parameters"] == (4 * r["training_gathered"] if stage == 3 else 0)
+        whole_beyond_shard = 4 * (r["numel"] - r["shard_numel"]) if stage == 3 else 0
+        assert m["whole parameters (first step)"] == whole_beyond_shard
+        assert m["activations"] > 0 and m["runtime"] > 0
+        assert m["total"] <= m["measured peak"]
     # every rank evaluates the combined first batch as the single process does
     want = float(blocks.eval_step(**micro_batches(0, 1, ZERO2_TOTAL)[0]).loss)
     assert all(r["eval_loss"] == pytest.approx(want, rel=TOL) for r in results)

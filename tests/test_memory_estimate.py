@@ -70,3 +70,35 @@ def test_storage_bytes_counts_a_shared_buffer_once():
     flat = torch.zeros(100)
     assert storage_bytes([flat[:10], flat[10:50], flat]) == 400
     assert storage_bytes([torch.zeros(3), torch.zeros(3)]) == 24
+
+
+@pytest.mark.parametrize("segments", ["auto", "blocks"])
+def test_memory_report_accounts_for_the_rank_by_class(segments):
+    model = gpt2(layers=2, hidden=32, vocab=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = ORTTrainer(
+        model, opt, TrainerOptions(intra_op_threads=1, segments=segments, verify=False)
+    )
+    with pytest.raises(RuntimeError, match="run train_step first"):
+        trainer.memory_report()
+    for b in lm_batches(2, batch=2, vocab=64):
+        trainer.train_step(**b)
+    rep = trainer.memory_report()
+    assert rep.states == trainer.state_bytes()
+    assert rep.buckets == rep.gathered == 0  # one process: nothing reduced or gathered
+    # the process itself: torch and ONNX Runtime loaded, the model's tensors not in it
+    assert 50 * 2**20 < rep.runtime < rep.measured_peak - rep.states.parameters
+    assert rep.sessions >= 0  # resident bytes they added: 0 where freed memory was reused
+    if segments == "blocks":
+        assert rep.graph is None
+        tally = trainer.segments.model.tally
+        assert tally.held == 0  # every segment's saved tensors were released by its backward
+        # at least one block's saved activations (batch 2 x 32 tokens x 32 wide, fp32)
+        assert rep.activations == tally.peak >= 2 * 32 * 32 * 4
+    else:
+        assert rep.graph is not None
+        assert 0 < rep.activations == rep.graph.arena_peak_bytes < rep.graph.planned_peak_bytes
+    assert rep.total <= rep.measured_peak
+    assert rep.unaccounted == rep.measured_peak - rep.total
+    text = rep.format()
+    assert "gathered parameters" in text and f"{rep.total / 2**20:.1f}" in text

@@ -229,6 +229,9 @@ class KeptValue:
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     planned_peak_bytes: int  # plan_offsets over all node outputs (activations + gradients)
+    # the same without the graph's outputs, which are written into the caller's buffers
+    # (gradients, updated state) where the trainer binds them: the session's arena
+    arena_peak_bytes: int
     live_peak_bytes: int  # most bytes live at one step (the plan's lower bound)
     naive_bytes: int  # every value its own buffer
     num_values: int
@@ -292,8 +295,11 @@ def memory_report(model: ir.Model, *, top: int = 10, alignment: int = 64) -> Mem
     for k in kept:
         by_dtype[k.dtype] = by_dtype.get(k.dtype, 0) + k.nbytes
     recomputed = sum(1 for n in graph if RECOMPUTE_OF in n.metadata_props)
+    outputs = {v.name for v in graph.outputs}
+    arena = plan_offsets([lt for lt in lts if lt.name not in outputs], alignment=alignment)
     return MemoryReport(
         planned_peak_bytes=plan.peak_bytes,
+        arena_peak_bytes=arena.peak_bytes,
         live_peak_bytes=live_peak_bytes(lts),
         naive_bytes=plan.naive_bytes,
         num_values=len(lts),

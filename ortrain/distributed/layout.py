@@ -15,6 +15,11 @@ from typing import Any
 
 import torch
 
+# Elements (1 MiB of fp32) per chain of an element-wise update graph: ONNX Runtime runs
+# the chains one after the other, so a chain's temporaries stay the size of a piece of
+# this length, not of the tensor or the model (``runtime/flat_update.py``, ZeRO's shard).
+UPDATE_CHAIN_NUMEL = 1 << 18
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -35,6 +35,7 @@ import torch
 from ortrain.distributed.comm import Comm
 from ortrain.distributed.layout import FlatLayout
 from ortrain.distributed.sharded_state import ShardedState
+from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -143,18 +144,24 @@ class ShardedGradients(ShardedState):
                     "reduced (the loss was differentiated twice in one micro-step)"
                 )
             bucket = self.buckets[k]
+            grad = p.grad.detach().reshape(-1)
             buf = self._open.get(k)
             if buf is None:
-                buf = self._open[k] = torch.zeros(bucket.numel, device=self.comm.device)
+                if bucket.names == (name,) and grad.numel() == bucket.numel:
+                    # a parameter that is its bucket (an embedding): its gradient is the
+                    # bucket, no copy of it is made (autograd's reference dies below)
+                    buf = self._open[k] = grad if grad.is_contiguous() else grad.clone()
+                else:
+                    buf = self._open[k] = torch.zeros(bucket.numel, device=self.comm.device)
                 held = sum(t.numel() for t in self._open.values())
                 self.peak_open_numel = max(self.peak_open_numel, held)
             e = self._entries[name]
             view = buf[e.offset - bucket.start : e.stop - bucket.start]
-            grad = p.grad.detach().reshape(-1)
             if name in self.reached:  # accumulated twice in one backward: both count
                 view.add_(grad)
             else:
-                view.copy_(grad)
+                if view.data_ptr() != grad.data_ptr():
+                    view.copy_(grad)
                 self.reached.add(name)
                 self._waiting[k] -= 1
             p.grad = None  # the whole gradient dies here
@@ -185,6 +192,7 @@ class ShardedGradients(ShardedState):
             self.comm.all_reduce(self.sq_norm)
         run_update()
         self.comm.all_gather(self.flat_params)
+        trim_heap()
 
     def bucket_sizes(self) -> Sequence[int]:
         return [b.numel for b in self.buckets]

@@ -31,6 +31,7 @@ import torch
 
 from ortrain.distributed.comm import Comm
 from ortrain.distributed.sharded_grads import ShardedGradients
+from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
     from ortrain.trainer import ORTTrainer
@@ -49,6 +50,8 @@ class ShardedParams(ShardedGradients):
         self._placeholder = torch.empty(0, device=comm.device)
         self.gathered: set[str] = set()  # parameters whole right now
         self.peak_gathered_numel = 0  # most parameter elements gathered at once so far
+        # whole until the first backward ends: the elements beyond this rank's shard
+        self.first_step_numel = self.config.layout.numel - self.config.layout.shard_numel
         self._held = 0  # elements of the gathered buffers alive now
         self._buffer_of: dict[str, int] = {}  # gathered parameter -> its buffer's id
         self._buffers: dict[int, list[int]] = {}  # buffer id -> [numel, parameters in it]
@@ -188,6 +191,7 @@ class ShardedParams(ShardedGradients):
             self._norm.run()
             self.comm.all_reduce(self.sq_norm)
         run_update()  # writes this rank's stretch in place; the others gather it when used
+        trim_heap()
 
     # ------------------------------------------------------------------ state
     def state_dict(self, trainer: ORTTrainer) -> dict[str, Any]:

@@ -19,6 +19,7 @@ gradients (as data parallel), a rank holds 1/N of the optimizer state and nothin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from ortrain import checkpoint
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
-from ortrain.distributed.layout import FlatLayout, Piece
+from ortrain.distributed.layout import UPDATE_CHAIN_NUMEL, FlatLayout, Piece
 from ortrain.graph_passes.training.optimizer.update_graph import state_key
 from ortrain.graph_passes.training.zero import (
     build_partial_norm_graph,
@@ -134,19 +135,29 @@ class ShardedState:
         group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
         clip = state.max_grad_norm is not None
         skip = state.scaler is not None
-        ug = build_shard_update_graph(
-            spec, {pc.name: pc.numel for pc in pieces}, clip_grad_norm=clip, skip_nonfinite=skip
-        )
-        engine.save_graph(ug.model, "update.zero1")
-        params = {pc.name: self._param_piece(pc.start, pc.stop) for pc in pieces}
-        grads = {f"grad:{pc.name}": self.grad_shard[cfg.local(pc)] for pc in pieces}
         shard_state = {
             state_key(s, pc.name): self.state[s][cfg.local(pc)]
             for pc in pieces
             for s in group_states[pc.name]
         }
         state.adopt_opt_state(shard_state, replace=True)
-        engine.bind(ug, params, grads, shard_state, {"global_sq_norm": self.sq_norm})
+        chunks = _chunks(pieces)
+        ug = build_shard_update_graph(
+            _chunked_spec(spec, chunks),
+            {c.name: c.stop - c.start for c in chunks},
+            clip_grad_norm=clip,
+            skip_nonfinite=skip,
+        )
+        engine.save_graph(ug.model, "update.zero1")
+        lo = cfg.shard.start
+        params = {c.name: self._param_piece(c.start, c.stop) for c in chunks}
+        grads = {f"grad:{c.name}": self.grad_shard[c.start - lo : c.stop - lo] for c in chunks}
+        chunk_state = {
+            state_key(s, c.name): self.state[s][c.start - lo : c.stop - lo]
+            for c in chunks
+            for s in group_states[c.param]
+        }
+        engine.bind(ug, params, grads, chunk_state, {"global_sq_norm": self.sq_norm})
 
         if clip or skip:  # both read the global sum of squares
             norm = build_partial_norm_graph(cfg.layout.shard_numel)
@@ -218,3 +229,38 @@ class ShardedState:
 
     def load_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
         sharded_checkpoint.load(trainer, self, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """At most ``UPDATE_CHAIN_NUMEL`` flat elements of a parameter's piece: one chain."""
+
+    name: str
+    param: str
+    start: int
+    stop: int
+
+
+def _chunks(pieces: list[Piece]) -> list[_Chunk]:
+    """The shard's pieces cut into update chains: ONNX Runtime keeps an update
+    chain's temporaries in the session's arena for good, so a chain the size of a large
+    parameter's piece (an embedding's) would hold several copies of it."""
+    out = []
+    for pc in pieces:
+        cuts = [*range(pc.start, pc.stop, UPDATE_CHAIN_NUMEL), pc.stop]
+        many = len(cuts) > 2
+        for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+            out.append(_Chunk(f"{pc.name}#{k}" if many else pc.name, pc.name, a, b))
+    return out
+
+
+def _chunked_spec(spec: OptimizerSpec, chunks: list[_Chunk]) -> OptimizerSpec:
+    """``spec`` with each parameter replaced by its chunks (same groups, same order)."""
+    of: dict[str, list[str]] = {}
+    for c in chunks:
+        of.setdefault(c.param, []).append(c.name)
+    groups = tuple(
+        dataclasses.replace(g, params=tuple(n for p in g.params for n in of.get(p, ())))
+        for g in spec.groups
+    )
+    return dataclasses.replace(spec, groups=groups)

@@ -26,14 +26,14 @@ import torch
 
 from ortrain.core.names import state_key
 from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
-from ortrain.distributed.layout import FlatLayout
+from ortrain.distributed.layout import UPDATE_CHAIN_NUMEL, FlatLayout
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
 
 FLAT_KINDS = ("adam", "adamw", "sgd")
 ALIGN = 16  # elements: every tensor starts on a 64-byte boundary
-PIECE = 1 << 18  # elements (1 MiB of fp32) per update chain: a chain's temporaries stay in cache
+PIECE = UPDATE_CHAIN_NUMEL  # elements per update chain
 
 
 @dataclasses.dataclass

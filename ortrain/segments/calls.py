@@ -57,6 +57,16 @@ class Call:
     def tensors(self) -> list[torch.Tensor]:
         return [self.leaves[i] for i in self.tensor_at]
 
+    def detached(self) -> Call:
+        """The call with its tensors cut from the autograd graph (each keeps its
+        ``requires_grad``): a record that does not keep the recorded forward's graph and
+        every activation it saved alive."""
+        leaves = list(self.leaves)
+        for i in self.tensor_at:
+            t = leaves[i]
+            leaves[i] = t.detach().requires_grad_(t.requires_grad)
+        return dataclasses.replace(self, leaves=leaves)
+
     def with_tensors(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         """The call's (args, kwargs) with its tensors replaced by ``tensors``."""
         leaves = list(self.leaves)

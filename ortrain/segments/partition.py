@@ -38,6 +38,7 @@ import torch
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import ExportError, OrtrainError, first_line
 from ortrain.core.names import GradientError
+from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
@@ -80,7 +81,7 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
 
         def pre(mod: torch.nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
             try:
-                calls[name].append(Call.of(args, kwargs))
+                calls[name].append(Call.of(args, kwargs).detached())
             except Uncompilable as exc:
                 calls[name].append(exc)
             training[name].append(mod.training)
@@ -393,7 +394,14 @@ class SegmentedModel:
         self.plans: dict[str, ModulePlan] = {}
         self.runners: dict[str, dict[Key, SegmentRunner | None]] = {}
         self.builds = 0
+        self.tally = MemoryTally()  # what every runner's calls hold (``memory_report``)
         self.adopt(plan)
+
+    def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:
+        runner = SegmentRunner(graphs, self.session, self.device)
+        runner.tally = self.tally
+        self.builds += 1
+        return runner
 
     def adopt(self, plan: Plan) -> None:
         made: dict[int, SegmentRunner] = {}
@@ -404,8 +412,7 @@ class SegmentedModel:
             table = self.runners.setdefault(mp.name, {})
             for key, index in mp.graphs.items():
                 if index not in made:
-                    made[index] = SegmentRunner(plan.graphs[index], self.session, self.device)
-                    self.builds += 1
+                    made[index] = self._runner(plan.graphs[index])
                 table[key] = made[index]
 
     @property
@@ -476,8 +483,7 @@ class SegmentedModel:
         if not mine:
             return None
         index = next(iter(mine[0].graphs.values()))
-        self.builds += 1
-        return SegmentRunner(plan.graphs[index], self.session, self.device)
+        return self._runner(plan.graphs[index])
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -22,6 +22,7 @@ import torch
 
 from ortrain.core.names import DROPOUT_SWITCH_INPUT
 from ortrain.core.roles import Role
+from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs
 
@@ -64,6 +65,7 @@ class SegmentRunner:
         bwd_inputs = {r.name for r in graphs.backward.inputs if r.role is Role.SEGMENT_INPUT}
         self.backward_reads = sorted(int(n[3:]) for n in bwd_inputs)
         self.runs = 0  # forward runs (a test's and ``explain``'s count)
+        self.tally = MemoryTally()  # the model's, shared by its runners (``memory_report``)
         self.seconds = 0.0  # in both graphs' runs (``explain``'s share of the step)
 
     # ------------------------------------------------------------------ state by role
@@ -150,6 +152,7 @@ class SegmentRunner:
         self.seconds += time.perf_counter() - start
         del keep
         grads = self.graphs.grads
+        self.tally.passing(sum(t.nbytes for t in outs.values()))
         in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
         param_grads = {p: outs[grads[p]] for p in self.grad_params}
         return in_grads, param_grads
@@ -199,6 +202,8 @@ class SegmentFunction(torch.autograd.Function):
         # where its own backward does not read it
         read = [inputs[k] for k in runner.backward_reads]
         ctx.save_for_backward(*read, *saved)
+        ctx.saved_bytes = sum(t.nbytes for t in saved)
+        runner.tally.hold(ctx.saved_bytes)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
@@ -214,5 +219,6 @@ class SegmentFunction(torch.autograd.Function):
         in_grads, param_grads = runner.backward(
             ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads
         )
+        runner.tally.drop(ctx.saved_bytes)
         params = [param_grads.get(p) for p in runner.grad_params]
         return (None, None, None, None, *in_grads, *params)

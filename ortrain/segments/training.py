@@ -10,6 +10,7 @@ every update engine reads them where it always does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -106,6 +107,8 @@ class SegmentedTraining:
             return new
 
         self.model = SegmentedModel(self.module, plan, self.session, self.device, replan, self.home)
+        # the planned calls' tensors (every sub-module's inputs) are not needed again
+        self.recorded = dataclasses.replace(self.recorded, calls={})
         if self.home is not None:
             eager = self.model.uncompiled_parameters()
             if eager:
@@ -150,6 +153,7 @@ class SegmentedTraining:
             self.plan(batch)
         assert self.model is not None
         start = time.perf_counter()
+        self.model.tally.held = 0  # what an earlier step saved is gone with its graph
         with self.model.active():
             loss = self.loss(batch)
             if loss.dim() != 0:
