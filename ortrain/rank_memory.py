@@ -11,8 +11,8 @@ the process's own bytes, and the measured resident peak they should add up to:
     buckets          ZeRO-2/3: the most gradient-bucket bytes held at once
     gathered         ZeRO-3: the most parameter bytes gathered at once (the largest
                      gathered segment and the tied parameters read across segments)
-    first step       ZeRO-3: the parameters beyond this rank's shard, whole while its
-                     first step plans and runs (sharded when that step's backward ends)
+    first step       ZeRO-3: the parameters beyond this rank's shard, whole while the
+                     first step plans the segments on them (sharded before it runs them)
     activations      what a step keeps for its backward: the saved tensors of the
                      compiled segments (their peak, with a backward's gradient outputs),
                      or for a whole-model graph its planned arena (activations and

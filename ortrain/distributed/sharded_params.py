@@ -1,10 +1,10 @@
 """ZeRO-3: parameters too live as 1/N shards, gathered whole only while a segment runs.
 
 On top of ZeRO-2 (``sharded_grads.py``: the model as segments cut at its repeated blocks,
-gradients reduced bucket by bucket, the shard's update graph). The first micro-step runs
-with whole parameters (the segments are planned and checked against eager on them); when
-its backward ends, each rank keeps only its stretch of the flat parameters
-(``param_shard``) and every parameter becomes an empty placeholder. From then on:
+gradients reduced bucket by bucket, the shard's update graph). The segments are planned
+and checked against eager on whole parameters at the first micro-step; then each rank
+keeps only its stretch of the flat parameters (``param_shard``) and every parameter
+becomes an empty placeholder, before that step's own forward. From then on:
 
     segment forward   its module's parameters are gathered (``acquire``: each owner
                       broadcasts its stretch of their range of the flat layout), the
@@ -50,7 +50,7 @@ class ShardedParams(ShardedGradients):
         self._placeholder = torch.empty(0, device=comm.device)
         self.gathered: set[str] = set()  # parameters whole right now
         self.peak_gathered_numel = 0  # most parameter elements gathered at once so far
-        # whole until the first backward ends: the elements beyond this rank's shard
+        # whole while the first step plans: the elements beyond this rank's shard
         self.first_step_numel = self.config.layout.numel - self.config.layout.shard_numel
         self._held = 0  # elements of the gathered buffers alive now
         self._buffer_of: dict[str, int] = {}  # gathered parameter -> its buffer's id
@@ -77,6 +77,10 @@ class ShardedParams(ShardedGradients):
     def release(self, module: torch.nn.Module) -> None:
         """Drop ``module``'s gathered parameters (after its forward)."""
         self._drop(self._module_names(module))
+
+    def planned(self) -> None:
+        if not self.sharded:
+            self._shard_params()
 
     def _gather(self, names: list[str]) -> None:
         if not names:
@@ -120,7 +124,7 @@ class ShardedParams(ShardedGradients):
                     self._held -= held[0]
 
     def _shard_params(self) -> None:
-        """After the first backward: keep this rank's stretch, drop the whole buffer."""
+        """Once planned: keep this rank's stretch, drop the whole buffer."""
         assert self.flat_params is not None
         self.param_shard = self.flat_params[self.config.shard].clone()
         self._state.shard_params.append(self.param_shard)
@@ -182,7 +186,7 @@ class ShardedParams(ShardedGradients):
     # ------------------------------------------------------------------ the update
     def _param_piece(self, start: int, stop: int) -> torch.Tensor:
         shard = self.param_shard
-        assert shard is not None, "ZeRO-3 lays out its update after the first backward"
+        assert shard is not None, "ZeRO-3 lays out its update once the segments are planned"
         lo = self.config.shard.start
         return shard[start - lo : stop - lo]
 

@@ -176,6 +176,11 @@ class ParamHome(Protocol):
 
     def release(self, module: torch.nn.Module) -> None: ...
 
+    def planned(self) -> None:
+        """The segments are planned (on whole parameters): from now on they may be
+        sharded and gathered per call."""
+        ...
+
 
 class SegmentFunction(torch.autograd.Function):
     """``apply(runner, module, home, n_inputs, *inputs, *params)``: the call's outputs,

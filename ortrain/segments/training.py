@@ -118,6 +118,7 @@ class SegmentedTraining:
                     f"{'is' if len(eager) == 1 else 'are'} read by eager code "
                     f"({causes or 'outside every compiled module'}): use zero_stage=2"
                 )
+            self.home.planned()  # the first step's own forward and backward run sharded
         self.plan_seconds = time.perf_counter() - start
         if self.blocks is None or self.model.fallbacks:  # a fallback, or one in the cut
             warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
