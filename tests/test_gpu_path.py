@@ -668,6 +668,73 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
     assert fingerprints <= {"cpu"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_3_world_of_one_train_as_one_process(world_of_one, monkeypatch, device, stage):
+    """ZeRO-2 and ZeRO-3 at world size 1 (the collectives run: gloo on CPU, NCCL on CUDA)
+    train as one process cut at the same blocks without a reducer: per-step losses and
+    the final parameters (AdamW, tied embedding and head), with every model tensor handed
+    to a collective on the trainer's device. Without clipping: its norm is summed in
+    another order over a shard, and AdamW turns that noise into steps of up to lr where
+    a gradient is zero in exact arithmetic (the 2- and 3-rank tests clip)."""
+    import ortrain.trainer as trainer_mod
+    from ortrain.distributed import make_reducer
+    from ortrain.distributed.comm import Comm
+
+    if device == "cuda" and session_mod.cuda_unavailable_reason() is not None:
+        pytest.skip(f"needs ONNX Runtime's CUDA provider: {session_mod.cuda_unavailable_reason()}")
+    handed: list[tuple[str, str]] = []
+    for op in ("reduce_to_owners", "broadcast_from", "all_gather", "broadcast_tensors"):
+        real = getattr(Comm, op)
+
+        def spy(self, tensors, *args, _real=real, _op=op):
+            ts = tensors if isinstance(tensors, list | tuple) else [tensors]
+            handed.extend((_op, t.device.type) for t in ts if t.dtype == torch.float32)
+            return _real(self, tensors, *args)
+
+        monkeypatch.setattr(Comm, op, spy)
+
+    base, batches = gpt2(layers=2, hidden=32, vocab=64), lm_batches(8, vocab=64)
+
+    def train(reducer: bool):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if reducer:
+            monkeypatch.setattr(
+                trainer_mod,
+                "join_process_group",
+                lambda t: make_reducer(t, Comm(None, 60.0, t.device)),
+            )
+        options = TrainerOptions(
+            device=device,
+            zero_stage=stage if reducer else 0,
+            segments="auto" if reducer else "blocks",
+            reduce_bucket_mb=0.01,
+            update_engine="graph",  # both sides (torch's fused AdamW rounds otherwise)
+        )
+        trainer = ORTTrainer(model, opt, options)
+        losses = [trainer.train_step(**b).item() for b in batches]
+        if reducer:  # no whole gradients; under ZeRO-3 no whole parameters between steps
+            assert trainer.grads == {}
+            if stage == 3:
+                assert sum(p.numel() for p in model.parameters()) == 0
+        return losses, {k: v.detach().cpu() for k, v in trainer.state_dict()["model"].items()}
+
+    plain, plain_params = train(reducer=False)
+    assert handed == []
+    reduced, reduced_params = train(reducer=True)
+    np.testing.assert_allclose(reduced, plain, rtol=1e-5, atol=0)
+    assert reduced_params.keys() == plain_params.keys()
+    for name, p in reduced_params.items():
+        torch.testing.assert_close(
+            p, plain_params[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    ops = {op for op, _ in handed}
+    assert "reduce_to_owners" in ops and ("broadcast_from" in ops) == (stage == 3)
+    assert {where for _, where in handed} == {device}
+
+
 # ------------------------------------------------ scripts/gpu-checks.sh and its benchmark
 def _bench():
     import importlib.util
