@@ -74,6 +74,8 @@ WORKLOADS = {
     for w in [
         Workload("gpt2-tiny", 4, 256, 8192, 4, 128),
         Workload("gpt2-27m", 6, 512, 16384, 4, 128),
+        # GPT-2 small's shape (124M parameters): the speed comparison of the stages
+        Workload("gpt2-small", 12, 768, 50257, 2, 128),
         # GPT-2 medium's shape (355M parameters): model states dominate the memory
         Workload("gpt2-medium", 24, 1024, 50257, 1, 64),
         # GPT-2 large's (774M): fp32 Adam states of 12.4 GB per data-parallel rank
@@ -91,7 +93,7 @@ def build_model(w: Workload) -> torch.nn.Module:
     cfg = GPT2Config(
         n_layer=w.layers,
         n_embd=w.hidden,
-        n_head=8 if w.hidden < 1024 else w.hidden // 64,
+        n_head=8 if w.hidden < 768 else w.hidden // 64,
         vocab_size=w.vocab,
         n_positions=w.seq,
         resid_pdrop=0.0,
@@ -212,6 +214,12 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
     first_peak = rss.take_peak()
     for i in range(args.warmup):
         step(data[(1 + i) % len(data)])
+    reducer = getattr(trainer, "reducer", None) if backend.startswith("ortrain") else None
+
+    def waited() -> tuple[float, float]:
+        return (getattr(reducer, "gather_seconds", 0.0), getattr(reducer, "reduce_seconds", 0.0))
+
+    waited_before = waited()
     times, losses = [], []
     for i in range(args.steps):
         b = data[(1 + args.warmup + i) % len(data)]
@@ -219,6 +227,7 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         losses.append(step(b))
         times.append(time.perf_counter() - t)
     steady_peak = rss.take_peak()
+    gathers, reduces = (b - a for a, b in zip(waited_before, waited(), strict=True))
     rss.stop()
     classes = {}
     if backend.startswith("ortrain"):
@@ -237,6 +246,8 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         "first_step_peak_mib": first_peak / 2**20,
         "steps_peak_mib": steady_peak / 2**20,
         "memory_report_mib": classes,
+        "gather_ms_per_step": 1e3 * gathers / max(1, args.steps),
+        "reduce_ms_per_step": 1e3 * reduces / max(1, args.steps),
         "opt_state_mib": held_state() / 2**20,
         "grads_mib": held_grads() / 2**20,
         "params_mib": held_params() / 2**20,
@@ -296,17 +307,18 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"{w.name}: GPT-2 {w.layers} layers, hidden {w.hidden}, vocab {w.vocab}, "
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
         "",
-        "| backend | rank | ms/step | first step s | peak RSS MiB | built / first step / "
-        "steps peak MiB | steady RSS MiB "
+        "| backend | rank | ms/step | waits ms/step | first step s | peak RSS MiB "
+        "| built / first step / steps peak MiB | steady RSS MiB "
         "| parameters MiB | optimizer state MiB | gradients MiB | peak / data parallel "
         "| first loss (rank mean) | later losses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dp = results.get("ortrain-dp") or results.get("torch-ddp")
     for b, ranks in results.items():
         for r in ranks:
             lines.append(
-                f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {r['first_step_s']:.1f} "
+                f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {waits(r)} "
+                f"| {r['first_step_s']:.1f} "
                 f"| {r['peak_rss_mib']:.0f} | {phases(r)} | {r['steady_rss_mib']:.0f} "
                 f"| {r.get('params_mib', 0):.1f} | {r['opt_state_mib']:.1f} "
                 f"| {r.get('grads_mib', 0):.1f} | {ratio(r, dp)} | {r['first_loss_mean']:.6f} "
@@ -315,7 +327,9 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
     lines += memory_table(results)
     lines += [
         "",
-        "ms/step: median of the timed steps (rank processes share the machine's CPUs); "
+        "ms/step: median of the timed steps (rank processes share the machine's CPUs); waits: "
+        "per timed step, the time spent waiting on ZeRO-3's parameter gathers / on ZeRO-2/3's "
+        "gradient-bucket reduces; "
         "peak RSS: ru_maxrss (for ortrain it includes the one-off export); built / first "
         "step / steps peak: RSS once the model and trainer exist, the sampled peak during the "
         "first step (export, builds, checks) and during the timed steps; steady RSS: RSS "
@@ -347,6 +361,13 @@ def memory_table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
         cells = " | ".join(f"{m[k]:.0f}" for k in keys)
         lines.append(f"| {b} | {r['rank']} | {cells} | {share:.2f} |")
     return lines
+
+
+def waits(r: dict[str, Any]) -> str:
+    """ZeRO-3's parameter gathers / ZeRO-2/3's bucket reduces, ms per timed step."""
+    if "gather_ms_per_step" not in r:
+        return "-"
+    return f"{r['gather_ms_per_step']:.0f} / {r['reduce_ms_per_step']:.0f}"
 
 
 def phases(r: dict[str, Any]) -> str:

@@ -441,16 +441,15 @@ class Traced:
         return roles + updated_io(self.model, self.updated)
 
 
-def _exported(
-    traced: torch.nn.Module, flat: tuple
-) -> torch.nn.Module | torch.export.ExportedProgram:
+def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProgram:
     """``traced`` exported as the ONNX exporter would first try it (non-strict), with its
-    detached and no-grad values marked (``ortrain/stop_gradient.py``); ``traced`` itself
-    where that fails, for the exporter's other strategies to try and to name the error."""
-    try:
-        program = torch.export.export(traced, flat, strict=False)
-    except Exception:
-        return traced
+    detached and no-grad values marked (``ortrain/stop_gradient.py``).
+
+    Where that fails, its error is the export's: the exporter's own fallback would try
+    non-strict again and then dynamo (strict), seconds per model, and over the
+    ``torch.nn`` coverage table strict never exported a model non-strict could not
+    (data-dependent shapes stop both); the segments take such a model apart instead."""
+    program = torch.export.export(traced, flat, strict=False)
     mark_stop_gradients(program)
     return program
 

@@ -9,6 +9,12 @@ ahead: a process that forks builds (the test suite, ``python -m ortrain.coverage
 it once so that every child inherits it; the training process does not (it never
 imports the graph libraries, ``ortrain/forked.py``), and its build children make the
 table each.
+
+Inside the same context, ``torch.export``'s list of the operators it may keep
+undecomposed (every CompositeImplicitAutograd operator of every namespace, walked anew
+by each ``run_decompositions``: about a tenth of a second, twice per export) is kept
+while the dispatcher's registrations and the operator namespaces are the same. Torch does
+not keep it because a custom operator registered later changes it; the key sees that.
 """
 
 from __future__ import annotations
@@ -39,10 +45,61 @@ def _copy(cls: type, opset_version: int | None = None) -> Any:
     return registry
 
 
+_CIA_SITES = ("torch._export.utils", "torch.export.exported_program", "torch.export.decomp_utils")
+
+
+def _cia_key() -> tuple:
+    import torch
+
+    regs = torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")
+    return tuple(regs), tuple(torch.ops._dir)
+
+
+@contextlib.contextmanager
+def _cached_cia_ops() -> Iterator[None]:
+    """Inside: ``_collect_all_valid_cia_ops`` answers from a memo keyed on what it reads
+    (module docstring); where this torch has no such function, nothing changes."""
+    import importlib
+
+    try:
+        modules = [importlib.import_module(m) for m in _CIA_SITES]
+        sites = [m for m in modules if callable(getattr(m, "_collect_all_valid_cia_ops", None))]
+        original = modules[0]._collect_all_valid_cia_ops
+    except Exception:  # another torch
+        yield
+        return
+    memo: dict[tuple, Any] = _CIA_MEMO
+
+    def collect() -> Any:
+        key = _cia_key()
+        if key not in memo:
+            memo.clear()
+            memo[key] = original()
+        return memo[key]
+
+    for m in sites:
+        m._collect_all_valid_cia_ops = collect  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m in sites:
+            m._collect_all_valid_cia_ops = original  # type: ignore[attr-defined]
+
+
+_CIA_MEMO: dict[tuple, Any] = {}
+
+
 @contextlib.contextmanager
 def cached_registry() -> Iterator[None]:
-    """Inside: the exporter's registry is a copy of this process's (module docstring).
-    Where this torch's exporter has no such registry, nothing changes."""
+    """Inside: the exporter's registry is a copy of this process's, and torch.export's
+    list of undecomposed operators is kept (module docstring). Where this torch's
+    exporter has no such registry or list, nothing changes."""
+    with _cached_cia_ops(), _cached_table():
+        yield
+
+
+@contextlib.contextmanager
+def _cached_table() -> Iterator[None]:
     global _ORIGINAL
     try:
         from torch.onnx._internal.exporter import _registration

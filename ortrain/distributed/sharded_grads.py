@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,7 @@ class ShardedGradients(ShardedState):
         self._armed = False
         self.reached: set[str] = set()  # parameters with a gradient in this micro-step
         self.peak_open_numel = 0  # most bucket elements held at once so far
+        self.reduce_seconds = 0.0  # waited on bucket reduces so far (a benchmark's figure)
         params = dict(trainer.module.named_parameters())
         self._hooks = [
             params[n].register_post_accumulate_grad_hook(self._arrival(n)) for n in layout.names
@@ -179,7 +181,9 @@ class ShardedGradients(ShardedState):
             buf = self._open.pop(k, None)
             if buf is None:  # no gradient here on this rank: the others may have some
                 buf = torch.zeros(bucket.numel, device=self.comm.device)
+            started = time.perf_counter()
             self.comm.reduce_to_owners(buf, bucket.start, n)
+            self.reduce_seconds += time.perf_counter() - started
             a, b = max(bucket.start, lo), min(bucket.stop, hi)
             if a < b:
                 self.grad_shard[a - lo : b - lo].add_(buf[a - bucket.start : b - bucket.start])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ class ShardedParams(ShardedGradients):
         self._placeholder = torch.empty(0, device=comm.device)
         self.gathered: set[str] = set()  # parameters whole right now
         self.peak_gathered_numel = 0  # most parameter elements gathered at once so far
+        self.gather_seconds = 0.0  # waited on parameter gathers so far (a benchmark's figure)
         # whole while the first step plans: the elements beyond this rank's shard
         self.first_step_numel = self.config.layout.numel - self.config.layout.shard_numel
         self._held = 0  # elements of the gathered buffers alive now
@@ -90,6 +92,7 @@ class ShardedParams(ShardedGradients):
         entries = {e.name: e for e in layout.entries}
         lo = min(entries[n].offset for n in names)
         hi = max(entries[n].stop for n in names)
+        started = time.perf_counter()
         buf = torch.empty(hi - lo, device=self.comm.device)
         n = layout.shard_numel
         for rank in range(self.world_size):
@@ -99,6 +102,7 @@ class ShardedParams(ShardedGradients):
             if rank == self.config.rank:
                 buf[a - lo : b - lo].copy_(shard[a - rank * n : b - rank * n])
             self.comm.broadcast_from(buf[a - lo : b - lo], rank)
+        self.gather_seconds += time.perf_counter() - started
         for name in names:
             e = entries[name]
             view = buf[e.offset - lo : e.stop - lo].view(e.shape)
