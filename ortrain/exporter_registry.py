@@ -121,8 +121,12 @@ def _cached_table() -> Iterator[None]:
 
 
 def warm() -> None:
-    """Make this process's table now (see the module docstring)."""
+    """Make this process's table and operator list now (see the module docstring)."""
     with cached_registry():
+        from torch._export import utils
         from torch.onnx._internal.exporter import _registration
 
         _registration.ONNXRegistry.from_torchlib()
+        collect = getattr(utils, "_collect_all_valid_cia_ops", None)
+        if callable(collect):
+            collect()

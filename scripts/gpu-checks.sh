@@ -6,7 +6,7 @@
 #   tests     the GPU tests
 #   probes    the predicted-defect probes (tests/test_cuda_training.py -k probe) and their
 #             CPU stand-ins (tests/test_gpu_path.py)
-#   dp        data parallel and ZeRO-1 through the reducer, world size 1, NCCL (torchrun)
+#   dp        data parallel and ZeRO-1, -2, -3 through the reducer, world size 1, NCCL (torchrun)
 #   bench     benchmarks/bench_gpu.py with what is left of the budget
 # then $OUT/gpu-checks.json and $OUT/gpu-checks.md (each step: status, seconds, budget, the
 # tail of its log; the benchmark's tables). A step that runs over its budget is cut and
@@ -149,8 +149,9 @@ step_probes() {
 
 step_dp() {
   # one rank: the reducer's collectives over NCCL on the GPU (gloo in a dry run)
+  # (DP_SELECT narrows the -k selection: the test suite's dry run of this script)
   torchrun --standalone --nproc_per_node 1 -m pytest -q -p no:cacheprovider -ra \
-    tests/test_gpu_path.py -k world_of_one
+    tests/test_gpu_path.py -k "${DP_SELECT:-world_of_one}"
 }
 
 step_bench() {

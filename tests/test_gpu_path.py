@@ -847,8 +847,8 @@ def test_largest_batch_doubles_until_out_of_memory(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_gpu_checks_dry_run_writes_the_summary(tmp_path):
-    """scripts/gpu-checks.sh --dry-run: the provider check, the probes, the world-of-one
-    reducer under torchrun and the benchmark on CPU, within budgets, into $OUT. (The
+    """scripts/gpu-checks.sh --dry-run: the provider check, the probes, a world-of-one
+    reducer case under torchrun and the benchmark on CPU, within budgets, into $OUT. (The
     kernel build and the GPU test files are left to a manual dry run: minutes here.)"""
     import json
     import os
@@ -858,6 +858,8 @@ def test_gpu_checks_dry_run_writes_the_summary(tmp_path):
         "OUT": str(tmp_path / "out"),
         "BENCH_ARGS": "--backends torch,ortrain --max-doublings 1",
         "BUDGET_dp": "240",
+        # one world-of-one case: the suite runs them all itself; here the plumbing
+        "DP_SELECT": "world_of_one_reducer and 1-cpu",
         "BUDGET_probes": "240",
         "ORTRAIN_GRAPH_CACHE": str(tmp_path / "cache"),
     }
