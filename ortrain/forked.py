@@ -31,7 +31,8 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-_IN_PROCESS = ("ORTRAIN_BUILD_IN_PROCESS", "ORTRAIN_EXPORT_IN_PROCESS")
+IN_PROCESS_ENV = "ORTRAIN_BUILD_IN_PROCESS"
+_IN_PROCESS = (IN_PROCESS_ENV, "ORTRAIN_EXPORT_IN_PROCESS")
 
 
 def can_fork(tensors: Iterable[torch.Tensor]) -> bool:

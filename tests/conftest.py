@@ -181,15 +181,16 @@ def _threads():
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """The ONNX exporter's translation table made once in each process that runs tests,
-    before any test (no test's budget pays it): every build's forked child inherits it
-    instead of making it again (``ortrain/exporter_registry.py``)."""
+    """Each process that runs tests makes, before any test (no test's budget pays it),
+    what a first build makes (the exporter's translation table, the modules and caches of
+    a first export): every build's forked child inherits it instead of making it again
+    (``ortrain/build_warmup.py``)."""
     config = session.config
     if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
         return  # xdist's controller runs no test
-    from ortrain import exporter_registry
+    from ortrain.build_warmup import warm_builds
 
-    exporter_registry.warm()
+    warm_builds()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -184,13 +184,6 @@ def test_the_page_lists_no_wrong_outcome_and_only_expected_refusals():
 
 
 # ----------------------------------------------------------------------------- 4. training
-@pytest.fixture(scope="module")
-def _compiler_imported() -> None:
-    """The export and pass libraries imported once in this process, so each build's forked
-    child inherits them (what a build does is unchanged; only the import time is saved)."""
-    report.import_compiler()
-
-
 @pytest.fixture
 def _short_build_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A spec's build takes seconds: a forked build child that hangs is given up (and the
@@ -199,7 +192,7 @@ def _short_build_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_compiler_imported", "_short_build_timeout")
+@pytest.mark.usefixtures("_short_build_timeout")
 @pytest.mark.parametrize("spec_id", [s.id for s in SPECS])
 def test_spec_trains_like_eager(spec_id):
     outcome = train_against_eager(catalog.spec_by_id(spec_id))

@@ -187,10 +187,11 @@ def listed(text: str) -> dict[str, Outcome]:
 
 # ----------------------------------------------------------------------------- running
 def _init_worker(quiet: bool) -> None:
-    """One thread per process (the processes share the cores); the compiler imported once
-    here, so each build's forked child starts with it (the fork is what a user's
-    training process does; only the import time is saved). ``quiet``: the exporter's and
-    ONNX Runtime's own prints go nowhere (the outcomes carry the causes)."""
+    """One thread per process (the processes share the cores); a first build made once
+    here, so each build's forked child starts warm (the fork is what a user's training
+    process does; only a cold first export's time is saved, ``ortrain/build_warmup.py``).
+    ``quiet``: the exporter's and ONNX Runtime's own prints go nowhere (the outcomes carry
+    the causes)."""
     import torch
 
     if quiet:
@@ -202,15 +203,15 @@ def _init_worker(quiet: bool) -> None:
 
 
 def import_compiler() -> None:
-    """The export and pass libraries a build's child would import itself, imported in
-    this process so every fork inherits them."""
+    """The export and pass libraries a build's child would import itself, and what a
+    first export makes, made in this process so every fork inherits them."""
     import torch.onnx._internal.exporter._core  # noqa: F401
 
     import ortrain.build
     import ortrain.graph_passes.training_pipeline  # noqa: F401
-    from ortrain import exporter_registry
+    from ortrain.build_warmup import warm_builds
 
-    exporter_registry.warm()
+    warm_builds()
 
 
 def _train(spec_id: str) -> Outcome:
