@@ -396,9 +396,12 @@ class ORTHFTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self.ortrainer is not None:
-            self.ortrainer.sync_to_module()
-        super().save_model(output_dir, _internal_call)
+        if self.ortrainer is None:
+            return super().save_model(output_dir, _internal_call)
+        # ZeRO-3 keeps a shard of each parameter: whole while Trainer saves (every rank
+        # calls save_model; the gather is a collective)
+        with self.ortrainer.whole_parameters():
+            super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         state = self._ort().state_dict()  # every rank: ZeRO-1 gathers its shards to rank 0

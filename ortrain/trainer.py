@@ -401,13 +401,13 @@ class ORTTrainer:
         )
 
     def _segment_settings(self) -> BuildConfig:
-        """A segment's graphs: fp32 (its gradients go back to torch, which scales and
-        accumulates them), the update after the backward."""
+        """A segment's graphs: fp32 inputs, outputs and gradients (the mixed precision
+        pass computes in half inside and casts its outputs back; torch scales the seeds
+        and accumulates the gradients), the update after the backward."""
         return dataclasses.replace(
             self._settings(),
             trainable=(),
             accumulate=False,
-            mixed_precision=None,
             loss_scaling=False,
             update_groups=(),
             dropout_switch=True,
@@ -820,12 +820,6 @@ class ORTTrainer:
     def _start_segments(self, cause: str, blocks: bool = False) -> None:
         """From now on the model trains as compiled segments inside eager PyTorch (cut at
         its repeated blocks with ``blocks``)."""
-        if self.options.mixed_precision is not None:
-            warnings.warn(
-                f"ortrain: mixed_precision={self.options.mixed_precision!r} is not applied to "
-                "a model trained as segments: its segments and eager code compute in fp32",
-                stacklevel=4,
-            )
         self._train.clear()
         self._forwards.clear()
         self._segments = SegmentedTraining(
@@ -835,7 +829,7 @@ class ORTTrainer:
             lambda graph: self._session(graph),
             self._run_build,
             self.device,
-            Tolerance.of(None) if self.options.verify else None,
+            Tolerance.of(self.options.mixed_precision) if self.options.verify else None,
             cause,
             blocks,
             self._reducer if hasattr(self._reducer, "acquire") else None,  # ZeRO-3
@@ -1136,6 +1130,16 @@ class ORTTrainer:
 
     # ------------------------------------------------------------------ state
     @torch.no_grad()
+    @contextlib.contextmanager
+    def whole_parameters(self) -> Iterator[torch.nn.Module]:
+        """The module with its trained weights, every parameter whole, for the duration
+        (under ZeRO-3 a gather, so every rank enters it together; ``save_model`` of the
+        Hugging Face trainer saves inside it)."""
+        self.sync_to_module()
+        materialized = getattr(self._reducer, "materialized", None)
+        with materialized() if materialized is not None else contextlib.nullcontext():
+            yield self.module
+
     def sync_to_module(self) -> torch.nn.Module:
         """Copy trained weights into the module (a no-op where memory is shared)."""
         for n, p in self.module.named_parameters():

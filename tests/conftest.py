@@ -180,14 +180,21 @@ def _threads():
     yield
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Each process that runs tests makes, before any test (no test's budget pays it),
-    what a first build makes (the exporter's translation table, the modules and caches of
-    a first export): every build's forked child inherits it instead of making it again
-    (``ortrain/build_warmup.py``)."""
+WARM_FROM_TESTS = 100
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each process that runs end-to-end tests makes, before any test (no test's budget
+    pays it), what a first build makes (the exporter's translation table, the modules and
+    caches of a first export): every build's forked child inherits it instead of making it
+    again (``ortrain/build_warmup.py``). Not for a collection only, or a run of a few
+    tests (one test file, the guards' tiny suites): the warm-up costs about as much as
+    a few builds save."""
     config = session.config
     if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
         return  # xdist's controller runs no test
+    if config.option.collectonly or len(session.items) < WARM_FROM_TESTS:
+        return
     from ortrain.build_warmup import warm_builds
 
     warm_builds()

@@ -199,7 +199,8 @@ def scenario_overflow(rank: int, world: int, out: Path) -> dict[str, Any]:
 def scenario_loop(rank: int, world: int, out: Path) -> dict[str, Any]:
     batches = micro_batches(rank, world)
     timeout = float(os.environ["ORTRAIN_TEST_TIMEOUT"])  # set by the fault tests
-    trainer, _ = make_trainer(0, seed=0, timeout=timeout, layers=1)  # any model will do
+    stage = int(os.environ.get("ORTRAIN_TEST_STAGE", "0"))
+    trainer, _ = make_trainer(stage, seed=0, timeout=timeout, layers=1)  # any model will do
     step = 0
     try:
         while True:

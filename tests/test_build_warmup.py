@@ -14,8 +14,6 @@ import torch
 from ortrain.build_warmup import warm_builds
 from ortrain.forked import IN_PROCESS_ENV
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("before", [None, "0"])
 def test_leaves_the_switch_the_rng_and_the_cache_as_they_were(before, tmp_path, monkeypatch):

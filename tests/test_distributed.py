@@ -406,16 +406,22 @@ def assert_same_state(loaded: dict, expected: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fault,sig,timeout",
+    "fault,sig,timeout,stage",
     [
-        pytest.param("killed", signal.SIGKILL, 20.0, id="killed"),
-        pytest.param("hung", signal.SIGSTOP, 4.0, id="hung"),
+        pytest.param("killed", signal.SIGKILL, 20.0, 0, id="killed"),
+        pytest.param("hung", signal.SIGSTOP, 4.0, 0, id="hung"),
+        pytest.param("killed", signal.SIGKILL, 20.0, 3, id="killed-zero3"),
+        pytest.param("hung", signal.SIGSTOP, 4.0, 2, id="hung-zero2"),
     ],
 )
-def test_failed_rank_fails_the_other_within_timeout(tmp_path, fault, sig, timeout):
+def test_failed_rank_fails_the_other_within_timeout(tmp_path, fault, sig, timeout, stage):
     """A killed rank is noticed at once (its connections close); a stopped one when the
-    collective times out. Either way rank 0 raises RankFailureError naming rank 1."""
-    procs = launch("loop", tmp_path, piped=1, ORTRAIN_TEST_TIMEOUT=str(timeout))
+    collective times out. Either way rank 0 raises RankFailureError naming rank 1: data
+    parallel, and ZeRO-2 and ZeRO-3, whose collectives run inside the forward (gathers)
+    and the backward (reduce-scatters)."""
+    procs = launch(
+        "loop", tmp_path, piped=1, ORTRAIN_TEST_TIMEOUT=str(timeout), ORTRAIN_TEST_STAGE=str(stage)
+    )
     try:
         said, deadline, fd = b"", time.monotonic() + 120, procs[1].stdout.fileno()
         while b"STEP 3\n" not in said:  # rank 1's own word that it is training

@@ -669,15 +669,32 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "device,precision",
+    [
+        pytest.param("cpu", None, id="cpu"),
+        pytest.param(
+            "cuda",
+            None,
+            id="cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)"
+            ),
+        ),
+        pytest.param("cpu", "fp16", id="cpu-fp16"),
+    ],
+)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero2_and_3_world_of_one_train_as_one_process(world_of_one, monkeypatch, device, stage):
+def test_zero2_and_3_world_of_one_train_as_one_process(
+    world_of_one, monkeypatch, device, precision, stage
+):
     """ZeRO-2 and ZeRO-3 at world size 1 (the collectives run: gloo on CPU, NCCL on CUDA)
     train as one process cut at the same blocks without a reducer: per-step losses and
     the final parameters (AdamW, tied embedding and head), with every model tensor handed
-    to a collective on the trainer's device. Without clipping: its norm is summed in
-    another order over a shard, and AdamW turns that noise into steps of up to lr where
-    a gradient is zero in exact arithmetic (the 2- and 3-rank tests clip)."""
+    to a collective on the trainer's device; in fp32, and in fp16 (the segments compute in
+    fp16, dynamic loss scaling). Without clipping: its norm is summed in another order
+    over a shard, and AdamW turns that noise into steps of up to lr where a gradient is
+    zero in exact arithmetic (the 2- and 3-rank tests clip)."""
     import ortrain.trainer as trainer_mod
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
@@ -712,6 +729,7 @@ def test_zero2_and_3_world_of_one_train_as_one_process(world_of_one, monkeypatch
             segments="auto" if reducer else "blocks",
             reduce_bucket_mb=0.01,
             update_engine="graph",  # both sides (torch's fused AdamW rounds otherwise)
+            mixed_precision=precision,
         )
         trainer = ORTTrainer(model, opt, options)
         losses = [trainer.train_step(**b).item() for b in batches]
@@ -856,7 +874,8 @@ def test_gpu_checks_dry_run_writes_the_summary(tmp_path):
     env = {
         **os.environ,
         "OUT": str(tmp_path / "out"),
-        "BENCH_ARGS": "--backends torch,ortrain --max-doublings 1",
+        # no batch doublings: test_largest_batch_doubles_until_out_of_memory checks the search
+        "BENCH_ARGS": "--backends torch,ortrain --max-doublings 0",
         "BUDGET_dp": "240",
         # one world-of-one case: the suite runs them all itself; here the plumbing
         "DP_SELECT": "world_of_one_reducer and 1-cpu",

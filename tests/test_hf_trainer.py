@@ -386,21 +386,25 @@ def distributed_trainer(out: Path, batch: int, zero_stage: int) -> ORTHFTrainer:
 
 
 def _rank_main(out: Path) -> None:
-    """One torchrun rank: data parallel, ZeRO-1, ZeRO-2, ZeRO-1 resumed from its checkpoint
-    half-way (``resume``); rank 0 writes the logs and the trained parameters."""
+    """One torchrun rank: data parallel, ZeRO-1, -2 and -3, ZeRO-1 and ZeRO-3 resumed from
+    their checkpoints half-way (``resume``, ``resume3``); rank 0 writes the logs and the
+    trained parameters."""
     torch.set_num_threads(1)
     logs = {}
-    for stage in (0, 1, 2, "resume"):
-        zero = 1 if stage == "resume" else int(stage)
-        trainer = distributed_trainer(out / f"stage{stage}", 4 // WORLD, zero)
-        if stage == "resume":
-            trainer.train(resume_from_checkpoint=str(out / f"stage1/checkpoint-{DIST_STEPS // 2}"))
+    for stage in (0, 1, 2, 3, "resume", "resume3"):
+        zero = {"resume": 1, "resume3": 3}.get(str(stage), stage)
+        trainer = distributed_trainer(out / f"stage{stage}", 4 // WORLD, int(zero))
+        if stage in ("resume", "resume3"):
+            ckpt = out / f"stage{zero}/checkpoint-{DIST_STEPS // 2}"
+            trainer.train(resume_from_checkpoint=str(ckpt))
         else:
             trainer.train()
         logs[stage] = [
-            h for h in steps(trainer) if stage != "resume" or h["step"] > DIST_STEPS // 2
+            h for h in steps(trainer) if isinstance(stage, int) or h["step"] > DIST_STEPS // 2
         ]
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        assert trainer.ortrainer is not None
+        with trainer.ortrainer.whole_parameters() as model:  # ZeRO-3: gathered (every rank)
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
         if trainer.args.process_index == 0:
             torch.save(params, out / f"params{stage}.pt")
     if int(os.environ["RANK"]) == 0:
@@ -418,8 +422,9 @@ def test_torchrun_two_processes_match_one_on_the_combined_batch(tmp_path):
     one = distributed_trainer(tmp_path / "one", 4, 0)
     one.train()
     assert len(steps(one)) == DIST_STEPS
-    for stage in ("0", "1", "2", "resume"):
-        expected = steps(one)[DIST_STEPS // 2 :] if stage == "resume" else steps(one)
+    for stage in ("0", "1", "2", "3", "resume", "resume3"):
+        resumed = stage.startswith("resume")
+        expected = steps(one)[DIST_STEPS // 2 :] if resumed else steps(one)
         assert_logs(logs[stage], expected)
         params = torch.load(tmp_path / f"params{stage}.pt", weights_only=True)
         for name, p in one.model.named_parameters():

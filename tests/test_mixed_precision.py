@@ -234,6 +234,60 @@ def test_fp16_with_accumulation_and_clipping_tracks_fp32():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loss", ["model's", "label smoothing"])
+def test_fp16_segments_track_fp32_segments(loss):
+    """A model trained as segments (cut at its blocks; or falling back because its loss
+    cannot be exported) computes its compiled segments in fp16 like a whole graph: their
+    forwards keep fp16 activations for their backwards and return fp32; with dynamic loss
+    scaling, accumulation and clipping, losses and weights track the fp32 segments'."""
+    base = gpt2(layers=2, hidden=64, vocab=128)
+    batches = lm_batches(10, batch=4, vocab=128)
+    opts: dict = {"grad_accumulation_steps": 2, "max_grad_norm": 0.5}
+    kw: dict = {}
+    if loss == "label smoothing":  # the exporter drops the option: the loss runs in eager
+
+        def smoothed(out, batch):
+            logits, labels = out.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten()
+            return torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+
+        kw["loss_fn"] = smoothed
+    else:
+        opts["segments"] = "blocks"
+
+    def train(options):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(decay_groups(model), lr=2e-3, weight_decay=0.01)
+        trainer = ORTTrainer(model, opt, options, **kw)
+        return trainer, [trainer.train_step(**b).item() for b in batches]
+
+    t32, l32 = train(TrainerOptions(**opts))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t16, l16 = train(TrainerOptions(mixed_precision="fp16", **opts))
+    assert not [w for w in caught if "mixed_precision" in str(w.message)]  # it applies
+    assert t16.segments is not None and t32.segments is not None
+    assert t16.loss_scale is not None and t16.skipped_steps <= 1
+    assert sorted(t16.segments.model.compiled) == sorted(t32.segments.model.compiled)
+    want = "transformer.h.0" if loss == "model's" else "transformer"  # cut, or all but the loss
+    assert want in t16.segments.model.compiled
+    for precision, trainer in (("fp16", t16), ("fp32", t32)):
+        saved, outputs = set(), set()
+        for table in trainer.segments.model.runners.values():
+            for runner in table.values():
+                types = runner.graphs.forward.output_types
+                saved |= {types[n][1] for n in runner.graphs.saved}
+                outputs |= {types[o][1] for o in runner.graphs.forward.output_types
+                            if o not in runner.graphs.saved}  # fmt: skip
+        assert ("FLOAT16" in saved) == (precision == "fp16"), (precision, saved)
+        assert "FLOAT16" not in outputs  # what eager code receives is fp32
+    np.testing.assert_allclose(l16, l32, rtol=5e-3)
+    assert t16.step == t32.step == 5
+    assert abs(t16.last_grad_norm - t32.last_grad_norm) <= 2e-2 * t32.last_grad_norm
+    for k, p in t32.params.items():  # weights moved alike (fp16 rounding of the gradients)
+        torch.testing.assert_close(t16.params[k], p, rtol=0, atol=5e-3)
+
+
+@pytest.mark.slow
 def test_fp16_eval_returns_fp32_outputs_close_to_fp32():
     model = bert_mlm(vocab=128, hidden=64)
     batch = bert_batches(1, vocab=128)[0]
