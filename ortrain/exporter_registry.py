@@ -4,7 +4,10 @@
 a second: every function's ONNX IR is made from its source), which every build of a
 graph pays. ``cached_registry`` patches the registry's constructor, for the duration of
 an export, to hand out a copy of one table made once per process (a copy: the export
-registers the custom translations into the table it gets). ``warm`` makes that table
+registers the custom translations into the table it gets). The table is made with the
+same entries but without compiling the IR of each traced function, which the exporter's
+constructor only reads a domain from (``_unparsed_table``): half the time of a cold
+process's first build of the table. ``warm`` makes that table
 ahead: a process that forks builds (the test suite, ``python -m ortrain.coverage``) calls
 it once so that every child inherits it; the training process does not (it never
 imports the graph libraries, ``ortrain/forked.py``), and its build children make the
@@ -29,7 +32,48 @@ from typing import Any
 def _table(opset: int) -> Any:
     from torch.onnx._internal.exporter import _registration
 
-    return _ORIGINAL(_registration.ONNXRegistry, opset)
+    try:
+        return _unparsed_table(_registration, opset)
+    except Exception:  # another torch or onnxscript: the table as the exporter makes it
+        return _ORIGINAL(_registration.ONNXRegistry, opset)
+
+
+def _unparsed_table(reg: Any, opset: int) -> Any:
+    """The table ``ONNXRegistry.from_torchlib`` makes, the same entries in the same order,
+    without compiling each torchlib function's ONNX IR from its source: the exporter's
+    list of functions reads each one's domain from it, which the table does not keep, so
+    that every process paid for all 500 functions where an export translates a few dozen
+    (each function compiles its IR when first used)."""
+    from onnxscript.function_libs.torch_lib import ops, registration
+
+    del ops  # importing it registers the functions
+    registry = reg.ONNXRegistry()
+    registry._opset_version = opset
+    for meta in reg._torchlib_registry.get_torchlib_ops():
+        registry._register(meta.fx_target, meta)
+    for qualified_name, entry in registration.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue
+        funcs = [(f, False) for f in entry.overloads] + [(f, True) for f in entry.complex]
+        if not funcs:
+            continue
+        try:  # as the exporter: a name it cannot resolve is skipped, not fatal
+            target = reg._get_overload(qualified_name)
+        except Exception:
+            continue
+        if target is None:
+            continue
+        for func, is_complex in funcs:
+            meta = reg.OnnxDecompMeta(
+                onnx_function=func,
+                fx_target=target,
+                signature=None,
+                is_custom=False,
+                is_complex=is_complex,
+            )
+            registry._register(target, meta)
+    registry._cleanup_registry_based_on_opset_version()
+    return registry
 
 
 _ORIGINAL: Any = None

@@ -9,10 +9,12 @@ that lands in the process that trains.
 
 Exceptions raised by the job come back with their own type (a type that does not
 survive pickling comes back as ``RuntimeError`` naming it) and the child's traceback as
-a note; warnings it raised are re-issued here. A child that dies or sends nothing runs
-the job in this process instead, with a warning. ``ORTRAIN_BUILD_IN_PROCESS=1`` (or
-the older ``ORTRAIN_EXPORT_IN_PROCESS=1``) runs every job here; so does a process that
-uses CUDA (no fork after CUDA is initialised) or holds non-CPU tensors.
+a note; warnings it raised are re-issued here. A child that does not say it started
+within ``START_TIMEOUT_S`` (stuck inside the fork itself) is killed and forked again; one
+that dies or sends nothing runs the job in this process instead, with a warning.
+``ORTRAIN_BUILD_IN_PROCESS=1`` (or the older ``ORTRAIN_EXPORT_IN_PROCESS=1``) runs every
+job here; so does a process that uses CUDA (no fork after CUDA is initialised) or holds
+non-CPU tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+# A child's first byte, written as soon as the fork returns in it. Python 3.11.7 and
+# earlier (CPython gh-112275) can deadlock a child inside ``os.fork`` itself when another
+# thread held the interpreter's thread-list lock at that moment (a rank's heartbeat or a
+# library's thread starting or ending): such a child never gets here, and is killed and
+# forked again after ``START_TIMEOUT_S`` instead of waited on for the build's timeout.
+STARTED = b"\x01"
+START_TIMEOUT_S = 30.0
+FORK_TRIES = 3
+_NOT_STARTED = object()
 IN_PROCESS_ENV = "ORTRAIN_BUILD_IN_PROCESS"
 _IN_PROCESS = (IN_PROCESS_ENV, "ORTRAIN_EXPORT_IN_PROCESS")
 
@@ -83,26 +94,31 @@ def _child(job: Callable[[], T], write_fd: int) -> None:
 
 def call_forked(job: Callable[[], T], *, what: str) -> T:
     """``job()``, run in a forked child (see the module docstring)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_fd)
-        try:
-            _child(job, write_fd)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
     timeout = float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800"))
-    data = _read_all(read_fd, timeout)
-    if data is None:  # no answer in time: do not wait on a stuck child forever
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    if not data:  # the child died, hung or crashed: run the job here instead
+    for _ in range(FORK_TRIES):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            try:
+                os.write(write_fd, STARTED)
+                _child(job, write_fd)
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        data = _read_all(read_fd, timeout, START_TIMEOUT_S)
+        if data is None or data is _NOT_STARTED:  # do not wait on a stuck child forever
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        if data is not _NOT_STARTED:
+            break
+    if not data or data is _NOT_STARTED:  # the child died, hung or crashed: run it here
         warnings.warn(
             f"{what} in a child process failed (wait status {status}); running it in this process",
             stacklevel=3,
         )
         return job()
+    assert isinstance(data, bytes)
     with warnings.catch_warnings():
         # torch's pytree specs (a segment's call and result structure) warn about their
         # own pickled form on load; nothing the user can act on
@@ -115,16 +131,21 @@ def call_forked(job: Callable[[], T], *, what: str) -> T:
     return value
 
 
-def _read_all(fd: int, timeout_s: float) -> bytes | None:
-    """Everything written to ``fd`` until EOF; None after ``timeout_s`` without EOF."""
+def _read_all(fd: int, timeout_s: float, start_s: float) -> bytes | object | None:
+    """Everything the child wrote to ``fd`` after its ``STARTED`` byte, until EOF;
+    ``_NOT_STARTED`` without that byte after ``start_s``, None after ``timeout_s``."""
     chunks = []
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline, start_by = now + timeout_s, now + start_s
+    started = False
     with os.fdopen(fd, "rb", buffering=0) as f:
         while True:
-            left = deadline - time.monotonic()
+            left = (deadline if started else min(deadline, start_by)) - time.monotonic()
             if left <= 0 or not select.select([f], [], [], left)[0]:
-                return None
+                return None if started else _NOT_STARTED
             chunk = f.read(1 << 20)
-            if not chunk:
+            if not chunk:  # EOF (before the first byte: the child crashed, b"")
                 return b"".join(chunks)
+            if not started:
+                started, chunk = True, chunk[len(STARTED) :]
             chunks.append(chunk)

@@ -71,6 +71,7 @@ from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.rank_memory import RankMemory, peak_resident_bytes, resident_bytes
 from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
+from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.session import (
     BoundSession,
     CudaGraphCaptureError,
@@ -177,7 +178,10 @@ class ORTTrainer:
         *,
         loss_fn: LossFn | None = None,
     ):
-        # the process without the trainer and the module's tensors (``memory_report``)
+        # the process without the trainer and the module's tensors (``memory_report``);
+        # what the heap holds free is handed back first, or later allocations reusing it
+        # would count twice
+        trim_heap()
         self._runtime_bytes = resident_bytes() - storage_bytes(
             t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"
         )

@@ -30,3 +30,36 @@ def test_the_exporters_own_constructor_is_back_after_an_export():
         cached = _registration.ONNXRegistry.from_torchlib()
     assert fresh.functions.keys() == cached.functions.keys()
     assert all(len(fresh.functions[k]) == len(cached.functions[k]) for k in fresh.functions)
+
+
+def test_the_table_is_the_exporters_entry_for_entry():
+    """Made without compiling every function's IR, the table holds the exporter's own
+    entries: the same targets, and per target the same functions in the same order, with
+    the same flags."""
+    fresh = _registration.ONNXRegistry.from_torchlib()  # the exporter's, made anew
+    ours = exporter_registry._unparsed_table(_registration, fresh.opset_version)
+    assert list(ours.functions) == list(fresh.functions)
+    for target, metas in fresh.functions.items():
+        got = ours.functions[target]
+        want = [(m.onnx_function, m.is_complex, m.is_custom, m.fx_target) for m in metas]
+        assert [(m.onnx_function, m.is_complex, m.is_custom, m.fx_target) for m in got] == want
+
+
+def test_no_function_ir_is_compiled_to_make_the_table(monkeypatch):
+    """What the table saves: the exporter's constructor compiles the ONNX IR of every
+    traced torchlib function from its source (``TracedOnnxFunction.function_ir``, not
+    kept); ours none."""
+    from onnxscript._internal import values
+
+    compiled = []
+    real = values.TracedOnnxFunction.function_ir
+
+    def counting(self):
+        compiled.append(self.name)
+        return real.fget(self)
+
+    monkeypatch.setattr(values.TracedOnnxFunction, "function_ir", property(counting))
+    exporter_registry._unparsed_table(_registration, 18)
+    assert compiled == []
+    _registration.ONNXRegistry.from_torchlib()
+    assert len(compiled) > 100

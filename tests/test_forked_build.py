@@ -98,6 +98,44 @@ def test_a_child_that_dies_falls_back_to_this_process():
         assert call_forked(job, what="test job") == parent
 
 
+_STUCK_AT_FORK = """
+import os, sys, time
+import ortrain.forked as forked
+forked.START_TIMEOUT_S = 2.0
+flag = sys.argv[1]
+
+def stuck_once():  # the first child hangs inside os.fork (as CPython gh-112275 can)
+    if os.path.exists(flag):
+        os.remove(flag)
+        time.sleep(600)
+
+os.register_at_fork(after_in_child=stuck_once)
+parent = os.getpid()
+start = time.monotonic()
+pid, value = forked.call_forked(lambda: (os.getpid(), 42), what="test job")
+print(pid != parent, value, round(time.monotonic() - start))
+"""
+
+
+@pytest.mark.slow
+def test_a_child_stuck_inside_the_fork_is_forked_again(tmp_path):
+    """A child that never says it started is killed after START_TIMEOUT_S and the job
+    forked again (not waited on for the build's half hour, nor run in this process)."""
+    flag = tmp_path / "first"
+    flag.touch()
+    out = subprocess.run(
+        [sys.executable, "-c", _STUCK_AT_FORK, str(flag)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    in_child, value, seconds = out.stdout.split()
+    assert (in_child, value) == ("True", "42") and not flag.exists()
+    assert 2 <= int(seconds) < 30
+    assert "running it in this process" not in out.stderr
+
+
 def test_can_fork_respects_the_switches(monkeypatch):
     import torch
 

@@ -753,6 +753,61 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
     assert {where for _, where in handed} == {device}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_3_bucket_variable_lengths(world_of_one, monkeypatch, stage):
+    """Masked batches of many lengths under ZeRO-2 and ZeRO-3 (world size 1, gloo) are
+    padded to a few bucket lengths, as in one process: losses and parameters equal the
+    single process's cut at the same blocks on the same batches, and the segments are
+    built per bucket, not per length."""
+    import ortrain.trainer as trainer_mod
+    from ortrain.bucketing import bucket_length
+    from ortrain.distributed import make_reducer
+    from ortrain.distributed.comm import Comm
+    from tests.test_bucketing import random_lengths, varlen_batch
+
+    lengths = random_lengths(10, 3, 5, 40, seed=5)
+    batches = [varlen_batch(ls, vocab=64, seed=i) for i, ls in enumerate(lengths)]
+    base = gpt2(layers=2, hidden=32, vocab=64)
+
+    def train(reducer: bool):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with monkeypatch.context() as patch:
+            if reducer:
+                patch.setattr(
+                    trainer_mod,
+                    "join_process_group",
+                    lambda t: make_reducer(t, Comm(None, 60.0, t.device)),
+                )
+            options = TrainerOptions(
+                zero_stage=stage if reducer else 0,
+                segments="auto" if reducer else "blocks",
+                reduce_bucket_mb=0.01,
+                update_engine="graph",
+            )
+            trainer = ORTTrainer(model, opt, options)
+            losses = [trainer.train_step(**b).item() for b in batches]
+            state = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
+        return trainer, losses, state
+
+    plain, plain_losses, plain_state = train(reducer=False)
+    zero, losses, state = train(reducer=True)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5, atol=0)
+    for name, p in state.items():
+        torch.testing.assert_close(
+            p, plain_state[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    buckets = {bucket_length(max(ls)) for ls in lengths}
+    assert len({max(ls) for ls in lengths}) > len(buckets) >= 2
+    assert zero.segments is not None and plain.segments is not None
+    assert zero.segments.model.builds == plain.segments.model.builds
+    calls = {n: len(t) for n, t in zero.segments.model.runners.items()}
+    assert calls == {n: len(t) for n, t in plain.segments.model.runners.items()}
+    assert calls and max(calls.values()) <= len(buckets), calls  # a graph per bucket at most
+    assert set(zero.bucketing.verdicts) and all(v.exact for v in zero.bucketing.verdicts.values())
+
+
 # ------------------------------------------------ scripts/gpu-checks.sh and its benchmark
 def _bench():
     import importlib.util
