@@ -294,16 +294,28 @@ def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """Put these tensors' values back afterwards (a run that must leave no trace)."""
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for t in tensors:
         if id(t) not in seen:
-            seen[id(t)] = (t, t.detach().clone())
+            seen[id(t)] = (t, snapshot(t))
     try:
         yield
     finally:
         with torch.no_grad():
             for t, saved in seen.values():
-                t.copy_(saved)
+                if saved is None:
+                    t.zero_()
+                else:
+                    t.copy_(saved)
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``t``, or None where it is all zeros (a fresh optimizer's moments, zeroed
+    gradients: at a first step most of what a check puts back, which would otherwise be
+    copied whole)."""
+    if t.numel() and bool(t.detach().any()):
+        return t.detach().clone()
+    return None
 
 
 # eager's loss, its gradients by parameter name, the dropout sites skipped, seconds

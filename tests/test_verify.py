@@ -19,7 +19,7 @@ from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import VerificationError
 from ortrain.core.names import DROPOUT_SWITCH_INPUT
 from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
-from ortrain.verify import Tolerance, compare, confirm, no_dropout, restoring
+from ortrain.verify import Tolerance, compare, confirm, no_dropout, restoring, snapshot
 
 
 # ----------------------------------------------------------------------------- compare
@@ -88,6 +88,29 @@ def test_restoring_puts_values_back():
     with restoring([t, t]):
         t.mul_(5)
     assert torch.equal(t, torch.ones(3))
+
+
+def test_restoring_copies_no_tensor_of_zeros():
+    """Zeros (a fresh optimizer's moments) are put back by zeroing, not from a copy (a
+    negative zero comes back as zero); a tensor with any other value, NaN included, from
+    a copy."""
+    zeros, nan, ints, empty = (
+        torch.zeros(4),
+        torch.tensor([0.0, float("nan")]),
+        torch.zeros(3, dtype=torch.int64),
+        torch.empty(0),
+    )
+    assert snapshot(zeros) is None and snapshot(ints) is None and snapshot(empty) is None
+    kept = snapshot(nan)
+    assert kept is not None and kept.data_ptr() != nan.data_ptr()
+    with restoring([zeros, nan, ints]):
+        zeros.fill_(3.0)
+        nan.fill_(1.0)
+        ints.add_(7)
+    assert torch.equal(zeros, torch.zeros(4)) and torch.equal(
+        ints, torch.zeros(3, dtype=torch.int64)
+    )
+    assert nan[0] == 0 and nan[1].isnan()
 
 
 # ----------------------------------------------------------------------------- the switch
