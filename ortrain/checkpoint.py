@@ -37,7 +37,7 @@ from ortrain.optim.state_check import check_counters, check_optimizer_state
 from ortrain.safe_files import atomic_write
 
 if TYPE_CHECKING:
-    from ortrain.trainer import ORTTrainer
+    from ortrain.runtime.training_state import TrainingState
 
 FORMAT = "ortrain.checkpoint/1"
 PAYLOAD_KEYS = frozenset({"format", "model_class", "optimizer_kind", "state"})
@@ -48,10 +48,10 @@ _OVERHEAD_PER_TENSOR = 256
 _OVERHEAD = 16 << 10
 
 
-def index_names(trainer: ORTTrainer) -> list[str]:
+def index_names(training: TrainingState) -> list[str]:
     """Parameter names in torch's optimizer-state index order."""
-    by_id = {id(p): n for n, p in trainer.module.named_parameters()}
-    return [by_id[id(p)] for g in trainer.optimizer.param_groups for p in g["params"]]
+    by_id = {id(p): n for n, p in training.module.named_parameters()}
+    return [by_id[id(p)] for g in training.optimizer.param_groups for p in g["params"]]
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -72,34 +72,34 @@ def _clone_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def trainer_state_dict(
-    trainer: ORTTrainer, opt_state: Mapping[str, torch.Tensor] | None = None
+    training: TrainingState, opt_state: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, Any]:
-    """``opt_state``: full per-parameter optimizer state, where the trainer's is not
-    (ZeRO-1 gathers its shards); default the trainer's state's."""
-    st = trainer.state
+    """``opt_state``: full per-parameter optimizer state, where ``training``'s is not
+    (ZeRO-1 gathers its shards); default ``training.opt_state``."""
+    st = training
     opt_state = st.opt_state if opt_state is None else opt_state
-    trainer.sync_to_module()
-    model = _clone_model_state(trainer.module)
-    names = index_names(trainer)
+    st.sync_to_module()
+    model = _clone_model_state(training.module)
+    names = index_names(training)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    group_of = {n: g for g in trainer.spec.groups for n in g.params}
+    group_of = {n: g for g in training.spec.groups for n in g.params}
     for idx, name in enumerate(names):
         group = group_of.get(name)
         if group is None or st.step == 0:
             continue  # frozen, or no update yet: torch has no state either
         tensors = {
             s: opt_state[state_key(s, name)].clone()
-            for s in trainer.spec.state_names(group)
+            for s in training.spec.state_names(group)
             if state_key(s, name) in opt_state
         }
         if not tensors:
             continue
-        if trainer.spec.kind != "sgd":
+        if training.spec.kind != "sgd":
             tensors["step"] = torch.tensor(float(st.step))
         state[idx] = tensors
     groups = []
     start = 0
-    for g in trainer.optimizer.param_groups:
+    for g in training.optimizer.param_groups:
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
@@ -113,15 +113,15 @@ def trainer_state_dict(
     }
 
 
-def _check_model(trainer: ORTTrainer, model: Any) -> None:
+def _check_model(training: TrainingState, model: Any) -> None:
     if not isinstance(model, Mapping):
         raise CheckpointError(f"the state dict's 'model' is a {type(model).__name__}, not a dict")
-    own = trainer.module.state_dict()
+    own = training.module.state_dict()
     missing = sorted(set(own) - set(model))
     extra = sorted(set(model) - set(own))
     if missing or extra:
         raise CheckpointError(
-            f"checkpoint does not match {type(trainer.module).__name__}: missing {missing[:5]}, "
+            f"checkpoint does not match {type(training.module).__name__}: missing {missing[:5]}, "
             f"unexpected {extra[:5]}"
         )
     for k, v in own.items():
@@ -134,14 +134,14 @@ def _check_model(trainer: ORTTrainer, model: Any) -> None:
             )
 
 
-def _check_optimizer(trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+def _check_optimizer(training: TrainingState, state: Mapping[str, Any]) -> None:
     """The optimizer's state and ortrain's counters, against the trainer's optimizer
     (``ortrain/optim/state_check.py``)."""
-    shapes = {n: p.shape for n, p in trainer.state.params.items()}
+    shapes = {n: p.shape for n, p in training.params.items()}
     check_optimizer_state(
-        trainer.spec, trainer.optimizer, index_names(trainer), shapes, state["optimizer"]
+        training.spec, training.optimizer, index_names(training), shapes, state["optimizer"]
     )
-    st = trainer.state
+    st = training
     check_counters(state.get("ortrain", {}), st.accumulation, st.scaler is not None)
 
 
@@ -157,25 +157,25 @@ def naming(path: str | os.PathLike) -> Iterator[None]:
 
 
 def load_trainer_state_dict(
-    trainer: ORTTrainer,
+    training: TrainingState,
     state: Mapping[str, Any],
     *,
     opt_state: MutableMapping[str, torch.Tensor] | None = None,
 ) -> None:
     """``opt_state``: where the full per-parameter optimizer state goes (ZeRO-1 passes an
     empty dict and keeps its shard of it); default the trainer's state's."""
-    st = trainer.state
+    st = training
     opt_state = st.opt_state if opt_state is None else opt_state
     if not isinstance(state, Mapping) or "model" not in state or "optimizer" not in state:
         raise CheckpointError("state dict needs 'model' and 'optimizer' entries")
-    _check_model(trainer, state["model"])
-    _check_optimizer(trainer, state)
+    _check_model(training, state["model"])
+    _check_optimizer(training, state)
     opt = state["optimizer"]
-    names = index_names(trainer)
+    names = index_names(training)
     # Validated: now change things.
     with torch.no_grad():
-        trainer.module.load_state_dict(state["model"])
-        for n, b in trainer.module.named_buffers():
+        training.module.load_state_dict(state["model"])
+        for n, b in training.module.named_buffers():
             st.buffers[n].copy_(b)
         steps = [0.0]
         for idx, entry in opt["state"].items():
@@ -194,7 +194,7 @@ def load_trainer_state_dict(
         scaler_state = state.get("ortrain", {}).get("loss_scaler")
         if st.scaler is not None and scaler_state is not None:
             st.scaler.load_state_dict(scaler_state)
-        for g, saved in zip(trainer.optimizer.param_groups, opt["param_groups"]):
+        for g, saved in zip(training.optimizer.param_groups, opt["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
 
@@ -404,27 +404,27 @@ def check_keys(payload: Mapping[str, Any], required: frozenset[str], path: Path)
         )
 
 
-def save(trainer: ORTTrainer, path: str | os.PathLike) -> None:
+def save(training: TrainingState, path: str | os.PathLike) -> None:
     payload = {
         "format": FORMAT,
-        "model_class": type(trainer.module).__name__,
-        "optimizer_kind": trainer.spec.kind,
-        "state": trainer_state_dict(trainer),
+        "model_class": type(training.module).__name__,
+        "optimizer_kind": training.spec.kind,
+        "state": trainer_state_dict(training),
     }
     write_file(payload, path)
 
 
-def read(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
-    """The state dict in checkpoint file ``path``, checked against ``trainer``'s optimizer
+def read(training: TrainingState, path: str | os.PathLike) -> dict[str, Any]:
+    """The state dict in checkpoint file ``path``, checked against ``training``'s optimizer
     (a sharded checkpoint's folder: ``distributed.sharded_checkpoint.read_any``)."""
     path = Path(path)
     payload = read_file(path, PAYLOAD_KEYS)
     if payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an ortrain checkpoint ({FORMAT})")
     check_keys(payload, PAYLOAD_KEYS, path)
-    if payload["optimizer_kind"] != trainer.spec.kind:
+    if payload["optimizer_kind"] != training.spec.kind:
         raise CheckpointError(
             f"{path} holds {payload['optimizer_kind']} optimizer state, this trainer uses "
-            f"{trainer.spec.kind}"
+            f"{training.spec.kind}"
         )
     return payload["state"]

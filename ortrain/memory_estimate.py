@@ -73,7 +73,7 @@ def _states_per_param(optimizer: torch.optim.Optimizer | str) -> int:
 
 
 def _repeated_block_numel(model: torch.nn.Module) -> int:
-    from ortrain.segments.partition import repeated_blocks
+    from ortrain.segments.blocks import repeated_blocks
 
     sizes = [
         sum(p.numel() for p in model.get_submodule(n).parameters() if p.requires_grad)

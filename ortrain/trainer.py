@@ -44,23 +44,19 @@ from ortrain.core.errors import (
     first_line,
 )
 from ortrain.core.names import (
-    IN_BACKWARD_STATES,
     GradientError,
     UpdateInBackwardError,
-    state_key,
 )
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.core.roles import Role
-from ortrain.distributed import Reducer, join_process_group, sharded_checkpoint
+from ortrain.distributed import join_process_group, sharded_checkpoint
 from ortrain.export import (
     LossFn,
-    call_arguments,
-    find_loss,
     normalize_batch,
-    other_outputs,
     var_positional_keys,
     warn_sdpa,
 )
+from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
 from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
@@ -83,6 +79,7 @@ from ortrain.runtime.training_state import TrainingState
 from ortrain.runtime.update_engines import (
     EngineEnv,
     EngineFacts,
+    Reducer,
     UpdateEngine,
     choose_engine,
     make_engine,
@@ -91,11 +88,7 @@ from ortrain.segments.training import SegmentedTraining
 from ortrain.verify import (
     EagerStep,
     Tolerance,
-    as_float64,
     compare,
-    eager_loss_and_grads,
-    graph_step_mismatches,
-    in_mode,
     report,
 )
 
@@ -220,6 +213,7 @@ class ORTTrainer:
             model,
             self.spec,
             self.device,
+            optimizer=optimizer,
             scaler=None if ls is None else LossScaler.from_option(ls),
             max_grad_norm=self.options.max_grad_norm,
             accumulation=self.options.grad_accumulation_steps,
@@ -240,7 +234,7 @@ class ORTTrainer:
             self._graph_dir.mkdir(parents=True, exist_ok=True)
         # torch.distributed (torchrun): data parallel or ZeRO-1 (ortrain.distributed);
         # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
-        self._reducer: Reducer | None = join_process_group(self)
+        self._reducer: Reducer | None = join_process_group(self.state, self.options)
         # The model as compiled segments inside eager PyTorch, once it cannot be one graph
         # (ortrain/segments); None while the whole model is one training graph.
         self._segments: SegmentedTraining | None = None
@@ -253,7 +247,13 @@ class ORTTrainer:
         # every training Dropout's training_mode (prepare/dropout_switch.py): off only while
         # a first step is checked against eager; on the host, where ONNX Runtime reads it
         self._dropout_on = torch.ones((), dtype=torch.bool)
-        self.verify_seconds = 0.0  # first-step checks against eager (ortrain/verify.py)
+        # eager PyTorch beside the graphs: first-step checks, eager evaluation
+        mp = self.options.mixed_precision
+        comm = getattr(self._reducer, "comm", None)  # every rank takes the same way
+        any_rank = bool if comm is None else comm.any
+        self._eager = EagerSide(
+            model, loss_fn, self.device, Tolerance.of(mp), exact=mp is None, any_rank=any_rank
+        )
         self._eager_eval: set[tuple] = set()  # eval signatures whose graph disagreed
         # What runs the optimizer update (runtime/update_engines.py), chosen in one place:
         # here (an engine the options ask for and these facts cannot run fails now), and
@@ -664,162 +664,46 @@ class ORTTrainer:
         return loss
 
     # ------------------------------------------------------------------ checks, fallback
-    def _on_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """``batch`` with its tensors where the module is: eager PyTorch (the checks, the
-        segments, eager evaluation) does not move a host batch as the graphs' binding does."""
-        return {
-            k: v.to(self.device, non_blocking=True)
-            if isinstance(v, torch.Tensor) and v.device != self.device
-            else v
-            for k, v in batch.items()
-        }
-
-    def _loss_of(self, batch: Mapping[str, Any], module: torch.nn.Module) -> torch.Tensor:
-        """Eager PyTorch's loss of ``batch`` through ``module`` (the trainer's, or a float64
-        copy of it: the batch's floating tensors follow its dtype)."""
-        batch = self._on_device(batch)
-        if any(p.dtype == torch.float64 for p in module.parameters()):
-            batch = as_float64(batch)
-        args, kwargs = call_arguments(module, batch)
-        with in_mode(module, True):  # what the training graph computes
-            out = module(*args, **kwargs)
-            return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
-
     def _early_reference(self, batch: dict[str, Any]) -> EagerStep | None:
-        """Eager's step on ``batch`` for the first-step check, taken before this signature's
-        first graph is built, in a forked child where the process can fork (as the builds):
-        an eager step's activations would otherwise set the training process's peak (the
-        graph's is lower), and the memory a process frees stays with it. The child runs on
-        one thread (OpenMP's team does not survive a fork). None where no new graph is due
-        or eager fails on the batch (the check then runs after the build, in this process,
-        where errors are named as before)."""
+        """Eager's step on ``batch`` for the first-step check where this signature's first
+        graph is due (``first_step.EagerSide.early_reference``); else None."""
         sig = _signature(batch)
         if not self.options.verify or any(s == sig for s, _ in self._train):
             return None
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
-
-        def step() -> EagerStep:
-            return eager_loss_and_grads(
-                lambda: self._loss_of(batch, self.module), self.module, names
-            )
-
-        try:
-            if can_fork([*self.module.parameters(), *self.module.buffers()]):
-                return call_forked(step, what="the first step's eager check")
-            return step()
-        except Exception:
-            return None
+        return self._eager.early_reference(batch)
 
     def _checks_out(
         self, compiled: _Compiled, batch: dict[str, Any], reference: EagerStep | None = None
     ) -> bool:
-        """The graph's first step against eager (``ortrain/verify.py``), its batch bound.
-        True: it agrees. False: a cached graph disagrees (build it again). A graph built
-        here that disagrees raises: ``_NotOneGraph`` (fallback "auto") or
+        """The graph's first step against eager (``ortrain/first_step.py``), its batch
+        bound. True: it agrees. False: a cached graph disagrees (build it again). A graph
+        built here that disagrees raises: ``_NotOneGraph`` (fallback "auto") or
         ``VerificationError``."""
-        if self._draws_randomly(compiled):
-            return True
-        st = self.state
-        names = list(st.grad_params or [])
-        # at loss scale 1: a dynamic scale's first steps may overflow, which is no mismatch
-        written = [st.loss_scale, *compiled.session.written_in_place().values()]
-        if self._engine.in_backward:
-            # the update with lr 0 and beta1 0 leaves the parameters and writes each
-            # gradient into exp_avg; every moment is put back afterwards
-            hyper = self._engine.hyper  # type: ignore[attr-defined]
-            written += hyper
-            moments = [st.opt_state[state_key(s, p)] for p in names for s in IN_BACKWARD_STATES]
-            written += [st.params[p] for p in names] + moments
-            grads = {p: st.opt_state[state_key("exp_avg", p)] for p in names}
-        else:
-            written += [st.grads[p] for p in names]
-            grads = {p: st.grads[p] for p in names}
-
-        def run() -> None:  # inside the check: what it changes is put back after
-            st.loss_scale.fill_(1.0)
-            if self._engine.in_backward:
-                for t in hyper:
-                    t[0] = 0.0  # lr
-                    t[1] = 0.0  # beta1
-                    t[4] = 0.0  # weight decay
-            else:
-                for g in grads.values():
-                    g.zero_()
-            compiled.session.run()
-
-        def read() -> dict[str, torch.Tensor]:
-            return grads
-
-        bad, sites, seconds = graph_step_mismatches(
-            lambda module: self._loss_of(batch, module),
-            self.module,
-            run,
-            names,
-            read,
-            written,
+        compiled.unchecked = self._eager.unchecked(compiled.graph)
+        bad = compiled.unchecked or self._eager.check(
+            compiled.graph,
+            compiled.session,
+            batch,
+            self.state,
+            self._engine,
             self._dropout_on,
-            Tolerance.of(self.options.mixed_precision),
-            st.loss,
-            exact=self.options.mixed_precision is None,
-            reference=reference,
+            reference,
         )
-        self.verify_seconds += seconds
-        if self._reducer is not None:  # every rank takes the same way
-            disagree = self._reducer.comm.any(bool(bad))  # type: ignore[attr-defined]
-        else:
-            disagree = bool(bad)
-        if not disagree:
+        if compiled.unchecked or not bad:
             compiled.verified = True
-            self._warn_lost_dropout(compiled, sites)
             return True
         self._train = {k: c for k, c in self._train.items() if c is not compiled}
-        self._forwards = {k: f for k, f in self._forwards.items() if k[0] != _signature(batch)}
         self._forwards.pop(_signature(batch), None)
         if compiled.cache_hit:
             return False
-        what = f"{type(self.module).__name__}'s training graph"
         hint = (
             "The exporter or a gradient rule changed what the model computes; "
             "fallback='auto' trains such a model as compiled segments and eager PyTorch"
         )
-        if not bad:
-            bad_text = "another rank's first step disagrees with eager"
-        else:
-            from ortrain.verify import module_of
-
-            bad_text = report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3)
         if self.options.fallback == "off":
-            raise VerificationError(f"{bad_text}. {hint}")
-        cause = f"its first step disagrees with eager: {bad_text}"
-        raise _NotOneGraph(cause, VerificationError(f"{bad_text}. {hint}"))
-
-    def _draws_randomly(self, compiled: _Compiled) -> bool:
-        """A graph that draws random numbers besides its switchable Dropouts (RReLU's
-        slopes, a noise layer) cannot be compared with eager, which draws others: it is
-        trusted, with a warning."""
-        drawn = sorted({op for op, _ in compiled.graph.random_ops if op != "Dropout"})
-        if not drawn:
-            return False
-        compiled.verified = True
-        compiled.unchecked = f"it draws random numbers ({', '.join(drawn)})"
-        warnings.warn(
-            f"ortrain: {type(self.module).__name__}'s training graph is not checked against "
-            f"eager: {compiled.unchecked}, which eager draws otherwise",
-            stacklevel=5,
-        )
-        return True
-
-    def _warn_lost_dropout(self, compiled: _Compiled, eager_sites: int) -> None:
-        if not eager_sites:
-            return
-        drawn = len([n for n in compiled.graph.random_ops if n[0] == "Dropout"])
-        if drawn < eager_sites:
-            warnings.warn(
-                f"ortrain: {type(self.module).__name__} draws dropout at {eager_sites} place(s) "
-                f"in eager and its training graph at {drawn}: the export dropped some (the "
-                "first step was checked without dropout, so only the randomness differs)",
-                stacklevel=5,
-            )
+            raise VerificationError(f"{bad}. {hint}")
+        cause = f"its first step disagrees with eager: {bad}"
+        raise _NotOneGraph(cause, VerificationError(f"{bad}. {hint}"))
 
     def _start_segments(self, cause: str, blocks: bool = False) -> None:
         """From now on the model trains as compiled segments inside eager PyTorch (cut at
@@ -862,7 +746,7 @@ class ORTTrainer:
             st.loss_scale.fill_(scale)
         try:
             with collecting() if collecting is not None else contextlib.nullcontext():
-                loss = self._segments.forward_backward(self._on_device(batch), scale)
+                loss = self._segments.forward_backward(self._eager.on_device(batch), scale)
         except Exception:
             self.micro_step = 0  # the window starts over (its sums are incomplete)
             raise
@@ -976,6 +860,11 @@ class ORTTrainer:
             self._apply_update()
 
     @property
+    def verify_seconds(self) -> float:
+        """Seconds the first-step checks against eager took (``ortrain/first_step.py``)."""
+        return self._eager.seconds
+
+    @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (before clipping) of the last update; None without clipping."""
         return float(self.state.grad_norm) if self.options.max_grad_norm is not None else None
@@ -1067,10 +956,10 @@ class ORTTrainer:
         materialized = getattr(self._reducer, "materialized", None)
         if materialized is not None:  # ZeRO-3: eager, its parameters gathered meanwhile
             with materialized():
-                return StepOutputs(padded.cut(self._eager_outputs(batch)))
+                return StepOutputs(padded.cut(self._eager.outputs(batch)))
         sig = _signature(batch)
         if sig in self._eager_eval:
-            return StepOutputs(padded.cut(self._eager_outputs(batch)))
+            return StepOutputs(padded.cut(self._eager.outputs(batch)))
         with self._on_stream():
             try:
                 compiled = self._compiled(batch, train=False)
@@ -1078,7 +967,7 @@ class ORTTrainer:
                 if self.options.fallback == "off":
                     raise
                 self._eval_in_eager(sig, f"{type(exc).__name__}: {first_line(exc)}")
-                return StepOutputs(padded.cut(self._eager_outputs(batch)))
+                return StepOutputs(padded.cut(self._eager.outputs(batch)))
             check_batch(compiled.graph.index_checks, batch)
             if compiled.graph.computed_indices is not None:
                 compiled.graph.computed_indices.check(batch)
@@ -1094,7 +983,7 @@ class ORTTrainer:
             k: torch.from_numpy(v.numpy()).clone() for k, v in zip(compiled.output_keys, values)
         }
         if self.options.verify and not compiled.verified:
-            want = self._eager_outputs(batch)
+            want = self._eager.outputs(batch)
             bad = compare(outputs, want, Tolerance.of(self.options.mixed_precision).loss)
             if bad and compiled.graph.from_training_export:
                 # the model computes otherwise in evaluation mode (BatchNorm's running
@@ -1119,19 +1008,6 @@ class ORTTrainer:
             stacklevel=4,
         )
 
-    def _eager_outputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """What an evaluation graph returns, from eager PyTorch in eval mode."""
-        was = self.module.training
-        self.module.eval()
-        try:
-            args, kwargs = call_arguments(self.module, self._on_device(batch))
-            out = self.module(*args, **kwargs)
-            loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
-        finally:
-            self.module.train(was)
-        found = {"loss": loss, **dict(other_outputs(out))}
-        return {k: v.detach().to("cpu", copy=True) for k, v in found.items()}
-
     # ------------------------------------------------------------------ state
     @torch.no_grad()
     @contextlib.contextmanager
@@ -1146,35 +1022,29 @@ class ORTTrainer:
 
     def sync_to_module(self) -> torch.nn.Module:
         """Copy trained weights into the module (a no-op where memory is shared)."""
-        for n, p in self.module.named_parameters():
-            if p.data.data_ptr() != self.params[n].data_ptr():
-                p.data.copy_(self.params[n])
-        for n, b in self.module.named_buffers():
-            if b.data_ptr() != self.buffers[n].data_ptr():
-                b.copy_(self.buffers[n])
-        return self.module
+        return self.state.sync_to_module()
 
     # Distributed: collectives (every rank calls them). ZeRO-1's state_dict() is the full
     # one on rank 0 and {} elsewhere; its checkpoints are directories of shards.
     def state_dict(self) -> dict[str, Any]:
         if self._reducer is not None:
-            return self._reducer.state_dict(self)
-        return checkpoint.trainer_state_dict(self)
+            return self._reducer.state_dict(self.state)
+        return checkpoint.trainer_state_dict(self.state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self._reducer is not None:
-            return self._reducer.load_state_dict(self, state)
-        checkpoint.load_trainer_state_dict(self, state)
+            return self._reducer.load_state_dict(self.state, state)
+        checkpoint.load_trainer_state_dict(self.state, state)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         if self._reducer is not None:
-            return self._reducer.save_checkpoint(self, path)
-        checkpoint.save(self, path)
+            return self._reducer.save_checkpoint(self.state, path)
+        checkpoint.save(self.state, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         if self._reducer is not None:
-            return self._reducer.load_checkpoint(self, path)
-        sharded_checkpoint.load_any(self, path)
+            return self._reducer.load_checkpoint(self.state, path)
+        sharded_checkpoint.load_any(self.state, path)
 
 
 def _from_onnxruntime(exc: BaseException) -> bool:

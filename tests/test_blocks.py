@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.segments.partition import repeated_blocks
+from ortrain.segments.blocks import repeated_blocks
 
 
 class _Residual(torch.nn.Module):

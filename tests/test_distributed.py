@@ -25,9 +25,9 @@ from ortrain import TrainerOptions, UnsupportedOptimizerError
 from ortrain.checkpoint import index_names
 from ortrain.core.roles import Role
 from ortrain.distributed.health import RankHealth
-from ortrain.distributed.layout import FlatLayout
 from ortrain.optim import Lamb
 from ortrain.optim.from_torch import optimizer_spec
+from ortrain.runtime.flat_layout import FlatLayout
 from tests.dist_worker import (
     ACCUM,
     CLIP,
@@ -256,7 +256,7 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
     # the consolidated state dict: the single process's, moments included
     ours, ref = torch.load(tmp_path / f"{tag}_state.pt"), blocks.state_dict()
     assert ours["ortrain"] == ref["ortrain"] == {"step": STEPS, "micro_step": 0}
-    names = index_names(blocks)
+    names = index_names(blocks.state)
     for idx, entry in ref["optimizer"]["state"].items():
         for s, t in entry.items():
             mine = ours["optimizer"]["state"][idx][s]
@@ -326,7 +326,7 @@ def test_zero1_consolidated_state_dict_equals_single_process(trained, reference)
             drop_key_bias(k, v, ref_trainer.module),
             k,
         )
-    names = index_names(ref_trainer)
+    names = index_names(ref_trainer.state)
     assert sorted(ours["optimizer"]["state"]) == sorted(ref["optimizer"]["state"])
     for idx, entry in ref["optimizer"]["state"].items():
         assert sorted(ours["optimizer"]["state"][idx]) == sorted(entry)

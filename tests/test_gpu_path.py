@@ -626,7 +626,7 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
             monkeypatch.setattr(
                 trainer_mod,
                 "join_process_group",
-                lambda t: make_reducer(t, Comm(None, 60.0, t.device)),
+                lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
             )
         trainer = ORTTrainer(model, opt, TrainerOptions(**opts))
         read, steps = TrainerGradients(trainer), []
@@ -721,7 +721,7 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
             monkeypatch.setattr(
                 trainer_mod,
                 "join_process_group",
-                lambda t: make_reducer(t, Comm(None, 60.0, t.device)),
+                lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
             )
         options = TrainerOptions(
             device=device,
@@ -778,7 +778,7 @@ def test_zero2_and_3_bucket_variable_lengths(world_of_one, monkeypatch, stage):
                 patch.setattr(
                     trainer_mod,
                     "join_process_group",
-                    lambda t: make_reducer(t, Comm(None, 60.0, t.device)),
+                    lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
                 )
             options = TrainerOptions(
                 zero_stage=stage if reducer else 0,

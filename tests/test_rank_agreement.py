@@ -27,7 +27,7 @@ from ortrain import ORTTrainer, TrainerOptions
 from ortrain.distributed.fingerprint import (
     RankMismatchError,
     first_difference,
-    trainer_fields,
+    run_fields,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,19 +217,23 @@ def test_first_difference_in_rank0_order_then_missing_fields():
     assert first_difference([r0, r0[:1]]) == ("b", ["2", "<absent>"], [1])
 
 
+def _fields(trainer: ORTTrainer) -> list[tuple[str, str]]:
+    return run_fields(trainer.state, trainer.options)
+
+
 def test_fields_hold_shapes_optimizer_and_options():
     torch.manual_seed(0)
-    a = trainer_fields(_trainer(torch.nn.Linear(4, 6, bias=False)))
-    b = trainer_fields(_trainer(torch.nn.Linear(6, 4, bias=False)))
+    a = _fields(_trainer(torch.nn.Linear(4, 6, bias=False)))
+    b = _fields(_trainer(torch.nn.Linear(6, 4, bias=False)))
     assert first_difference([a, b])[0] == "parameter weight"
-    c = trainer_fields(_trainer(torch.nn.Linear(4, 6, bias=False), grad_accumulation_steps=2))
+    c = _fields(_trainer(torch.nn.Linear(4, 6, bias=False), grad_accumulation_steps=2))
     assert first_difference([a, c])[:2] == (
         "TrainerOptions.grad_accumulation_steps",
         ["1", "2"],
     )
     model = torch.nn.Linear(4, 6, bias=False)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
-    d = trainer_fields(ORTTrainer(model, opt, TrainerOptions(graph_cache=False)))
+    d = _fields(ORTTrainer(model, opt, TrainerOptions(graph_cache=False)))
     assert first_difference([a, d])[:2] == ("optimizer group 0 lr", ["0.001", "0.0005"])
 
 

@@ -91,7 +91,9 @@ def world_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     monkeypatch.setattr(
-        trainer_mod, "join_process_group", lambda t: make_reducer(t, Comm(None, 60.0, t.device))
+        trainer_mod,
+        "join_process_group",
+        lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
     )
     yield
     dist.destroy_process_group()

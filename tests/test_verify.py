@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import VerificationError
 from ortrain.core.names import DROPOUT_SWITCH_INPUT
+from ortrain.first_step import EagerSide
 from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
 from ortrain.verify import Tolerance, compare, confirm, no_dropout, restoring, snapshot
 
@@ -481,15 +482,16 @@ def test_recurrent_inter_layer_dropout_is_off_in_the_check():
         assert mode.sites == 2 and torch.equal(a, m(x)[0]), cls.__name__
 
 
-def test_eager_runs_get_the_batch_on_the_modules_device(monkeypatch):
+def test_eager_runs_get_the_batch_on_the_modules_device():
     """The graphs' binding copies a host batch to the device; the eager runs (the check,
     segments, eager evaluation) must too: on an H200 every first-step check of a host
     batch stopped with 'index is on cpu' before this."""
     model = torch.nn.Linear(3, 2)
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    monkeypatch.setattr(trainer, "device", torch.device("meta"))
+    assert trainer._eager.device == trainer.device
+    eager = EagerSide(model, None, torch.device("meta"), Tolerance.of(None), exact=True)
     batch = {"input": torch.ones(2, 3), "ids": torch.tensor([1, 2]), "flag": True}
-    moved = trainer._on_device(batch)
+    moved = eager.on_device(batch)
     assert {k: v.device.type for k, v in moved.items() if torch.is_tensor(v)} == {
         "input": "meta",
         "ids": "meta",
@@ -501,6 +503,7 @@ def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatc
     """An eager step's activations would set the training process's peak memory (the
     graph's is lower): the check takes eager's step in a forked child, once per new
     signature, before the graph is built."""
+    import ortrain.first_step as first_step_mod
     import ortrain.trainer as trainer_mod
 
     calls: list[str] = []
@@ -510,7 +513,8 @@ def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatc
         calls.append(what)
         return real(job, what=what)
 
-    monkeypatch.setattr(trainer_mod, "call_forked", recording)
+    monkeypatch.setattr(trainer_mod, "call_forked", recording)  # the builds
+    monkeypatch.setattr(first_step_mod, "call_forked", recording)  # the eager steps
     monkeypatch.delenv("ORTRAIN_BUILD_IN_PROCESS", raising=False)
     monkeypatch.delenv("ORTRAIN_EXPORT_IN_PROCESS", raising=False)
     torch.manual_seed(0)

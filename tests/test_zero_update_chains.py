@@ -11,10 +11,10 @@ import onnxruntime as ort
 import pytest
 
 from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
-from ortrain.distributed.layout import UPDATE_CHAIN_NUMEL, FlatLayout
 from ortrain.distributed.sharded_state import _chunked_spec, _chunks
 from ortrain.graph_passes.infra.serialize import serialize_for_ort
 from ortrain.graph_passes.training.zero import build_shard_update_graph
+from ortrain.runtime.flat_layout import UPDATE_CHAIN_NUMEL, FlatLayout
 
 N = UPDATE_CHAIN_NUMEL
 

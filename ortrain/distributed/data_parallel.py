@@ -19,12 +19,11 @@ from ortrain import checkpoint
 from ortrain.core.errors import CheckpointError
 from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
-from ortrain.distributed.layout import FlatLayout
+from ortrain.runtime.flat_layout import FlatLayout
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
     from ortrain.runtime.update_engines import GraphUpdate
-    from ortrain.trainer import ORTTrainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +35,9 @@ class DataParallelConfig:
 class DataParallel:
     """Stage 0 (a ``Reducer``): flat gradients, bucketed all-reduce, local state."""
 
-    def __init__(self, trainer: ORTTrainer, comm: Comm, config: DataParallelConfig | None = None):
+    def __init__(
+        self, training: TrainingState, comm: Comm, config: DataParallelConfig | None = None
+    ):
         self.comm = comm
         self.config = config or DataParallelConfig()
         self.world_size = comm.world_size
@@ -44,7 +45,7 @@ class DataParallel:
         self.buckets: list[torch.Tensor] = []
         self._grads: Mapping[str, torch.Tensor] = {}
         # Replicas start equal whatever each rank's seed was (as DDP does).
-        state = trainer.state
+        state = training
         comm.broadcast_tensors([*state.params.values(), *state.buffers.values()])
 
     def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
@@ -67,21 +68,21 @@ class DataParallel:
         run_update()
 
     # Every rank holds the same state: state dicts are local, rank 0 writes checkpoints.
-    def state_dict(self, trainer: ORTTrainer) -> dict[str, Any]:
-        return checkpoint.trainer_state_dict(trainer)
+    def state_dict(self, training: TrainingState) -> dict[str, Any]:
+        return checkpoint.trainer_state_dict(training)
 
-    def load_state_dict(self, trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
-        checkpoint.load_trainer_state_dict(trainer, state)
+    def load_state_dict(self, training: TrainingState, state: Mapping[str, Any]) -> None:
+        checkpoint.load_trainer_state_dict(training, state)
 
-    def save_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
         error: Exception | None = None
         if self.comm.rank == 0:
             try:
-                checkpoint.save(trainer, path)
+                checkpoint.save(training, path)
             except Exception as exc:
                 error = exc
         if self.comm.any(error is not None):  # every rank learns whether it was written
             raise CheckpointError(f"rank 0 could not write the checkpoint {path}") from error
 
-    def load_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
-        sharded_checkpoint.load_any(trainer, path)
+    def load_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
+        sharded_checkpoint.load_any(training, path)

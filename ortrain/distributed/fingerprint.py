@@ -35,7 +35,8 @@ from ortrain.optim.from_torch import group_values
 if TYPE_CHECKING:
     from ortrain.build import BuiltGraph
     from ortrain.distributed.comm import Comm
-    from ortrain.trainer import ORTTrainer
+    from ortrain.options import TrainerOptions
+    from ortrain.runtime.training_state import TrainingState
 
 Fields = list[tuple[str, str]]
 # what changes the numbers the ranks exchange, or whether a rank stops or skips a step
@@ -79,22 +80,21 @@ def _number(v: Any) -> str:
     return repr(v)
 
 
-def trainer_fields(trainer: ORTTrainer) -> Fields:
-    """The model, optimizer and options of ``trainer``, as (field, value) pairs."""
+def run_fields(training: TrainingState, options: TrainerOptions) -> Fields:
+    """The model and optimizer of ``training``, and ``options``, as (field, value) pairs."""
     fields: Fields = []
-    for name, p in sorted(trainer.module.named_parameters()):
+    for name, p in sorted(training.module.named_parameters()):
         fields.append((f"parameter {name}", f"{_tensor(p)} requires_grad={p.requires_grad}"))
-    for name, b in sorted(trainer.module.named_buffers()):
+    for name, b in sorted(training.module.named_buffers()):
         fields.append((f"buffer {name}", _tensor(b)))
-    spec = trainer.spec
+    spec = training.spec
     fields.append(("optimizer", spec.kind))
-    values = group_values(trainer.optimizer, spec)
+    values = group_values(training.optimizer, spec)
     for gi, (group, hyper) in enumerate(zip(spec.groups, values, strict=True)):
         fields.append((f"optimizer group {gi} parameters", ", ".join(group.params)))
         flags = f"nesterov={group.nesterov} momentum={group.momentum}"
         fields.append((f"optimizer group {gi} flags", f"{flags} bias={group.bias_correction}"))
         fields += [(f"optimizer group {gi} {h}", _number(v)) for h, v in sorted(hyper.items())]
-    options = trainer.options
     for name in AGREED_OPTIONS:
         fields.append((f"TrainerOptions.{name}", _number(getattr(options, name))))
     scaling = options.resolved_loss_scale
@@ -190,9 +190,9 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def agree_on_start(trainer: ORTTrainer, comm: Comm) -> None:
+def agree_on_start(training: TrainingState, options: TrainerOptions, comm: Comm) -> None:
     """Before the first collective that moves the model: model, optimizer, options."""
-    agree(comm, trainer_fields(trainer), "models, optimizers or options")
+    agree(comm, run_fields(training, options), "models, optimizers or options")
 
 
 def agree_on_graph(comm: Comm, built: BuiltGraph, grad_params: Sequence[str]) -> None:

@@ -22,19 +22,21 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ortrain import checkpoint
 from ortrain.core.errors import CheckpointError
-from ortrain.distributed.layout import FlatLayout
+from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.safe_files import atomic_write
 
 if TYPE_CHECKING:
-    from ortrain.distributed.sharded_state import ShardedState
-    from ortrain.trainer import ORTTrainer
+    from ortrain.distributed.comm import Comm
+    from ortrain.distributed.shard_config import ShardConfig
+    from ortrain.runtime.training_state import TrainingState
 
 FORMAT = "ortrain.sharded-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -49,6 +51,23 @@ MANIFEST_KEYS = frozenset(
     {"format", "optimizer_kind", "world_size", "step", "layout", "state_names"}
     | {"index_names", "state_of", "model", "shards"}
 )
+
+
+class ShardedState(Protocol):
+    """What a sharded checkpoint reads and loads of a ZeRO reducer
+    (``sharded_state.ShardedState`` and its subclasses)."""
+
+    comm: Comm
+    config: ShardConfig
+    world_size: int
+    state: dict[str, torch.Tensor]  # this rank's shard of each optimizer-state buffer
+    stateful: set[str]  # parameters with optimizer state
+
+    def load_state_dict(self, training: TrainingState, state: Mapping[str, Any]) -> None: ...
+
+    def load_shards(
+        self, training: TrainingState, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+    ) -> None: ...
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
@@ -75,7 +94,7 @@ def _remove(files: list[Path]) -> None:
             pass
 
 
-def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) -> None:
+def save(training: TrainingState, sharded: ShardedState, path: str | os.PathLike) -> None:
     """Collective: every rank writes its shard, then rank 0 the manifest."""
     comm, cfg = sharded.comm, sharded.config
     path = Path(path)
@@ -89,7 +108,7 @@ def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
         path.mkdir(parents=True, exist_ok=True)
         checkpoint.write_file({"rank": cfg.rank, "state": dict(sharded.state)}, written[0])
         if comm.rank == 0:
-            checkpoint.write_file(checkpoint.trainer_state_dict(trainer, opt_state={}), written[1])
+            checkpoint.write_file(checkpoint.trainer_state_dict(training, opt_state={}), written[1])
     except Exception as exc:
         error = exc
     if comm.any(error is not None):
@@ -101,7 +120,7 @@ def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
     committed = False
     if comm.rank == 0:
         try:
-            manifest = _manifest(trainer, sharded, model, shards)
+            manifest = _manifest(training, sharded, model, shards)
             manifest["sha256"] = _digest(manifest)
             text = json.dumps(manifest, indent=1).encode()
             # the commit point of the save (a new temporary file renamed over the manifest)
@@ -119,28 +138,30 @@ def save(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
         raise CheckpointError(f"rank 0 could not write the manifest of {path}: {error}")
 
 
-def _manifest(trainer: ORTTrainer, sharded: ShardedState, model: str, shards: list[str]) -> dict:
-    spec, stateful = trainer.spec, sharded.stateful
+def _manifest(
+    training: TrainingState, sharded: ShardedState, model: str, shards: list[str]
+) -> dict:
+    spec, stateful = training.spec, sharded.stateful
     state_of = {}
-    if trainer.step > 0:  # torch keeps no state before the first step either
+    if training.step > 0:  # torch keeps no state before the first step either
         for g in spec.groups:
             state_of.update({p: list(spec.state_names(g)) for p in g.params if p in stateful})
     return {
         "format": FORMAT,
-        "model_class": type(trainer.module).__name__,
+        "model_class": type(training.module).__name__,
         "optimizer_kind": spec.kind,
         "world_size": sharded.world_size,
-        "step": trainer.step,
+        "step": training.step,
         "layout": sharded.config.layout.to_json(),
         "state_names": list(sharded.config.state_names),
-        "index_names": checkpoint.index_names(trainer),
+        "index_names": checkpoint.index_names(training),
         "state_of": state_of,
         "model": model,
         "shards": shards,
     }
 
 
-def read_manifest(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(training: TrainingState, path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -160,10 +181,10 @@ def read_manifest(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any
             f"sharded checkpoint {path} is damaged: {MANIFEST} fails its checksum"
         )
     checkpoint.check_keys(manifest, MANIFEST_KEYS, path / MANIFEST)
-    if manifest["optimizer_kind"] != trainer.spec.kind:
+    if manifest["optimizer_kind"] != training.spec.kind:
         raise CheckpointError(
             f"{path} holds {manifest['optimizer_kind']} optimizer state, this trainer uses "
-            f"{trainer.spec.kind}"
+            f"{training.spec.kind}"
         )
     return manifest
 
@@ -187,38 +208,38 @@ def consolidate(path: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, 
     return state
 
 
-def read_consolidated(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
-    return consolidate(path, read_manifest(trainer, path))
+def read_consolidated(training: TrainingState, path: str | os.PathLike) -> dict[str, Any]:
+    return consolidate(path, read_manifest(training, path))
 
 
-def read_any(trainer: ORTTrainer, path: str | os.PathLike) -> dict[str, Any]:
+def read_any(training: TrainingState, path: str | os.PathLike) -> dict[str, Any]:
     """The full state dict in a checkpoint of either kind: a file, or a sharded folder
     (consolidated: any world size, a single process included, reads it)."""
     if is_sharded(Path(path)):
-        return read_consolidated(trainer, path)
-    return checkpoint.read(trainer, path)
+        return read_consolidated(training, path)
+    return checkpoint.read(training, path)
 
 
-def load_any(trainer: ORTTrainer, path: str | os.PathLike) -> None:
-    state = read_any(trainer, path)
+def load_any(training: TrainingState, path: str | os.PathLike) -> None:
+    state = read_any(training, path)
     with checkpoint.naming(path):
-        checkpoint.load_trainer_state_dict(trainer, state)
+        checkpoint.load_trainer_state_dict(training, state)
 
 
-def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) -> None:
+def load(training: TrainingState, sharded: ShardedState, path: str | os.PathLike) -> None:
     """Load a sharded checkpoint (own shard only when the layout matches) or an ordinary
     checkpoint file (re-sharded)."""
     path = Path(path)
     if not is_sharded(path):
-        state = checkpoint.read(trainer, path)
+        state = checkpoint.read(training, path)
         with checkpoint.naming(path):
-            sharded.load_state_dict(trainer, state)
+            sharded.load_state_dict(training, state)
         return
-    manifest = read_manifest(trainer, path)
+    manifest = read_manifest(training, path)
     if FlatLayout.from_json(manifest["layout"]) != sharded.config.layout:
         state = consolidate(path, manifest)  # another world size
         with checkpoint.naming(path):
-            sharded.load_state_dict(trainer, state)
+            sharded.load_state_dict(training, state)
         return
     shard = _load(path / manifest["shards"][sharded.config.rank], SHARD_KEYS)
     n = sharded.config.layout.shard_numel
@@ -227,4 +248,4 @@ def load(trainer: ORTTrainer, sharded: ShardedState, path: str | os.PathLike) ->
             raise CheckpointError(f"{manifest['shards'][sharded.config.rank]}: no {n}-element {s}")
     base = _load(path / manifest["model"], MODEL_KEYS)
     with checkpoint.naming(path):
-        sharded.load_shards(trainer, base, shard["state"], set(manifest["state_of"]))
+        sharded.load_shards(training, base, shard["state"], set(manifest["state_of"]))

@@ -34,14 +34,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ortrain.distributed.comm import Comm
-from ortrain.distributed.layout import FlatLayout
 from ortrain.distributed.sharded_state import ShardedState
+from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
     from ortrain.runtime.update_engines import GraphUpdate
-    from ortrain.trainer import ORTTrainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +73,8 @@ class ShardedGradients(ShardedState):
 
     takes_grads = True  # the trainer leaves ``.grad`` to it (``collecting``)
 
-    def __init__(self, trainer: ORTTrainer, comm: Comm, bucket_numel: int):
-        super().__init__(trainer, comm)
+    def __init__(self, training: TrainingState, comm: Comm, bucket_numel: int):
+        super().__init__(training, comm)
         layout = self.config.layout
         self.buckets = make_buckets(layout, bucket_numel)
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
@@ -90,7 +89,7 @@ class ShardedGradients(ShardedState):
         self.reached: set[str] = set()  # parameters with a gradient in this micro-step
         self.peak_open_numel = 0  # most bucket elements held at once so far
         self.reduce_seconds = 0.0  # waited on bucket reduces so far (a benchmark's figure)
-        params = dict(trainer.module.named_parameters())
+        params = dict(training.module.named_parameters())
         self._hooks = [
             params[n].register_post_accumulate_grad_hook(self._arrival(n)) for n in layout.names
         ]
@@ -110,7 +109,7 @@ class ShardedGradients(ShardedState):
         return shard
 
     def _adopt_grads(self, state: TrainingState) -> None:
-        pass  # the update graph reads the shard; ``trainer.grads`` stays empty
+        pass  # the update graph reads the shard; ``training.grads`` stays empty
 
     def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
         bound = super().prepare_update(state, engine)

@@ -35,17 +35,17 @@ from ortrain.distributed.sharded_grads import ShardedGradients
 from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
-    from ortrain.trainer import ORTTrainer
+    from ortrain.runtime.training_state import TrainingState
 
 
 class ShardedParams(ShardedGradients):
     """ZeRO-3 (a ``Reducer`` and the segments' ``ParamHome``)."""
 
-    def __init__(self, trainer: ORTTrainer, comm: Comm, bucket_numel: int):
-        super().__init__(trainer, comm, bucket_numel)
-        self._module = trainer.module
-        self._state = trainer.state
-        self._params = dict(trainer.module.named_parameters())
+    def __init__(self, training: TrainingState, comm: Comm, bucket_numel: int):
+        super().__init__(training, comm, bucket_numel)
+        self._module = training.module
+        self._state = training
+        self._params = dict(training.module.named_parameters())
         self._names_of: dict[int, list[str]] = {}  # id(module) -> its laid-out parameters
         self.param_shard: torch.Tensor | None = None  # this rank's stretch, once sharded
         self._placeholder = torch.empty(0, device=comm.device)
@@ -202,24 +202,24 @@ class ShardedParams(ShardedGradients):
         trim_heap()
 
     # ------------------------------------------------------------------ state
-    def state_dict(self, trainer: ORTTrainer) -> dict[str, Any]:
+    def state_dict(self, training: TrainingState) -> dict[str, Any]:
         with self.materialized():
-            return super().state_dict(trainer)
+            return super().state_dict(training)
 
-    def load_state_dict(self, trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, training: TrainingState, state: Mapping[str, Any]) -> None:
         with self.materialized(write_back=True):
-            super().load_state_dict(trainer, state)
+            super().load_state_dict(training, state)
 
     def load_shards(
-        self, trainer: ORTTrainer, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+        self, training: TrainingState, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
     ) -> None:
         with self.materialized(write_back=True):
-            super().load_shards(trainer, base, shard, stateful)
+            super().load_shards(training, base, shard, stateful)
 
-    def save_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
         with self.materialized():
-            super().save_checkpoint(trainer, path)
+            super().save_checkpoint(training, path)
 
-    def load_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
+    def load_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
         with self.materialized(write_back=True):
-            super().load_checkpoint(trainer, path)
+            super().load_checkpoint(training, path)

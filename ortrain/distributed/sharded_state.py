@@ -30,55 +30,26 @@ from ortrain import checkpoint
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
-from ortrain.distributed.layout import UPDATE_CHAIN_NUMEL, FlatLayout, Piece
+from ortrain.distributed.shard_config import ShardConfig
 from ortrain.graph_passes.training.optimizer.update_graph import state_key
 from ortrain.graph_passes.training.zero import (
     build_partial_norm_graph,
     build_shard_update_graph,
     check_shardable,
 )
+from ortrain.runtime.flat_layout import UPDATE_CHAIN_NUMEL, Piece
 from ortrain.runtime.session import BoundSession
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
     from ortrain.runtime.update_engines import GraphUpdate
-    from ortrain.trainer import ORTTrainer
-
-ALIGN = 16  # elements: every tensor and every shard starts on a 64-byte boundary
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardConfig:
-    """Which flat layout, which shard of it, and which optimizer-state buffers."""
-
-    layout: FlatLayout
-    rank: int
-    state_names: tuple[str, ...]  # one shard-sized buffer each (exp_avg, exp_avg_sq, ...)
-
-    @classmethod
-    def build(
-        cls, spec: OptimizerSpec, shapes: Mapping[str, tuple[int, ...]], rank: int, world: int
-    ) -> ShardConfig:
-        names = dict.fromkeys(s for g in spec.groups for s in spec.state_names(g))
-        layout = FlatLayout.build(shapes, align=ALIGN, world_size=world)
-        return cls(layout, rank, tuple(names))
-
-    @property
-    def shard(self) -> slice:
-        lo, hi = self.layout.shard(self.rank)
-        return slice(lo, hi)
-
-    def local(self, piece: Piece) -> slice:
-        """Where ``piece`` sits in this rank's shard buffers."""
-        lo = self.shard.start
-        return slice(piece.start - lo, piece.stop - lo)
 
 
 class ShardedState:
     """This rank's ZeRO-1 state and the steps around its update graph (a ``Reducer``)."""
 
-    def __init__(self, trainer: ORTTrainer, comm: Comm):
-        state = trainer.state
+    def __init__(self, training: TrainingState, comm: Comm):
+        state = training
         check_shardable(state.spec)
         shapes = {n: tuple(state.params[n].shape) for n in self._layout_order(state)}
         self.config = ShardConfig.build(state.spec, shapes, comm.rank, comm.world_size)
@@ -94,7 +65,7 @@ class ShardedState:
             + list(state.buffers.values())
         )
         n = layout.shard_numel
-        self.grad_shard = self._make_grads(trainer.state)  # this rank's gradients, reduced
+        self.grad_shard = self._make_grads(training)  # this rank's gradients, reduced
         self.state = {s: torch.zeros(n, device=comm.device) for s in self.config.state_names}
         self.sq_norm = torch.zeros((), device=comm.device)
         self._norm: BoundSession | None = None
@@ -179,29 +150,29 @@ class ShardedState:
         self.comm.all_gather(self.flat_params)
 
     # ------------------------------------------------------------------ state
-    def full_state(self, buffers: Mapping[str, torch.Tensor], trainer: ORTTrainer) -> dict:
+    def full_state(self, buffers: Mapping[str, torch.Tensor], training: TrainingState) -> dict:
         """{state_key: tensor} of every parameter with state, from full flat state buffers."""
         out = {}
         for s, flat in buffers.items():
             views = self.config.layout.views(flat)
-            for g in trainer.spec.groups:
-                if s in trainer.spec.state_names(g):
+            for g in training.spec.groups:
+                if s in training.spec.state_names(g):
                     out.update({state_key(s, p): views[p] for p in g.params if p in self.stateful})
         return out
 
-    def state_dict(self, trainer: ORTTrainer) -> dict[str, Any]:
+    def state_dict(self, training: TrainingState) -> dict[str, Any]:
         """The full, ordinary state dict on rank 0 (a collective: every rank must call it);
         ``{}`` on the other ranks."""
         gathered = {s: self.comm.gather(buf) for s, buf in self.state.items()}
         if self.comm.rank != 0:
             return {}
         flat = {s: torch.cat(parts) for s, parts in gathered.items() if parts is not None}
-        return checkpoint.trainer_state_dict(trainer, opt_state=self.full_state(flat, trainer))
+        return checkpoint.trainer_state_dict(training, opt_state=self.full_state(flat, training))
 
-    def load_state_dict(self, trainer: ORTTrainer, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, training: TrainingState, state: Mapping[str, Any]) -> None:
         """Load a full state dict (any world size wrote it): keep this rank's shard of it."""
         full: dict[str, torch.Tensor] = {}
-        checkpoint.load_trainer_state_dict(trainer, state, opt_state=full)
+        checkpoint.load_trainer_state_dict(training, state, opt_state=full)
         self.stateful = {
             p
             for p in self.config.layout.names
@@ -216,19 +187,19 @@ class ShardedState:
                     buf[self.config.local(pc)].copy_(src)
 
     def load_shards(
-        self, trainer: ORTTrainer, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+        self, training: TrainingState, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
     ) -> None:
         """Load a sharded checkpoint written with this layout: this rank's shard as is."""
-        checkpoint.load_trainer_state_dict(trainer, base, opt_state={})
+        checkpoint.load_trainer_state_dict(training, base, opt_state={})
         self.stateful = set(stateful)
         for s, buf in self.state.items():
             buf.copy_(shard[s])
 
-    def save_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
-        sharded_checkpoint.save(trainer, self, path)
+    def save_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
+        sharded_checkpoint.save(training, self, path)
 
-    def load_checkpoint(self, trainer: ORTTrainer, path: str | os.PathLike) -> None:
-        sharded_checkpoint.load(trainer, self, path)
+    def load_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
+        sharded_checkpoint.load(training, self, path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 
 from ortrain.core.names import state_key
 from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
-from ortrain.distributed.layout import UPDATE_CHAIN_NUMEL, FlatLayout
+from ortrain.runtime.flat_layout import UPDATE_CHAIN_NUMEL, FlatLayout
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState

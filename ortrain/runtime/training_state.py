@@ -2,7 +2,8 @@
 
 ``ORTTrainer`` builds the graphs, binds them to these tensors and steps; the update
 engines (``update_engines.py``), the distributed reducers (``ortrain/distributed``) and the
-checkpoints (``ortrain/checkpoint.py``) read and change the state through this object:
+checkpoints (``ortrain/checkpoint.py``) take this object (never the trainer) and read and
+change the state through it:
 
 1. parameters and buffers: the module's own memory on CPU (updates are visible in
    place); ``move_params`` re-homes trainable parameters into views of a flat buffer and
@@ -58,6 +59,9 @@ class TrainingState:
     device: torch.device
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    # torch's optimizer: its param_groups hold the hyperparameters each update reads and a
+    # checkpoint saves (``spec`` is what ortrain compiled from it)
+    optimizer: torch.optim.Optimizer | None = None
     scaler: LossScaler | None = None
     max_grad_norm: float | None = None
     accumulation: int = 1  # micro-steps per optimizer step
@@ -173,6 +177,17 @@ class TrainingState:
         """After an update (any engine): the loss scale moves by whether it was applied."""
         if self.scaler is not None:
             self.scaler.update(bool(self.grads_finite))
+
+    def sync_to_module(self) -> torch.nn.Module:
+        """Copy the trained weights into the module (a no-op where memory is shared)."""
+        with torch.no_grad():
+            for n, p in self.module.named_parameters():
+                if p.data.data_ptr() != self.params[n].data_ptr():
+                    p.data.copy_(self.params[n])
+            for n, b in self.module.named_buffers():
+                if b.data_ptr() != self.buffers[n].data_ptr():
+                    b.copy_(self.buffers[n])
+        return self.module
 
     def set_counters(self, step: int, micro_step: int) -> None:
         """Where training resumes (a loaded checkpoint)."""

@@ -27,8 +27,9 @@ and one build fact (a gradient graph that could not take the update in its backw
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -57,10 +58,32 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
     from ortrain.build import BuiltGraph
-    from ortrain.distributed import Reducer
     from ortrain.graph_passes.training.optimizer import UpdateGraph
 
 Values = list[dict[str, float]]  # per param group: this step's hyperparameters
+
+
+class Reducer(Protocol):
+    """What the update engines call on a distributed run (``ortrain/distributed``: data
+    parallel, ZeRO-1, -2, -3); checkpoints go through it too."""
+
+    world_size: int
+
+    def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
+        """Lay out ``state.grads``; True when it also bound ``engine``'s update session."""
+        ...
+
+    def update(self, run_update: Callable[[], None]) -> None:
+        """Reduce the gradients across ranks around ``run_update`` (the update graph)."""
+        ...
+
+    def state_dict(self, training: TrainingState) -> dict[str, Any]: ...
+
+    def load_state_dict(self, training: TrainingState, state: Mapping[str, Any]) -> None: ...
+
+    def save_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None: ...
+
+    def load_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

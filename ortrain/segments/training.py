@@ -20,6 +20,7 @@ import torch
 
 from ortrain.core.build_config import BuildConfig
 from ortrain.export import LossFn, call_arguments, find_loss
+from ortrain.segments.blocks import repeated_blocks
 from ortrain.segments.calls import Call
 from ortrain.segments.partition import (
     Plan,
@@ -29,7 +30,6 @@ from ortrain.segments.partition import (
     eager_share,
     plan_segments,
     record_calls,
-    repeated_blocks,
 )
 from ortrain.segments.runner import ParamHome
 from ortrain.verify import Tolerance, in_mode

@@ -1,0 +1,207 @@
+"""Eager PyTorch beside the graphs: the first step of every training graph checked against
+it, and what evaluation falls back to.
+
+``EagerSide`` holds what an eager run of the model needs (the module, the loss, the
+device) and runs it three ways:
+
+1. ``early_reference``: eager's loss and gradients of a batch, taken before its graph is
+   built, in a forked child where the process can fork (as the builds): an eager step's
+   activations would otherwise set the training process's peak (the graph's is lower),
+   and the memory a process frees stays with it;
+2. ``check``: a training graph's first step (its batch bound) against that reference
+   (``ortrain/verify.py``), every tensor the step writes put back afterwards; a graph
+   that draws random numbers eager cannot reproduce is trusted, with a warning;
+3. ``outputs``: what an evaluation graph returns, computed in eval mode.
+
+What a mismatch means (rebuild a cached graph, segments, or an error) is the caller's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ortrain.core.names import IN_BACKWARD_STATES, state_key
+from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
+from ortrain.forked import call_forked, can_fork
+from ortrain.verify import (
+    EagerStep,
+    Tolerance,
+    as_float64,
+    eager_loss_and_grads,
+    graph_step_mismatches,
+    in_mode,
+    module_of,
+    report,
+)
+
+if TYPE_CHECKING:
+    from ortrain.build import BuiltGraph
+    from ortrain.runtime.session import BoundSession
+    from ortrain.runtime.training_state import TrainingState
+    from ortrain.runtime.update_engines import UpdateEngine
+
+
+class EagerSide:
+    """Eager runs of ``module`` on ``device``; ``any_rank(flag)`` makes a check's outcome
+    every rank's (a collective; the identity in one process)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss_fn: LossFn | None,
+        device: torch.device,
+        tol: Tolerance,
+        *,
+        exact: bool,
+        any_rank: Callable[[bool], bool] = bool,
+    ):
+        self.module = module
+        self.loss_fn = loss_fn
+        self.device = device
+        self.tol = tol
+        self.exact = exact  # float32 graphs: mismatches get a float64 second look
+        self.any_rank = any_rank
+        self.seconds = 0.0  # first-step checks so far
+
+    def on_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch`` with its tensors where the module is: eager PyTorch (the checks, the
+        segments, eager evaluation) does not move a host batch as the graphs' binding does."""
+        return {
+            k: v.to(self.device, non_blocking=True)
+            if isinstance(v, torch.Tensor) and v.device != self.device
+            else v
+            for k, v in batch.items()
+        }
+
+    def loss_of(self, batch: Mapping[str, Any], module: torch.nn.Module) -> torch.Tensor:
+        """Eager PyTorch's loss of ``batch`` through ``module`` (the trainer's, or a float64
+        copy of it: the batch's floating tensors follow its dtype)."""
+        batch = self.on_device(batch)
+        if any(p.dtype == torch.float64 for p in module.parameters()):
+            batch = as_float64(batch)
+        args, kwargs = call_arguments(module, batch)
+        with in_mode(module, True):  # what the training graph computes
+            out = module(*args, **kwargs)
+            return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+
+    def early_reference(self, batch: Mapping[str, Any]) -> EagerStep | None:
+        """Eager's step on ``batch`` (case 1). The child runs on one thread (OpenMP's team
+        does not survive a fork). None where eager fails on the batch: the check then runs
+        after the build, in this process, where errors are named as before."""
+        module = self.module
+        names = [n for n, p in module.named_parameters() if p.requires_grad]
+
+        def step() -> EagerStep:
+            return eager_loss_and_grads(lambda: self.loss_of(batch, module), module, names)
+
+        try:
+            if can_fork([*module.parameters(), *module.buffers()]):
+                return call_forked(step, what="the first step's eager check")
+            return step()
+        except Exception:
+            return None
+
+    def unchecked(self, graph: BuiltGraph) -> str:
+        """Why ``graph`` cannot be compared with eager ("" where it can): it draws random
+        numbers besides its switchable Dropouts (RReLU's slopes, a noise layer), which
+        eager draws otherwise. It is trusted, with a warning."""
+        drawn = sorted({op for op, _ in graph.random_ops if op != "Dropout"})
+        if not drawn:
+            return ""
+        why = f"it draws random numbers ({', '.join(drawn)})"
+        warnings.warn(
+            f"ortrain: {type(self.module).__name__}'s training graph is not checked against "
+            f"eager: {why}, which eager draws otherwise",
+            stacklevel=6,
+        )
+        return why
+
+    def check(
+        self,
+        graph: BuiltGraph,
+        session: BoundSession,
+        batch: Mapping[str, Any],
+        state: TrainingState,
+        engine: UpdateEngine,
+        dropout_on: torch.Tensor,
+        reference: EagerStep | None = None,
+    ) -> str:
+        """The first step of ``graph`` (run by ``session``, its batch bound) against eager
+        (case 2): "" where it agrees on every rank, else what disagrees."""
+        names = list(state.grad_params or [])
+        # at loss scale 1: a dynamic scale's first steps may overflow, which is no mismatch
+        written = [state.loss_scale, *session.written_in_place().values()]
+        hyper: list[torch.Tensor] = []
+        if engine.in_backward:
+            # the update with lr 0 and beta1 0 leaves the parameters and writes each
+            # gradient into exp_avg; every moment is put back afterwards
+            hyper = engine.hyper  # type: ignore[attr-defined]
+            moments = [state.opt_state[state_key(s, p)] for p in names for s in IN_BACKWARD_STATES]
+            written += [*hyper, *(state.params[p] for p in names), *moments]
+            grads = {p: state.opt_state[state_key("exp_avg", p)] for p in names}
+        else:
+            written += [state.grads[p] for p in names]
+            grads = {p: state.grads[p] for p in names}
+
+        def run() -> None:  # inside the check: what it changes is put back after
+            state.loss_scale.fill_(1.0)
+            for t in hyper:
+                t[0] = 0.0  # lr
+                t[1] = 0.0  # beta1
+                t[4] = 0.0  # weight decay
+            if not engine.in_backward:
+                for g in grads.values():
+                    g.zero_()
+            session.run()
+
+        bad, sites, seconds = graph_step_mismatches(
+            lambda module: self.loss_of(batch, module),
+            self.module,
+            run,
+            names,
+            lambda: grads,
+            written,
+            dropout_on,
+            self.tol,
+            state.loss,
+            exact=self.exact,
+            reference=reference,
+        )
+        self.seconds += seconds
+        if not self.any_rank(bool(bad)):
+            self._warn_lost_dropout(graph, sites)
+            return ""
+        if not bad:
+            return "another rank's first step disagrees with eager"
+        what = f"{type(self.module).__name__}'s training graph"
+        return report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3)
+
+    def _warn_lost_dropout(self, graph: BuiltGraph, eager_sites: int) -> None:
+        if not eager_sites:
+            return
+        drawn = len([n for n in graph.random_ops if n[0] == "Dropout"])
+        if drawn < eager_sites:
+            warnings.warn(
+                f"ortrain: {type(self.module).__name__} draws dropout at {eager_sites} place(s) "
+                f"in eager and its training graph at {drawn}: the export dropped some (the "
+                "first step was checked without dropout, so only the randomness differs)",
+                stacklevel=7,
+            )
+
+    def outputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """What an evaluation graph returns, from eager PyTorch in eval mode (case 3)."""
+        module = self.module
+        was = module.training
+        module.eval()
+        try:
+            args, kwargs = call_arguments(module, self.on_device(batch))
+            out = module(*args, **kwargs)
+            loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+        finally:
+            module.train(was)
+        found = {"loss": loss, **dict(other_outputs(out))}
+        return {k: v.detach().to("cpu", copy=True) for k, v in found.items()}
