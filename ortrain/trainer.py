@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import warnings
@@ -27,12 +26,7 @@ from ortrain import checkpoint
 from ortrain.bucketing import Bucketing
 from ortrain.build import (
     BuiltGraph,
-    ForwardSource,
     StageRecord,
-    build_eval,
-    build_train,
-    graph_for,
-    label_rows,
 )
 from ortrain.build_cache import GraphCache
 from ortrain.core.build_config import BuildConfig
@@ -48,7 +42,6 @@ from ortrain.core.names import (
     UpdateInBackwardError,
 )
 from ortrain.core.optimizer_spec import OptimizerSpec
-from ortrain.core.roles import Role
 from ortrain.distributed import join_process_group, sharded_checkpoint
 from ortrain.export import (
     LossFn,
@@ -58,14 +51,13 @@ from ortrain.export import (
 )
 from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
-from ortrain.index_check import check_batch
 from ortrain.loss_scaler import LossScaler
 from ortrain.memory_estimate import StateBytes, storage_bytes
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.rank_memory import RankMemory, peak_resident_bytes, resident_bytes
-from ortrain.runtime.binder import bind_training_graph
+from ortrain.runtime.binder import bind_eval_graph, bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.session import (
@@ -91,6 +83,7 @@ from ortrain.verify import (
     compare,
     report,
 )
+from ortrain.whole_graph import CompiledGraph, NotOneGraph, WholeGraphs, signature
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -98,40 +91,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ORTTrainer", "StageRecord", "StepOutputs"]
 T = TypeVar("T")
-
-
-@dataclasses.dataclass
-class _Compiled:
-    """One batch shape signature: its gradient (or eval) session and batch names."""
-
-    session: BoundSession
-    graph: BuiltGraph  # what the session runs, serialized (for inspection and tests)
-    batch_names: list[str]
-    batch_dtypes: dict[str, torch.dtype]
-    output_keys: list[str]
-    # CUDA graphs replay fixed addresses: each batch is copied into these buffers.
-    static_batch: dict[str, torch.Tensor] | None = None
-    # (the graph's new value, the buffer) per buffer a training step updates
-    buffer_updates: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
-        default_factory=list
-    )
-    cache_hit: bool = False  # loaded from the graph cache, not built by this process
-    verified: bool = False  # its first step agreed with eager (ortrain/verify.py)
-    unchecked: str = ""  # why it could not be checked (it draws random numbers)
-
-    @functools.cached_property
-    def model(self) -> ir.Model:
-        return self.graph.model()
-
-
-class _NotOneGraph(Exception):
-    """The whole model cannot be one training graph; ``fallback="auto"`` segments it.
-    ``error``: what to raise instead where eager cannot run the batch either."""
-
-    def __init__(self, cause: str, error: Exception):
-        super().__init__(cause)
-        self.cause = cause
-        self.error = error
 
 
 class StepOutputs(dict):
@@ -142,16 +101,6 @@ class StepOutputs(dict):
             return self[name]
         except KeyError as exc:
             raise AttributeError(name) from exc
-
-
-def _signature(batch: Mapping[str, Any]) -> tuple:
-    sig = []
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            sig.append((k, tuple(v.shape), v.dtype))
-        else:
-            sig.append((k, "const", repr(v)))
-    return tuple(sig)
 
 
 class ORTTrainer:
@@ -218,15 +167,13 @@ class ORTTrainer:
             max_grad_norm=self.options.max_grad_norm,
             accumulation=self.options.grad_accumulation_steps,
         )
-        self._train: dict[tuple, _Compiled] = {}
-        # Per batch signature: the exported training forward (each label-row count
-        # builds from a copy of it) and its losses whose ignored rows can be dropped.
-        self._forwards: dict[tuple, ForwardSource] = {}
-        self.build_count = 0  # graphs built (training and eval): a build per step is a bug
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self._graph_cache = GraphCache(self.options, model, loss_fn)
-        self._eval: dict[tuple, _Compiled] = {}
         self.build_log: list[StageRecord] = []
+        # the whole model's graphs by batch signature (ortrain/whole_graph.py)
+        self._graphs = WholeGraphs(
+            model, loss_fn, self._graph_cache, self._run_build, self.build_log
+        )
         self._graph_dir = (
             Path(self.options.save_graphs_dir) if self.options.save_graphs_dir else None
         )
@@ -426,54 +373,26 @@ class ORTTrainer:
             return call_forked(job, what="building the ONNX graph")
         return job()
 
-    def _build_train(self, sig: tuple, batch: Mapping[str, Any], fresh: bool = False) -> _Compiled:
-        new_shape = sig not in self._forwards
-        run = functools.partial(self._run_build, batch=batch)
-        hits = self._graph_cache.hits
+    def _build_train(self, batch: Mapping[str, Any], fresh: bool = False) -> CompiledGraph:
+        """``batch``'s training graph built (or loaded), given a session, bound by role."""
         while True:  # twice at most: the settings change with the engine
-            job = functools.partial(
-                build_train,
-                self.module,
-                batch,
-                self.loss_fn,
-                self._settings(),
-                None if fresh else self._forwards.get(sig),
-                len(self.build_log) + 1,
-            )
             try:
-                forward, rows, built = self._graph_cache.build_train(run, *job.args, fresh=fresh)
+                rows, built, hit = self._graphs.build_train(batch, self._settings(), fresh)
                 break
             except (ExportError, GradientError) as exc:
                 if self.options.fallback == "off":
                     raise
-                raise _NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
+                raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
             except UpdateInBackwardError as exc:
                 # "auto" takes the update after the session where the graph cannot run it
                 # (choose_engine raises the refusal where the engine may not change)
                 self._engine = self._choose_engine(refused=exc)
                 warnings.warn(
-                    f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=3
+                    f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=5
                 )
-        self._forwards[sig] = forward
-        if new_shape:
-            _warn_many_shapes(len(self._forwards), batch)
-        self.build_log.extend(built.log)
-        grad_params = sorted(built.grad_params, key=self.trainable.index)
+        self._reach(built)
         if self.device.type == "cpu":  # sized by this graph, before the update's session
             register_cpu_arena(built.planned_peak_bytes)
-        if self.grad_params is None and self._reducer is not None:  # before any gradient moves
-            from ortrain.distributed.fingerprint import agree_on_graph
-
-            agree_on_graph(self._reducer.comm, built, grad_params)  # type: ignore[attr-defined]
-        if self.grad_params is None:
-            self.state.grad_params = grad_params
-            if self._engine.prepare():  # parameters or gradients moved: evals bind anew
-                self._eval.clear()
-        elif grad_params != self.grad_params:
-            raise BatchError(
-                "this batch reaches a different set of parameters than the first one "
-                f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
-            )
         try:
             with self._graph_cache.session_stage("train"):
                 session = self._session(built, graph_capture=True)
@@ -481,86 +400,50 @@ class ORTTrainer:
             if self.options.fallback == "off" or not _from_onnxruntime(exc):
                 raise
             # a graph ONNX Runtime refuses (a kernel it lacks for these types): segments
-            raise _NotOneGraph(f"ONNX Runtime refused the graph: {first_line(exc)}", exc) from exc
+            raise NotOneGraph(f"ONNX Runtime refused the graph: {first_line(exc)}", exc) from exc
         updates = bind_training_graph(session, built, self.state, self._engine, self._dropout_on)
-        batch_names = [r.name for r in built.io if r.role is Role.BATCH]
-        dtypes = {k: batch[k].dtype for k in batch_names}
         static = {} if self.options.cuda_graph else None
-        compiled = _Compiled(
-            session, built, batch_names, dtypes, built.output_keys, static, updates
+        compiled = CompiledGraph.of(
+            session, built, batch, static_batch=static, buffer_updates=updates, cache_hit=hit
         )
-        compiled.cache_hit = self._graph_cache.hits > hits
-        self._train[(sig, rows)] = compiled
-        self.build_count += 1
+        self._graphs.add_train(batch, rows, compiled)
         return compiled
 
-    def _compiled(self, batch: Mapping[str, Any], *, train: bool, fresh: bool = False) -> _Compiled:
-        sig = _signature(batch)
-        if fresh:
-            return self._build_train(sig, batch, fresh=True)
-        if not train:
-            if sig not in self._eval:
-                self._eval[sig] = self._build_eval(batch)
-            return self._eval[sig]
-        forward = self._forwards.get(sig)
-        if forward is not None:  # this signature's graphs differ in labelled rows only
-            built = [rows for s, rows in self._train if s == sig]
-            rows = graph_for(forward.sites, label_rows(forward.sites, batch), built)
-            if rows is None:  # what a build for this batch would make, if it exists already
-                target = label_rows(forward.sites, batch, headroom=True)
-                rows = target if target in built else None
-            if rows is not None:
-                return self._train[(sig, rows)]
-        return self._build_train(sig, batch)
+    def _reach(self, built: BuiltGraph) -> None:
+        """The parameters a training graph reaches: the first graph's set lays out the
+        gradients and the update (every rank the same set); later graphs reach it too."""
+        grad_params = sorted(built.grad_params, key=self.trainable.index)
+        if self.grad_params is None and self._reducer is not None:  # before any gradient moves
+            from ortrain.distributed.fingerprint import agree_on_graph
 
-    def _build_eval(self, batch: Mapping[str, Any], fresh: bool = False) -> _Compiled:
-        """The evaluation graph of ``batch``'s signature: from the training export of that
-        signature where there is one and graphs are checked (its first run against eager
-        decides), else (or ``fresh``) from an export in evaluation mode."""
-        sig = _signature(batch)
-        forward = None if fresh or not self.options.verify else self._forwards.get(sig)
-        job = functools.partial(
-            build_eval,
-            self.module,
-            batch,
-            self.loss_fn,
-            self._settings(),
-            len(self.build_log) + 1,
-            forward,
+            agree_on_graph(self._reducer.comm, built, grad_params)  # type: ignore[attr-defined]
+        if self.grad_params is None:
+            self.state.grad_params = grad_params
+            if self._engine.prepare():  # parameters or gradients moved: evals bind anew
+                self._graphs.eval.clear()
+        elif grad_params != self.grad_params:
+            raise BatchError(
+                "this batch reaches a different set of parameters than the first one "
+                f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
+            )
+
+    def _eval_graph(self, batch: Mapping[str, Any], fresh: bool = False) -> CompiledGraph:
+        """``batch``'s evaluation graph (``WholeGraphs.build_eval``), bound by role."""
+        if not fresh:
+            compiled = self._graphs.eval.get(signature(batch))
+            if compiled is not None:
+                return compiled
+        built = self._graphs.build_eval(
+            batch, self._settings(), checked=self.options.verify, fresh=fresh
         )
-        run = functools.partial(self._run_build, batch=batch)
-        built = self._graph_cache.build_eval(run, *job.args, fresh=fresh)
-        self.build_log.extend(built.log)
         with self._graph_cache.session_stage("eval"):
             session = self._session(built)
-        session.bind_inputs({**self.params, **self.buffers})
-        for name in built.output_names:
-            session.bind_output_to_cpu(name)
-        batch_names = [r.name for r in built.io if r.role is Role.BATCH]
-        dtypes = {k: batch[k].dtype for k in batch_names}
-        self.build_count += 1
-        return _Compiled(session, built, batch_names, dtypes, built.output_keys)
+        bind_eval_graph(session, built, self.state)
+        compiled = CompiledGraph.of(session, built, batch)
+        self._graphs.add_eval(batch, compiled)
+        return compiled
 
     # ------------------------------------------------------------------ running
-    def _bind_batch(self, compiled: _Compiled, batch: Mapping[str, Any]) -> list[torch.Tensor]:
-        keep = []
-        for name in compiled.batch_names:
-            t = batch[name]
-            if compiled.static_batch is not None:  # CUDA graph: the captured addresses
-                buf = compiled.static_batch.get(name)
-                if buf is None:
-                    buf = compiled.static_batch[name] = torch.empty(
-                        t.shape, dtype=t.dtype, device=self.device
-                    )
-                buf.copy_(t, non_blocking=True)
-                t = buf
-            elif t.device != self.device:  # a host batch: one copy (CUDA: on our stream)
-                t = t.to(self.device, non_blocking=True)
-            t = t.contiguous()
-            keep.append(t)
-            compiled.session.bind_batch(name, t)
-        return keep
-
     def _normalize(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         batch = normalize_batch(self.module, args, kwargs, allow_extra=self.loss_fn is not None)
         for k, v in batch.items():
@@ -595,7 +478,7 @@ class ORTTrainer:
         if self._segments is None:
             try:
                 return self._graph_step(batch)
-            except _NotOneGraph as exc:
+            except NotOneGraph as exc:
                 self._start_segments(exc.cause)
                 try:
                     return self._segment_step(batch)
@@ -612,13 +495,12 @@ class ORTTrainer:
         """A step of the whole model's training graph."""
         reference = self._early_reference(batch)
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
-            compiled = self._compiled(batch, train=True, fresh=attempt > 0)
-            check_batch(compiled.graph.index_checks, batch)  # ids/labels in range, as eager
-            if compiled.graph.computed_indices is not None:  # and indices computed from them
-                compiled.graph.computed_indices.check(batch)
-            keep = self._bind_batch(compiled, batch)
-            accum = self.options.grad_accumulation_steps
-            if accum > 1 and self.micro_step == 0:
+            fresh = attempt > 0
+            compiled = None if fresh else self._graphs.find_train(batch)
+            if compiled is None:
+                compiled = self._build_train(batch, fresh)
+            keep = compiled.bind_batch(batch, self.device)
+            if self.options.grad_accumulation_steps > 1 and self.micro_step == 0:
                 self.state.zero_grads()
             if self.scaler is not None:
                 self.state.loss_scale.fill_(self.scaler.scale)
@@ -649,7 +531,11 @@ class ORTTrainer:
         del keep
         for new, buffer in compiled.buffer_updates:  # as eager: every micro-step updates
             buffer.copy_(new)
-        loss = self.state.loss.clone()
+        return self._end_micro_step(self.state.loss.clone())
+
+    def _end_micro_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-step's loss counted (whichever way it ran); the update at the end of
+        its accumulation window."""
         if self.options.check_finite and not math.isfinite(float(loss)):
             discarded, self.micro_step = self.micro_step, 0  # its gradients are in the sums
             raise NonFiniteLossError(
@@ -658,7 +544,7 @@ class ORTTrainer:
                 f"{_window_restarts(discarded)}"
             )
         self.micro_step += 1
-        if self.micro_step == accum:
+        if self.micro_step == self.options.grad_accumulation_steps:
             self.micro_step = 0
             self._apply_update()
         return loss
@@ -667,13 +553,12 @@ class ORTTrainer:
     def _early_reference(self, batch: dict[str, Any]) -> EagerStep | None:
         """Eager's step on ``batch`` for the first-step check where this signature's first
         graph is due (``first_step.EagerSide.early_reference``); else None."""
-        sig = _signature(batch)
-        if not self.options.verify or any(s == sig for s, _ in self._train):
+        if not self.options.verify or self._graphs.has_train(batch):
             return None
         return self._eager.early_reference(batch)
 
     def _checks_out(
-        self, compiled: _Compiled, batch: dict[str, Any], reference: EagerStep | None = None
+        self, compiled: CompiledGraph, batch: dict[str, Any], reference: EagerStep | None = None
     ) -> bool:
         """The graph's first step against eager (``ortrain/first_step.py``), its batch
         bound. True: it agrees. False: a cached graph disagrees (build it again). A graph
@@ -692,8 +577,7 @@ class ORTTrainer:
         if compiled.unchecked or not bad:
             compiled.verified = True
             return True
-        self._train = {k: c for k, c in self._train.items() if c is not compiled}
-        self._forwards.pop(_signature(batch), None)
+        self._graphs.forget_train(compiled, batch)
         if compiled.cache_hit:
             return False
         hint = (
@@ -703,13 +587,12 @@ class ORTTrainer:
         if self.options.fallback == "off":
             raise VerificationError(f"{bad}. {hint}")
         cause = f"its first step disagrees with eager: {bad}"
-        raise _NotOneGraph(cause, VerificationError(f"{bad}. {hint}"))
+        raise NotOneGraph(cause, VerificationError(f"{bad}. {hint}"))
 
     def _start_segments(self, cause: str, blocks: bool = False) -> None:
         """From now on the model trains as compiled segments inside eager PyTorch (cut at
         its repeated blocks with ``blocks``)."""
-        self._train.clear()
-        self._forwards.clear()
+        self._graphs.clear_train()
         self._segments = SegmentedTraining(
             self.module,
             self.loss_fn,
@@ -732,7 +615,6 @@ class ORTTrainer:
         segments' graphs inside; the update engine as for a graph."""
         assert self._segments is not None
         st = self.state
-        accum = self.options.grad_accumulation_steps
         if self.micro_step == 0:
             st.zero_grads()  # torch accumulates into .grad: every window starts at 0
         named = dict(self.module.named_parameters())
@@ -755,18 +637,7 @@ class ORTTrainer:
         else:
             self._take_reduced(self._reducer.reached)  # type: ignore[union-attr]
         st.loss.copy_(loss)
-        if self.options.check_finite and not math.isfinite(float(loss)):
-            discarded, self.micro_step = self.micro_step, 0
-            raise NonFiniteLossError(
-                f"loss is {float(loss)} at optimizer step {int(self.step_tensor)}; the update "
-                "was not applied and parameters/optimizer state are unchanged"
-                f"{_window_restarts(discarded)}"
-            )
-        self.micro_step += 1
-        if self.micro_step == accum:
-            self.micro_step = 0
-            self._apply_update()
-        return loss.clone()
+        return self._end_micro_step(loss.clone())
 
     def _take_grads(self, named: dict[str, torch.nn.Parameter]) -> None:
         """Torch's ``.grad`` into the state's gradient buffers (the first step lays them
@@ -781,7 +652,7 @@ class ORTTrainer:
                 named[n].grad = None
             st.grad_params = reached
             if self._engine.prepare():
-                self._eval.clear()
+                self._graphs.eval.clear()
             for n, g in first.items():
                 st.grads.setdefault(n, torch.zeros_like(st.params[n])).copy_(g)
             return
@@ -806,7 +677,7 @@ class ORTTrainer:
                 raise BatchError("the loss reaches no trainable parameter")
             st.grad_params = [n for n in self.trainable if n in reached]
             if self._engine.prepare():
-                self._eval.clear()
+                self._graphs.eval.clear()
             return
         extra = reached - set(st.grad_params)
         if extra:
@@ -820,7 +691,7 @@ class ORTTrainer:
         """What the model is compiled into (``ortrain/program.py``): one training graph, or
         compiled segments, fallbacks and eager glue; and where the update runs."""
         if self._segments is None:
-            graphs = list(self._train.values())
+            graphs = list(self._graphs.train.values())
             checked = sum(c.verified and not c.unchecked for c in graphs)
             whole = ProgramSegment("", "graph", len(graphs), checked)
             return TrainingProgram((whole,), self._engine.name)
@@ -880,6 +751,11 @@ class ORTTrainer:
         return sum(r.seconds for r in self._graph_cache.session_log)
 
     @property
+    def build_count(self) -> int:
+        """Graphs built or loaded (training and eval): a build per step is a bug."""
+        return self._graphs.count
+
+    @property
     def cache_hits(self) -> int:
         """Graphs of ``build_count`` loaded from the on-disk graph cache, not built."""
         return self._graph_cache.hits
@@ -893,18 +769,18 @@ class ORTTrainer:
     def train_graphs(self) -> list[ir.Model]:
         """The compiled gradient graphs, one per batch shape signature (and label-row
         count, see ``graph_passes/training/label_sparsity.py``)."""
-        return [c.model for c in self._train.values()]
+        return [c.model for c in self._graphs.train.values()]
 
     def memory_report(self, top: int = 10) -> RankMemory:
         """This rank's bytes by class (``ortrain/rank_memory.py``) against its measured
         peak; with a whole-model gradient graph, also its plan (``.graph``: planned
         activation bytes and what the backward keeps, the ``top`` largest). Needs one
         ``train_step`` first."""
-        if not self._train and (self._segments is None or self._segments.model is None):
+        if not self._graphs.train and (self._segments is None or self._segments.model is None):
             raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
         from ortrain.graph_passes.memory.memory_plan import memory_report
 
-        graph = memory_report(self.train_graphs[0], top=top) if self._train else None
+        graph = memory_report(self.train_graphs[0], top=top) if self._graphs.train else None
         if self._segments is not None and self._segments.model is not None:
             activations = self._segments.model.tally.peak
         else:
@@ -957,44 +833,37 @@ class ORTTrainer:
         if materialized is not None:  # ZeRO-3: eager, its parameters gathered meanwhile
             with materialized():
                 return StepOutputs(padded.cut(self._eager.outputs(batch)))
-        sig = _signature(batch)
+        sig = signature(batch)
         if sig in self._eager_eval:
             return StepOutputs(padded.cut(self._eager.outputs(batch)))
         with self._on_stream():
             try:
-                compiled = self._compiled(batch, train=False)
+                compiled = self._eval_graph(batch)
             except (ExportError, GradientError) as exc:
                 if self.options.fallback == "off":
                     raise
                 self._eval_in_eager(sig, f"{type(exc).__name__}: {first_line(exc)}")
                 return StepOutputs(padded.cut(self._eager.outputs(batch)))
-            check_batch(compiled.graph.index_checks, batch)
-            if compiled.graph.computed_indices is not None:
-                compiled.graph.computed_indices.check(batch)
-            keep = self._bind_batch(compiled, batch)
+            keep = compiled.bind_batch(batch, self.device)
             try:
                 compiled.session.run()
             except Exception as exc:
                 raise _run_failed("eval", batch, exc) from exc
             del keep
-        values = compiled.session.binding.get_outputs()
-        # copies: the session's output buffers are reused by the next eval step
-        outputs = {
-            k: torch.from_numpy(v.numpy()).clone() for k, v in zip(compiled.output_keys, values)
-        }
+        outputs = compiled.host_outputs()
         if self.options.verify and not compiled.verified:
             want = self._eager.outputs(batch)
             bad = compare(outputs, want, Tolerance.of(self.options.mixed_precision).loss)
             if bad and compiled.graph.from_training_export:
                 # the model computes otherwise in evaluation mode (BatchNorm's running
                 # statistics, ``if self.training``): its own export, checked in turn
-                self._eval[sig] = self._build_eval(batch, fresh=True)
+                self._eval_graph(batch, fresh=True)
                 return self.eval_step(*args, **kwargs)
             if bad:
                 text = report(f"{type(self.module).__name__}'s evaluation graph", bad)
                 if self.options.fallback == "off":
                     raise VerificationError(text)
-                self._eval.pop(sig, None)
+                self._graphs.eval.pop(sig, None)
                 self._eval_in_eager(sig, text)
                 outputs = want
             compiled.verified = True
@@ -1084,24 +953,4 @@ def _run_failed(
     return BatchError(
         f"the {graph} graph failed on this batch ({shapes}); {applied}"
         f"{_window_restarts(discarded)}: {first_line(exc)}"
-    )
-
-
-SHAPES_WARNING_AT = 4  # then at every doubling
-
-
-def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
-    """Each batch shape exports and builds its own graph: say so when shapes keep coming."""
-    if count < SHAPES_WARNING_AT or count & (count - 1):
-        return
-    shapes = ", ".join(
-        f"{k}: {list(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor)
-    )
-    warnings.warn(
-        f"ortrain has built training graphs for {count} batch shapes (latest: {shapes}); "
-        "each new shape is exported and compiled again and keeps its own session. "
-        "bucketing='auto' pads right-padded batches with an attention_mask and -100 labels "
-        "to a few lengths by itself; other batches: pad them to a few lengths, e.g. "
-        "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).",
-        stacklevel=4,
     )

@@ -225,7 +225,7 @@ def test_trains_like_eager(case: tuple) -> None:
 
 def test_training_graph_writes_the_statistics_and_eval_graph_reads_them() -> None:
     trainer = check_against_eager(cnn2d, {}, eval_every=3)
-    (compiled,) = trainer._train.values()
+    (compiled,) = trainer._graphs.train.values()
     norms = [n for n in compiled.model.graph if n.op_type == "BatchNormalization"]
     # batch statistics, never the buffers: ONNX Runtime's training-mode kernel would
     # write into them (ortrain/buffer_updates.py)
@@ -235,7 +235,7 @@ def test_training_graph_writes_the_statistics_and_eval_graph_reads_them() -> Non
         assert not any(v.is_graph_input() for v in n.inputs[3:])
     updated = {r.of for r in compiled.graph.io if r.role is Role.UPDATED_BUFFER}
     assert updated == {n for n, _ in trainer.module.named_buffers()}
-    (ev,) = trainer._eval.values()
+    (ev,) = trainer._graphs.eval.values()
     reads = {v.name for n in ev.model.graph if n.op_type == "BatchNormalization" for v in n.inputs}
     assert {n for n in updated if not n.endswith("num_batches_tracked")} <= reads
     assert not [r for r in ev.graph.io if r.role is Role.UPDATED_BUFFER]

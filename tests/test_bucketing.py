@@ -238,7 +238,7 @@ def test_eval_outputs_cut_back_to_the_batch_length():
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
     assert trainer.build_count == 1
-    (graph,) = [c.model for c in trainer._eval.values()]
+    (graph,) = [c.model for c in trainer._graphs.eval.values()]
     (ids,) = [v for v in graph.graph.inputs if v.name == "input_ids"]
     assert ids.shape[1] == 48
 

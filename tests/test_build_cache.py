@@ -207,7 +207,7 @@ def test_gpt2_warm_process_matches_cold(xdg: Path):
 def test_parameters_and_buffers_are_graph_inputs(xdg: Path):
     got = train({})
     trainer = got["trainer"]
-    (compiled,) = trainer._train.values()
+    (compiled,) = trainer._graphs.train.values()
     model = compiled.model
     inputs = {v.name for v in model.graph.inputs}
     names = set(trainer.params) | set(trainer.buffers)

@@ -210,7 +210,9 @@ def test_cuda_graphs_run_entirely_on_the_gpu(which, precision):
     opts = TrainerOptions(device="cuda", mixed_precision=precision)
     trainer, _ = _run(model, batches, opts)
     trainer.eval_step(**batches[0])
-    sessions = [c.session.session for c in [*trainer._train.values(), *trainer._eval.values()]]
+    sessions = [
+        c.session.session for c in [*trainer._graphs.train.values(), *trainer._graphs.eval.values()]
+    ]
     assert sessions
     for sess in sessions:  # ONNX Runtime's record of where each node runs (>= 1.31)
         placed = {
@@ -231,7 +233,7 @@ def test_probe_the_cuda_provider_really_runs_the_sessions():
     assert cuda_unavailable_reason() is None
     model = gpt2(layers=1, hidden=64, vocab=128)
     trainer, _ = _run(model, lm_batches(1, vocab=128), TrainerOptions(device="cuda"))
-    for c in trainer._train.values():
+    for c in trainer._graphs.train.values():
         assert c.session.session.get_providers()[0] == "CUDAExecutionProvider"
 
 

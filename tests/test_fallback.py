@@ -255,7 +255,7 @@ def test_a_model_that_compiles_whole_stays_one_graph():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         trainer = train_like_eager(lambda: copy.deepcopy(Whole()), _batches(2))
-    assert trainer.segments is None and len(trainer._train) == 1
+    assert trainer.segments is None and len(trainer._graphs.train) == 1
 
 
 class _InPlaceGlue(torch.nn.Module):

@@ -164,7 +164,7 @@ def test_signature_trains_like_eager(case: str) -> None:
             p, q, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
         )
     # One graph, whose batch inputs carry the names the batch was normalized to.
-    (compiled,) = trainer._train.values()
+    (compiled,) = trainer._graphs.train.values()
     assert compiled.batch_names == names
     graph_inputs = {v.name for v in compiled.model.graph.inputs}
     assert set(names) <= graph_inputs

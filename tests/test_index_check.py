@@ -122,7 +122,7 @@ def test_values_that_do_not_reach_an_index_unchanged_are_left_alone():
     loss = trainer.train_step(**batch)
     expected = ref(**batch)  # eager accepts this batch
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
-    (graph,) = trainer._train.values()
+    (graph,) = trainer._graphs.train.values()
     checks = graph.graph.index_checks
     assert "ids" not in checks  # went through Where first
     assert [(lo, hi) for lo, hi, _, _ in checks["rows"]] == [(-10, 10)]
@@ -198,7 +198,7 @@ def test_an_index_computed_from_the_batch_is_checked(change, where):
             "shift": torch.tensor(2)}  # fmt: skip
     torch.testing.assert_close(trainer.train_step(**good), ref(**good).detach(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
-    (graph,) = trainer._train.values()
+    (graph,) = trainer._graphs.train.values()
     computed = graph.graph.computed_indices
     assert computed is not None and sorted(computed.inputs) == ["ids", "mask", "shift"]
     assert len(computed.outputs) == 3  # one per Gather; the batch inputs reach none unchanged
@@ -217,5 +217,5 @@ def test_an_index_computed_from_the_batch_is_checked(change, where):
 
 def test_models_without_computed_indices_get_no_index_graph(gpt2_trained):
     _, trainer, _ = gpt2_trained
-    (graph,) = trainer._train.values()
+    (graph,) = trainer._graphs.train.values()
     assert graph.graph.computed_indices is None  # positions from arange: static

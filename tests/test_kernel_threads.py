@@ -101,7 +101,9 @@ def test_trainer_graphs_follow_their_products(gemm: str) -> None:
     trainer = train_against_eager(
         gpt2(layers=2), batches, torch.optim.SGD, options, lr=0.5, momentum=0.9
     )
-    graph = onnx.ModelProto.FromString(next(iter(trainer._train.values())).graph.ort_data).graph
+    graph = onnx.ModelProto.FromString(
+        next(iter(trainer._graphs.train.values())).graph.ort_data
+    ).graph
     kernels = [n for n in graph.node if n.domain == CPU_DOMAIN]
     assert len(kernels) >= 10  # LayerNorms, GELUs, Softmaxes and their backwards
     blas = sum(n.domain == BLAS_DOMAIN for n in graph.node)

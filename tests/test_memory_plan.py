@@ -406,7 +406,7 @@ def test_arena_first_region_is_the_planned_peak(monkeypatch, vocab, batch, seq, 
         assert torch.isfinite(trainer.train_step(**b))
     trainer.eval_step(**b)  # a later session: no second arena
     planned = trainer.memory_report().graph.planned_peak_bytes
-    (compiled,) = trainer._train.values()
+    (compiled,) = trainer._graphs.train.values()
     assert compiled.graph.planned_peak_bytes == planned
     assert len(made) == 1
     mib = 1 << 20

@@ -202,7 +202,7 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("failure", ["nan_loss", "run_error"])
 def test_failed_micro_batch_restarts_the_window(failure, monkeypatch):
     # the out-of-range id must fail inside ONNX Runtime, not in the batch's range check
-    monkeypatch.setattr("ortrain.trainer.check_batch", lambda checks, batch: None)
+    monkeypatch.setattr("ortrain.whole_graph.check_batch", lambda checks, batch: None)
     """README: a micro-batch that fails in ONNX Runtime or gives a NaN loss ends its window;
     the window starts over without the good micro-batches before it, and the error says
     how many it discarded; one refused before it runs changes nothing. The next full window

@@ -664,7 +664,7 @@ def test_small_cnn_trains_like_eager(dims: str) -> None:
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    (compiled,) = trainer._train.values()
+    (compiled,) = trainer._graphs.train.values()
     ops = [n.op_type for n in compiled.model.graph]
     missing = [op for op in POOLING_OPS if op not in ops]
     assert not missing, f"not in the training graph: {missing}"

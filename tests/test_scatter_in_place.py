@@ -162,7 +162,7 @@ def test_gpt2_tied_table_rewritten_and_trains_like_eager() -> None:
         opt.zero_grad()
         eager(**b).loss.backward()
         opt.step()
-    built = next(iter(trainer._train.values())).graph
+    built = next(iter(trainer._graphs.train.values())).graph
     table = "grad:transformer.wte.weight"
     # the manifest: the base is a second gradient output of the table (one buffer)
     outputs = {r.name: r.of for r in built.roles(Role.GRADIENT)}
@@ -181,7 +181,7 @@ def test_gpt2_head_gradient_runs_early_in_ort(tmp_path) -> None:
     LayerNorm backward (the last block's), so the logit gradient it reads dies there."""
     trainer, _, batches = _gpt2_trainer()
     trainer.train_step(**batches[0])
-    built = next(iter(trainer._train.values())).graph
+    built = next(iter(trainer._graphs.train.values())).graph
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / "prof")

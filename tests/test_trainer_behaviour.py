@@ -372,7 +372,7 @@ def test_failing_run_applies_nothing_and_the_next_window_starts_clean(monkeypatc
     accumulation window: a BatchError names the batch, parameters stay, and the partial
     gradient sums are dropped (the next window equals eager's)."""
     # the up-front index check (ortrain/index_check.py) would stop this batch before the run
-    monkeypatch.setattr("ortrain.trainer.check_batch", lambda checks, batch: None)
+    monkeypatch.setattr("ortrain.whole_graph.check_batch", lambda checks, batch: None)
     ref = tiny()
     model = copy.deepcopy(ref)
     opts = TrainerOptions(grad_accumulation_steps=2, bucketing="off")  # the batch as given

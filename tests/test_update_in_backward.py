@@ -397,7 +397,7 @@ def test_updates_are_leaves_onnx_runtime_runs_right_after_their_gradients() -> N
     model = gpt2(layers=2, hidden=64, vocab=128)
     trainer = ORTTrainer(model, _adamw(model))
     trainer.train_step(**lm_batches(1, vocab=128)[0])
-    proto = onnx.ModelProto.FromString(next(iter(trainer._train.values())).graph.ort_data)
+    proto = onnx.ModelProto.FromString(next(iter(trainer._graphs.train.values())).graph.ort_data)
     nodes = list(proto.graph.node)
     updates = [n.name for n in nodes if n.op_type == "AdamStep"]
     read = {i for n in nodes for i in n.input}

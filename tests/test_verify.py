@@ -204,7 +204,7 @@ def test_the_check_leaves_no_trace(opt, extra):
         results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}))
         if verify:
             assert trainer.segments is None and trainer.verify_seconds > 0
-            assert all(c.verified for c in trainer._train.values())
+            assert all(c.verified for c in trainer._graphs.train.values())
     (l0, p0), (l1, p1) = results
     assert l0 == l1
     for k in p0:
@@ -415,7 +415,7 @@ def test_evaluation_reuses_the_training_export():
     trainer.train_step(x, y)
     out = trainer.eval_step(x, y)
     assert _exports(trainer) == 1 and trainer.build_count == 2
-    assert next(iter(trainer._eval.values())).graph.from_training_export
+    assert next(iter(trainer._graphs.eval.values())).graph.from_training_export
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
@@ -443,7 +443,7 @@ def test_a_model_that_evaluates_otherwise_gets_its_own_evaluation_export():
         warnings.simplefilter("error")  # not eager: an export of its own
         out = trainer.eval_step(x, y)
     assert _exports(trainer) == 2
-    assert not next(iter(trainer._eval.values())).graph.from_training_export
+    assert not next(iter(trainer._graphs.eval.values())).graph.from_training_export
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
@@ -527,4 +527,4 @@ def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatc
     checks = [c for c in calls if c == "the first step's eager check"]
     assert len(checks) == 2  # one per signature (3 rows, 5 rows); none for the repeat
     assert calls.index(checks[0]) == 0  # before the first build's job
-    assert all(g.verified for g in trainer._train.values())
+    assert all(g.verified for g in trainer._graphs.train.values())

@@ -14,6 +14,8 @@ position:
 6. what the update engine owns (gradient outputs, the in-backward update's moments,
    hyperparameters and ``done`` flags): the engine's ``bind_train``, by the same roles;
 7. batch inputs are bound per step (``BoundSession.bind_batch``).
+
+An evaluation graph (``bind_eval_graph``) takes cases 1 and 7; its outputs go to the host.
 """
 
 from __future__ import annotations
@@ -65,3 +67,17 @@ def bind_training_graph(
     session.bind_outputs(outputs)
     engine.bind_train(session, built)
     return updates
+
+
+def bind_eval_graph(session: BoundSession, built: BuiltGraph, state: TrainingState) -> None:
+    """An evaluation graph: parameters and buffers as in case 1; every output (the loss
+    and the model's outputs) to host memory, copied out after each run."""
+    inputs: dict[str, torch.Tensor] = {}
+    for r in built.io:
+        if r.role in (Role.PARAMETER, Role.FROZEN_PARAMETER):
+            inputs[r.name] = state.params[r.name]
+        elif r.role is Role.BUFFER:
+            inputs[r.name] = state.buffers[r.name]
+    session.bind_inputs(inputs)
+    for name in built.output_names:
+        session.bind_output_to_cpu(name)

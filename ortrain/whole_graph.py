@@ -1,0 +1,245 @@
+"""The whole model as one graph per batch signature: what is built, found and run.
+
+``WholeGraphs`` holds what a trainer compiled while its model is one graph:
+
+1. per batch signature, the export of the training forward (``ForwardSource``): every
+   training graph of the signature is built from it (one per label-row bucket:
+   ``graph_passes/training/label_sparsity.py``), and so is its evaluation graph where
+   graphs are checked against eager (one export per model and signature, not per mode);
+2. the graphs themselves, each built once, from the graph cache (``ortrain/build_cache.py``)
+   or by ``run_build`` (a forked child where the process can fork), their build records
+   appended to ``log``;
+3. per graph a ``CompiledGraph``: its session, bound by role by the caller
+   (``runtime/binder.py``: a training graph's binding needs the update engine), the names
+   and dtypes of its batch inputs, and whether its first step agreed with eager.
+
+``find_train`` picks the graph a batch runs on: its signature's, with the fewest labelled
+rows that hold the batch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ortrain.build import BuiltGraph, ForwardSource, StageRecord, graph_for, label_rows
+from ortrain.core.roles import Role
+from ortrain.index_check import check_batch
+from ortrain.runtime.session import BoundSession
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from ortrain.build_cache import GraphCache
+    from ortrain.core.build_config import BuildConfig
+    from ortrain.export import LossFn
+
+RunBuild = Callable[[Callable[[], Any], Mapping[str, Any]], Any]
+
+
+def signature(batch: Mapping[str, Any]) -> tuple:
+    """What a graph is built for: each tensor's shape and dtype, each other value's repr."""
+    sig = []
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            sig.append((k, tuple(v.shape), v.dtype))
+        else:
+            sig.append((k, "const", repr(v)))
+    return tuple(sig)
+
+
+class NotOneGraph(Exception):
+    """The whole model cannot be one training graph; ``fallback="auto"`` segments it.
+    ``error``: what to raise instead where eager cannot run the batch either."""
+
+    def __init__(self, cause: str, error: Exception):
+        super().__init__(cause)
+        self.cause = cause
+        self.error = error
+
+
+@dataclasses.dataclass
+class CompiledGraph:
+    """One batch shape signature's gradient (or eval) session and batch names."""
+
+    session: BoundSession
+    graph: BuiltGraph  # what the session runs, serialized (for inspection and tests)
+    batch_names: list[str]
+    batch_dtypes: dict[str, torch.dtype]
+    output_keys: list[str]
+    # CUDA graphs replay fixed addresses: each batch is copied into these buffers.
+    static_batch: dict[str, torch.Tensor] | None = None
+    # (the graph's new value, the buffer) per buffer a training step updates
+    buffer_updates: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=list
+    )
+    cache_hit: bool = False  # loaded from the graph cache, not built by this process
+    verified: bool = False  # its first step agreed with eager (ortrain/first_step.py)
+    unchecked: str = ""  # why it could not be checked (it draws random numbers)
+
+    @classmethod
+    def of(
+        cls, session: BoundSession, built: BuiltGraph, batch: Mapping[str, Any], **kwargs: Any
+    ) -> CompiledGraph:
+        names = [r.name for r in built.io if r.role is Role.BATCH]
+        dtypes = {k: batch[k].dtype for k in names}
+        return cls(session, built, names, dtypes, built.output_keys, **kwargs)
+
+    @functools.cached_property
+    def model(self) -> ir.Model:
+        return self.graph.model()
+
+    def bind_batch(self, batch: Mapping[str, Any], device: torch.device) -> list[torch.Tensor]:
+        """Check ``batch``'s indices as eager would (ids and labels in range, and indices
+        computed from them) and bind its tensors; returns what must live until the run."""
+        check_batch(self.graph.index_checks, batch)
+        if self.graph.computed_indices is not None:
+            self.graph.computed_indices.check(batch)
+        keep = []
+        for name in self.batch_names:
+            t = batch[name]
+            if self.static_batch is not None:  # CUDA graph: the captured addresses
+                buf = self.static_batch.get(name)
+                if buf is None:
+                    buf = self.static_batch[name] = torch.empty(
+                        t.shape, dtype=t.dtype, device=device
+                    )
+                buf.copy_(t, non_blocking=True)
+                t = buf
+            elif t.device != device:  # a host batch: one copy (CUDA: on our stream)
+                t = t.to(device, non_blocking=True)
+            t = t.contiguous()
+            keep.append(t)
+            self.session.bind_batch(name, t)
+        return keep
+
+    def host_outputs(self) -> dict[str, torch.Tensor]:
+        """An evaluation run's outputs by key, copied: the session reuses its buffers."""
+        values = self.session.binding.get_outputs()
+        return {k: torch.from_numpy(v.numpy()).clone() for k, v in zip(self.output_keys, values)}
+
+
+class WholeGraphs:
+    """The model's graphs by batch signature (cases 1-3 of the module's docstring)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss_fn: LossFn | None,
+        cache: GraphCache,
+        run_build: RunBuild,
+        log: list[StageRecord],
+    ):
+        self.module = module
+        self.loss_fn = loss_fn
+        self.cache = cache
+        self.run_build = run_build
+        self.log = log
+        self.train: dict[tuple, CompiledGraph] = {}  # by (signature, label rows)
+        self.eval: dict[tuple, CompiledGraph] = {}  # by signature
+        self.forwards: dict[tuple, ForwardSource] = {}  # by signature
+        self.count = 0  # graphs built or loaded (training and eval)
+
+    def has_train(self, batch: Mapping[str, Any]) -> bool:
+        sig = signature(batch)
+        return any(s == sig for s, _ in self.train)
+
+    def find_train(self, batch: Mapping[str, Any]) -> CompiledGraph | None:
+        """The training graph ``batch`` runs on, if one is built."""
+        sig = signature(batch)
+        forward = self.forwards.get(sig)
+        if forward is None:
+            return None
+        built = [rows for s, rows in self.train if s == sig]
+        rows = graph_for(forward.sites, label_rows(forward.sites, batch), built)
+        if rows is None:  # what a build for this batch would make, if it exists already
+            target = label_rows(forward.sites, batch, headroom=True)
+            rows = target if target in built else None
+        return None if rows is None else self.train[(sig, rows)]
+
+    def build_train(
+        self, batch: Mapping[str, Any], settings: BuildConfig, fresh: bool = False
+    ) -> tuple[tuple, BuiltGraph, bool]:
+        """The training graph of ``batch`` (exported unless its signature was; ``fresh``:
+        exported and built anew over the cache's entry). Returns (label rows, graph,
+        whether it came from the graph cache). Raises what the build raises."""
+        sig = signature(batch)
+        new_shape = sig not in self.forwards
+        hits = self.cache.hits
+        forward, rows, built = self.cache.build_train(
+            functools.partial(self.run_build, batch=batch),
+            self.module,
+            batch,
+            self.loss_fn,
+            settings,
+            None if fresh else self.forwards.get(sig),
+            len(self.log) + 1,
+            fresh=fresh,
+        )
+        self.forwards[sig] = forward
+        if new_shape:
+            _warn_many_shapes(len(self.forwards), batch)
+        self.log.extend(built.log)
+        return rows, built, self.cache.hits > hits
+
+    def add_train(self, batch: Mapping[str, Any], rows: tuple, compiled: CompiledGraph) -> None:
+        self.train[(signature(batch), rows)] = compiled
+        self.count += 1
+
+    def build_eval(
+        self, batch: Mapping[str, Any], settings: BuildConfig, *, checked: bool, fresh: bool
+    ) -> BuiltGraph:
+        """The evaluation graph of ``batch``'s signature: from the training export of that
+        signature where there is one and graphs are ``checked`` (its first run against
+        eager decides), else (or ``fresh``) from an export in evaluation mode."""
+        forward = None if fresh or not checked else self.forwards.get(signature(batch))
+        built = self.cache.build_eval(
+            functools.partial(self.run_build, batch=batch),
+            self.module,
+            batch,
+            self.loss_fn,
+            settings,
+            len(self.log) + 1,
+            forward,
+            fresh=fresh,
+        )
+        self.log.extend(built.log)
+        return built
+
+    def add_eval(self, batch: Mapping[str, Any], compiled: CompiledGraph) -> None:
+        self.eval[signature(batch)] = compiled
+        self.count += 1
+
+    def forget_train(self, compiled: CompiledGraph, batch: Mapping[str, Any]) -> None:
+        """``compiled`` disagreed with eager: it and its signature's export go."""
+        self.train = {k: c for k, c in self.train.items() if c is not compiled}
+        self.forwards.pop(signature(batch), None)
+
+    def clear_train(self) -> None:
+        self.train.clear()
+        self.forwards.clear()
+
+
+SHAPES_WARNING_AT = 4  # then at every doubling
+
+
+def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
+    """Each batch shape exports and builds its own graph: say so when shapes keep coming."""
+    if count < SHAPES_WARNING_AT or count & (count - 1):
+        return
+    shapes = ", ".join(
+        f"{k}: {list(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor)
+    )
+    warnings.warn(
+        f"ortrain has built training graphs for {count} batch shapes (latest: {shapes}); "
+        "each new shape is exported and compiled again and keeps its own session. "
+        "bucketing='auto' pads right-padded batches with an attention_mask and -100 labels "
+        "to a few lengths by itself; other batches: pad them to a few lengths, e.g. "
+        "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).",
+        stacklevel=7,
+    )
