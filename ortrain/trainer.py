@@ -390,9 +390,9 @@ class ORTTrainer:
                 warnings.warn(
                     f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=5
                 )
-        self._reach(built)
         if self.device.type == "cpu":  # sized by this graph, before the update's session
             register_cpu_arena(built.planned_peak_bytes)
+        self._reach(built)  # the first graph's lays out the gradients and the update
         try:
             with self._graph_cache.session_stage("train"):
                 session = self._session(built, graph_capture=True)
