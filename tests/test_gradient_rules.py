@@ -321,6 +321,22 @@ def _convs() -> list[Spec]:
         case("Conv3d", "Conv", [X(1, 2, 4, 5, 4), X(3, 2, 2, 3, 2), X(3)],
              _conv_ref(3, stride=(1, 2, 1), padding=(1, 0, 1)),
              attrs={"strides": [1, 2, 1], "pads": [1, 0, 1, 1, 0, 1]}),
+        # stride 1: dx as a convolution of the flipped weight (dilated, grouped, 1-D, 3-D,
+        # asymmetric pads); a pad beyond the kernel's extent keeps ConvTranspose
+        case("Conv2d-s1-dilated", "Conv", [X(2, 3, 9, 8), X(4, 3, 3, 2), X(4)],
+             _conv_ref(2, padding=(2, 1), dilation=(2, 3)),
+             attrs={"dilations": [2, 3], "pads": [2, 1, 2, 1]}),
+        case("Conv2d-s1-groups", "Conv", [X(2, 6, 5, 6), X(9, 2, 3, 3), X(9)],
+             _conv_ref(2, padding=1, groups=3), attrs={"pads": [1, 1, 1, 1], "group": 3}),
+        case("Conv2d-s1-asymmetric-pads", "Conv", [X(2, 2, 5, 6), X(3, 2, 3, 2)],
+             lambda x, w: F.conv2d(F.pad(x, (1, 0, 2, 0)), w),
+             attrs={"pads": [2, 1, 0, 0]}),
+        case("Conv2d-s1-pad-beyond-kernel", "Conv", [X(1, 2, 4, 4), X(3, 2, 2, 2), X(3)],
+             _conv_ref(2, padding=2), attrs={"pads": [2, 2, 2, 2]}),
+        case("Conv1d-s1-k5", "Conv", [X(3, 4, 11), X(5, 4, 5), X(5)],
+             _conv_ref(1, padding=2), attrs={"pads": [2, 2]}),
+        case("Conv3d-s1", "Conv", [X(2, 2, 4, 3, 4), X(3, 2, 3, 2, 3), X(3)],
+             _conv_ref(3, padding=(1, 0, 1)), attrs={"pads": [1, 0, 1, 1, 0, 1]}),
     ]  # fmt: skip
 
 
@@ -717,3 +733,43 @@ def test_dropout_mask_reference_is_meaningful() -> None:
     _, outputs = check_gradients(spec)
     mask = outputs[1]
     assert mask.dtype == np.bool_ and 0 < mask.sum() < mask.size
+
+
+def _backward_ops(spec_id: str) -> list[str]:
+    from ortrain.graph_passes.infra.tags import is_backward
+
+    res, _ = check_gradients(next(s for s in SPECS if s.id == spec_id))
+    return [n.op_type for n in res.model.graph if is_backward(n)]
+
+
+@pytest.mark.parametrize(
+    ("spec_id", "conv_transpose", "convs", "products"),
+    [
+        ("Conv2d", 0, 1, 1),  # dx: a flipped-weight Conv; dw: a product over patches
+        ("Conv2d-s1-dilated", 0, 1, 1),
+        ("Conv2d-stride2-unread-tail", 1, 0, 1),  # stride 2: ConvTranspose
+        ("Conv2d-s1-groups", 0, 2, 0),  # grouped dw: the channels-for-batch Conv
+        ("Conv2d-s1-pad-beyond-kernel", 1, 0, 1),
+    ],
+)
+def test_conv_backward_is_spelled_in_the_fast_forms(
+    spec_id: str, conv_transpose: int, convs: int, products: int
+) -> None:
+    ops = _backward_ops(spec_id)
+    assert ops.count("ConvTranspose") == conv_transpose, ops
+    assert ops.count("Conv") == convs, ops
+    assert ops.count("MatMul") == products, ops
+
+
+def test_conv_weight_gradient_over_a_large_batch_is_taken_in_chunks(monkeypatch) -> None:
+    from ortrain.graph_passes.autodiff.rules import conv
+
+    # 4 bytes * 9 taps * 3 channels * 6 * 9 positions per sample: chunks of 3 and 2 samples
+    monkeypatch.setattr(conv, "PATCH_BYTES", 3 * 4 * 9 * 3 * 6 * 9)
+    spec = case("Conv2d-chunked", "Conv", [X(5, 3, 8, 9), X(4, 3, 3, 3), X(4)],
+                _conv_ref(2, padding=(0, 1)), attrs={"pads": [0, 1, 0, 1]})  # fmt: skip
+    res, _ = check_gradients(spec)
+    from ortrain.graph_passes.infra.tags import is_backward
+
+    ops = [n.op_type for n in res.model.graph if is_backward(n)]
+    assert ops.count("MatMul") == 2 and ops.count("Sum") == 1, ops

@@ -5,11 +5,20 @@ With y = conv(x, w) over the spatial axes:
 
 - dx is the transposed convolution of dy with the same weight, strides, dilations, pads
   and groups; ``output_padding`` adds back the trailing input positions no window
-  reached (stride > 1), so dx has x's shape.
-- dw correlates x with dy, summed over the batch: a convolution in which channels and
-  batch swap roles (batch = the input channels of one group, channels = the batch),
-  with stride and dilation exchanged; trailing taps beyond the kernel (positions the
-  forward never read) are sliced off.
+  reached (stride > 1), so dx has x's shape. With stride 1 it is a plain convolution of
+  dy with the weight flipped along its spatial axes and its channel axes exchanged per
+  group, padded by each kernel's extent less the forward's pads: the same sums, run by
+  the backends' forward convolution, which they tune most (``_input_grad_as_conv``).
+- dw correlates x with dy, summed over the batch. Ungrouped, it is a matrix product of
+  dy with x's patches per sample (``_weight_grad_patches``, im2col: one Gather of x laid
+  out channels-last, a row per output position, a column per kernel tap and channel);
+  the patches take taps x x's memory, so a batch whose patches exceed
+  ``PATCH_BYTES`` is taken in chunks. Grouped (and with more than ``PATCH_TAPS`` taps,
+  whose index would outgrow the graph), a convolution in which channels and batch swap
+  roles (batch = the input channels of one group, channels = the batch), with stride
+  and dilation exchanged; trailing taps beyond the kernel (positions the forward never
+  read) are sliced off. That convolution's kernel is as large as dy's spatial extent,
+  which the backends run far below their rate.
 - db sums dy over the batch and spatial axes.
 
 Col2Im (torch's ``Fold``) adds image patches back into an image; its gradient gathers
@@ -18,6 +27,7 @@ them out again (``col2im``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +35,11 @@ import onnx_ir as ir
 
 from ortrain.graph_passes.autodiff.context import GradContext
 from ortrain.graph_passes.autodiff.registry import gradient
+
+# the weight gradient as a product over patches (im2col): kernels of at most this many
+# taps (3 x 3 x 3), and patches of at most this many bytes at a time
+PATCH_TAPS = 27
+PATCH_BYTES = 1 << 28
 
 
 def _pads(ctx: GradContext, xs, ks, gys, strides, dilations) -> list[int]:
@@ -56,7 +71,9 @@ def conv(ctx: GradContext):
     dilations = list(ctx.attr("dilations", None) or [1] * nd)
     pads = _pads(ctx, xs[2:], ks, gys[2:], strides, dilations)
     out: dict[int, ir.Value] = {}
-    if ctx.needs(0):
+    if ctx.needs(0) and _flipped_pads(ks, strides, dilations, pads) is not None:
+        out[0] = _input_grad_as_conv(ctx, gy, w, xs, ws, group, dilations, pads)
+    elif ctx.needs(0):
         reached = [
             (gys[2 + i] - 1) * strides[i] + (ks[i] - 1) * dilations[i] + 1 - pads[i] - pads[nd + i]
             for i in range(nd)
@@ -72,12 +89,105 @@ def conv(ctx: GradContext):
             output_padding=[xs[2 + i] - reached[i] for i in range(nd)],
             shape=xs,
         )
-    if ctx.needs(1):
+    if ctx.needs(1) and group == 1 and math.prod(ks) <= PATCH_TAPS:
+        out[1] = _weight_grad_patches(ctx, x, gy, xs, gys, o, ks, strides, dilations, pads)
+    elif ctx.needs(1):
         out[1] = _weight_grad(ctx, x, gy, xs, gys, o, cg, ks, group, strides, dilations, pads)
     if ctx.has_input(2) and ctx.needs(2):
         axes = ctx.ints([0, *range(2, 2 + nd)])
         out[2] = ctx.op("ReduceSum", gy, axes, keepdims=0, shape=(o,))
     return out
+
+
+def _flipped_pads(ks, strides, dilations, pads) -> list[int] | None:
+    """The pads of dx as a convolution of dy (stride 1 only; each side's pad at most the
+    kernel's extent), else None."""
+    nd = len(ks)
+    if any(s != 1 for s in strides):
+        return None
+    extent = [(ks[i] - 1) * dilations[i] for i in range(nd)]
+    flipped = [extent[i % nd] - pads[i] for i in range(2 * nd)]
+    return flipped if min(flipped) >= 0 else None
+
+
+def _input_grad_as_conv(ctx, gy, w, xs, ws, group, dilations, pads):
+    """dx of a stride-1 convolution: dy convolved with the flipped weight whose channel
+    axes are exchanged within each group ([O, Cg, k] -> [G * Cg, O / G, k])."""
+    o, cg, ks = ws[0], ws[1], list(ws[2:])
+    nd = len(ks)
+    og = o // group
+    spatial = list(range(3, 3 + nd))
+    wt = ctx.reshape(w, (group, og, cg, *ks))
+    wt = ctx.op("Transpose", wt, perm=[0, 2, 1, *spatial], shape=(group, cg, og, *ks))
+    wt = ctx.reshape(wt, (group * cg, og, *ks))
+    big = -(2**62)  # past the start: a reversed slice runs to the first element
+    flipped = ctx.op(
+        "Slice",
+        wt,
+        ctx.ints([-1] * nd),
+        ctx.ints([big] * nd),
+        ctx.ints(list(range(2, 2 + nd))),
+        ctx.ints([-1] * nd),
+        shape=(group * cg, og, *ks),
+    )
+    return ctx.op(
+        "Conv",
+        gy,
+        flipped,
+        dilations=dilations,
+        pads=_flipped_pads(ks, [1] * nd, dilations, pads),
+        group=group,
+        shape=xs,
+    )
+
+
+def _patch_index(spatial, out_spatial, ks, strides, dilations, pads) -> np.ndarray:
+    """Where each (output position, kernel tap) pair reads x, both row-major, as a flat
+    spatial index; ``prod(spatial)`` (an appended zero) where it reads padding."""
+    nd = len(ks)
+    grid = np.stack(np.meshgrid(*[np.arange(v) for v in out_spatial], indexing="ij"), -1)
+    taps = np.stack(np.meshgrid(*[np.arange(k) for k in ks], indexing="ij"), -1)
+    at = grid.reshape(-1, 1, nd) * np.array(strides) + taps.reshape(1, -1, nd) * np.array(dilations)
+    at -= np.array(pads[:nd])
+    inside = ((at >= 0) & (at < np.array(spatial))).all(-1)
+    flat = np.ravel_multi_index(tuple(np.clip(at, 0, np.array(spatial) - 1).T), spatial).T
+    return np.where(inside, flat, math.prod(spatial)).reshape(-1)
+
+
+def _weight_grad_patches(ctx, x, gy, xs, gys, o, ks, strides, dilations, pads):
+    """dw of an ungrouped convolution: per sample, dy [O, P] (P output positions) times
+    the patches of x [P, T * C] (im2col: a row per position, a column per tap and
+    channel, gathered from x channels-last with a zero position appended for the
+    padding), summed over the batch; in chunks of the batch whose patches fit
+    ``PATCH_BYTES``."""
+    n, c, nd = xs[0], xs[1], len(ks)
+    spatial, out_spatial = list(xs[2:]), list(gys[2:])
+    size, positions, t = math.prod(spatial), math.prod(out_spatial), math.prod(ks)
+    index = _patch_index(spatial, out_spatial, ks, strides, dilations, pads)
+    last = [0, *range(2, 2 + nd), 1]
+    xl = ctx.op("Transpose", x, perm=last, shape=(n, *spatial, c))
+    xl = ctx.reshape(xl, (n, size, c))
+    xz = ctx.op("Pad", xl, ctx.ints([0, 0, 0, 0, 1, 0]), shape=(n, size + 1, c))
+    at = ctx.const(index.tolist(), ir.DataType.INT64)
+    dy = ctx.reshape(gy, (n, o, positions))
+    chunk = max(1, min(n, PATCH_BYTES // (4 * t * c * positions)))
+    parts = []
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        xc, dc = xz, dy
+        if m < n:
+            xc = ctx.op("Slice", xz, ctx.ints([lo]), ctx.ints([lo + m]), ctx.ints([0]),
+                        shape=(m, size + 1, c))  # fmt: skip
+            dc = ctx.op("Slice", dy, ctx.ints([lo]), ctx.ints([lo + m]), ctx.ints([0]),
+                        shape=(m, o, positions))  # fmt: skip
+        cols = ctx.op("Gather", xc, at, axis=1, shape=(m, positions * t, c))
+        cols = ctx.reshape(cols, (m, positions, t * c))
+        # per sample (a product whose right side stays in cache), summed over the batch
+        prod = ctx.op("MatMul", dc, cols, shape=(m, o, t * c))
+        parts.append(ctx.op("ReduceSum", prod, ctx.ints([0]), keepdims=0, shape=(o, t * c)))
+    dw = parts[0] if len(parts) == 1 else ctx.op("Sum", *parts, shape=(o, t * c))
+    dw = ctx.reshape(dw, (o, *ks, c))
+    return ctx.op("Transpose", dw, perm=[0, nd + 1, *range(1, nd + 1)], shape=(o, c, *ks))
 
 
 def _weight_grad(ctx, x, gy, xs, gys, o, cg, ks, group, strides, dilations, pads):
