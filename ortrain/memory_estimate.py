@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ortrain.runtime.training_state import TrainingState
 
 MIB = 2**20
 
@@ -135,3 +139,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def held_state_bytes(state: TrainingState, reducer: object, zero_stage: int) -> StateBytes:
+    """What a trainer's rank holds now (``ORTTrainer.state_bytes``), from the storages of
+    its state's tensors and ``reducer``'s peaks in flight (None in a single process)."""
+    in_flight = getattr(reducer, "peak_open_numel", 0) + getattr(reducer, "peak_gathered_numel", 0)
+    return StateBytes(
+        world_size=getattr(reducer, "world_size", 1),
+        zero_stage=zero_stage if reducer is not None else 0,
+        parameters=storage_bytes([*state.params.values(), *state.shard_params]),
+        gradients=storage_bytes([*state.grads.values(), *state.shard_grads]),
+        in_flight=4 * in_flight,
+        optimizer_state=storage_bytes(state.opt_state.values()),
+    )

@@ -90,6 +90,31 @@ class RankMemory:
     measured_now: int
     graph: MemoryReport | None  # the whole-model gradient graph's plan, where there is one
 
+    @classmethod
+    def measure(
+        cls,
+        states: StateBytes,
+        reducer: object,
+        *,
+        runtime: int,
+        sessions: int,
+        activations: int,
+        graph: MemoryReport | None = None,
+    ) -> RankMemory:
+        """Now, with ``reducer``'s peaks (ZeRO-2/3; None in a single process)."""
+        return cls(
+            states=states,
+            runtime=runtime,
+            buckets=4 * getattr(reducer, "peak_open_numel", 0),
+            gathered=4 * getattr(reducer, "peak_gathered_numel", 0),
+            first_step=4 * getattr(reducer, "first_step_numel", 0),
+            activations=activations,
+            sessions=sessions,
+            measured_peak=peak_resident_bytes(),
+            measured_now=resident_bytes(),
+            graph=graph,
+        )
+
     @property
     def total(self) -> int:
         # the states' in-flight bytes are ``buckets + gathered``, listed on their own

@@ -52,11 +52,11 @@ from ortrain.export import (
 from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
-from ortrain.memory_estimate import StateBytes, storage_bytes
+from ortrain.memory_estimate import StateBytes, held_state_bytes, storage_bytes
 from ortrain.optim.from_torch import group_values, optimizer_spec
 from ortrain.options import TrainerOptions
 from ortrain.program import ProgramSegment, TrainingProgram
-from ortrain.rank_memory import RankMemory, peak_resident_bytes, resident_bytes
+from ortrain.rank_memory import RankMemory, resident_bytes
 from ortrain.runtime.binder import bind_eval_graph, bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.heap import trim_heap
@@ -76,6 +76,7 @@ from ortrain.runtime.update_engines import (
     choose_engine,
     make_engine,
 )
+from ortrain.segments.grads import bind_grads, take_grads, take_reduced
 from ortrain.segments.training import SegmentedTraining
 from ortrain.verify import (
     EagerStep,
@@ -418,14 +419,18 @@ class ORTTrainer:
 
             agree_on_graph(self._reducer.comm, built, grad_params)  # type: ignore[attr-defined]
         if self.grad_params is None:
-            self.state.grad_params = grad_params
-            if self._engine.prepare():  # parameters or gradients moved: evals bind anew
-                self._graphs.eval.clear()
+            self._lay_out(grad_params)
         elif grad_params != self.grad_params:
             raise BatchError(
                 "this batch reaches a different set of parameters than the first one "
                 f"({sorted(set(grad_params) ^ set(self.grad_params))}); ortrain needs one set"
             )
+
+    def _lay_out(self, grad_params: list[str]) -> None:
+        """The first step's reached parameters: their gradients and the update laid out."""
+        self.state.grad_params = grad_params
+        if self._engine.prepare():  # parameters or gradients moved: evals bind anew
+            self._graphs.eval.clear()
 
     def _eval_graph(self, batch: Mapping[str, Any], fresh: bool = False) -> CompiledGraph:
         """``batch``'s evaluation graph (``WholeGraphs.build_eval``), bound by role."""
@@ -621,8 +626,7 @@ class ORTTrainer:
         # ZeRO-2 takes each gradient from autograd as it is made (distributed/sharded_grads.py)
         collecting = getattr(self._reducer, "collecting", None)
         if collecting is None:
-            for p in st.grad_params or []:
-                named[p].grad = st.grads[p]
+            bind_grads(st, named)
         scale = self.scaler.scale if self.scaler is not None else None
         if scale is not None:
             st.loss_scale.fill_(scale)
@@ -633,58 +637,11 @@ class ORTTrainer:
             self.micro_step = 0  # the window starts over (its sums are incomplete)
             raise
         if collecting is None:
-            self._take_grads(named)
+            take_grads(st, named, self._lay_out)
         else:
-            self._take_reduced(self._reducer.reached)  # type: ignore[union-attr]
+            take_reduced(st, self._reducer.reached, self._lay_out)  # type: ignore[union-attr]
         st.loss.copy_(loss)
         return self._end_micro_step(loss.clone())
-
-    def _take_grads(self, named: dict[str, torch.nn.Parameter]) -> None:
-        """Torch's ``.grad`` into the state's gradient buffers (the first step lays them
-        out: the parameters with a gradient are the ones the loss reaches)."""
-        st = self.state
-        if st.grad_params is None:
-            reached = [n for n in self.trainable if named[n].grad is not None]
-            if not reached:
-                raise BatchError("the loss reaches no trainable parameter")
-            first = {n: named[n].grad.detach().clone() for n in reached}  # type: ignore[union-attr]
-            for n in reached:
-                named[n].grad = None
-            st.grad_params = reached
-            if self._engine.prepare():
-                self._graphs.eval.clear()
-            for n, g in first.items():
-                st.grads.setdefault(n, torch.zeros_like(st.params[n])).copy_(g)
-            return
-        extra = [n for n in self.trainable if n not in st.grad_params and named[n].grad is not None]
-        if extra:
-            raise BatchError(
-                f"this batch reaches parameters the first one did not ({sorted(extra)}); "
-                "ortrain needs one set"
-            )
-        for n in st.grad_params:
-            g, got = st.grads[n], named[n].grad
-            if got is not None and got is not g:
-                g.copy_(got)  # a new tensor (the user set .grad to None): the window's sum
-                named[n].grad = g
-
-    def _take_reduced(self, reached: set[str]) -> None:
-        """ZeRO-2's gradients are reduced already: the first step learns which parameters
-        the loss reaches (and lays out the update); a later one may not reach others."""
-        st = self.state
-        if st.grad_params is None:
-            if not reached:
-                raise BatchError("the loss reaches no trainable parameter")
-            st.grad_params = [n for n in self.trainable if n in reached]
-            if self._engine.prepare():
-                self._graphs.eval.clear()
-            return
-        extra = reached - set(st.grad_params)
-        if extra:
-            raise BatchError(
-                f"this batch reaches parameters the first one did not ({sorted(extra)}); "
-                "ortrain needs one set"
-            )
 
     @property
     def program(self) -> TrainingProgram:
@@ -785,34 +742,19 @@ class ORTTrainer:
             activations = self._segments.model.tally.peak
         else:
             activations = graph.arena_peak_bytes if graph is not None else 0
-        reducer = self._reducer
-        return RankMemory(
-            states=self.state_bytes(),
+        return RankMemory.measure(
+            self.state_bytes(),
+            self._reducer,
             runtime=self._runtime_bytes,
-            buckets=4 * getattr(reducer, "peak_open_numel", 0),
-            gathered=4 * getattr(reducer, "peak_gathered_numel", 0),
-            first_step=4 * getattr(reducer, "first_step_numel", 0),
-            activations=activations,
             sessions=self._session_bytes,
-            measured_peak=peak_resident_bytes(),
-            measured_now=resident_bytes(),
+            activations=activations,
             graph=graph,
         )
 
     def state_bytes(self) -> StateBytes:
         """The model-state bytes this rank holds now, by class (``ortrain/memory_estimate.py``;
         ``ortrain.estimate_memory`` predicts them before a run)."""
-        st, reducer = self.state, self._reducer
-        stage = self.options.zero_stage if reducer is not None else 0
-        return StateBytes(
-            world_size=reducer.world_size if reducer is not None else 1,
-            zero_stage=stage,
-            parameters=storage_bytes([*st.params.values(), *st.shard_params]),
-            gradients=storage_bytes([*st.grads.values(), *st.shard_grads]),
-            in_flight=4
-            * (getattr(reducer, "peak_open_numel", 0) + getattr(reducer, "peak_gathered_numel", 0)),
-            optimizer_state=storage_bytes(st.opt_state.values()),
-        )
+        return held_state_bytes(self.state, self._reducer, self.options.zero_stage)
 
     @property
     def update_graph(self) -> ir.Model | None:
