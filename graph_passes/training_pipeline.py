@@ -26,11 +26,15 @@ left out with ``optimize=False``):
 3.  fuse_gelu*         decomposed GELU chains -> Gelu (fewer nodes to differentiate)
 4.  fusions*           LayerNorm, FusedMatMul, Gemm, BiasGelu (``ortrain.graph_passes.fusions``)
     pow_as_mul*        Pow(x, 2 or 3) as products (after the fusions whose patterns read Pow)
+    batch_norm_training  a BatchNorm fed batch statistics computed beside it as one
+                       training-mode BatchNormalization (``cpu_kernels=True``, fp32: its
+                       backward is then one ``ortrain.cpu.BatchNormGrad``)
     label_sparsity*    loss heads run on the labelled rows only (``label_rows`` given)
 5.  mixed_precision    fp16/bf16 compute from half copies of the fp32 parameters
 6.  loss_scaling       differentiate ``loss * loss_scale`` (a graph input)
 7.  autodiff           minimal gradient graph, outputs ``grad:<param>`` (``cpu_kernels=True``:
-                       GELU, LayerNorm and Softmax backwards as fused ``ortrain.cpu`` ops)
+                       GELU, LayerNorm, BatchNorm and Softmax backwards as fused
+                       ``ortrain.cpu`` ops)
     drop_stop_gradients  ``x.detach()`` / ``torch.no_grad()`` markers removed once
                        autodiff has stopped the gradient there (``ortrain/stop_gradient.py``)
 8.  fold_transpose_gemm* / lower_cross_entropy*   backward and loss kernels
@@ -122,6 +126,7 @@ from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
 from ortrain.graph_passes.prepare.inline_control_flow import inline_control_flow
 from ortrain.graph_passes.prepare.masked_attention_rows import fix_masked_attention_rows
 from ortrain.graph_passes.prepare.unroll_rnn import unroll_rnns
+from ortrain.graph_passes.targets.cpu.batch_norm_training import train_batch_norms
 from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
 from ortrain.graph_passes.targets.cpu.blas_gemm import lower_gemm_to_blas
 from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_products
@@ -349,6 +354,11 @@ def pipeline_entries(
             Pass("pow_as_mul", pow_as_mul, stage="cleanup", gate=opt, test=test_passes,
                  on_eval=True),
             _optimize,
+        ),
+        Entry(
+            Pass("batch_norm_training", train_batch_norms, stage="prepare", target="cpu",
+                 gate="cpu_kernels, fp32", test="tests/test_grad_kernels.py"),
+            lambda c, i: c.cpu_kernels and c.mixed_precision is None,
         ),
         Entry(
             Pass("label_sparsity", lambda m: shrink_label_rows(m, rows), stage="training",

@@ -227,12 +227,18 @@ def test_training_graph_writes_the_statistics_and_eval_graph_reads_them() -> Non
     trainer = check_against_eager(cnn2d, {}, eval_every=3)
     (compiled,) = trainer._graphs.train.values()
     norms = [n for n in compiled.model.graph if n.op_type == "BatchNormalization"]
-    # batch statistics, never the buffers: ONNX Runtime's training-mode kernel would
-    # write into them (ortrain/buffer_updates.py)
+    # never the buffers: ONNX Runtime's training-mode kernel would write into them
+    # (ortrain/buffer_updates.py). On CPU with ortrain's kernels each is training-mode
+    # with constants for running inputs (targets/cpu/batch_norm_training.py), its
+    # backward one BatchNormGrad; else inference-mode, fed the batch statistics.
     assert len(norms) == 2
+    kernels = trainer._settings().cpu_kernels
     for n in norms:
-        assert n.attributes.get_int("training_mode", 0) == 0
+        assert n.attributes.get_int("training_mode", 0) == int(kernels)
         assert not any(v.is_graph_input() for v in n.inputs[3:])
+        assert all(v.const_value is not None for v in n.inputs[3:]) == kernels
+    grads = [n for n in compiled.model.graph if n.op_type == "BatchNormGrad"]
+    assert len(grads) == (2 if kernels else 0)
     updated = {r.of for r in compiled.graph.io if r.role is Role.UPDATED_BUFFER}
     assert updated == {n for n, _ in trainer.module.named_buffers()}
     (ev,) = trainer._graphs.eval.values()

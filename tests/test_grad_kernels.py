@@ -21,6 +21,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from onnx import TensorProto, helper
 from scipy.special import erf
 
@@ -164,6 +165,108 @@ def test_layer_norm_grad_names_bad_shapes() -> None:
         _run("LayerNormGrad", dict(feeds, mean=feeds["mean"][:3]), outputs=3)
     with pytest.raises(Exception, match=r"LayerNormGrad: dY is \[4, 7\] but X is \[4, 8\]"):
         _run("LayerNormGrad", dict(feeds, dY=feeds["dY"][:, :7]), outputs=3)
+
+
+# --------------------------------------------------------------------------- BatchNorm
+def _batch_norm_feeds(shape: tuple[int, ...], seed: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "dY": _f32(rng, shape),
+        "X": _f32(rng, shape, 3.0) + 1.5,  # off zero: the mean matters
+        "scale": _f32(rng, shape[1:2]) + 1.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "shape", [(4, 3, 5, 5), (2, 7, 33), (16, 64, 8, 8), (5, 3), (2, 3, 4, 5, 6), (1, 2, 1)], ids=str
+)
+def test_batch_norm_grad_matches_float64(shape: tuple[int, ...]) -> None:
+    feeds = _batch_norm_feeds(shape)
+    dx, dscale, dbias = _run("BatchNormGrad", feeds, outputs=3)
+    dy, x, scale = (feeds[k].astype(np.float64) for k in ("dY", "X", "scale"))
+    axes = (0, *range(2, len(shape)))
+    channel = [1, shape[1]] + [1] * (len(shape) - 2)
+    m = math.prod(shape) // shape[1]
+    mean = x.mean(axes, keepdims=True)
+    rstd = 1 / np.sqrt(x.var(axes, keepdims=True) + 1e-5)
+    xhat = (x - mean) * rstd
+    m1, m2 = dy.mean(axes, keepdims=True), (dy * xhat).mean(axes, keepdims=True)
+    k = scale.reshape(channel) * rstd
+    want_dx = k * (dy - m1 - xhat * m2)
+    mag = np.abs(k) * (np.abs(dy) + np.abs(dy).mean(axes, keepdims=True) * (1 + np.abs(xhat)) * 2)
+    _assert_close(dx, want_dx, mag, ulps=16 * math.sqrt(m))
+    _assert_close(dscale, (dy * xhat).sum(axes), np.abs(dy * xhat).sum(axes), 8 * math.sqrt(m))
+    _assert_close(dbias, dy.sum(axes), np.abs(dy).sum(axes), ulps=4 * math.sqrt(m))
+
+
+def test_batch_norm_grad_reads_epsilon_and_does_not_depend_on_threads() -> None:
+    feeds = _batch_norm_feeds((8, 6, 7, 7), seed=5)
+    one = _run("BatchNormGrad", feeds, outputs=3, threads=1)
+    two = _run("BatchNormGrad", feeds, outputs=3, threads=2)
+    for a, b in zip(one, two, strict=True):
+        assert np.array_equal(a, b)
+    # a constant channel: its variance is 0, and epsilon alone sets the scale of dX
+    flat = dict(feeds, X=np.full((8, 6, 7, 7), 2.0, np.float32))
+    dx = _run("BatchNormGrad", flat, outputs=3)[0]
+    want = (
+        feeds["scale"].reshape(1, 6, 1, 1)
+        / math.sqrt(1e-5)
+        * (feeds["dY"] - feeds["dY"].mean((0, 2, 3), keepdims=True))
+    )
+    assert np.allclose(dx, want, rtol=1e-4, atol=1e-3)
+
+
+def test_batch_norm_grad_names_bad_shapes() -> None:
+    feeds = _batch_norm_feeds((4, 3, 2))
+    with pytest.raises(Exception, match=r"BatchNormGrad: scale has 2 elements, X's channels 3"):
+        _run("BatchNormGrad", dict(feeds, scale=feeds["scale"][:2]), outputs=3)
+    with pytest.raises(Exception, match=r"BatchNormGrad: dY is \[4, 3, 1\] but X is \[4, 3, 2\]"):
+        _run("BatchNormGrad", dict(feeds, dY=feeds["dY"][:, :, :1]), outputs=3)
+
+
+def test_batch_norm_training_pass_takes_the_exported_statistics_only() -> None:
+    """The exporter's batch statistics beside an inference-mode BatchNorm become one
+    training-mode node; statistics over other axes, or a var that is not the biased
+    variance of the same x, stay."""
+    from ortrain.graph_passes.targets.cpu.batch_norm_training import train_batch_norms
+
+    def model(var_axes: list[int], square: bool = True) -> ir.Model:
+        mk = helper.make_node
+        nodes = [
+            mk("ReduceMean", ["x", "axes"], ["mean"], keepdims=0),
+            mk("ReduceMean", ["x", "axes"], ["mean_k"], keepdims=1),
+            mk("Sub", ["x", "mean_k"], ["d"]),
+            mk("Mul", ["d", "d" if square else "x"], ["sq"]),
+            mk("ReduceMean", ["sq", "var_axes"], ["var"], keepdims=0),
+            mk("BatchNormalization", ["x", "s", "b", "mean", "var"], ["y"], epsilon=1e-3),
+        ]
+        inits = [
+            helper.make_tensor("axes", I64, [3], [0, 2, 3]),
+            helper.make_tensor("var_axes", I64, [len(var_axes)], var_axes),
+        ]
+        vis = [helper.make_tensor_value_info("x", F32, [2, 3, 4, 4])]
+        vis += [helper.make_tensor_value_info(n, F32, [3]) for n in ("s", "b")]
+        out = [helper.make_tensor_value_info("y", F32, [2, 3, 4, 4])]
+        graph = helper.make_graph(nodes, "g", vis, out, initializer=inits)
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        return ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto))
+
+    good = model([0, 2, 3])
+    assert train_batch_norms(good) == 1
+    (bn,) = [n for n in good.graph if n.op_type == "BatchNormalization"]
+    assert bn.attributes.get_int("training_mode") == 1 and len(bn.outputs) == 3
+    assert bn.attributes.get_float("epsilon") == pytest.approx(1e-3)
+    assert all(v.const_value is not None for v in bn.inputs[3:])
+    proto = ir.serde.serialize_model(good)
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    x, s, b = _f32(rng, (2, 3, 4, 4)), _f32(rng, (3,)), _f32(rng, (3,))
+    (y,) = sess.run(["y"], {"x": x, "s": s, "b": b})
+    ref = F.batch_norm(torch.from_numpy(x), None, None, torch.from_numpy(s), torch.from_numpy(b),
+                       training=True, eps=1e-3)  # fmt: skip
+    assert np.allclose(y, ref.numpy(), rtol=1e-5, atol=1e-5)
+    assert train_batch_norms(model([0, 2])) == 0
+    assert train_batch_norms(model([0, 2, 3], square=False)) == 0
 
 
 # --------------------------------------------------------------------------- scatter

@@ -23,6 +23,12 @@
  *     dX = inv_std * (g - mean(g) - xhat * mean(g * xhat)) (+ dsum: the gradient X's other
  *     readers sent, added in the same pass; graph_passes/targets/cpu/layer_norm_grad_sum.py),
  *     dscale = sum over rows of dY * xhat, dbias = sum over rows of dY.
+ *   BatchNormGrad(dY, X, scale) -> dX, dscale, dbias   training-mode BatchNorm over X
+ *     [N, C, ...] (channel axis 1): the batch statistics recomputed per channel (mean,
+ *     biased variance, ``epsilon``), xhat = (X - mean) * inv_std,
+ *     dX = scale * inv_std * (dY - mean(dY) - xhat * mean(dY * xhat)),
+ *     dscale = sum of dY * xhat, dbias = sum of dY over every axis but the channel's.
+ *     One block per channel, whose N rows of X and dY stay in cache across its passes.
  *   ScatterAddRows(base, rows, updates) -> out   out = base; out[rows[i]] += updates[i]
  *     (base [V, ...], rows int64 [N] (or [N, 1]), updates [N, ...]; an embedding's
  *     gradient: ScatterElements(add) with the row index expanded over each row, one
@@ -460,5 +466,107 @@ OrtStatus* ortrain_scatter_add_columns_compute(void* kernel, OrtKernelContext* c
   free(start);
   free(order);
   free(dest);
+  return NULL;
+}
+
+/* ------------------------------------------------------- BatchNorm backward */
+typedef struct {
+  const float *dy, *x, *scale;
+  float *dx, *dscale, *dbias;
+  int64_t n, c, inner; /* X is [n, c, inner] */
+  float epsilon;
+} BatchNorm;
+
+/* sum of a[i] - shift, and of its square (16 lanes: the loops vectorize) */
+static void shifted_sums(const float* restrict a, int64_t len, float shift, double* sum,
+                         double* sq) {
+  float s[16] = {0}, q[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      float d = a[i + j] - shift;
+      s[j] += d;
+      q[j] += d * d;
+    }
+  for (int j = 0; j < 16; ++j) *sum += s[j], *sq += q[j];
+  for (; i < len; ++i) {
+    float d = a[i] - shift;
+    *sum += d;
+    *sq += (double)d * d;
+  }
+}
+
+/* sum of g, and of g * (x - mean) * rs */
+static void grad_sums(const float* restrict g, const float* restrict x, int64_t len, float mean,
+                      float rs, double* s1, double* s2) {
+  float a[16] = {0}, b[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      a[j] += g[i + j];
+      b[j] += g[i + j] * ((x[i + j] - mean) * rs);
+    }
+  for (int j = 0; j < 16; ++j) *s1 += a[j], *s2 += b[j];
+  for (; i < len; ++i) {
+    *s1 += g[i];
+    *s2 += g[i] * ((x[i] - mean) * rs);
+  }
+}
+
+static void batch_norm_block(void* work, size_t b) {
+  const BatchNorm* w = (const BatchNorm*)work;
+  const int64_t inner = w->inner, stride = w->c * inner, ch = (int64_t)b;
+  const double count = (double)w->n * (double)inner;
+  const float* x = w->x + ch * inner; /* sample i's row: x + i * stride */
+  const float* dy = w->dy + ch * inner;
+  float* dx = w->dx + ch * inner;
+  double sum = 0.0, sq = 0.0;
+  for (int64_t i = 0; i < w->n; ++i) shifted_sums(x + i * stride, inner, 0.0f, &sum, &sq);
+  const float mean = (float)(sum / count);
+  sum = sq = 0.0; /* the variance from the centered values: no cancellation */
+  for (int64_t i = 0; i < w->n; ++i) shifted_sums(x + i * stride, inner, mean, &sum, &sq);
+  const float rs = (float)(1.0 / sqrt(sq / count + (double)w->epsilon));
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t i = 0; i < w->n; ++i)
+    grad_sums(dy + i * stride, x + i * stride, inner, mean, rs, &s1, &s2);
+  const float m1 = (float)(s1 / count), m2 = (float)(s2 / count), k = w->scale[ch] * rs;
+  for (int64_t i = 0; i < w->n; ++i) {
+    const float* restrict xr = x + i * stride;
+    const float* restrict gr = dy + i * stride;
+    float* restrict out = dx + i * stride;
+#pragma omp simd
+    for (int64_t j = 0; j < inner; ++j) out[j] = k * (gr[j] - m1 - (xr[j] - mean) * rs * m2);
+  }
+  w->dscale[ch] = (float)s2;
+  w->dbias[ch] = (float)s1;
+}
+
+OrtStatus* ortrain_batch_norm_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor dy, x, scale;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &x)) ||
+      (st = input(k, ctx, 2, &scale)))
+    return st;
+  if ((st = same_shape(k, &dy, "dY", &x, "X"))) return st;
+  if (x.rank < 2)
+    return ort_invalid(k->api, "ortrain.cpu.BatchNormGrad: X has rank %lld, expected [N, C, ...]",
+                       (long long)x.rank);
+  const int64_t n = x.dims[0], c = x.dims[1];
+  if (scale.count != c)
+    return ort_invalid(k->api,
+                       "ortrain.cpu.BatchNormGrad: scale has %lld elements, X's channels %lld",
+                       (long long)scale.count, (long long)c);
+  BatchNorm w = {(const float*)dy.data, (const float*)x.data, (const float*)scale.data,
+                 NULL, NULL, NULL, n, c, (n && c) ? x.count / (n * c) : 0, k->epsilon};
+  const int64_t vec[1] = {c};
+  if ((st = output(k, ctx, 0, x.dims, x.rank, &w.dx)) ||
+      (st = output(k, ctx, 1, vec, 1, &w.dscale)) || (st = output(k, ctx, 2, vec, 1, &w.dbias)))
+    return st;
+  if (x.count == 0) {
+    for (int64_t i = 0; i < c; ++i) w.dscale[i] = w.dbias[i] = 0.0f;
+    return NULL;
+  }
+  for_blocks(k, ctx, batch_norm_block, (size_t)c, &w);
   return NULL;
 }

@@ -139,7 +139,7 @@ enum { TRANSPOSED_ROWS = 16, TILE_COLUMNS = 256 };
 typedef struct {
   const OrtApi* api;
   const char* name; /* the op's name, for messages */
-  float epsilon;    /* the "epsilon" attribute (LayerNorm), default 1e-5 */
+  float epsilon;    /* the "epsilon" attribute (LayerNorm, BatchNormGrad), default 1e-5 */
   int omp_team;     /* the "omp_team" attribute, default 1: 0 keeps this node's blocks on
                        ONNX Runtime's threads (graph_passes/targets/cpu/kernel_threads.py) */
   int grad_transposed; /* AdamStep's "grad_transposed" attribute, default 0 */
@@ -287,6 +287,7 @@ OrtStatus* ortrain_gelu_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_batch_norm_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_add_columns_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_softmax_compute(void* kernel, OrtKernelContext* ctx);

@@ -12,6 +12,10 @@ axis is 1 and the statistics run over every other axis.
    not depend on input_mean/input_var (their gradient is zero); a gradient flowing into
    the running statistics is refused (they feed buffer updates, not the loss).
 
+On a CPU build with ortrain's kernels (``GradContext.cpu_kernels``) case 2 is one fused
+``ortrain.cpu.BatchNormGrad`` (``ortrain/runtime/grad_kernels.c``) instead of a dozen
+full-size element-wise ops and reductions; the standard spelling stays its reference.
+
 Opsets 9-13 express training mode by 5 outputs (with saved statistics): refused.
 ortrain's export never emits training mode (ortrain/buffer_updates.py): ONNX Runtime's
 kernel writes the running statistics into its mean/var inputs.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from ortrain.core.names import CPU_DOMAIN
 from ortrain.graph_passes.autodiff.context import GradContext
 from ortrain.graph_passes.autodiff.registry import gradient
 
@@ -114,6 +119,8 @@ def _training(ctx: GradContext) -> dict[int, ir.Value]:
             out[k] = ctx.zeros((c,), ctx.I(k).dtype)
     if g is None:
         return out
+    if ctx.kernel_for(x, scale, g):
+        return {**out, **_training_kernel(ctx, x, scale, g, shape)}
     red = ctx.ints(axes)
     mean = ctx.op("ReduceMean", x, red, keepdims=1, shape=channel)
     centered = ctx.op("Sub", x, mean, shape=shape)
@@ -131,3 +138,18 @@ def _training(ctx: GradContext) -> dict[int, ir.Value]:
         coef = ctx.op("Mul", ctx.reshape(scale, channel), rstd, shape=channel)
         out[0] = ctx.op("Mul", inner, coef, shape=shape)
     return out
+
+
+def _training_kernel(
+    ctx: GradContext, x: ir.Value, scale: ir.Value, g: ir.Value, shape: tuple[int, ...]
+) -> dict[int, ir.Value]:
+    """Case 2 as one ``ortrain.cpu.BatchNormGrad`` (the statistics recomputed inside)."""
+    c = shape[1]
+    eps = float(ctx.attr("epsilon", 1e-5))
+    dx, dscale, dbias = ctx.op_multi(
+        "BatchNormGrad", g, x, scale, domain=CPU_DOMAIN, num_outputs=3, epsilon=eps
+    )
+    for v, s in ((dx, shape), (dscale, (c,)), (dbias, (c,))):
+        v.dtype, v.shape = x.dtype, ir.Shape(list(s))
+    wanted = {0: dx, 1: dscale, 2: dbias}
+    return {i: v for i, v in wanted.items() if ctx.needs(i)}
