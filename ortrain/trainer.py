@@ -1,12 +1,23 @@
 """ORTTrainer: a PyTorch training loop's model + optimizer, run as ONNX Runtime graphs.
 
-Per batch shape signature the module is exported once and turned into a gradient
-graph (forward + minimal backward); one update engine (``runtime/update_engines.py``:
-the update graph, fused kernels, or the update inside the backward) serves all
-signatures. Parameters, gradients and optimizer state live in one ``TrainingState``
-(``runtime/training_state.py``) whose memory ONNX Runtime reads and writes in place
-through IOBinding; a step moves only the batch in and the loss out. The trainer builds,
-binds and steps; distributed/ and the checkpoints use the state and public methods.
+The trainer decides what runs and steps it; the parts live beside it:
+
+- the whole model's graphs by batch signature (``ortrain/whole_graph.py``: one export per
+  signature, a training graph per label-row bucket, the evaluation graph from the same
+  export), each bound to the state by role (``runtime/binder.py``);
+- one update engine for all signatures (``runtime/update_engines.py``: the update graph,
+  fused kernels, torch's, or the update inside the backward), chosen by
+  ``choose_engine``;
+- parameters, gradients and optimizer state in one ``TrainingState``
+  (``runtime/training_state.py``) whose memory ONNX Runtime reads and writes in place
+  through IOBinding, so a step moves only the batch in and the loss out; the reducers
+  (``ortrain/distributed``) and the checkpoints take that state, never the trainer;
+- eager PyTorch beside the graphs (``ortrain/first_step.py``): every graph's first step
+  checked against it, evaluation that falls back to it;
+- compiled segments inside torch autograd (``ortrain/segments``) once the model cannot be
+  one graph, or by choice (``segments="blocks"``, ZeRO-2/3).
+
+``ORTTrainer.program`` describes what the model is compiled into.
 """
 
 from __future__ import annotations

@@ -761,6 +761,20 @@ def test_conv_backward_is_spelled_in_the_fast_forms(
     assert ops.count("MatMul") == products, ops
 
 
+def test_conv_weight_gradient_with_a_large_patch_index_keeps_the_conv(monkeypatch) -> None:
+    from ortrain.graph_passes.autodiff.rules import conv
+
+    # 9 taps x 6 x 6 output positions = 324 index entries: one fewer than needed
+    monkeypatch.setattr(conv, "PATCH_INDEX", 323)
+    spec = case("Conv2d-large-index", "Conv", [X(2, 3, 8, 8), X(4, 3, 3, 3), X(4)],
+                _conv_ref(2), attrs={})  # fmt: skip
+    res, _ = check_gradients(spec)
+    from ortrain.graph_passes.infra.tags import is_backward
+
+    ops = [n.op_type for n in res.model.graph if is_backward(n)]
+    assert ops.count("Gather") == 0 and ops.count("Conv") == 2, ops  # dx and dw as Convs
+
+
 def test_conv_weight_gradient_over_a_large_batch_is_taken_in_chunks(monkeypatch) -> None:
     from ortrain.graph_passes.autodiff.rules import conv
 

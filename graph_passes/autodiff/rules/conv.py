@@ -12,13 +12,13 @@ With y = conv(x, w) over the spatial axes:
 - dw correlates x with dy, summed over the batch. Ungrouped, it is a matrix product of
   dy with x's patches per sample (``_weight_grad_patches``, im2col: one Gather of x laid
   out channels-last, a row per output position, a column per kernel tap and channel);
-  the patches take taps x x's memory, so a batch whose patches exceed
-  ``PATCH_BYTES`` is taken in chunks. Grouped (and with more than ``PATCH_TAPS`` taps,
-  whose index would outgrow the graph), a convolution in which channels and batch swap
-  roles (batch = the input channels of one group, channels = the batch), with stride
-  and dilation exchanged; trailing taps beyond the kernel (positions the forward never
-  read) are sliced off. That convolution's kernel is as large as dy's spatial extent,
-  which the backends run far below their rate.
+  the patches take taps x x's memory, so a batch whose patches exceed ``PATCH_BYTES``
+  is taken in chunks. Grouped (and with more than ``PATCH_TAPS`` taps or ``PATCH_INDEX``
+  (position, tap) pairs, whose index would outgrow the graph), a convolution in which
+  channels and batch swap roles (batch = the input channels of one group, channels =
+  the batch), with stride and dilation exchanged; trailing taps beyond the kernel
+  (positions the forward never read) are sliced off. That convolution's kernel is as
+  large as dy's spatial extent, which the backends run far below their rate.
 - db sums dy over the batch and spatial axes.
 
 Col2Im (torch's ``Fold``) adds image patches back into an image; its gradient gathers
@@ -40,6 +40,7 @@ from ortrain.graph_passes.autodiff.registry import gradient
 # taps (3 x 3 x 3), and patches of at most this many bytes at a time
 PATCH_TAPS = 27
 PATCH_BYTES = 1 << 28
+PATCH_INDEX = 1 << 21  # int64 entries of the gather index: 16 MiB in the graph
 
 
 def _pads(ctx: GradContext, xs, ks, gys, strides, dilations) -> list[int]:
@@ -89,7 +90,8 @@ def conv(ctx: GradContext):
             output_padding=[xs[2 + i] - reached[i] for i in range(nd)],
             shape=xs,
         )
-    if ctx.needs(1) and group == 1 and math.prod(ks) <= PATCH_TAPS:
+    patches = math.prod(ks) <= PATCH_TAPS and math.prod(ks) * math.prod(gys[2:]) <= PATCH_INDEX
+    if ctx.needs(1) and group == 1 and patches:
         out[1] = _weight_grad_patches(ctx, x, gy, xs, gys, o, ks, strides, dilations, pads)
     elif ctx.needs(1):
         out[1] = _weight_grad(ctx, x, gy, xs, gys, o, cg, ks, group, strides, dilations, pads)
