@@ -92,7 +92,7 @@ def run_ortrain(w: Workload) -> dict[str, Any]:
     loss = trainer.train_step(**batch).item()
     total = time.perf_counter() - t
     stages: dict[str, float] = {"export": 0.0, "passes": 0.0, "session": 0.0, "cache": 0.0}
-    for r in trainer.build_log + trainer._graph_cache.session_log:
+    for r in trainer.build_log + trainer._ctx.graph_cache.session_log:
         key = r.stage if r.stage in stages else "passes"
         stages[key] += r.seconds
     return {"total": total, "loss": loss, "cache_hits": trainer.cache_hits, **stages}

@@ -247,11 +247,11 @@ def setup_ortrain(
     cpu_gemm: str = "auto",
     cpu_kernels: str = "auto",
 ) -> Setup:
-    import ortrain.trainer as trainer_mod
+    import ortrain.program_context as context_mod
     from ortrain import ORTTrainer, TrainerOptions
 
     info: dict[str, Any] = {"session_init_s": 0.0}
-    make_session = trainer_mod.make_session
+    make_session = context_mod.make_session
 
     def timed_make_session(*args: Any, **kwargs: Any) -> Any:  # instrumentation only
         t = time.perf_counter()
@@ -260,7 +260,7 @@ def setup_ortrain(
         finally:
             info["session_init_s"] += time.perf_counter() - t
 
-    trainer_mod.make_session = timed_make_session
+    context_mod.make_session = timed_make_session
     options = TrainerOptions(
         intra_op_threads=threads,
         mixed_precision=precision,
@@ -278,7 +278,7 @@ def setup_ortrain(
         return float(trainer.train_step(**batch))
 
     def after_first() -> None:
-        trainer_mod.make_session = make_session
+        context_mod.make_session = make_session
         stages: dict[str, float] = {}
         for r in trainer.build_log:
             stages[r.stage] = stages.get(r.stage, 0.0) + r.seconds

@@ -12,8 +12,10 @@ A program is a list of segments and where the optimizer update runs:
 3. ``update``: the update engine's name; "backward" runs inside the training graph,
    every other engine after the backward.
 
-``ORTTrainer.program`` describes the trainer's current program; ``ortrain.explain`` prints
-it with the build log.
+The programs that run are ``WholeProgram`` (``ortrain/whole_program.py``) and
+``SegmentedProgram`` (``ortrain/segmented_program.py``); each describes itself as a
+``TrainingProgram`` (``describe``). ``ORTTrainer.program`` is the trainer's current one;
+``ortrain.explain`` prints it with the build log.
 """
 
 from __future__ import annotations

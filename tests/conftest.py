@@ -208,7 +208,7 @@ def _ort_threads_per_worker():
         yield
         return
     import ortrain.offline
-    import ortrain.trainer
+    import ortrain.program_context
     from ortrain.runtime import session
 
     real = session.make_session
@@ -217,7 +217,7 @@ def _ort_threads_per_worker():
         return real(model, threads=THREADS if threads is None else threads, **kw)
 
     patch = pytest.MonkeyPatch()
-    for module in (session, ortrain.trainer, ortrain.offline):
+    for module in (session, ortrain.program_context, ortrain.offline):
         patch.setattr(module, "make_session", per_worker)
     yield
     patch.undo()

@@ -232,7 +232,7 @@ def test_training_graph_writes_the_statistics_and_eval_graph_reads_them() -> Non
     # with constants for running inputs (targets/cpu/batch_norm_training.py), its
     # backward one BatchNormGrad; else inference-mode, fed the batch statistics.
     assert len(norms) == 2
-    kernels = trainer._settings().cpu_kernels
+    kernels = trainer._ctx.settings().cpu_kernels
     for n in norms:
         assert n.attributes.get_int("training_mode", 0) == int(kernels)
         assert not any(v.is_graph_input() for v in n.inputs[3:])

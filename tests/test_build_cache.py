@@ -79,7 +79,7 @@ def train(cfg: dict) -> dict:
         "build_count": trainer.build_count,
         "cache_hits": trainer.cache_hits,
         "stages": [[r.graph, r.stage] for r in trainer.build_log],
-        "sessions": [r.graph for r in trainer._graph_cache.session_log],
+        "sessions": [r.graph for r in trainer._ctx.graph_cache.session_log],
         "versions": hashlib.sha256(library_versions().encode()).hexdigest(),
         "trainer": trainer,
     }

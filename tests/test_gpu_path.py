@@ -595,7 +595,7 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
     gradient is zero in exact arithmetic (the attention key biases): each parameter
     element may also differ by what the two runs' gradient differences can move Adam's
     steps (tests/adam_noise.py), nothing where the gradients differ beyond float noise."""
-    import ortrain.trainer as trainer_mod
+    import ortrain.program_context as context_mod
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
     from tests.adam_noise import NOISE_FLOOR, AdamDrift, TrainerGradients, assert_params_close
@@ -624,7 +624,7 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         if reducer:
             monkeypatch.setattr(
-                trainer_mod,
+                context_mod,
                 "join_process_group",
                 lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
             )
@@ -695,7 +695,7 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
     fp16, dynamic loss scaling). Without clipping: its norm is summed in another order
     over a shard, and AdamW turns that noise into steps of up to lr where a gradient is
     zero in exact arithmetic (the 2- and 3-rank tests clip)."""
-    import ortrain.trainer as trainer_mod
+    import ortrain.program_context as context_mod
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
 
@@ -719,7 +719,7 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if reducer:
             monkeypatch.setattr(
-                trainer_mod,
+                context_mod,
                 "join_process_group",
                 lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
             )
@@ -760,7 +760,7 @@ def test_zero2_and_3_bucket_variable_lengths(world_of_one, monkeypatch, stage):
     padded to a few bucket lengths, as in one process: losses and parameters equal the
     single process's cut at the same blocks on the same batches, and the segments are
     built per bucket, not per length."""
-    import ortrain.trainer as trainer_mod
+    import ortrain.program_context as context_mod
     from ortrain.bucketing import bucket_length
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
@@ -776,7 +776,7 @@ def test_zero2_and_3_bucket_variable_lengths(world_of_one, monkeypatch, stage):
         with monkeypatch.context() as patch:
             if reducer:
                 patch.setattr(
-                    trainer_mod,
+                    context_mod,
                     "join_process_group",
                     lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
                 )

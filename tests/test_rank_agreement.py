@@ -86,7 +86,7 @@ def _abort(rank: int, out: Path) -> None:
     group directly.)"""
     from ortrain import RankFailureError
 
-    comm = _trainer(torch.nn.Linear(4, 4))._reducer.comm  # type: ignore[union-attr]
+    comm = _trainer(torch.nn.Linear(4, 4))._ctx.reducer.comm  # type: ignore[union-attr]
     try:
         comm.all_reduce(torch.zeros(1000 if rank == 0 else 10))
         comm.barrier()

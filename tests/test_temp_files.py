@@ -84,14 +84,14 @@ def world_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """ZeRO-1 over a gloo group of one process: sharded checkpoints without torchrun."""
     import torch.distributed as dist
 
-    import ortrain.trainer as trainer_mod
+    import ortrain.program_context as context_mod
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     monkeypatch.setattr(
-        trainer_mod,
+        context_mod,
         "join_process_group",
         lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
     )

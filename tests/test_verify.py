@@ -488,7 +488,7 @@ def test_eager_runs_get_the_batch_on_the_modules_device():
     batch stopped with 'index is on cpu' before this."""
     model = torch.nn.Linear(3, 2)
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert trainer._eager.device == trainer.device
+    assert trainer._ctx.eager.device == trainer.device
     eager = EagerSide(model, None, torch.device("meta"), Tolerance.of(None), exact=True)
     batch = {"input": torch.ones(2, 3), "ids": torch.tensor([1, 2]), "flag": True}
     moved = eager.on_device(batch)
@@ -504,16 +504,16 @@ def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatc
     graph's is lower): the check takes eager's step in a forked child, once per new
     signature, before the graph is built."""
     import ortrain.first_step as first_step_mod
-    import ortrain.trainer as trainer_mod
+    import ortrain.program_context as context_mod
 
     calls: list[str] = []
-    real = trainer_mod.call_forked
+    real = context_mod.call_forked
 
     def recording(job, what):
         calls.append(what)
         return real(job, what=what)
 
-    monkeypatch.setattr(trainer_mod, "call_forked", recording)  # the builds
+    monkeypatch.setattr(context_mod, "call_forked", recording)  # the builds
     monkeypatch.setattr(first_step_mod, "call_forked", recording)  # the eager steps
     monkeypatch.delenv("ORTRAIN_BUILD_IN_PROCESS", raising=False)
     monkeypatch.delenv("ORTRAIN_EXPORT_IN_PROCESS", raising=False)

@@ -1,6 +1,6 @@
 """One build configuration: every option the graph passes read, resolved once.
 
-``BuildConfig`` is made from the trainer's options and optimizer (``ORTTrainer._settings``),
+``BuildConfig`` is made from the trainer's options and optimizer (``ProgramContext.settings``),
 by ``ortrain/offline.py`` and by the benchmarks; ``graph_passes.training_pipeline``'s
 ``build_pipeline`` turns it into the ordered pass list. It is frozen: a build cannot
 change it, and its ``repr`` is part of the graph cache's key (``ortrain/build_cache.py``).

@@ -1,0 +1,274 @@
+"""What every program of a trainer is compiled and run with: ``ProgramContext``.
+
+A trainer's model runs as one of two programs (``ortrain/program.py``): the whole model as
+one training graph per batch signature (``ortrain/whole_program.py``), or compiled segments
+inside eager PyTorch (``ortrain/segmented_program.py``); evaluation has its own graphs
+(``ortrain/evaluation.py``). All of them share this context:
+
+- the options, the device and the CUDA stream the sessions run on, the build settings
+  made from them (``settings``), sessions (``session``) and builds in a forked child
+  (``run_build``);
+- the ``TrainingState`` (parameters, gradients, optimizer state, counters) and the
+  distributed reducer, made here once;
+- the update engine, chosen in one place (``choose_engine``: here at construction, and
+  again where a gradient graph cannot take the update in its backward or the model becomes
+  segments), and the end of a micro-step that runs it (``end_micro_step``);
+- the whole model's graphs by signature (``ortrain/whole_graph.py``), which training and
+  evaluation share (one export per signature), and eager beside them
+  (``ortrain/first_step.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from ortrain.build import StageRecord
+from ortrain.build_cache import GraphCache
+from ortrain.core.build_config import BuildConfig
+from ortrain.core.errors import NonFiniteLossError
+from ortrain.core.names import UpdateInBackwardError
+from ortrain.core.optimizer_spec import OptimizerSpec
+from ortrain.distributed import join_process_group
+from ortrain.export import LossFn, warn_sdpa
+from ortrain.first_step import EagerSide
+from ortrain.forked import call_forked, can_fork
+from ortrain.loss_scaler import LossScaler
+from ortrain.optim.from_torch import group_values, optimizer_spec
+from ortrain.options import TrainerOptions
+from ortrain.rank_memory import resident_bytes
+from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
+from ortrain.runtime.session import BoundSession, check_device, make_session
+from ortrain.runtime.training_state import TrainingState
+from ortrain.runtime.update_engines import (
+    EngineEnv,
+    EngineFacts,
+    Reducer,
+    UpdateEngine,
+    choose_engine,
+    make_engine,
+)
+from ortrain.step_errors import window_restarts
+from ortrain.verify import Tolerance
+from ortrain.whole_graph import WholeGraphs
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from ortrain.build import BuiltGraph
+
+T = TypeVar("T")
+
+
+class ProgramContext:
+    """``module`` trained with ``optimizer`` under ``options``: the state, the engine and
+    the means to build and run its graphs."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: TrainerOptions,
+        loss_fn: LossFn | None,
+    ):
+        self.module = module
+        self.optimizer = optimizer
+        self.options = options
+        self.loss_fn = loss_fn
+        self.device = torch.device(options.device)
+        check_device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the current device (torchrun: the rank's, after torch.cuda.set_device), so that
+            # ONNX Runtime's sessions, the stream and the collectives all use the same GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # fp32 products on the BLAS custom op (graph_passes/targets/cpu/blas_gemm.py): decided
+        # (and the op built) once, before any build
+        self.blas_gemm = use_blas_gemm(options.cpu_gemm, self.device.type)
+        self.blas_batch = self.blas_gemm and has_sgemm_batch()
+        self.cpu_kernels = use_grad_kernels(options.cpu_kernels, self.device.type)
+        # CUDA: the module lives on the device; ONNX Runtime runs on a stream of ours
+        # (torch's default stream cannot be handed to it) that a step makes current.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            module.to(self.device)
+        named = dict(module.named_parameters())
+        self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
+        # Loss scaling: the backward is seeded with the scale; the update reports whether
+        # the gradients were finite (and skips the update if not). Parameters share memory
+        # with the module on CPU: updates are visible in place.
+        ls = options.resolved_loss_scale
+        self.state = TrainingState.of_module(
+            module,
+            self.spec,
+            self.device,
+            optimizer=optimizer,
+            scaler=None if ls is None else LossScaler.from_option(ls),
+            max_grad_norm=options.max_grad_norm,
+            accumulation=options.grad_accumulation_steps,
+        )
+        # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
+        self.graph_cache = GraphCache(options, module, loss_fn)
+        self.build_log: list[StageRecord] = []
+        self.graphs = WholeGraphs(module, loss_fn, self.graph_cache, self.run_build, self.build_log)
+        self.graph_dir = Path(options.save_graphs_dir) if options.save_graphs_dir else None
+        if self.graph_dir is not None:
+            self.graph_dir.mkdir(parents=True, exist_ok=True)
+        # torch.distributed (torchrun): data parallel or ZeRO-1/2/3 (ortrain.distributed);
+        # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
+        self.reducer: Reducer | None = join_process_group(self.state, options)
+        # every training Dropout's training_mode (prepare/dropout_switch.py): off only while
+        # a first step is checked against eager; on the host, where ONNX Runtime reads it
+        self.dropout_on = torch.ones((), dtype=torch.bool)
+        mp = options.mixed_precision
+        comm = getattr(self.reducer, "comm", None)  # every rank takes the same way
+        self.eager = EagerSide(
+            module,
+            loss_fn,
+            self.device,
+            Tolerance.of(mp),
+            exact=mp is None,
+            any_rank=bool if comm is None else comm.any,
+        )
+        self.session_bytes = 0  # resident bytes creating sessions added
+        self.segmented = False  # the model runs as segments (the update after torch's backward)
+        # What runs the optimizer update (runtime/update_engines.py): an engine the options
+        # ask for and these facts cannot run fails now.
+        self.engine: UpdateEngine = self.choose_engine()
+
+    @property
+    def world_size(self) -> int:
+        return self.reducer.world_size if self.reducer is not None else 1
+
+    def choose_engine(self, refused: UpdateInBackwardError | None = None) -> UpdateEngine:
+        facts = EngineFacts(
+            requested=self.options.update_engine,
+            device=self.device,
+            kind=self.spec.kind,
+            zero_stage=None if self.reducer is None else self.options.zero_stage,
+            cpu_kernels=self.cpu_kernels,
+            accumulation=self.options.grad_accumulation_steps,
+            clipping=self.options.max_grad_norm is not None,
+            fp32=self.options.mixed_precision is None and self.state.scaler is None,
+            refused=refused,
+            first_build=self.state.grad_params is None,
+            segmented=self.segmented,
+        )
+        env = EngineEnv(session=self.session, save=self.save, reducer=self.reducer)
+        return make_engine(choose_engine(facts), self.state, env)
+
+    def blocks_cause(self) -> str:
+        """Why the model is cut at its repeated blocks from the first step ("": it is not)."""
+        if self.reducer is not None and self.options.zero_stage >= 2:
+            return f"ZeRO-{self.options.zero_stage}"  # gradients reduced block by block
+        return "segments='blocks'" if self.options.segments == "blocks" else ""
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Run on the sessions' CUDA stream, ordered after the caller's stream's work (the
+        batch) and before its later work (reading the loss); a no-op on CPU."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
+
+    def session(self, model: ir.Model | BuiltGraph, *, graph_capture: bool = False) -> BoundSession:
+        before = resident_bytes()
+        session = make_session(
+            model,
+            threads=self.options.intra_op_threads,
+            device=self.device,
+            stream=self.stream,
+            cuda_graph=graph_capture and self.options.cuda_graph,
+        )
+        self.session_bytes += max(0, resident_bytes() - before)
+        return BoundSession(session)
+
+    def save(self, model: ir.Model, name: str) -> None:
+        if self.graph_dir is not None:
+            import onnx_ir as ir
+
+            ir.save(model, self.graph_dir / f"{name}.onnx")
+
+    def settings(self) -> BuildConfig:
+        """The whole model's build settings under the current engine."""
+        spec = self.spec
+        return BuildConfig(
+            trainable=tuple(self.state.trainable),
+            target="cuda" if self.device.type == "cuda" else "cpu",
+            seed=self.options.seed,
+            accumulate=self.options.grad_accumulation_steps > 1,
+            mixed_precision=self.options.mixed_precision,
+            loss_scaling=self.state.scaler is not None,
+            optimize=self.options.optimize_graph,
+            recompute="CHEAP_OPS" if self.options.memory_plan else "NOTHING",
+            graph_dir=str(self.graph_dir) if self.graph_dir is not None else None,
+            blas_gemm=self.blas_gemm,
+            blas_batch=self.blas_batch,
+            cpu_kernels=self.cpu_kernels,
+            update_groups=tuple((p, gi) for gi, g in enumerate(spec.groups) for p in g.params)
+            if self.engine.in_backward
+            else (),
+            dropout_switch=self.options.verify,
+        )
+
+    def segment_settings(self) -> BuildConfig:
+        """A segment's graphs: fp32 inputs, outputs and gradients (the mixed precision
+        pass computes in half inside and casts its outputs back; torch scales the seeds
+        and accumulates the gradients), the update after the backward."""
+        return dataclasses.replace(
+            self.settings(),
+            trainable=(),
+            accumulate=False,
+            loss_scaling=False,
+            update_groups=(),
+            dropout_switch=True,
+        )
+
+    def run_build(self, job: Callable[[], T], batch: Mapping[str, Any]) -> T:
+        """``job`` in a forked child where possible (``ortrain/build.py``)."""
+        warn_sdpa(self.module)
+        tensors = [*self.state.params.values(), *self.state.buffers.values()]
+        tensors += [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        if can_fork(tensors):
+            return call_forked(job, what="building the ONNX graph")
+        return job()
+
+    def lay_out(self, grad_params: list[str]) -> None:
+        """The first step's reached parameters: their gradients and the update laid out."""
+        self.state.grad_params = grad_params
+        if self.engine.prepare():  # parameters or gradients moved: evals bind anew
+            self.graphs.eval.clear()
+
+    def end_micro_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-step's loss counted (whichever program ran it); the update at the end
+        of its accumulation window."""
+        st = self.state
+        if self.options.check_finite and not math.isfinite(float(loss)):
+            discarded, st.micro_step = st.micro_step, 0  # its gradients are in the sums
+            raise NonFiniteLossError(
+                f"loss is {float(loss)} at optimizer step {int(st.step_tensor)}; the update "
+                "was not applied and parameters/optimizer state are unchanged"
+                f"{window_restarts(discarded)}"
+            )
+        st.micro_step += 1
+        if st.micro_step == self.options.grad_accumulation_steps:
+            st.micro_step = 0
+            self.apply_update()
+        return loss
+
+    def apply_update(self) -> None:
+        values = group_values(self.optimizer, self.spec)
+        self.engine.step(values, self.state.grad_scale(self.world_size))
+        self.state.finish_update()
+        # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]

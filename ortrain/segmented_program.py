@@ -1,0 +1,92 @@
+"""The model as compiled segments inside eager PyTorch: ``SegmentedProgram``.
+
+Made when the model cannot be one training graph (the cause is reported) or by choice
+(cut at its repeated blocks: ``segments="blocks"``, ZeRO-2/3). A step runs the module's
+own forward in eager with the segments' graphs inside (``ortrain/segments``), torch's
+backward through them, and takes the gradients into the state where the update engines
+read them (``ortrain/segments/grads.py``); the update runs after the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ortrain.program import ProgramSegment, TrainingProgram
+from ortrain.program_context import ProgramContext
+from ortrain.segments.grads import bind_grads, take_grads, take_reduced
+from ortrain.segments.training import SegmentedTraining
+from ortrain.verify import Tolerance
+
+
+class SegmentedProgram:
+    """``ctx``'s model as segments from now on; ``cause``: why it is not one graph."""
+
+    def __init__(self, ctx: ProgramContext, cause: str, blocks: bool = False):
+        self.ctx = ctx
+        ctx.graphs.clear_train()
+        options = ctx.options
+        self.training = SegmentedTraining(
+            ctx.module,
+            ctx.loss_fn,
+            ctx.segment_settings(),
+            lambda graph: ctx.session(graph),
+            ctx.run_build,
+            ctx.device,
+            Tolerance.of(options.mixed_precision) if options.verify else None,
+            cause,
+            blocks,
+            ctx.reducer if hasattr(ctx.reducer, "acquire") else None,  # ZeRO-3
+        )
+        ctx.segmented = True
+        if ctx.engine.in_backward:  # the update runs after torch's backward now
+            ctx.engine = ctx.choose_engine()
+            if ctx.state.grad_params is not None:
+                ctx.engine.prepare()
+
+    def describe(self) -> TrainingProgram:
+        model = self.training.model
+        segments = []
+        if model is not None:
+            for name, plan in model.plans.items():
+                if plan.status == "compiled":
+                    n = len(model.runners.get(name, {}))
+                    segments.append(ProgramSegment(name, "compiled", n, n))
+                else:
+                    segments.append(ProgramSegment(name, plan.status, cause=plan.cause))
+        return TrainingProgram(tuple(segments), self.ctx.engine.name)
+
+    def memory_plan(self, top: int) -> tuple[None, int]:
+        """No whole-model plan; the segments' peak of activation bytes."""
+        if self.training.model is None:
+            raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
+        return None, self.training.model.tally.peak
+
+    def step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A micro-step: eager forward and torch's backward, the segments' graphs inside;
+        the update engine as for a graph."""
+        ctx, st = self.ctx, self.ctx.state
+        if st.micro_step == 0:
+            st.zero_grads()  # torch accumulates into .grad: every window starts at 0
+        named = dict(ctx.module.named_parameters())
+        # ZeRO-2 takes each gradient from autograd as it is made (distributed/sharded_grads.py)
+        collecting = getattr(ctx.reducer, "collecting", None)
+        if collecting is None:
+            bind_grads(st, named)
+        scale = st.scaler.scale if st.scaler is not None else None
+        if scale is not None:
+            st.loss_scale.fill_(scale)
+        try:
+            with collecting() if collecting is not None else contextlib.nullcontext():
+                loss = self.training.forward_backward(ctx.eager.on_device(batch), scale)
+        except Exception:
+            st.micro_step = 0  # the window starts over (its sums are incomplete)
+            raise
+        if collecting is None:
+            take_grads(st, named, ctx.lay_out)
+        else:
+            take_reduced(st, ctx.reducer.reached, ctx.lay_out)  # type: ignore[union-attr]
+        st.loss.copy_(loss)
+        return ctx.end_micro_step(loss.clone())

@@ -1,0 +1,195 @@
+"""The whole model as one training graph per batch signature: ``WholeProgram``.
+
+A step finds (or builds, or loads from the graph cache) its batch's training graph
+(``ortrain/whole_graph.py``), binds it to the state by role (``runtime/binder.py``), checks
+its first step against eager (``ortrain/first_step.py``) and runs it; the update runs
+inside the graph or after it (``ProgramContext.end_micro_step``).
+
+Where the model cannot be one graph (an export or gradient error, a graph ONNX Runtime
+refuses, a first step that disagrees with eager) a step raises ``NotOneGraph`` with the
+cause, and the trainer compiles the model into segments instead (fallback "auto"); with
+fallback "off" the error itself is raised.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ortrain.build import BuiltGraph
+from ortrain.core.errors import BatchError, ExportError, VerificationError, first_line
+from ortrain.core.names import GradientError, UpdateInBackwardError
+from ortrain.optim.from_torch import group_values
+from ortrain.program import ProgramSegment, TrainingProgram
+from ortrain.program_context import ProgramContext
+from ortrain.runtime.binder import bind_training_graph
+from ortrain.runtime.session import CudaGraphCaptureError, register_cpu_arena
+from ortrain.step_errors import from_onnxruntime, run_failed
+from ortrain.verify import EagerStep
+from ortrain.whole_graph import CompiledGraph, NotOneGraph
+
+if TYPE_CHECKING:
+    from ortrain.graph_passes.memory.memory_plan import MemoryReport
+
+
+class WholeProgram:
+    """The training graphs of ``ctx.graphs`` run as the model's program."""
+
+    def __init__(self, ctx: ProgramContext):
+        self.ctx = ctx
+        self.graphs = ctx.graphs
+
+    def describe(self) -> TrainingProgram:
+        graphs = list(self.graphs.train.values())
+        checked = sum(c.verified and not c.unchecked for c in graphs)
+        whole = ProgramSegment("", "graph", len(graphs), checked)
+        return TrainingProgram((whole,), self.ctx.engine.name)
+
+    def memory_plan(self, top: int) -> tuple[MemoryReport, int]:
+        """The first training graph's memory plan (its ``top`` largest tensors) and its
+        activation bytes."""
+        if not self.graphs.train:
+            raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
+        from ortrain.graph_passes.memory.memory_plan import memory_report
+
+        graph = memory_report(next(iter(self.graphs.train.values())).model, top=top)
+        return graph, graph.arena_peak_bytes
+
+    def step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A micro-step of ``batch`` on its training graph."""
+        ctx, st = self.ctx, self.ctx.state
+        reference = self._early_reference(batch)
+        for attempt in range(2):  # a cached graph that disagrees with eager is built anew
+            fresh = attempt > 0
+            compiled = None if fresh else self.graphs.find_train(batch)
+            if compiled is None:
+                compiled = self._build(batch, fresh)
+            keep = compiled.bind_batch(batch, ctx.device)
+            if ctx.options.grad_accumulation_steps > 1 and st.micro_step == 0:
+                st.zero_grads()
+            if st.scaler is not None:
+                st.loss_scale.fill_(st.scaler.scale)
+            if ctx.engine.in_backward:  # this step's hyperparameters go into the graph
+                ctx.engine.before_run(group_values(ctx.optimizer, ctx.spec))
+            if compiled.verified or not ctx.options.verify:
+                break
+            if self._checks_out(compiled, batch, reference if attempt == 0 else None):
+                break
+            if not compiled.cache_hit:
+                raise AssertionError("unreachable: _checks_out raises for a built graph")
+            warnings.warn(
+                "ortrain: a graph from the graph cache disagrees with eager on its first step "
+                "(what the forward reads changed since it was stored); building it again",
+                stacklevel=4,
+            )
+        try:
+            compiled.session.run()
+        except CudaGraphCaptureError:  # its own message; the session restored the state
+            raise
+        except Exception as exc:
+            # A partial run may have written into the gradients: the window starts again
+            # (its first micro-step zeroes them); parameters and optimizer state are untouched
+            # unless the update runs in the backward and got that far.
+            discarded, st.micro_step = st.micro_step, 0
+            updated, n = ctx.engine.applied()
+            raise run_failed("training", batch, exc, updated, n, discarded) from exc
+        del keep
+        for new, buffer in compiled.buffer_updates:  # as eager: every micro-step updates
+            buffer.copy_(new)
+        return ctx.end_micro_step(st.loss.clone())
+
+    def _build(self, batch: dict[str, Any], fresh: bool = False) -> CompiledGraph:
+        """``batch``'s training graph built (or loaded), given a session, bound by role."""
+        ctx = self.ctx
+        while True:  # twice at most: the settings change with the engine
+            try:
+                rows, built, hit = self.graphs.build_train(batch, ctx.settings(), fresh)
+                break
+            except (ExportError, GradientError) as exc:
+                if ctx.options.fallback == "off":
+                    raise
+                raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
+            except UpdateInBackwardError as exc:
+                # "auto" takes the update after the session where the graph cannot run it
+                # (choose_engine raises the refusal where the engine may not change)
+                ctx.engine = ctx.choose_engine(refused=exc)
+                warnings.warn(
+                    f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=5
+                )
+        if ctx.device.type == "cpu":  # sized by this graph, before the update's session
+            register_cpu_arena(built.planned_peak_bytes)
+        self._reach(built)  # the first graph's lays out the gradients and the update
+        try:
+            with ctx.graph_cache.session_stage("train"):
+                session = ctx.session(built, graph_capture=True)
+        except Exception as exc:
+            if ctx.options.fallback == "off" or not from_onnxruntime(exc):
+                raise
+            # a graph ONNX Runtime refuses (a kernel it lacks for these types): segments
+            raise NotOneGraph(f"ONNX Runtime refused the graph: {first_line(exc)}", exc) from exc
+        updates = bind_training_graph(session, built, ctx.state, ctx.engine, ctx.dropout_on)
+        static = {} if ctx.options.cuda_graph else None
+        compiled = CompiledGraph.of(
+            session, built, batch, static_batch=static, buffer_updates=updates, cache_hit=hit
+        )
+        self.graphs.add_train(batch, rows, compiled)
+        return compiled
+
+    def _reach(self, built: BuiltGraph) -> None:
+        """The parameters a training graph reaches: the first graph's set lays out the
+        gradients and the update (every rank the same set); later graphs reach it too."""
+        st, reducer = self.ctx.state, self.ctx.reducer
+        grad_params = sorted(built.grad_params, key=st.trainable.index)
+        if st.grad_params is None and reducer is not None:  # before any gradient moves
+            from ortrain.distributed.fingerprint import agree_on_graph
+
+            agree_on_graph(reducer.comm, built, grad_params)  # type: ignore[attr-defined]
+        if st.grad_params is None:
+            self.ctx.lay_out(grad_params)
+        elif grad_params != st.grad_params:
+            raise BatchError(
+                "this batch reaches a different set of parameters than the first one "
+                f"({sorted(set(grad_params) ^ set(st.grad_params))}); ortrain needs one set"
+            )
+
+    def _early_reference(self, batch: dict[str, Any]) -> EagerStep | None:
+        """Eager's step on ``batch`` for the first-step check where this signature's first
+        graph is due (``first_step.EagerSide.early_reference``); else None."""
+        if not self.ctx.options.verify or self.graphs.has_train(batch):
+            return None
+        return self.ctx.eager.early_reference(batch)
+
+    def _checks_out(
+        self, compiled: CompiledGraph, batch: dict[str, Any], reference: EagerStep | None = None
+    ) -> bool:
+        """The graph's first step against eager (``ortrain/first_step.py``), its batch
+        bound. True: it agrees. False: a cached graph disagrees (build it again). A graph
+        built here that disagrees raises: ``NotOneGraph`` (fallback "auto") or
+        ``VerificationError``."""
+        ctx = self.ctx
+        compiled.unchecked = ctx.eager.unchecked(compiled.graph)
+        bad = compiled.unchecked or ctx.eager.check(
+            compiled.graph,
+            compiled.session,
+            batch,
+            ctx.state,
+            ctx.engine,
+            ctx.dropout_on,
+            reference,
+        )
+        if compiled.unchecked or not bad:
+            compiled.verified = True
+            return True
+        self.graphs.forget_train(compiled, batch)
+        if compiled.cache_hit:
+            return False
+        hint = (
+            "The exporter or a gradient rule changed what the model computes; "
+            "fallback='auto' trains such a model as compiled segments and eager PyTorch"
+        )
+        if ctx.options.fallback == "off":
+            raise VerificationError(f"{bad}. {hint}")
+        cause = f"its first step disagrees with eager: {bad}"
+        raise NotOneGraph(cause, VerificationError(f"{bad}. {hint}"))
