@@ -33,6 +33,7 @@ from ortrain.buffer_updates import (
 )
 from ortrain.core.errors import ExportError, first_line
 from ortrain.core.roles import GraphIO, Role
+from ortrain.export_losses import loss_translations
 from ortrain.export_ops import custom_translations, export_hint
 from ortrain.exporter_registry import cached_registry
 from ortrain.forked import call_forked, can_fork
@@ -494,6 +495,7 @@ def trace_to_onnx(
                 input_names=pnames + input_names,
                 custom_translation_table={
                     **custom_translations(),
+                    **loss_translations(),
                     **batch_norm_translations(),
                     **stop_gradient_translations(),
                 },

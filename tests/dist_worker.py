@@ -35,6 +35,7 @@ from ortrain import ORTTrainer, RankFailureError, TrainerOptions, estimate_memor
 from ortrain.core.roles import Role
 from ortrain.runtime.update_engines import GraphUpdate
 from tests.conftest import decay_groups, gpt2, lm_batches
+from tests.unexportable import smoothed_cross_entropy
 
 STEPS, ACCUM, RESUME_AT = 6, 2, 3  # optimizer steps; micro-steps per step; checkpoint step
 PER_RANK = 2  # sequences per rank per micro-step
@@ -213,10 +214,10 @@ def scenario_loop(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 def smoothed_loss(out, batch) -> torch.Tensor:
-    """A loss whose option the exporter drops: the model trains as segments."""
+    """A loss the exporter cannot translate: the model trains as segments."""
     logits = out.logits[:, :-1].flatten(0, 1)
     labels = batch["labels"][:, 1:].flatten()
-    return torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+    return smoothed_cross_entropy(logits, labels, 0.1)
 
 
 def make_segmented(zero_stage: int, seed: int = 0) -> ORTTrainer:

@@ -226,7 +226,7 @@ def test_a_model_with_dropout_is_checked_without_it_and_trains_with_it():
 
 
 class _Smoothed(torch.nn.Module):
-    """A loss whose option the exporter loses (label smoothing: seen with torch 2.13)."""
+    """A loss with an option that changes the math (label smoothing)."""
 
     def __init__(self):
         super().__init__()
@@ -240,43 +240,74 @@ class _Smoothed(torch.nn.Module):
         return self.loss(self.body(x), y)
 
 
-def _exporter_drops_label_smoothing() -> bool:
+def _drop_label_smoothing(monkeypatch) -> None:
+    """A test-only exporter that drops an option: cross entropy translated as one
+    SoftmaxCrossEntropyLoss whatever its ``label_smoothing`` (as the exporter's own table
+    does), in place of ortrain's translation that keeps it (``ortrain/export_losses.py``).
+    Builds run in a forked child, which inherits the patch."""
+    import ortrain.export as export_mod
+
+    def dropping(self, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+        from onnxscript import opset18 as op
+
+        mode = {0: "none", 1: "mean", 2: "sum"}[reduction]
+        loss, _ = op.SoftmaxCrossEntropyLoss(
+            self, target, weight, reduction=mode, ignore_index=ignore_index
+        )
+        return loss
+
+    table = {torch.ops.aten.cross_entropy_loss.default: dropping}
+    monkeypatch.setattr(export_mod, "loss_translations", lambda: table)
+
+
+def _exported_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The loss the exported forward computes (ONNX Runtime, no ortrain passes)."""
     from ortrain.export import export_forward
 
-    m = _Smoothed()
-    x, y = _batches(1)[0]
-    ex = export_forward(m, {"x": x, "y": y}, train=True)
+    ex = export_forward(model, {"x": x, "y": y}, train=True)
     sess = ort.InferenceSession(
         ir.serde.serialize_model(ex.model).SerializeToString(), providers=["CPUExecutionProvider"]
     )
-    feed = {n: p.detach().numpy() for n, p in m.named_parameters()} | {
+    feed = {n: p.detach().numpy() for n, p in model.named_parameters()} | {
         "x": x.numpy(),
         "y": y.numpy(),
     }
-    (loss, *_) = sess.run(
-        None, {k: v for k, v in feed.items() if k in {i.name for i in sess.get_inputs()}}
-    )
-    return abs(float(loss) - m(x, y).item()) > 1e-4
+    wanted = {i.name for i in sess.get_inputs()}
+    (loss, *_) = sess.run(None, {k: v for k, v in feed.items() if k in wanted})
+    return float(loss)
 
 
-def test_an_exporter_that_drops_an_option_is_caught_when_off():
-    if not _exporter_drops_label_smoothing():
-        pytest.skip("this torch exports label smoothing: nothing dropped to catch")
+def test_label_smoothing_is_exported_with_its_meaning(monkeypatch):
+    """ortrain's translation keeps the option; the injected one below drops it (so the
+    tests that use it test a real drop)."""
+    model = _Smoothed()
+    x, y = _batches(1)[0]
+    want = model(x, y).item()
+    assert abs(_exported_loss(model, x, y) - want) <= 1e-6 * abs(want)
+    _drop_label_smoothing(monkeypatch)
+    assert abs(_exported_loss(model, x, y) - want) > 1e-4 * abs(want)
+
+
+def test_an_exporter_that_drops_an_option_is_caught_when_off(monkeypatch):
+    _drop_label_smoothing(monkeypatch)
     model = _Smoothed()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = ORTTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
-    )
+    options = TrainerOptions(fallback="off", graph_cache=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     with pytest.raises(VerificationError, match=r"loss .*differs by"):
         trainer.train_step(*_batches(1)[0])
     for k, v in model.state_dict().items():  # nothing trained
         assert torch.equal(v, before[k]), k
 
 
-def test_an_exporter_that_drops_an_option_trains_like_eager_when_auto():
+@pytest.mark.parametrize("drops", [True, False], ids=["dropping-exporter", "exporter"])
+def test_an_exporter_that_drops_an_option_trains_like_eager_when_auto(monkeypatch, drops):
+    if drops:
+        _drop_label_smoothing(monkeypatch)
     model, ref = _Smoothed(), _Smoothed()
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    options = TrainerOptions(graph_cache=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in _batches(4):
@@ -286,12 +317,15 @@ def test_an_exporter_that_drops_an_option_trains_like_eager_when_auto():
             opt_ref.step()
             got = trainer.train_step(x, y)
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
-    if _exporter_drops_label_smoothing():
+    fallbacks = [w for w in caught if "does not compile as one graph" in str(w.message)]
+    if drops:
         assert trainer.segments is not None
-        fallbacks = [w for w in caught if "does not compile as one graph" in str(w.message)]
         assert len(fallbacks) == 1 and "first step disagrees with eager" in str(
             fallbacks[0].message
         )
+    else:  # the option kept: one graph, checked, no fallback
+        assert trainer.segments is None and not fallbacks
+        assert trainer.program.segments[0].checked == 1
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
 
@@ -384,20 +418,19 @@ def test_a_stale_cache_entry_is_caught_and_built_again(tmp_path, monkeypatch):
     assert third.cache_hits == 1
 
 
-def test_an_evaluation_graph_that_disagrees_runs_in_eager():
-    if not _exporter_drops_label_smoothing():
-        pytest.skip("this torch exports label smoothing: nothing dropped to catch")
+def test_an_evaluation_graph_that_disagrees_runs_in_eager(monkeypatch):
+    _drop_label_smoothing(monkeypatch)
     model = _Smoothed()
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    options = TrainerOptions(graph_cache=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     x, y = _batches(1)[0]
     with pytest.warns(UserWarning, match="evaluation runs in eager"):
         out = trainer.eval_step(x, y)
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(out["loss"], copy.deepcopy(model)(x, y), rtol=1e-6, atol=0)
-    off = ORTTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
-    )
+    options = TrainerOptions(fallback="off", graph_cache=False)
+    off = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     with pytest.raises(VerificationError, match="evaluation graph"):
         off.eval_step(x, y)
 
