@@ -1,10 +1,15 @@
-"""Offline training artifacts (like ORT's generate_artifacts), and a session that trains
-them with no torch model present.
+"""Offline training artifacts (like ORT's generate_artifacts): a serialized training
+program, and a session that trains it with no torch model present.
 
 ``build_training(IN.onnx, loss=..., ...)`` turns a forward model whose float
-initializers are the weights into ``gradient.onnx`` (forward + minimal backward),
-``update.onnx`` (optimizer), ``state.npz`` (initial weights) and ``manifest.json`` (the
-role of every graph input/output). ``TrainingSession.load(dir)`` runs them.
+initializers are the weights into a program of one compiled segment: ``gradient.onnx``
+(forward + minimal backward, standard ops), ``state.npz`` (initial weights) and
+``manifest.json`` (the program: every input and output of the graph with its role, where
+the update runs, the optimizer and its hyperparameters). ``TrainingSession.load(dir)``
+runs it the way a trainer runs its graphs: the weights in a ``TrainingState``, the graph
+lowered for this machine by the pipeline's target stage and bound by role
+(``runtime/binder.py``), the update by the trainer's update-graph engine
+(``runtime/update_engines.py``).
 """
 
 from __future__ import annotations
@@ -25,11 +30,10 @@ from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.core.errors import OrtrainError
 from ortrain.core.names import GradientError
 from ortrain.core.optimizer_spec import HYPERPARAMETERS, GroupSpec, OptimizerSpec
+from ortrain.core.roles import GraphIO, Role
 from ortrain.graph_passes.autodiff import GradientGraphResult
 from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
 from ortrain.graph_passes.infra.pipeline import Pass, run_pipeline
-from ortrain.graph_passes.training.optimizer import build_update_graph
-from ortrain.graph_passes.training.optimizer.update_graph import state_key
 from ortrain.graph_passes.training_pipeline import (
     BuildProducts,
     build_pipeline,
@@ -37,11 +41,16 @@ from ortrain.graph_passes.training_pipeline import (
 )
 from ortrain.optim.lamb import Lamb
 from ortrain.options import TrainerOptions
+from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, make_session
+from ortrain.runtime.training_state import TrainingState
+from ortrain.runtime.update_engines import EngineEnv, UpdateEngine, make_engine
 from ortrain.safe_files import write_folder
 
 MANIFEST = "manifest.json"
+FORMAT = "ortrain.program/1"
+GRADIENT_GRAPH = "gradient.onnx"
 DEFAULTS = {
     "adamw": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
     "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
@@ -118,31 +127,36 @@ def build_training(
     result = products.gradient
     assert result is not None
     grads = [n for n in trainable if n in result.grad_outputs]
-    spec = OptimizerSpec(optimizer, (GroupSpec(tuple(grads), momentum=True),))
-    shapes = {n: tuple(state[n].shape) for n in grads}
-    update = build_update_graph(spec, shapes, clip_grad_norm=max_grad_norm is not None)
+    frozen_names = [n for n in floats if n not in grads]
+    batch = [v.name for v in graph.inputs if v.name not in floats]
+    # the program's one compiled segment: its graph's inputs and outputs by role (the
+    # passes wrote the loss's and the gradients'), the update after it
+    io = [
+        *(GraphIO(n, Role.PARAMETER) for n in grads),
+        *(GraphIO(n, Role.FROZEN_PARAMETER) for n in frozen_names),
+        *(GraphIO(n, Role.BATCH) for n in batch),
+        *(r for r in products.io if r.role is not Role.GRADIENT or r.of in grads),
+    ]
     manifest = {
-        "format": "ortrain.artifacts/1",
+        "format": FORMAT,
+        "program": {
+            "segments": [{"module": "", "kind": "graph", "graph": GRADIENT_GRAPH}],
+            "update": "graph",
+        },
+        "io": [[r.name, r.role.value, r.of] for r in io],
         "loss": loss,
         "parameters": grads,
-        "frozen": [n for n in floats if n not in grads],
-        "batch": [v.name for v in graph.inputs if v.name not in floats],
+        "frozen": frozen_names,
+        "batch": batch,
         "batch_shapes": {
             v.name: [int(d) for d in v.shape.dims] for v in graph.inputs if v.name not in floats
         },
-        "grad_outputs": {n: result.grad_outputs[n] for n in grads},
-        "optimizer": {
-            "kind": optimizer,
-            "hyperparameters": values,
-            "states": list(spec.state_names(spec.groups[0])),
-        },
+        "optimizer": {"kind": optimizer, "hyperparameters": values},
         "max_grad_norm": max_grad_norm,
-        "update_aliases": update.aliases,
     }
 
     def write(folder: Path) -> None:
-        ir.save(model, folder / "gradient.onnx")
-        ir.save(update.model, folder / "update.onnx")
+        ir.save(model, folder / GRADIENT_GRAPH)
         np.savez(folder / "state.npz", **state)
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -222,19 +236,47 @@ def fix_input_dims(model: ir.Model, dims: Mapping[str, int], weights: set[str]) 
     clean_forward(model)
 
 
+class _Weights(torch.nn.Module):
+    """An artifact's weights as a module, under their graph input names (which may hold
+    dots): what a ``TrainingState`` is made of."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self._weights = {n: torch.nn.Parameter(t) for n, t in params.items()}
+
+    def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        return iter(self._weights.items())
+
+    def named_buffers(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        return iter(())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """A compiled segment's role manifest, what the binder reads."""
+
+    io: list[GraphIO]
+
+    def roles(self, *roles: Role) -> list[GraphIO]:
+        return [r for r in self.io if r.role in roles]
+
+
 @dataclasses.dataclass
 class TrainingSession:
     """Trains built artifacts: ``train_step(**batch) -> loss``; weights in ``parameters``."""
 
     manifest: dict[str, Any]
-    parameters: dict[str, torch.Tensor]
+    state: TrainingState
     _grad: BoundSession
-    _update: BoundSession
-    _loss: torch.Tensor
-    _scalars: dict[str, torch.Tensor]
+    _engine: UpdateEngine
+    _values: list[dict[str, float]]  # the one parameter group's hyperparameters
     # the target passes that changed the gradient graph at load, in the pipeline's order,
     # each with its op-count change ("ortrain.blas::Gemm": +12, "Gemm": -12, ...)
     lowered: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self.state.params
 
     @classmethod
     def load(
@@ -255,22 +297,29 @@ class TrainingSession:
         if not (d / MANIFEST).is_file():
             raise ArtifactError(f"{d}: no {MANIFEST}; build it with `ortrain build-training`")
         manifest = json.loads((d / MANIFEST).read_text())
+        if manifest.get("format") != FORMAT:
+            raise ArtifactError(
+                f"{d}: artifacts of format {manifest.get('format')!r}, this ortrain reads "
+                f"{FORMAT!r}; build them again with `ortrain build-training`"
+            )
         with np.load(d / "state.npz") as npz:
             params = {k: torch.from_numpy(npz[k].copy()) for k in npz.files}
         names = manifest["parameters"]
-        grads = {n: torch.zeros_like(params[n]) for n in names}
-        states = {
-            state_key(s, n): torch.zeros_like(params[n])
-            for s in manifest["optimizer"]["states"]
-            for n in names
-        }
-        hp = manifest["optimizer"]["hyperparameters"]
-        scalars = {"step": torch.zeros(()), "grad_scale": torch.ones(())}
-        scalars.update({f"group0.{k}": torch.tensor(float(v)) for k, v in hp.items()})
-        if manifest["max_grad_norm"] is not None:
-            scalars["max_grad_norm"] = torch.tensor(float(manifest["max_grad_norm"]))
-        loss = torch.zeros(())
-        gradient = ir.load(d / "gradient.onnx")
+        kind, hp = manifest["optimizer"]["kind"], manifest["optimizer"]["hyperparameters"]
+        momentum = kind != "sgd" or float(hp.get("momentum", 0.0)) != 0.0
+        spec = OptimizerSpec(kind, (GroupSpec(tuple(names), momentum=momentum),))
+        state = TrainingState.of_module(
+            _Weights(params), spec, torch.device("cpu"), max_grad_norm=manifest["max_grad_norm"]
+        )
+
+        def session(model: Any, *, graph_capture: bool = False) -> BoundSession:
+            return BoundSession(make_session(model, threads=threads))
+
+        # where the program says the update runs: the update graph, after the gradient graph
+        engine = make_engine(manifest["program"]["update"], state, EngineEnv(session, _no_save))
+        state.grad_params = list(names)
+        engine.prepare()
+        gradient = ir.load(d / manifest["program"]["segments"][0]["graph"])
         blas = use_blas_gemm(cpu_gemm)
         config = BuildConfig(
             trainable=tuple(names),
@@ -278,27 +327,17 @@ class TrainingSession:
             blas_batch=blas and has_sgemm_batch(),
             cpu_kernels=use_grad_kernels(cpu_kernels),
         )
-        grad_outputs = dict(manifest["grad_outputs"])
+        io = [GraphIO(n, Role(r), of) for n, r, of in manifest["io"]]
+        grad_outputs = {r.of: r.name for r in io if r.role is Role.GRADIENT and r.of is not None}
         products = BuildProducts(gradient=GradientGraphResult(gradient, grad_outputs, [], 0))
         lowerings = target_pipeline(config, BuildInputs(manifest["loss"], tuple(names)), products)
         lowered = {r.name: r.op_delta for r in run_pipeline(gradient, lowerings) if r.modified}
-        shared = products.shared_outputs  # output -> the gradient output sharing its buffer
+        io += products.io  # what the lowerings added (a second output of one gradient)
         grad_sess = BoundSession(make_session(gradient, threads=threads))
-        grad_sess.bind_inputs(params)
-        grad_sess.bind_outputs({manifest["loss"]: loss})
-        grad_sess.bind_outputs({manifest["grad_outputs"][n]: grads[n] for n in names})
-        param_of = {out: n for n, out in manifest["grad_outputs"].items()}
-        grad_sess.bind_outputs({out: grads[param_of[g]] for out, g in shared.items()})
-        upd = BoundSession(make_session(ir.load(d / "update.onnx"), threads=threads))
-        upd.bind_inputs({**params, **states, **scalars})
-        upd.bind_inputs({f"grad:{n}": grads[n] for n in names})
-        aliased = {**params, **states, "step": scalars["step"]}
-        outputs = {out: aliased[src] for out, src in manifest["update_aliases"].items()}
-        if manifest["max_grad_norm"] is not None:
-            scalars["grad_norm"] = torch.zeros(())
-            outputs["grad_norm"] = scalars["grad_norm"]
-        upd.bind_outputs(outputs)
-        return cls(manifest, params, grad_sess, upd, loss, scalars, lowered)
+        dropout_on = torch.ones((), dtype=torch.bool)
+        bind_training_graph(grad_sess, _Segment(io), state, engine, dropout_on)  # type: ignore[arg-type]
+        values = [{h: float(hp[h]) for h in spec.hyperparameters}]
+        return cls(manifest, state, grad_sess, engine, values, lowered)
 
     def train_step(self, **batch: torch.Tensor | np.ndarray) -> float:
         missing = sorted(set(self.manifest["batch"]) - set(batch))
@@ -316,10 +355,15 @@ class TrainingSession:
             keep.append(t)
             self._grad.bind_batch(name, t)
         self._grad.run()
-        self._update.run()
+        self._engine.step(self._values, self.state.grad_scale())
+        self.state.finish_update()
         del keep
-        return float(self._loss)
+        return float(self.state.loss)
 
     @property
     def step(self) -> int:
-        return int(self._scalars["step"])
+        return self.state.step
+
+
+def _no_save(model: ir.Model, name: str) -> None:
+    """Offline sessions keep no graphs on disk beyond the artifacts."""

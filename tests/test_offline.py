@@ -189,7 +189,7 @@ def test_build_training_never_follows_links_in_its_folder(exported, tmp_path):
     out.mkdir()
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    for name in ("gradient.onnx", "update.onnx", "state.npz", "manifest.json"):
+    for name in ("gradient.onnx", "state.npz", "manifest.json"):
         (out / name).symlink_to(victim)
     assert _cli(path, out) == 0
     assert victim.read_text() == "precious"
@@ -386,3 +386,47 @@ def test_build_training_unwritable_output_is_one_line(tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ortrain build-training: error: cannot write")
+
+
+def test_the_artifacts_are_a_program_every_graph_value_of_which_has_a_role(exported, tmp_path):
+    """The manifest is the program's: every input and output of ``gradient.onnx`` has a
+    role (the weights, the batch, the loss, each gradient ``of`` its parameter), one
+    segment, the update after it; the session binds by those roles."""
+    import json
+
+    import onnx_ir as ir
+
+    _, path = exported
+    out = tmp_path / "artifacts"
+    args = ["build-training", str(path), "--loss", "loss", "--trainable-from-initializers"]
+    assert main([*args, "--frozen", "body.0.bias", "-o", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "ortrain.program/1"
+    assert manifest["program"]["update"] == "graph"
+    assert [s["kind"] for s in manifest["program"]["segments"]] == ["graph"]
+    roles = {name: (role, of) for name, role, of in manifest["io"]}
+    graph = ir.load(out / "gradient.onnx").graph
+    names = [v.name for v in (*graph.inputs, *graph.outputs)]
+    assert sorted(roles) == sorted(names)
+    assert roles["body.0.bias"] == ("frozen_parameter", None)
+    assert roles["x"] == ("batch", None) and roles["loss"] == ("loss", None)
+    grads = {of for role, of in roles.values() if role == "gradient"}
+    params = {n for n, (role, _) in roles.items() if role == "parameter"}
+    assert grads == params == set(manifest["parameters"]) and len(params) == 3
+    assert not (out / "update.onnx").exists()
+    session = TrainingSession.load(out)
+    assert sorted(session.state.grads) == sorted(params)
+    assert session.parameters["body.0.bias"] is session.state.params["body.0.bias"]
+
+
+def test_artifacts_of_the_older_format_are_refused_with_what_to_do(exported, tmp_path):
+    import json
+
+    _, path = exported
+    out = tmp_path / "artifacts"
+    assert main(["build-training", str(path), "--loss", "loss", "--trainable-from-initializers",
+                 "-o", str(out)]) == 0  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format": "ortrain.artifacts/1"}))
+    with pytest.raises(ArtifactError, match=r"format 'ortrain.artifacts/1'.*build them again"):
+        TrainingSession.load(out)
