@@ -37,13 +37,20 @@ class _Head(torch.nn.Module):
 
 
 def _cases():
-    """Every input rank and reduction, each with smoothed class indices (without and with
-    weights and an ignored class) and smoothed probabilities (weights on every other)."""
-    for shape in [(4,), (4, 3), ()]:
-        for i, reduction in enumerate(("mean", "sum", "none")):
-            yield shape, reduction, False, -100, 0.15, False
-            yield shape, reduction, True, 2, 0.15, False
-            yield shape, reduction, i % 2 == 0, -100, 0.2, True
+    """Every input rank and reduction with smoothed class indices, class weights with an
+    ignored class and without (both under "mean", whose divisor they change), and smoothed
+    probabilities under each reduction once."""
+    index_cases = {
+        (4,): [("mean", False, -100), ("sum", True, 2), ("none", False, -100)],
+        (4, 3): [("mean", True, 2), ("sum", False, -100), ("none", True, 2)],
+        (): [("mean", True, 2), ("sum", False, -100), ("none", True, 2)],
+    }
+    soft_cases = {(4,): ("mean", True), (4, 3): ("sum", False), (): ("none", True)}
+    for shape, cases in index_cases.items():
+        for reduction, weighted, ignore in cases:
+            yield shape, reduction, weighted, ignore, 0.15, False
+        reduction, weighted = soft_cases[shape]
+        yield shape, reduction, weighted, -100, 0.2, True
 
 
 @pytest.mark.parametrize(
