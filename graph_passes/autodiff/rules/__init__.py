@@ -25,4 +25,5 @@ def register_all() -> None:
         reduce,
         reduce_more,
         shape,
+        signal,
     )
