@@ -33,6 +33,7 @@ from ortrain.buffer_updates import (
 )
 from ortrain.core.errors import ExportError, first_line
 from ortrain.core.roles import GraphIO, Role
+from ortrain.export_aten import aten_translations
 from ortrain.export_losses import loss_translations
 from ortrain.export_ops import custom_translations, export_hint
 from ortrain.exporter_registry import cached_registry
@@ -496,6 +497,7 @@ def trace_to_onnx(
                 custom_translation_table={
                     **custom_translations(),
                     **loss_translations(),
+                    **aten_translations(),
                     **batch_norm_translations(),
                     **stop_gradient_translations(),
                 },

@@ -233,6 +233,11 @@ SPECS: list[Spec] = [
     *_unary("Atanh", torch.atanh, lambda *s: Uniform(-0.9, 0.9, *s), SHAPES),
     case("Atan-ties", "Atan", [TIES], torch.atan),
     case("Asinh-pos", "Asinh", [Pos(3, 4)], torch.asinh),
+    # piecewise constant: torch's gradient is zeros (not None), so is the rule's
+    case("Sign-zero-gradient", "Sign", [X(2, 3, 4)], torch.sign),
+    case("Floor-zero-gradient", "Floor", [X(3, 4)], torch.floor),
+    case("Ceil-zero-gradient", "Ceil", [X(3, 4)], torch.ceil),
+    case("Round-zero-gradient", "Round", [X(3, 4)], torch.round),
 ]
 
 # Clip before opset 11: min / max are attributes (absent: unbounded on that side).
@@ -503,3 +508,41 @@ def test_logsigmoid_of_large_negative_inputs_trains_like_eager() -> None:
     torch.testing.assert_close(trainer.train_step(x=x), _LogSigmoid()(x).detach())
     ops = {n.op_type for n in trainer.train_graphs[0].graph}
     assert "Softplus" in ops and "Log" not in ops
+
+
+def test_a_parameter_read_only_through_round_is_decayed_like_torch() -> None:
+    """torch gives a parameter read only through a piecewise-constant op (round, floor,
+    sign) a gradient of zeros, not None: AdamW still decays it and moves its moments. The
+    trainer reaches it too (its gradient is zeros) and updates it alike."""
+    from ortrain import ORTTrainer, TrainerOptions
+
+    class Quantized(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(3, 3)
+            self.levels = torch.nn.Parameter(3 * torch.randn(3))
+
+        def forward(self, x):
+            scale = torch.round(self.levels) + torch.floor(self.levels) * torch.sign(x.sum())
+            return (self.lin(x) * scale).pow(2).mean()
+
+    model = Quantized()
+    ref = copy.deepcopy(model)
+    start = model.levels.detach().clone()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    options = TrainerOptions(build_progress=False)
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1),
+                         options)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(4, 3, generator=g)
+        opt_ref.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt_ref.step()
+        torch.testing.assert_close(trainer.train_step(x), want.detach(), rtol=1e-5, atol=1e-7)
+    assert "levels" in trainer.grad_params and torch.equal(ref.levels.grad, torch.zeros(3))
+    assert not torch.equal(model.levels.detach(), start)  # decayed, as in eager
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -208,3 +208,15 @@ def _extremum_of_two(ctx: GradContext, loses: str):
         if ctx.needs(i):
             out[i] = _un(ctx, ctx.op("Where", ctx.op(cmp, a, b), zero, share, dtype=g.dtype), i)
     return out
+
+
+def _zero(ctx: GradContext):
+    x = ctx.I(0)
+    return {0: ctx.zeros(ctx.shape(x), x.dtype)}
+
+
+# Piecewise-constant float ops: torch differentiates through them with a zero gradient, so
+# a parameter read only through one gets a gradient of zeros (not None: AdamW still decays
+# it and moves its moments), and so does it here.
+for _op in ("Sign", "Floor", "Ceil", "Round"):
+    gradient(_op)(_zero)

@@ -3,7 +3,10 @@
 from ortrain.core.names import GRAD_DOMAIN, STOP_GRADIENT
 from ortrain.graph_passes.autodiff.registry import no_gradient, not_differentiable
 
-# Piecewise-constant or integer-valued outputs: nothing flows back.
+# Integer-valued, boolean or random outputs: torch leaves no autograd path (a parameter
+# read only through them gets no gradient, ``None``). The piecewise-constant float ops
+# (Sign, Floor, Ceil, Round) are not here: torch differentiates through them with a zero
+# gradient (``elementwise.py``).
 no_gradient(
     "Shape",
     "Size",
@@ -25,10 +28,6 @@ no_gradient(
     "Constant",
     "IsNaN",
     "IsInf",
-    "Sign",
-    "Floor",
-    "Ceil",
-    "Round",
     "RandomUniform",
     "RandomNormal",
     "RandomUniformLike",
