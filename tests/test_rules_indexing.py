@@ -102,6 +102,16 @@ def _scatter_elements() -> list[Spec]:
         out.append(case(f"ScatterElements-{_ids(data)}-axis{axis}-none-updates-only",
                         "ScatterElements", [X(*data, grad=False), Perm(upd, axis, n), X(*upd)],
                         put, attrs={"axis": axis}))  # fmt: skip
+        for red, torch_red in (("max", "amax"), ("min", "amin")):
+
+            def extremum(x, i, u, axis=axis, n=n, torch_red=torch_red):
+                return x.scatter_reduce(axis, i % n, u, torch_red, include_self=True)
+
+            # integer-valued data and updates, repeated targets: tied extrema, whose
+            # gradient torch splits evenly
+            out.append(case(f"ScatterElements-{_ids(data)}-axis{axis}-{red}-ties",
+                            "ScatterElements", [Ties(*data), Index(upd, -n, n), Ties(*upd)],
+                            extremum, attrs={"axis": axis, "reduction": red}))  # fmt: skip
     return out
 
 
@@ -389,10 +399,15 @@ def _one_node(op: str, inputs, out_shape, opset: int = 20, **attrs) -> tuple[ir.
     return g.model(loss, opsets={"": opset}), loss.name
 
 
-@pytest.mark.parametrize("red", ["mul", "max", "min"])
-def test_scatter_reductions_without_gradient_are_refused(red: str) -> None:
+@pytest.mark.parametrize(
+    ("red", "ops"),
+    [("mul", ("ScatterElements", "ScatterND")), ("max", ("ScatterND",)), ("min", ("ScatterND",))],
+)
+def test_scatter_reductions_without_gradient_are_refused(red: str, ops: tuple[str, ...]) -> None:
     idx = np.array([[0, 1], [1, 2]], dtype=np.int64)
     for op, index in (("ScatterElements", idx), ("ScatterND", idx[:, :1])):
+        if op not in ops:
+            continue
         model, loss = _one_node(op, [(3, 3), index, (2, 2) if op == "ScatterElements" else (2, 3)],
                                 (3, 3), reduction=red)  # fmt: skip
         with pytest.raises(GradientError, match=rf"{op}.*the_node.*reduction='{red}'"):
@@ -466,6 +481,13 @@ FORMS: dict[str, tuple] = {
     "norm": (lambda a: torch.norm(a, dim=-1), [(3, 5)], False),
     "norm_all": (lambda a: torch.norm(a), [(3, 5)], False),
     "prod": (lambda a: a.prod(-1), [(3, 4)], False),
+    # scatter_reduce amax / amin (graph pooling): include_self=False is exported as a
+    # reset of the targets, then the reduction; ties split evenly
+    "scatter_amax": (lambda a, b: a.scatter_reduce(2, _IDX, b, "amax"), [(2, 2, 8), (2, 2, 3)],
+                     True),
+    "scatter_amin_no_self": (lambda a, b: a.scatter_reduce(2, _IDX, b, "amin",
+                                                           include_self=False),
+                             [(2, 2, 8), (2, 2, 3)], True),
 }  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Index, gather and scatter ops: GatherElements, ScatterElements, ScatterND, TopK, Einsum.
+"""Index, gather and scatter ops: GatherElements, ScatterElements (reductions none, add,
+max, min), ScatterND, TopK, Einsum.
 
 Also the pure data movements Trilu, DepthToSpace, SpaceToDepth and ReverseSequence, whose
 gradients apply the same movement (or its inverse) to the output gradient.
@@ -55,11 +56,62 @@ def gather_elements(ctx: GradContext):
     return {0: out}
 
 
+def _scatter_extremum(ctx: GradContext) -> dict:
+    """ScatterElements with reduction max / min (``scatter_reduce`` amax / amin): as
+    torch, each position's gradient is split evenly among the elements equal to its
+    result, data's and the updates written there."""
+    _scatter_add_opset(ctx)
+    axis, g, idx = _axis(ctx), ctx.GO(0), ctx.I(1)
+    data, updates, out = ctx.I(0), ctx.I(2), ctx.O(0)
+    dshape, ushape = ctx.shape(data), ctx.shape(updates)
+    picked = ctx.op("GatherElements", out, idx, axis=axis, shape=ushape)
+    upd_hit = ctx.cast_like(ctx.op("Equal", updates, picked, shape=ushape), g)
+    self_hit = ctx.cast_like(ctx.op("Equal", data, out, shape=dshape), g)
+    # include_self=False is exported as a reset of the targets to the extreme value, then
+    # this node; torch still counts the original data's ties in the split (its self then
+    # gets none of the gradient: the reset's own rule sends it nothing there)
+    original = _reset_from(ctx, data, idx, axis)
+    counted = self_hit
+    if original is not None:
+        counted = ctx.cast_like(ctx.op("Equal", original, out, shape=dshape), g)
+    ties = ctx.op("ScatterElements", counted, idx, upd_hit, axis=axis, reduction="add",
+                  shape=dshape)  # fmt: skip
+    share = ctx.op("Div", g, ties, shape=dshape)
+    grads = {}
+    if ctx.needs(0):
+        grads[0] = ctx.op("Mul", share, self_hit, shape=dshape)
+    if ctx.needs(2):
+        read = ctx.op("GatherElements", share, idx, axis=axis, shape=ushape)
+        grads[2] = ctx.op("Mul", read, upd_hit, shape=ushape)
+    return grads
+
+
+def _reset_from(ctx: GradContext, data: ir.Value, idx: ir.Value, axis: int) -> ir.Value | None:
+    """The data before the exporter's reset of ``scatter_reduce(include_self=False)``
+    (a max / min ScatterElements of +-float max at the same indices), else None."""
+    node = data.producer()
+    if node is None or node.op_type != "ScatterElements" or node.domain not in ("", "ai.onnx"):
+        return None
+    attrs = node.attributes
+    red = attrs.get("reduction")
+    if red is None or red.value not in ("max", "min") or node.inputs[1] is not idx:
+        return None
+    if int(attrs["axis"].value if "axis" in attrs else 0) % ctx.rank(data) != axis:
+        return None
+    fill = node.inputs[2].producer() if node.inputs[2] is not None else None
+    if fill is None or fill.op_type != "ConstantOfShape" or "value" not in fill.attributes:
+        return None
+    value = abs(float(np.asarray(fill.attributes["value"].value.numpy()).reshape(-1)[0]))
+    return node.inputs[0] if value >= float(np.finfo(np.float32).max) else None
+
+
 @gradient("ScatterElements", nondiff_inputs=(1,))
 def scatter_elements(ctx: GradContext):
     # none: written positions of data are overwritten (their gradient is 0); add: data
     # passes through. Every update (also one that lost to a repeated index, as in torch)
     # reads the gradient at the position it was written to.
+    if str(ctx.attr("reduction", "none")) in ("max", "min"):
+        return _scatter_extremum(ctx)
     red, axis, g, idx = _reduction(ctx), _axis(ctx), ctx.GO(0), ctx.I(1)
     out = {}
     if ctx.needs(0):
