@@ -32,6 +32,11 @@ sees:
    the last position, BatchNorm over tokens in training, an encoder without a mask, or
    a left-padded causal LM batch (a fully masked query row attends uniformly to every
    key, the appended ones too, and GPT-2 predicts the first real label from such a row).
+   The check samples one batch; a training layout is also proven on its padded graph
+   (``ortrain/padding_proof.py``, once per layout, on the graph the step runs next): a
+   layout whose graph mixes padded positions into the loss or a buffer update (a max
+   over time that ignores the mask, whatever the values of the first batch) is refused
+   with the node that mixes, and that graph dropped.
 4. A length whose bucket has no graph yet runs on a longer bucket's graph, up to
    ``BORROW_LIMIT`` times, then builds its own: a long tail of rare lengths costs no
    builds (padding further is as exact).
@@ -91,6 +96,8 @@ def bucket_lengths(max_length: int) -> list[int]:
 
 
 PadFn = Callable[[torch.Tensor, int], torch.Tensor]
+# a padded batch -> its training graph's padding proof (verdict, detail); None: no graph
+Prove = Callable[[dict[str, Any]], "tuple[str, str] | None"]
 
 
 def _constant(value: int) -> PadFn:
@@ -258,10 +265,14 @@ class Bucketing:
         self._pad_id = pad_token_id(module)
         self._max = max_positions(module)  # buckets stop there: no position past the table
         self.verdicts: dict[tuple, Verdict] = {}
+        self.proofs: dict[tuple, tuple[str, str]] = {}  # per layout: the graph's (verdict, why)
         self._graphs: dict[tuple, set[int]] = {}  # per layout: the lengths given to the trainer
         self._borrowed: collections.Counter[tuple] = collections.Counter()
 
-    def pad(self, batch: dict[str, Any], *, train: bool) -> Padded:
+    def pad(self, batch: dict[str, Any], *, train: bool, prove: Prove | None = None) -> Padded:
+        """``batch`` padded to its bucket where that is exact. ``prove``: the training
+        graph of a padded batch, built, says whether padding mixes into the loss (3.);
+        asked once per layout."""
         if self.mode == "off":
             return Padded(batch)
         plan = layout(batch, self._pad_id)
@@ -287,8 +298,32 @@ class Bucketing:
                 )
         if not verdict.exact:
             return Padded(batch)
+        padded = plan.apply(batch, to)
+        if prove is not None and key not in self.proofs:
+            verdict = self._proven(key, prove(padded), plan, train)
+            if not verdict.exact:
+                return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)
-        return Padded(plan.apply(batch, to), plan.length, verdict.seq_axes)
+        return Padded(padded, plan.length, verdict.seq_axes)
+
+    def _proven(
+        self, key: tuple, proof: tuple[str, str] | None, plan: Layout, train: bool
+    ) -> Verdict:
+        """The layout's verdict after the graph's analysis (None: no graph to analyse)."""
+        verdict = self.verdicts[key]
+        if proof is None:
+            return verdict
+        self.proofs[key] = proof
+        if proof[0] != "mixes":
+            return verdict
+        verdict = self.verdicts[key] = Verdict(False, proof[1])
+        warnings.warn(
+            f"ortrain: batches with {', '.join(sorted(plan.pads))} are not padded to bucket "
+            f"lengths ({'training' if train else 'evaluation'}): the training graph shows "
+            f"padding reaching the loss: {proof[1]}; each length builds its own graph",
+            stacklevel=5,
+        )
+        return verdict
 
     def _borrow(self, key: tuple, own: int) -> int:
         """``own``, or the smallest longer length that has a graph already while ``own`` has

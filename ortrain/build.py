@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ortrain.bucketing import pad_token_id
 from ortrain.buffer_updates import check_updates
 from ortrain.build_progress import stage
 from ortrain.core.build_config import BuildConfig, BuildInputs
@@ -83,6 +84,8 @@ class BuiltGraph:
     random_ops: tuple[tuple[str, str], ...] = ()
     # ONNX Runtime optimizers that would compute this graph wrongly (``optimizers_to_disable``)
     wrong_optimizers: tuple[str, ...] = ()
+    # whether padding the batch's sequence axis changes the loss (``padding_proof``)
+    padding: tuple[str, str] = ("", "")
 
     def model(self) -> ir.Model:
         import onnx
@@ -253,6 +256,7 @@ def build_train(
         ex = training_view(ExportedForward.from_wire(forward.wire))
     rows = label_rows(forward.sites, batch, headroom=True)
     checks = index_ranges(ex.model, ex.io)  # of the exported forward, before the passes
+    padding = padding_proof(batch, ex, pad_token_id(module))
     computed = computed_indices(ex.model, ex.io)
     model = ex.model  # from_wire / a fresh export: the passes may rewrite it in place
     inputs = {r.name for r in ex.io}
@@ -275,8 +279,27 @@ def build_train(
         io=ex.io + products.io,
         index_checks=checks,
         computed_indices=computed,
+        padding=padding,
     )
     return forward, rows, graph
+
+
+def padding_proof(
+    batch: Mapping[str, Any], ex: ExportedForward, pad_id: int = 0
+) -> tuple[str, str]:
+    """Whether padding ``batch``'s sequence axis as bucketing would changes the training
+    forward's outputs (``ortrain/padding_proof.py``): (verdict, detail); ("", "") where the
+    batch has no sequence axis to pad."""
+    from ortrain.bucketing import IGNORE_INDEX, MASK, layout
+    from ortrain.padding_proof import prove
+
+    plan = layout(batch, pad_id)
+    if isinstance(plan, str):
+        return ("", "")
+    holds = {MASK: 0, "labels": IGNORE_INDEX, "input_ids": pad_id}
+    padded = {k: holds.get(k) for k in plan.pads}
+    outputs = [v.name for v in ex.model.graph.outputs]
+    return prove(ex.model, ex.io, outputs, padded, plan.length).as_tuple()
 
 
 def training_view(ex: ExportedForward) -> ExportedForward:

@@ -108,7 +108,10 @@ class TrainerOptions:
         labels) runs eagerly padded and unpadded once, a training layout in training
         mode without dropout, and is bucketed only where loss, gradients and outputs
         agree (left padding where the model allows it, e.g. BERT; no mask for a causal
-        LM); else ortrain warns and builds per shape.
+        LM), and where the padded training graph shows no op mixing padded positions into
+        the loss or a buffer update (an unmasked reduction, softmax or convolution over
+        the sequence, batch statistics, a read of the last position: the warning names
+        the node); else ortrain warns and builds per shape.
         ``eval_step`` outputs are cut back to the batch's length. "off": one graph per
         batch shape. A new shape builds a new gradient graph (the update graph is
         shared); at the 4th, 8th, 16th... shape ortrain warns.

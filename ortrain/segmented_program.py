@@ -64,6 +64,10 @@ class SegmentedProgram:
             raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
         return None, self.training.model.tally.peak
 
+    def padding_proof(self, batch: dict[str, Any]) -> None:
+        """No whole training graph to analyse: the eager check decides alone."""
+        return None
+
     def step(self, batch: dict[str, Any]) -> torch.Tensor:
         """A micro-step: eager forward and torch's backward, the segments' graphs inside;
         the update engine as for a graph."""

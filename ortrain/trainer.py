@@ -119,14 +119,14 @@ class ORTTrainer(TrainerViews):
             return self._train_step(args, kwargs)
 
     def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        batch = self.bucketing.pad(self._batch(args, kwargs), train=True).batch
+        raw = self._batch(args, kwargs)
         program = self._program
         try:
-            return program.step(batch)
+            return program.step(self._padded(raw, program))
         except NotOneGraph as exc:
             self._program = SegmentedProgram(self._ctx, exc.cause)
             try:
-                return self._program.step(batch)
+                return self._program.step(self._padded(raw, self._program))
             except Exception as eager:
                 if self._program.training.model is not None:
                     raise
@@ -134,6 +134,9 @@ class ORTTrainer(TrainerViews):
                 # the model's own error, as the build named it, not a fallback's
                 self._program, self._ctx.segmented = program, False
                 raise exc.error from eager
+
+    def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:
+        return self.bucketing.pad(batch, train=True, prove=program.padding_proof).batch
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:

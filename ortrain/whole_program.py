@@ -100,6 +100,14 @@ class WholeProgram:
             buffer.copy_(new)
         return ctx.end_micro_step(st.loss.clone())
 
+    def padding_proof(self, batch: dict[str, Any]) -> tuple[str, str]:
+        """Whether padding reaches the loss of ``batch``'s training graph (built here if
+        it is not: the step runs on it next); a graph where it does is dropped."""
+        compiled = self.graphs.find_train(batch) or self._build(batch)
+        if compiled.graph.padding[0] == "mixes":
+            self.graphs.forget_train(compiled, batch)
+        return compiled.graph.padding
+
     def _build(self, batch: dict[str, Any], fresh: bool = False) -> CompiledGraph:
         """``batch``'s training graph built (or loaded), given a session, bound by role."""
         ctx = self.ctx

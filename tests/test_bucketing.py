@@ -222,6 +222,8 @@ def test_varlen_training_matches_eager_with_few_graphs(make_model, mlm):
     assert graph_lengths(trainer) <= buckets and len(buckets) <= len(bucket_lengths(48))
     # BERT's masked-LM loss also builds a graph per labelled-row count (label_sparsity.py)
     assert trainer.build_count <= (2 if mlm else 1) * len(buckets)
+    # the padded layout's training graph was analysed and proven exact (padding_proof.py)
+    assert list(trainer.bucketing.proofs.values()) == [("exact", "")]
 
 
 @pytest.mark.slow
@@ -287,6 +289,7 @@ def test_unmasked_causal_batches_are_bucketed_and_train_like_eager():
     assert graph_lengths(trainer) <= buckets and trainer.build_count <= len(buckets)
     (key,) = trainer.bucketing.verdicts
     assert key[2] == "unmasked" and trainer.bucketing.verdicts[key].exact
+    assert trainer.bucketing.proofs[key] == ("exact", "")
 
 
 def test_an_unmasked_encoder_is_not_padded():
