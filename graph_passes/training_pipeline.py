@@ -45,6 +45,8 @@ left out with ``optimize=False``):
     recompute_attention  attention probabilities made again from Q, K and the mask
                        next to their backward (with the memory plan)
 12. remove_unused      forward values nothing reads any more
+    half_in_float      bf16/fp16 nodes ONNX Runtime's CPU provider has no kernel for
+                       computed in float32, cast back after (its kernel registry decides)
 13. blas_gemm          fp32 products on the BLAS custom op (``blas_gemm=True``: CPU
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
     blas_batch_matmul  attention's batched products on MKL's sgemm_batch, head
@@ -133,6 +135,7 @@ from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_product
 from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
 from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
 from ortrain.graph_passes.targets.cpu.gelu_value import take_gelu_values
+from ortrain.graph_passes.targets.cpu.half_in_float import compute_half_in_float
 from ortrain.graph_passes.targets.cpu.kernel_threads import place_kernel_threads
 from ortrain.graph_passes.targets.cpu.layer_norm import lower_layer_norm
 from ortrain.graph_passes.targets.cpu.layer_norm_grad_sum import fold_layer_norm_grad_sums
@@ -418,6 +421,11 @@ def pipeline_entries(
         Entry(
             Pass("remove_unused", ir.passes.common.RemoveUnusedNodesPass(), stage="cleanup",
                  test="tests/test_memory_plan.py"),
+            _always,
+        ),
+        Entry(
+            Pass("half_in_float", compute_half_in_float, stage="target", target="cpu",
+                 test="tests/test_half_in_float.py", on_eval=True),
             _always,
         ),
         Entry(

@@ -109,6 +109,12 @@ FAMILIES = {
         "BloomForCausalLM", "BloomConfig", "right",
         dict(hidden_size=H, n_layer=L, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0),
     ),
+    # ALiBi slopes times positions computed in bfloat16 (half_in_float.py runs them on CPU)
+    "falcon-alibi": Family(
+        "FalconForCausalLM", "FalconConfig", "right",
+        dict(hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, alibi=True,
+             hidden_dropout=0.0, attention_dropout=0.0),
+    ),
     "gpt-bigcode": Family(
         "GPTBigCodeForCausalLM", "GPTBigCodeConfig", "right",
         dict(n_embd=H, n_layer=L, n_head=HEADS, n_positions=S, multi_query=True, **NO_DROPOUT),

@@ -133,7 +133,6 @@ class Logits(torch.nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.slow
 def test_a_loss_module_made_outside_the_model_with_other_options_trains_like_eager(
     tmp_path, monkeypatch
 ):

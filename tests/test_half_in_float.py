@@ -1,0 +1,135 @@
+"""bf16/fp16 nodes ONNX Runtime's CPU provider has no kernel for, computed in float32
+(graph_passes/targets/cpu/half_in_float.py): the session that refused the graph runs it,
+with torch's values, and a model that computes a part in bfloat16 trains as one graph."""
+
+from __future__ import annotations
+
+import copy
+
+import onnx
+import onnx.helper as oh
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.graph_passes.targets.cpu.half_in_float import compute_half_in_float
+
+BF16, FP16, F32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+
+
+def _graph(bf16: int = BF16, fp16: int = FP16) -> onnx.ModelProto:
+    """bf16 element-wise ops, a softmax and a product, an fp16 product, and ops ONNX
+    Runtime has bf16 kernels for (Transpose, Gather): those stay."""
+    nodes = [
+        oh.make_node("Cast", ["x"], ["xb"], to=bf16),
+        oh.make_node("Cast", ["y"], ["yb"], to=bf16),
+        oh.make_node("Mul", ["xb", "yb"], ["m"]),
+        oh.make_node("Add", ["m", "xb"], ["a"]),
+        oh.make_node("Div", ["a", "yb"], ["d"]),
+        oh.make_node("Transpose", ["d"], ["t"], perm=[1, 0]),
+        oh.make_node("Softmax", ["t"], ["s"], axis=-1),
+        oh.make_node("MatMul", ["s", "d"], ["p"]),
+        oh.make_node("Gather", ["p", "idx"], ["g"], axis=0),
+        oh.make_node("Cast", ["g"], ["out"], to=F32),
+        oh.make_node("Cast", ["x"], ["xh"], to=fp16),
+        oh.make_node("Mul", ["xh", "xh"], ["hh"]),
+        oh.make_node("Cast", ["hh"], ["out_h"], to=F32),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "half",
+        [oh.make_tensor_value_info(n, F32, [4, 4]) for n in ("x", "y")],
+        [oh.make_tensor_value_info(n, F32, [None, None]) for n in ("out", "out_h")],
+        [oh.make_tensor("idx", onnx.TensorProto.INT64, [2], [3, 1])],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(model)  # every value typed, as an export's are
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_refused_nodes_run_in_float32_with_torchs_values():
+    proto = _graph()
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
+        _session(proto)
+    model = ir.serde.deserialize_model(proto)
+    assert compute_half_in_float(model) == 6  # Mul Add Div Softmax MatMul, and fp16 Mul
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("Transpose") == 1 and ops.count("Gather") == 1  # kernels at bf16: kept
+    # each 16-bit input cast up once (xb, yb, a... as read), each output cast back
+    rewritten = [n for n in model.graph if n.op_type in ("Mul", "Add", "Div", "Softmax", "MatMul")]
+    for node in rewritten:
+        assert all(v.dtype == ir.DataType.FLOAT for v in node.inputs), node
+        assert all(v.dtype == ir.DataType.FLOAT for v in node.outputs), node
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 4, generator=g), torch.rand(4, 4, generator=g) + 0.5
+    got = _session(ir.serde.serialize_model(model)).run(None, {"x": x.numpy(), "y": y.numpy()})
+    xb, yb = x.bfloat16(), y.bfloat16()
+    d = (xb * yb + xb) / yb  # torch's bf16 CPU ops: float32 math, rounded once each
+    want = (d.T.softmax(-1) @ d)[[3, 1]].float()
+    # element-wise results are torch's exactly; the softmax and product accumulate in
+    # float32 as torch's do, in another order: bf16 rounding of the result apart at most
+    torch.testing.assert_close(torch.from_numpy(got[0]), want, rtol=2**-7, atol=1e-6)
+    assert torch.equal(torch.from_numpy(got[1]), (x.half() * x.half()).float())
+
+
+def test_float32_graphs_are_left_alone():
+    proto = _graph(F32, F32)
+    model = ir.serde.deserialize_model(proto)
+    before = [(n.op_type, [v.name for v in n.inputs]) for n in model.graph]
+    assert compute_half_in_float(model) == 0
+    assert [(n.op_type, [v.name for v in n.inputs]) for n in model.graph] == before
+
+
+class AlibiBf16(torch.nn.Module):
+    """Attention with ALiBi slopes computed in bfloat16, as Falcon computes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(40, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 40)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, 2, 8).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        slopes = torch.tensor([0.5, 0.25])
+        positions = (ids >= 0).long().cumsum(-1) - 1  # from the batch, as Falcon's mask's
+        alibi = slopes[None, :, None].bfloat16() * positions[:, None, :].bfloat16()
+        scores = q @ k.transpose(-1, -2) / 8**0.5 + alibi[:, :, None, :].float()
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        att = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        out = (att @ v).transpose(1, 2).reshape(b, n, 16)
+        return F.cross_entropy(self.head(out).flatten(0, 1), labels.flatten())
+
+
+def test_a_model_computing_in_bfloat16_trains_as_one_graph_like_eager():
+    model = AlibiBf16()
+    ref = copy.deepcopy(model)
+    options = TrainerOptions(graph_cache=False, fallback="off")
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 40, (2, 12), generator=g)
+        opt.zero_grad()
+        want = ref(ids, ids)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(trainer.train_step(ids, ids), want.detach(), rtol=1e-5, atol=0)
+    trainer.sync_to_module()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert [s.kind for s in trainer.program.segments] == ["graph"]
+    (graph,) = trainer.train_graphs
+    # the graph computes in bf16 still (its casts), and nothing is left without a kernel
+    to_bf16 = [n for n in graph.graph if n.op_type == "Cast" and n.attributes["to"].value == BF16]
+    assert to_bf16 and compute_half_in_float(graph) == 0
