@@ -33,7 +33,7 @@ sees:
    a left-padded causal LM batch (a fully masked query row attends uniformly to every
    key, the appended ones too, and GPT-2 predicts the first real label from such a row).
    The check samples one batch; a training layout is also proven on its padded graph
-   (``ortrain/padding_proof.py``, once per layout, on the graph the step runs next): a
+   (``ortrain/padding/``, once per layout, on the graph the step runs next): a
    layout whose graph mixes padded positions into the loss or a buffer update (a max
    over time that ignores the mask, whatever the values of the first batch) is refused
    with the node that mixes, and that graph dropped.

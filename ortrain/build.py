@@ -288,10 +288,10 @@ def padding_proof(
     batch: Mapping[str, Any], ex: ExportedForward, pad_id: int = 0
 ) -> tuple[str, str]:
     """Whether padding ``batch``'s sequence axis as bucketing would changes the training
-    forward's outputs (``ortrain/padding_proof.py``): (verdict, detail); ("", "") where the
+    forward's outputs (``ortrain/padding/``): (verdict, detail); ("", "") where the
     batch has no sequence axis to pad."""
     from ortrain.bucketing import IGNORE_INDEX, MASK, layout
-    from ortrain.padding_proof import prove
+    from ortrain.padding import prove
 
     plan = layout(batch, pad_id)
     if isinstance(plan, str):

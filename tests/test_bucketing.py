@@ -222,7 +222,7 @@ def test_varlen_training_matches_eager_with_few_graphs(make_model, mlm):
     assert graph_lengths(trainer) <= buckets and len(buckets) <= len(bucket_lengths(48))
     # BERT's masked-LM loss also builds a graph per labelled-row count (label_sparsity.py)
     assert trainer.build_count <= (2 if mlm else 1) * len(buckets)
-    # the padded layout's training graph was analysed and proven exact (padding_proof.py)
+    # the padded layout's training graph was analysed and proven exact (ortrain/padding/)
     assert list(trainer.bucketing.proofs.values()) == [("exact", "")]
 
 

@@ -1,4 +1,4 @@
-"""Padding exactness proven on the exported training graph (ortrain/padding_proof.py): the
+"""Padding exactness proven on the exported training graph (ortrain/padding/): the
 ops that mix padded positions into the loss are found by node, the masked ones pass, and
 the trainer refuses to pad a layout whose graph mixes even where eager's sample agreed."""
 
