@@ -45,8 +45,8 @@ left out with ``optimize=False``):
     recompute_attention  attention probabilities made again from Q, K and the mask
                        next to their backward (with the memory plan)
 12. remove_unused      forward values nothing reads any more
-    half_in_float      bf16/fp16 nodes ONNX Runtime's CPU provider has no kernel for
-                       computed in float32, cast back after (its kernel registry decides)
+    half_in_float      bf16 nodes ONNX Runtime's CPU provider has no kernel for computed
+                       in float32, cast back after (its kernel registry decides)
 13. blas_gemm          fp32 products on the BLAS custom op (``blas_gemm=True``: CPU
                        sessions whose ``cpu_gemm`` picks it; a kernel choice, made last)
     blas_batch_matmul  attention's batched products on MKL's sgemm_batch, head
@@ -425,8 +425,8 @@ def pipeline_entries(
         ),
         Entry(
             Pass("half_in_float", compute_half_in_float, stage="target", target="cpu",
-                 test="tests/test_half_in_float.py", on_eval=True),
-            _always,
+                 gate="not bf16", test="tests/test_half_in_float.py", on_eval=True),
+            lambda c, i: c.mixed_precision != "bf16",
         ),
         Entry(
             Pass("blas_gemm", lower_gemm_to_blas, stage="target", target="cpu",

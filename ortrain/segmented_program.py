@@ -64,6 +64,10 @@ class SegmentedProgram:
             raise RuntimeError("memory_report() needs a compiled graph: run train_step first")
         return None, self.training.model.tally.peak
 
+    def prepare(self, batch: dict[str, Any]) -> None:
+        """Segments compile on their first step (a recording forward finds them)."""
+        return None
+
     def padding_proof(self, batch: dict[str, Any]) -> None:
         """No whole training graph to analyse: the eager check decides alone."""
         return None

@@ -113,6 +113,20 @@ class ORTTrainer(TrainerViews):
         program = self._program
         return program.training if isinstance(program, SegmentedProgram) else None
 
+    def compile(self, *args: Any, **kwargs: Any) -> TrainingProgram:
+        """The program for this batch's signature, compiled without training on it: its
+        graph built or loaded from the graph cache (padded as ``train_step`` pads the
+        batch), or, where the model cannot be one graph, the program it trains as then
+        (segments compile on their first step, from a recording forward). Call it with a
+        batch of each bucket's length to build before the loop."""
+        raw = self._batch(args, kwargs)
+        with self._ctx.on_stream():
+            try:
+                self._program.prepare(self._padded(raw, self._program))
+            except NotOneGraph as exc:
+                self._program = SegmentedProgram(self._ctx, exc.cause)
+        return self.program
+
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward + backward (+ optimizer update at the end of an accumulation window)."""
         with self._ctx.on_stream():

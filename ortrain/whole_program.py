@@ -28,7 +28,7 @@ from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.session import CudaGraphCaptureError, register_cpu_arena
 from ortrain.step_errors import from_onnxruntime, run_failed
 from ortrain.verify import EagerStep
-from ortrain.whole_graph import CompiledGraph, NotOneGraph
+from ortrain.whole_graph import CompiledGraph, NotOneGraph, signature
 
 if TYPE_CHECKING:
     from ortrain.graph_passes.memory.memory_plan import MemoryReport
@@ -40,6 +40,9 @@ class WholeProgram:
     def __init__(self, ctx: ProgramContext):
         self.ctx = ctx
         self.graphs = ctx.graphs
+        # eager's step on a batch whose graph ``padding_proof`` built just before its step
+        # (taken before the build, as the step takes it: ``_early_reference``)
+        self._references: dict[tuple, EagerStep] = {}
 
     def describe(self) -> TrainingProgram:
         graphs = list(self.graphs.train.values())
@@ -60,7 +63,7 @@ class WholeProgram:
     def step(self, batch: dict[str, Any]) -> torch.Tensor:
         """A micro-step of ``batch`` on its training graph."""
         ctx, st = self.ctx, self.ctx.state
-        reference = self._early_reference(batch)
+        reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
             fresh = attempt > 0
             compiled = None if fresh else self.graphs.find_train(batch)
@@ -100,12 +103,24 @@ class WholeProgram:
             buffer.copy_(new)
         return ctx.end_micro_step(st.loss.clone())
 
+    def prepare(self, batch: dict[str, Any]) -> CompiledGraph:
+        """``batch``'s training graph, built (or loaded) unless it is; bound, not run (its
+        first step is checked against eager as any graph's)."""
+        return self.graphs.find_train(batch) or self._build(batch)
+
     def padding_proof(self, batch: dict[str, Any]) -> tuple[str, str]:
         """Whether padding reaches the loss of ``batch``'s training graph (built here if
-        it is not: the step runs on it next); a graph where it does is dropped."""
-        compiled = self.graphs.find_train(batch) or self._build(batch)
+        it is not: the step runs on it next, with eager's reference step taken before the
+        build as a step takes it); a graph where it does is dropped."""
+        compiled = self.graphs.find_train(batch)
+        if compiled is None:
+            reference = self._early_reference(batch)
+            compiled = self._build(batch)
+            if reference is not None:
+                self._references[signature(batch)] = reference
         if compiled.graph.padding[0] == "mixes":
             self.graphs.forget_train(compiled, batch)
+            self._references.pop(signature(batch), None)
         return compiled.graph.padding
 
     def _build(self, batch: dict[str, Any], fresh: bool = False) -> CompiledGraph:

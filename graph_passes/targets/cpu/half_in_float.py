@@ -1,19 +1,23 @@
-"""16-bit float nodes ONNX Runtime's CPU provider has no kernel for, computed in float32.
+"""bfloat16 nodes ONNX Runtime's CPU provider has no kernel for, computed in float32.
 
-torch's CPU kernels compute bfloat16 and float16 math in float32 and round the result
-once. ONNX Runtime's CPU provider has kernels at those types for a few ops only (casts,
-copies, gathers, LayerNorm) and refuses a whole session that holds any other node at
-them (NOT_IMPLEMENTED), so a model that computes one small part in bfloat16 on purpose
-(Falcon's ALiBi slopes) could not run as a graph on CPU. Each such node gets its 16-bit
-inputs cast to float32 and its 16-bit outputs cast back: for element-wise ops the very
-values torch computes (the float32 result rounded once), for products and reductions a
-float32 accumulation, as torch's CPU kernels accumulate.
+torch's CPU kernels compute bfloat16 math in float32 and round the result once. ONNX
+Runtime's CPU provider has bfloat16 kernels for a few ops only (casts, copies, gathers,
+LayerNorm) and refuses a whole session that holds any other bfloat16 node
+(NOT_IMPLEMENTED): its own fallback (the session's cast insertion) covers float16 only.
+So a model that computes one small part in bfloat16 on purpose (Falcon's ALiBi slopes)
+could not run as a graph on CPU. Each such node gets its bfloat16 inputs cast to float32
+and its bfloat16 outputs cast back: for element-wise ops the very values torch computes
+(the float32 result rounded once), for products and reductions a float32 accumulation, as
+torch's CPU kernels accumulate. float16 nodes are left to ONNX Runtime's cast insertion,
+as before (it keeps whole float16 regions in float32; mixed precision's fp16 on CPU is
+measured with that).
 
 Which nodes: those whose op, at the model's opset, ONNX Runtime's own CPU kernel registry
-(``get_all_opkernel_def``) lists without their 16-bit types but with float32 in their
+(``get_all_opkernel_def``) lists without their bfloat16 types but with float32 in their
 place; a node's inputs and outputs are matched to the kernel's type parameters through
 the op's ONNX schema. A kernel choice, so made late, on CPU builds (training and
-evaluation graphs) after autodiff, whose gradient nodes share their forward's types.
+evaluation graphs, not ``mixed_precision="bf16"``'s, which are CUDA's) after autodiff,
+whose gradient nodes share their forward's types.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-HALF = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+HALF = (ir.DataType.BFLOAT16,)  # float16: ONNX Runtime's own cast insertion
 _TYPE_NAME = {
     ir.DataType.FLOAT: "tensor(float)",
     ir.DataType.BFLOAT16: "tensor(bfloat16)",
@@ -142,7 +146,7 @@ def _in_float(graph: ir.Graph, node: ir.Node, casts: dict[int, ir.Value]) -> Non
 
 
 def compute_half_in_float(model: ir.Model) -> int:
-    """Every 16-bit node ONNX Runtime's CPU provider lacks a kernel for, computed in
+    """Every bfloat16 node ONNX Runtime's CPU provider lacks a kernel for, computed in
     float32 (the module docstring). Returns how many."""
     graph = model.graph
     opsets = dict(model.opset_imports)
