@@ -119,10 +119,12 @@ class ORTTrainer(TrainerViews):
         batch), or, where the model cannot be one graph, the program it trains as then
         (segments compile on their first step, from a recording forward). Call it with a
         batch of each bucket's length to build before the loop."""
-        raw = self._batch(args, kwargs)
+        # padded without the padding proof: it asks for eager's reference step on this
+        # batch, which belongs to a step; the first step's proof reads the graph built here
+        batch = self.bucketing.pad(self._batch(args, kwargs), train=True).batch
         with self._ctx.on_stream():
             try:
-                self._program.prepare(self._padded(raw, self._program))
+                self._program.prepare(batch)
             except NotOneGraph as exc:
                 self._program = SegmentedProgram(self._ctx, exc.cause)
         return self.program
