@@ -96,7 +96,8 @@ def bucket_lengths(max_length: int) -> list[int]:
 
 
 PadFn = Callable[[torch.Tensor, int], torch.Tensor]
-# a padded batch -> its training graph's padding proof (verdict, detail); None: no graph
+# a padded batch -> its training graph's padding proof (verdict, detail); None: no graph;
+# ("pending", why): its graph is building (ortrain/background_build.py), asked again later
 Prove = Callable[[dict[str, Any]], "tuple[str, str] | None"]
 
 
@@ -300,7 +301,10 @@ class Bucketing:
             return Padded(batch)
         padded = plan.apply(batch, to)
         if prove is not None and key not in self.proofs:
-            verdict = self._proven(key, prove(padded), plan, train)
+            proof = prove(padded)
+            if proof is not None and proof[0] == "pending":
+                return Padded(batch)  # its graph builds in the background: unpadded meanwhile
+            verdict = self._proven(key, proof, plan, train)
             if not verdict.exact:
                 return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)

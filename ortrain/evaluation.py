@@ -96,3 +96,13 @@ class Evaluation:
             f"this batch shape: {cause}",
             stacklevel=5,
         )
+
+
+class StepOutputs(dict):
+    """eval_step's result: a dict of tensors that also allows ``outputs.loss``."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(name) from exc

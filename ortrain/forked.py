@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -41,7 +41,6 @@ T = TypeVar("T")
 STARTED = b"\x01"
 START_TIMEOUT_S = 30.0
 FORK_TRIES = 3
-_NOT_STARTED = object()
 IN_PROCESS_ENV = "ORTRAIN_BUILD_IN_PROCESS"
 _IN_PROCESS = (IN_PROCESS_ENV, "ORTRAIN_EXPORT_IN_PROCESS")
 
@@ -94,58 +93,111 @@ def _child(job: Callable[[], T], write_fd: int) -> None:
 
 def call_forked(job: Callable[[], T], *, what: str) -> T:
     """``job()``, run in a forked child (see the module docstring)."""
-    timeout = float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800"))
-    for _ in range(FORK_TRIES):
+    return ForkedJob(job, what=what).result()
+
+
+class ForkedJob(Generic[T]):
+    """``job()`` started in a forked child: ``done()`` reads what it has sent so far
+    without waiting (a step can go on while a graph builds), ``result()`` waits for it.
+    Started only where ``can_fork`` says so."""
+
+    def __init__(self, job: Callable[[], T], *, what: str):
+        self.job, self.what = job, what
+        self.timeout = float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800"))
+        self.tries = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.tries += 1
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
             try:
                 os.write(write_fd, STARTED)
-                _child(job, write_fd)
+                _child(self.job, write_fd)
             finally:
                 os._exit(0)
         os.close(write_fd)
-        data = _read_all(read_fd, timeout, START_TIMEOUT_S)
-        if data is None or data is _NOT_STARTED:  # do not wait on a stuck child forever
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        if data is not _NOT_STARTED:
-            break
-    if not data or data is _NOT_STARTED:  # the child died, hung or crashed: run it here
-        warnings.warn(
-            f"{what} in a child process failed (wait status {status}); running it in this process",
-            stacklevel=3,
-        )
-        return job()
-    assert isinstance(data, bytes)
-    with warnings.catch_warnings():
-        # torch's pytree specs (a segment's call and result structure) warn about their
-        # own pickled form on load; nothing the user can act on
-        warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
-        kind, value, notes = pickle.loads(data)
-    for category, message in notes:
-        warnings.warn(message, category, stacklevel=3)
-    if kind == "error":
-        raise value
-    return value
+        os.set_blocking(read_fd, False)
+        self.pid, self.fd = pid, read_fd
+        self.chunks: list[bytes] = []
+        self.started, self.complete = False, False
+        self.began = time.monotonic()
+        self.status: int | None = None
 
+    def done(self) -> bool:
+        """Whether the child has sent everything (or died, or ran out of time: ``result``
+        then runs the job here)."""
+        return self._wait(0.0)
 
-def _read_all(fd: int, timeout_s: float, start_s: float) -> bytes | object | None:
-    """Everything the child wrote to ``fd`` after its ``STARTED`` byte, until EOF;
-    ``_NOT_STARTED`` without that byte after ``start_s``, None after ``timeout_s``."""
-    chunks = []
-    now = time.monotonic()
-    deadline, start_by = now + timeout_s, now + start_s
-    started = False
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    def result_ready(self) -> None:
+        """Wait until ``result`` returns without waiting."""
+        self._wait(None)
+
+    def cancel(self) -> None:
+        """Stop the child (its result is not wanted)."""
+        if self.status is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self._reap()
+
+    def result(self) -> T:
+        """The job's result (its exception raised here); waits for the child."""
+        self._wait(None)
+        data = b"".join(self.chunks) if self.complete else b""
+        if not data:  # the child died, hung or crashed: run it here
+            warnings.warn(
+                f"{self.what} in a child process failed (wait status {self.status}); running "
+                "it in this process",
+                stacklevel=3,
+            )
+            return self.job()
+        with warnings.catch_warnings():
+            # torch's pytree specs (a segment's call and result structure) warn about their
+            # own pickled form on load; nothing the user can act on
+            warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+            kind, value, notes = pickle.loads(data)
+        for category, message in notes:
+            warnings.warn(message, category, stacklevel=3)
+        if kind == "error":
+            raise value
+        return value
+
+    def _wait(self, wait_s: float | None) -> bool:
+        """Read what the child sends for up to ``wait_s`` seconds (None: until it ends);
+        True once it ended. A child that never says it started is forked again (up to
+        ``FORK_TRIES``); one over its time is killed."""
+        while self.status is None:
+            now = time.monotonic()
+            limit = self.began + (self.timeout if self.started else START_TIMEOUT_S)
+            if now >= limit:
+                self.cancel()
+                if not self.started and self.tries < FORK_TRIES:
+                    self._start()
+                    continue
+                return True
+            left = limit - now if wait_s is None else min(wait_s, limit - now)
+            if not select.select([self.fd], [], [], left)[0]:
+                if wait_s is not None:
+                    return False
+                continue
+            self._read()
+        return True
+
+    def _read(self) -> None:
         while True:
-            left = (deadline if started else min(deadline, start_by)) - time.monotonic()
-            if left <= 0 or not select.select([f], [], [], left)[0]:
-                return None if started else _NOT_STARTED
-            chunk = f.read(1 << 20)
-            if not chunk:  # EOF (before the first byte: the child crashed, b"")
-                return b"".join(chunks)
-            if not started:
-                started, chunk = True, chunk[len(STARTED) :]
-            chunks.append(chunk)
+            try:
+                chunk = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                return
+            if not chunk:  # EOF: everything it wrote is here
+                self.complete = True
+                self._reap()
+                return
+            if not self.started:
+                self.started, chunk = True, chunk[len(STARTED) :]
+            self.chunks.append(chunk)
+
+    def _reap(self) -> None:
+        os.close(self.fd)
+        _, self.status = os.waitpid(self.pid, 0)

@@ -131,6 +131,15 @@ class TrainerOptions:
         on one thread in a forked child before the build (so an eager step's memory does
         not set the training process's peak); ``ortrain.explain`` reports it. False:
         trust the graphs unchecked.
+    background_build: a step whose batch has no training graph yet starts its build in a
+        forked child and runs in eager PyTorch (the module's forward and backward, your
+        torch optimizer's step over ortrain's own parameter and optimizer-state tensors),
+        as do the steps after it until the graph arrives; then its signature's steps run
+        on it, its first step checked against eager. The first steps do not wait for
+        builds (a short run, many shapes); which steps ran in eager depends on the build's
+        time, so runs agree to float rounding, not bit for bit. CPU, one process, full
+        precision, no accumulation, Adam, AdamW or SGD (others are refused here).
+        False (default): a step waits for its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments
@@ -168,6 +177,7 @@ class TrainerOptions:
     graph_cache: bool | str | os.PathLike = True
     build_progress: bool = True
     verify: bool = True
+    background_build: bool = False
     fallback: str = "auto"
     segments: str = "auto"
     reduce_bucket_mb: float = 25.0

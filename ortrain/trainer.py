@@ -13,33 +13,30 @@ padded where bucketing is exact: ``bucketing.py``) and runs the model's program 
 - ``segmented_program.py``: compiled segments inside torch autograd, once the model
   cannot be one graph (fallback "auto") or by choice (``segments="blocks"``, ZeRO-2/3);
 - ``evaluation.py``: evaluation graphs, checked, with eager as their fallback;
-- ``trainer_views.py``: the properties loops, tests and tools read.
+- ``trainer_views.py``: the properties loops, tests and tools read;
+- ``trainer_state.py``: state dicts, checkpoints, whole parameters, the memory report.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ortrain import checkpoint
 from ortrain.batch_input import BatchInput
 from ortrain.bucketing import Bucketing
 from ortrain.build import StageRecord
-from ortrain.distributed import sharded_checkpoint
-from ortrain.evaluation import Evaluation
+from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
 from ortrain.options import TrainerOptions
 from ortrain.program import TrainingProgram
 from ortrain.program_context import ProgramContext
-from ortrain.rank_memory import RankMemory, resident_bytes
+from ortrain.rank_memory import resident_bytes
 from ortrain.runtime.heap import trim_heap
 from ortrain.segmented_program import SegmentedProgram
 from ortrain.segments.training import SegmentedTraining
+from ortrain.trainer_state import TrainerState
 from ortrain.trainer_views import TrainerViews
 from ortrain.whole_graph import NotOneGraph
 from ortrain.whole_program import WholeProgram
@@ -47,17 +44,7 @@ from ortrain.whole_program import WholeProgram
 __all__ = ["ORTTrainer", "StageRecord", "StepOutputs"]
 
 
-class StepOutputs(dict):
-    """eval_step's result: a dict of tensors that also allows ``outputs.loss``."""
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        try:
-            return self[name]
-        except KeyError as exc:
-            raise AttributeError(name) from exc
-
-
-class ORTTrainer(TrainerViews):
+class ORTTrainer(TrainerState, TrainerViews):
     """Train ``model`` with ``optimizer`` through ONNX Runtime.
 
     ``train_step(*args, **kwargs)`` runs forward, backward and (every
@@ -171,55 +158,3 @@ class ORTTrainer(TrainerViews):
         self.micro_step = 0  # the in-backward update needs accumulation 1: never open here
         with self._ctx.on_stream():
             self._ctx.apply_update()
-
-    def memory_report(self, top: int = 10) -> RankMemory:
-        """This rank's bytes by class (``ortrain/rank_memory.py``) against its measured
-        peak; with a whole-model gradient graph, also its plan (``.graph``: planned
-        activation bytes and what the backward keeps, the ``top`` largest). Needs one
-        ``train_step`` first."""
-        graph, activations = self._program.memory_plan(top)
-        return RankMemory.measure(
-            self.state_bytes(),
-            self._ctx.reducer,
-            runtime=self._runtime_bytes,
-            sessions=self._ctx.session_bytes,
-            activations=activations,
-            graph=graph,
-        )
-
-    @torch.no_grad()
-    @contextlib.contextmanager
-    def whole_parameters(self) -> Iterator[torch.nn.Module]:
-        """The module with its trained weights, every parameter whole, for the duration
-        (under ZeRO-3 a gather, so every rank enters it together; ``save_model`` of the
-        Hugging Face trainer saves inside it)."""
-        self.sync_to_module()
-        materialized = getattr(self._ctx.reducer, "materialized", None)
-        with materialized() if materialized is not None else contextlib.nullcontext():
-            yield self.module
-
-    def sync_to_module(self) -> torch.nn.Module:
-        """Copy trained weights into the module (a no-op where memory is shared)."""
-        return self.state.sync_to_module()
-
-    # Distributed: collectives (every rank calls them). ZeRO-1's state_dict() is the full
-    # one on rank 0 and {} elsewhere; its checkpoints are directories of shards.
-    def state_dict(self) -> dict[str, Any]:
-        if self.reducer is not None:
-            return self.reducer.state_dict(self.state)
-        return checkpoint.trainer_state_dict(self.state)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self.reducer is not None:
-            return self.reducer.load_state_dict(self.state, state)
-        checkpoint.load_trainer_state_dict(self.state, state)
-
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        if self.reducer is not None:
-            return self.reducer.save_checkpoint(self.state, path)
-        checkpoint.save(self.state, path)
-
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        if self.reducer is not None:
-            return self.reducer.load_checkpoint(self.state, path)
-        sharded_checkpoint.load_any(self.state, path)

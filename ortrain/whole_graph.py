@@ -168,24 +168,42 @@ class WholeGraphs:
         """The training graph of ``batch`` (exported unless its signature was; ``fresh``:
         exported and built anew over the cache's entry). Returns (label rows, graph,
         whether it came from the graph cache). Raises what the build raises."""
-        sig = signature(batch)
-        new_shape = sig not in self.forwards
         hits = self.cache.hits
-        forward, rows, built = self.cache.build_train(
-            functools.partial(self.run_build, batch=batch),
-            self.module,
-            batch,
-            self.loss_fn,
-            settings,
-            None if fresh else self.forwards.get(sig),
-            len(self.log) + 1,
-            fresh=fresh,
-        )
+        forward, rows, built = self.train_job(batch, settings, fresh)()
+        return self.adopt_train(batch, forward, rows, built, self.cache.hits > hits)
+
+    def train_job(
+        self, batch: Mapping[str, Any], settings: BuildConfig, fresh: bool = False
+    ) -> Callable[[], tuple[ForwardSource, tuple, BuiltGraph]]:
+        """What builds ``batch``'s training graph (or loads it from the cache), to run here
+        or in a forked child (``ortrain/background_build.py``); ``adopt_train`` takes its
+        result."""
+        forward = None if fresh else self.forwards.get(signature(batch))
+
+        def job() -> tuple[ForwardSource, tuple, BuiltGraph]:
+            return self.cache.build_train(
+                functools.partial(self.run_build, batch=batch),
+                self.module,
+                batch,
+                self.loss_fn,
+                settings,
+                forward,
+                len(self.log) + 1,
+                fresh=fresh,
+            )
+
+        return job
+
+    def adopt_train(
+        self, batch: Mapping[str, Any], forward: ForwardSource, rows: tuple, built: BuiltGraph,
+        hit: bool,
+    ) -> tuple[tuple, BuiltGraph, bool]:  # fmt: skip
+        sig = signature(batch)
+        if sig not in self.forwards:
+            _warn_many_shapes(len(self.forwards) + 1, batch)
         self.forwards[sig] = forward
-        if new_shape:
-            _warn_many_shapes(len(self.forwards), batch)
         self.log.extend(built.log)
-        return rows, built, self.cache.hits > hits
+        return rows, built, hit
 
     def add_train(self, batch: Mapping[str, Any], rows: tuple, compiled: CompiledGraph) -> None:
         self.train[(signature(batch), rows)] = compiled

@@ -13,14 +13,18 @@ fallback "off" the error itself is raised.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ortrain.background_build import PENDING, BackgroundBuild
 from ortrain.build import BuiltGraph
 from ortrain.core.errors import BatchError, ExportError, VerificationError, first_line
 from ortrain.core.names import GradientError, UpdateInBackwardError
+from ortrain.eager_steps import unsupported
 from ortrain.optim.from_torch import group_values
 from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
@@ -43,6 +47,13 @@ class WholeProgram:
         # eager's step on a batch whose graph ``padding_proof`` built just before its step
         # (taken before the build, as the step takes it: ``_early_reference``)
         self._references: dict[tuple, EagerStep] = {}
+        # graphs built while steps run in eager (TrainerOptions.background_build)
+        self.background: BackgroundBuild | None = None
+        if ctx.options.background_build:
+            why = unsupported(ctx)
+            if why:
+                raise ValueError(f"TrainerOptions.background_build=True: {why}")
+            self.background = BackgroundBuild(ctx)
 
     def describe(self) -> TrainingProgram:
         graphs = list(self.graphs.train.values())
@@ -61,7 +72,10 @@ class WholeProgram:
         return graph, graph.arena_peak_bytes
 
     def step(self, batch: dict[str, Any]) -> torch.Tensor:
-        """A micro-step of ``batch`` on its training graph."""
+        """A micro-step of ``batch`` on its training graph (in eager while it builds in the
+        background: ``ortrain/background_build.py``)."""
+        if self._in_background(batch):
+            return self.background.eager.step(batch)  # type: ignore[union-attr]
         ctx, st = self.ctx, self.ctx.state
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
@@ -113,6 +127,10 @@ class WholeProgram:
         it is not: the step runs on it next, with eager's reference step taken before the
         build as a step takes it); a graph where it does is dropped."""
         compiled = self.graphs.find_train(batch)
+        if compiled is None and self.background is not None:
+            if self._in_background(batch):
+                return PENDING  # this batch runs unpadded, in eager, until its graph arrives
+            compiled = self.graphs.find_train(batch)  # arrived just now
         if compiled is None:
             reference = self._early_reference(batch)
             compiled = self._build(batch)
@@ -123,24 +141,69 @@ class WholeProgram:
             self._references.pop(signature(batch), None)
         return compiled.graph.padding
 
+    def _in_background(self, batch: dict[str, Any]) -> bool:
+        """Whether ``batch`` runs in eager while a graph builds: a build that arrived is
+        taken first; one is started for ``batch`` where none is running and it has no
+        graph."""
+        bg = self.background
+        if bg is None:
+            return False
+        try:
+            with self._build_errors():
+                arrived = bg.arrived()
+        except UpdateInBackwardError:  # built again, for the engine chosen now
+            if self.ctx.engine.in_backward:  # the engine may not change: the refusal stands
+                raise
+            arrived = None
+        if arrived is not None:
+            self._bind(arrived.batch, arrived.rows, arrived.built, arrived.hit)
+        if self.graphs.find_train(batch) is not None:
+            return False
+        if not bg.building:
+            if not bg.can_start():
+                return False
+            bg.start(batch)
+        return True
+
     def _build(self, batch: dict[str, Any], fresh: bool = False) -> CompiledGraph:
         """``batch``'s training graph built (or loaded), given a session, bound by role."""
         ctx = self.ctx
         while True:  # twice at most: the settings change with the engine
             try:
-                rows, built, hit = self.graphs.build_train(batch, ctx.settings(), fresh)
+                with self._build_errors():
+                    rows, built, hit = self.graphs.build_train(batch, ctx.settings(), fresh)
                 break
-            except (ExportError, GradientError) as exc:
-                if ctx.options.fallback == "off":
+            except UpdateInBackwardError:
+                if ctx.engine.in_backward:  # the engine may not change: the refusal stands
                     raise
-                raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
-            except UpdateInBackwardError as exc:
-                # "auto" takes the update after the session where the graph cannot run it
-                # (choose_engine raises the refusal where the engine may not change)
-                ctx.engine = ctx.choose_engine(refused=exc)
-                warnings.warn(
-                    f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=5
-                )
+        return self._bind(batch, rows, built, hit)
+
+    @contextlib.contextmanager
+    def _build_errors(self) -> Iterator[None]:
+        """A build's errors as the program takes them: a graph that cannot be made
+        (``NotOneGraph``, fallback "auto"), and an update that cannot run in its backward
+        (re-raised after choosing the engine that runs it after the session)."""
+        ctx = self.ctx
+        try:
+            yield
+        except (ExportError, GradientError) as exc:
+            if ctx.options.fallback == "off":
+                raise
+            raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
+        except UpdateInBackwardError as exc:
+            # "auto" takes the update after the session where the graph cannot run it
+            # (choose_engine raises the refusal where the engine may not change)
+            ctx.engine = ctx.choose_engine(refused=exc)
+            warnings.warn(
+                f"ortrain: the optimizer update runs after the session: {exc}", stacklevel=7
+            )
+            raise
+
+    def _bind(
+        self, batch: dict[str, Any], rows: tuple, built: BuiltGraph, hit: bool
+    ) -> CompiledGraph:
+        """A built training graph given a session and bound to the state by role."""
+        ctx = self.ctx
         if ctx.device.type == "cpu":  # sized by this graph, before the update's session
             register_cpu_arena(built.planned_peak_bytes)
         self._reach(built)  # the first graph's lays out the gradients and the update

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from ortrain.forked import call_forked, can_fork
+from ortrain.forked import ForkedJob, call_forked, can_fork
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
 
@@ -18,6 +18,28 @@ def test_result_comes_back_from_the_child():
     parent = os.getpid()
     pid, value = call_forked(lambda: (os.getpid(), [1, 2, 3]), what="test job")
     assert pid != parent and value == [1, 2, 3]
+
+
+def test_a_started_job_is_polled_without_waiting():
+    """``done()`` answers at once while the child works (a large result, more than a pipe
+    holds, read as it comes), then the result; ``cancel`` stops a child not wanted."""
+    read_fd, write_fd = os.pipe()
+
+    def job() -> bytes:
+        os.read(read_fd, 1)  # until the parent lets it finish
+        return b"x" * (1 << 20)
+
+    running = ForkedJob(job, what="test job")
+    assert not running.done()
+    os.write(write_fd, b"g")
+    running.result_ready()
+    assert running.done() and running.result() == b"x" * (1 << 20)
+    stuck = ForkedJob(lambda: os.read(read_fd, 1), what="test job")
+    assert not stuck.done()
+    stuck.cancel()
+    assert stuck.done() and stuck.status is not None
+    os.close(read_fd)
+    os.close(write_fd)
 
 
 _CHILD_CUDA = """

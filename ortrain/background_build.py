@@ -1,0 +1,102 @@
+"""Training graphs built in a forked child while the steps run in eager PyTorch.
+
+``TrainerOptions.background_build``: a step whose batch has no training graph yet starts
+that graph's build in a forked child (``ortrain/forked.py``, as every build runs, but not
+waited for) and runs in eager PyTorch over the trainer's own state
+(``ortrain/eager_steps.py``); so do the steps after it whose batch has no graph, until the
+build has arrived. One build at a time: on a machine of few cores a second would slow the
+first and the eager steps alike. The first step after it arrived takes it (its session,
+its binding by role), and the steps of its signature run on it from then on, its first one
+checked against eager as any graph's. The padding proof of a bucketed layout waits for its
+graph the same way: its batches run unpadded in eager until then.
+
+Which steps ran in eager depends on how long a build takes, so two runs agree to float
+rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from ortrain.eager_steps import EagerSteps
+from ortrain.export import warn_sdpa
+from ortrain.forked import IN_PROCESS_ENV, ForkedJob, can_fork
+
+if TYPE_CHECKING:
+    from ortrain.build import BuiltGraph, ForwardSource
+    from ortrain.program_context import ProgramContext
+
+# what a padding proof says while its graph is still building
+PENDING = ("pending", "its training graph is building")
+
+
+@dataclasses.dataclass
+class Arrived:
+    """A build that ended: the batch it was started for and what it made."""
+
+    batch: dict[str, Any]
+    rows: tuple
+    built: BuiltGraph
+    hit: bool  # loaded from the graph cache
+
+
+class BackgroundBuild:
+    """At most one training graph building in a forked child; eager steps meanwhile."""
+
+    def __init__(self, ctx: ProgramContext):
+        self.ctx = ctx
+        self.eager = EagerSteps(ctx)
+        self._job: ForkedJob | None = None
+        self._batch: dict[str, Any] | None = None
+
+    @property
+    def building(self) -> bool:
+        return self._job is not None
+
+    def can_start(self) -> bool:
+        """Whether a build may go to a forked child now (not where CUDA started, or
+        ``ORTRAIN_BUILD_IN_PROCESS=1``): else the step builds and waits, as without the
+        option."""
+        st = self.ctx.state
+        return can_fork([*st.params.values(), *st.buffers.values()])
+
+    def start(self, batch: dict[str, Any]) -> None:
+        ctx = self.ctx
+        warn_sdpa(ctx.module)
+        job = ctx.graphs.train_job(batch, ctx.settings())
+        cache, parent = ctx.graph_cache, os.getpid()
+
+        def in_child() -> tuple[ForwardSource, tuple, BuiltGraph, bool]:
+            if os.getpid() != parent:  # (run here instead where the child failed)
+                os.environ[IN_PROCESS_ENV] = "1"  # the child is the build's process
+            hits = cache.hits
+            forward, rows, built = job()
+            return forward, rows, built, cache.hits > hits
+
+        self._batch = batch
+        self._job = ForkedJob(in_child, what="building the ONNX graph")
+
+    def arrived(self) -> Arrived | None:
+        """The build started before, if it has ended (else None, at once); raises what the
+        build raised."""
+        job, batch = self._job, self._batch
+        if job is None or batch is None or not job.done():
+            return None
+        self._job = self._batch = None
+        forward, rows, built, hit = job.result()
+        if hit:  # counted in the child
+            self.ctx.graph_cache.hits += 1
+        rows, built, hit = self.ctx.graphs.adopt_train(batch, forward, rows, built, hit)
+        return Arrived(batch, rows, built, hit)
+
+    def wait(self) -> None:
+        """Until the running build (if any) has ended; the next step takes it."""
+        if self._job is not None:
+            self._job.result_ready()
+
+    def cancel(self) -> None:
+        if self._job is not None:
+            self._job.cancel()
+        self._job = self._batch = None
