@@ -4,8 +4,8 @@
 that graph's build in a forked child (``ortrain/forked.py``, as every build runs, but not
 waited for) and runs in eager PyTorch over the trainer's own state
 (``ortrain/eager_steps.py``); so do the steps after it whose batch has no graph, until the
-build has arrived. One build at a time: on a machine of few cores a second would slow the
-first and the eager steps alike. The first step after it arrived takes it (its session,
+build has arrived. One build at a time, on one core at the lowest priority; the eager
+steps run on the other cores. The first step after it arrived takes it (its session,
 its binding by role), and the steps of its signature run on it from then on, its first one
 checked against eager as any graph's. The padding proof of a bucketed layout waits for its
 graph the same way: its batches run unpadded in eager until then.
@@ -20,6 +20,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ortrain.eager_steps import EagerSteps
 from ortrain.export import warn_sdpa
 from ortrain.forked import IN_PROCESS_ENV, ForkedJob, can_fork
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
     from ortrain.build import BuiltGraph, ForwardSource
     from ortrain.program_context import ProgramContext
 
+# The build's child (one thread) runs at the lowest priority on the core the eager steps
+# leave it (``eager_step``): it takes nothing from anything else running.
+NICE = 19
 # what a padding proof says while its graph is still building
 PENDING = ("pending", "its training graph is building")
 
@@ -76,7 +81,7 @@ class BackgroundBuild:
             return forward, rows, built, cache.hits > hits
 
         self._batch = batch
-        self._job = ForkedJob(in_child, what="building the ONNX graph")
+        self._job = ForkedJob(in_child, what="building the ONNX graph", nice=NICE)
 
     def arrived(self) -> Arrived | None:
         """The build started before, if it has ended (else None, at once); raises what the
@@ -95,6 +100,17 @@ class BackgroundBuild:
         """Until the running build (if any) has ended; the next step takes it."""
         if self._job is not None:
             self._job.result_ready()
+
+    def eager_step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A step in eager PyTorch beside the build: on one thread fewer, the build's core
+        (OpenMP's team would otherwise wait at every barrier for the thread that lost its
+        core to the build: slower than one thread fewer)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads - 1))
+        try:
+            return self.eager.step(batch)
+        finally:
+            torch.set_num_threads(threads)
 
     def cancel(self) -> None:
         if self._job is not None:

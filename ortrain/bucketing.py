@@ -270,10 +270,19 @@ class Bucketing:
         self._graphs: dict[tuple, set[int]] = {}  # per layout: the lengths given to the trainer
         self._borrowed: collections.Counter[tuple] = collections.Counter()
 
-    def pad(self, batch: dict[str, Any], *, train: bool, prove: Prove | None = None) -> Padded:
+    def pad(
+        self,
+        batch: dict[str, Any],
+        *,
+        train: bool,
+        prove: Prove | None = None,
+        proof_first: bool = False,
+    ) -> Padded:
         """``batch`` padded to its bucket where that is exact. ``prove``: the training
         graph of a padded batch, built, says whether padding mixes into the loss (3.);
-        asked once per layout."""
+        asked once per layout. ``proof_first``: its graph builds in the background, so it
+        is asked before the eager check, which runs once the graph has arrived (a layout's
+        batches run unpadded until then)."""
         if self.mode == "off":
             return Padded(batch)
         plan = layout(batch, self._pad_id)
@@ -287,6 +296,10 @@ class Bucketing:
         if to == plan.length:  # its own bucket already
             self._graphs.setdefault(key, set()).add(to)
             return Padded(batch)
+        if verdict is None and proof_first and prove is not None and key not in self.proofs:
+            proof = prove(plan.apply(batch, to))
+            if proof is not None and proof[0] == "pending":
+                return Padded(batch)
         if verdict is None:
             verdict = self.verdicts[key] = self._check(batch, plan, to, train)
             if not verdict.exact:

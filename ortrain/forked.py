@@ -24,6 +24,7 @@ import os
 import pickle
 import select
 import signal
+import tempfile
 import time
 import traceback
 import warnings
@@ -39,6 +40,10 @@ T = TypeVar("T")
 # library's thread starting or ending): such a child never gets here, and is killed and
 # forked again after ``START_TIMEOUT_S`` instead of waited on for the build's timeout.
 STARTED = b"\x01"
+# Its last byte, after the result is in the file the parent made before the fork (an
+# unlinked temporary file both share): a result of megabytes does not wait in a pipe for
+# a parent that reads it only between steps.
+DONE = b"\x02"
 START_TIMEOUT_S = 30.0
 FORK_TRIES = 3
 IN_PROCESS_ENV = "ORTRAIN_BUILD_IN_PROCESS"
@@ -65,7 +70,7 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _child(job: Callable[[], T], write_fd: int) -> None:
+def _child(job: Callable[[], T], write_fd: int, out_fd: int) -> None:
     # Nothing inherited may be finalized here: an ONNX Runtime session in uncollected
     # garbage would join its thread pool's threads, which do not exist after a fork.
     gc.freeze()
@@ -87,8 +92,9 @@ def _child(job: Callable[[], T], write_fd: int) -> None:
         data = pickle.dumps((*payload, notes))
     except Exception as exc:  # a result that does not pickle is a bug: say so
         data = pickle.dumps(("error", RuntimeError(f"build result not picklable: {exc}"), notes))
-    with os.fdopen(write_fd, "wb") as f:
+    with os.fdopen(out_fd, "wb", closefd=False) as f:
         f.write(data)
+    os.write(write_fd, DONE)
 
 
 def call_forked(job: Callable[[], T], *, what: str) -> T:
@@ -99,10 +105,11 @@ def call_forked(job: Callable[[], T], *, what: str) -> T:
 class ForkedJob(Generic[T]):
     """``job()`` started in a forked child: ``done()`` reads what it has sent so far
     without waiting (a step can go on while a graph builds), ``result()`` waits for it.
-    Started only where ``can_fork`` says so."""
+    Started only where ``can_fork`` says so; ``nice``: the child's niceness increment
+    (a build beside training takes only the CPU time the training leaves)."""
 
-    def __init__(self, job: Callable[[], T], *, what: str):
-        self.job, self.what = job, what
+    def __init__(self, job: Callable[[], T], *, what: str, nice: int = 0):
+        self.job, self.what, self.nice = job, what, nice
         self.timeout = float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800"))
         self.tries = 0
         self._start()
@@ -110,18 +117,21 @@ class ForkedJob(Generic[T]):
     def _start(self) -> None:
         self.tries += 1
         read_fd, write_fd = os.pipe()
+        self.out = tempfile.TemporaryFile(prefix="ortrain-build-")
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
             try:
+                if self.nice:
+                    os.nice(self.nice)
                 os.write(write_fd, STARTED)
-                _child(self.job, write_fd)
+                _child(self.job, write_fd, self.out.fileno())
             finally:
                 os._exit(0)
         os.close(write_fd)
         os.set_blocking(read_fd, False)
         self.pid, self.fd = pid, read_fd
-        self.chunks: list[bytes] = []
+        self.received = b""
         self.started, self.complete = False, False
         self.began = time.monotonic()
         self.status: int | None = None
@@ -140,11 +150,16 @@ class ForkedJob(Generic[T]):
         if self.status is None:
             os.kill(self.pid, signal.SIGKILL)
             self._reap()
+        self.complete = False
 
     def result(self) -> T:
         """The job's result (its exception raised here); waits for the child."""
         self._wait(None)
-        data = b"".join(self.chunks) if self.complete else b""
+        data = b""
+        if self.complete:
+            self.out.seek(0)
+            data = self.out.read()
+        self.out.close()
         if not data:  # the child died, hung or crashed: run it here
             warnings.warn(
                 f"{self.what} in a child process failed (wait status {self.status}); running "
@@ -190,13 +205,12 @@ class ForkedJob(Generic[T]):
                 chunk = os.read(self.fd, 1 << 20)
             except BlockingIOError:
                 return
-            if not chunk:  # EOF: everything it wrote is here
-                self.complete = True
+            if not chunk:  # EOF: the child ended (its result written where it sent DONE)
+                self.complete = self.received == STARTED + DONE
                 self._reap()
                 return
-            if not self.started:
-                self.started, chunk = True, chunk[len(STARTED) :]
-            self.chunks.append(chunk)
+            self.received += chunk
+            self.started = True
 
     def _reap(self) -> None:
         os.close(self.fd)

@@ -132,14 +132,15 @@ class TrainerOptions:
         not set the training process's peak); ``ortrain.explain`` reports it. False:
         trust the graphs unchecked.
     background_build: a step whose batch has no training graph yet starts its build in a
-        forked child and runs in eager PyTorch (the module's forward and backward, your
-        torch optimizer's step over ortrain's own parameter and optimizer-state tensors),
-        as do the steps after it until the graph arrives; then its signature's steps run
-        on it, its first step checked against eager. The first steps do not wait for
-        builds (a short run, many shapes); which steps ran in eager depends on the build's
-        time, so runs agree to float rounding, not bit for bit. CPU, one process, full
-        precision, no accumulation, Adam, AdamW or SGD (others are refused here).
-        False (default): a step waits for its graph.
+        forked child (one core, lowest priority) and runs in eager PyTorch on the other
+        cores (the module's forward and backward, your torch optimizer's step over
+        ortrain's own parameter and optimizer-state tensors), as do the steps after it
+        until the graph arrives; then its signature's steps run on it, its first step
+        checked against eager. No step waits for a build (a long run gains the build's
+        time; on few cores a short one pays the eager steps' lost core); which steps ran
+        in eager depends on the build's time, so runs agree to float rounding, not bit for
+        bit. CPU, one process, full precision, no accumulation, Adam, AdamW or SGD (others
+        are refused here). False (default): a step waits for its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments

@@ -139,7 +139,10 @@ class ORTTrainer(TrainerState, TrainerViews):
                 raise exc.error from eager
 
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:
-        return self.bucketing.pad(batch, train=True, prove=program.padding_proof).batch
+        first = getattr(program, "background", None) is not None  # its proof comes later
+        return self.bucketing.pad(
+            batch, train=True, prove=program.padding_proof, proof_first=first
+        ).batch
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:

@@ -75,7 +75,7 @@ class WholeProgram:
         """A micro-step of ``batch`` on its training graph (in eager while it builds in the
         background: ``ortrain/background_build.py``)."""
         if self._in_background(batch):
-            return self.background.eager.step(batch)  # type: ignore[union-attr]
+            return self.background.eager_step(batch)  # type: ignore[union-attr]
         ctx, st = self.ctx, self.ctx.state
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
