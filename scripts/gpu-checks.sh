@@ -143,8 +143,10 @@ step_tests() {
 }
 
 step_probes() {
+  # (PROBES_SELECT narrows the -k selection: the test suite's dry run of this script, whose
+  # own run has the CPU side of these tests)
   pytest_q tests/test_cuda_training.py -k probe &&
-    pytest_q tests/test_gpu_path.py -k "not world_of_one and not gpu_checks"
+    pytest_q tests/test_gpu_path.py -k "${PROBES_SELECT:-not world_of_one and not gpu_checks}"
 }
 
 step_dp() {

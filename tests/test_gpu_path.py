@@ -935,6 +935,8 @@ def test_gpu_checks_dry_run_writes_the_summary(tmp_path):
         # one world-of-one case: the suite runs them all itself; here the plumbing
         "DP_SELECT": "world_of_one_reducer and 1-cpu",
         "BUDGET_probes": "240",
+        # the probes' plumbing on one test: the suite runs the others itself
+        "PROBES_SELECT": "stand_in_shows_the_defect_without_the_fix",
         "ORTRAIN_GRAPH_CACHE": str(tmp_path / "cache"),
     }
     cmd = ["bash", str(ROOT / "scripts" / "gpu-checks.sh"), "--dry-run", "--total-s", "1200"]
