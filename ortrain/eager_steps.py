@@ -94,7 +94,9 @@ class EagerSteps:
         """The optimizer's state becomes the trainer's tensors (once the trainer has
         taken a step: before it, torch makes its own at its first step, as eager does)."""
         st, optimizer = self.ctx.state, self.ctx.optimizer
-        if st.step == 0:
+        if st.step == 0:  # (a checkpoint of step 0 loaded since: no state either)
+            for p in params:
+                optimizer.state.pop(p, None)
             return
         step = float(st.step)
         for p, s, key in self._states(params):
