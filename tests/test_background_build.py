@@ -152,3 +152,40 @@ def test_eager_steps_refuse_a_non_finite_loss_before_the_update():
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p, q)
     trainer._program.background.cancel()
+
+
+def test_a_checkpoint_between_eager_steps_holds_them_and_restores():
+    """``state_dict()`` after eager steps (the graph still building) holds their moments and
+    step count; loading the checkpoint of step 0 then trains as a fresh eager run (torch's
+    optimizer keeps nothing of the steps before)."""
+    torch.manual_seed(0)
+    base = _MLP()
+    ref, fresh = copy.deepcopy(base), copy.deepcopy(base)
+    opt = torch.optim.AdamW(base.parameters(), lr=0.05)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    trainer = ORTTrainer(base, opt, TrainerOptions(background_build=True))
+    start = copy.deepcopy(trainer.state_dict())
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g))]
+    batches.append((torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)))
+    for x, y in batches:
+        trainer.train_step(x, y)
+        _eager(ref, opt_ref, {"x": x, "y": y}, None)
+    assert trainer._program.background.eager.count == 2 and trainer.step == 2
+    saved = trainer.state_dict()
+    assert saved["ortrain"]["step"] == 2
+    params = [p for g in opt_ref.param_groups for p in g["params"]]
+    for idx, p in enumerate(params):
+        for s in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(saved["optimizer"]["state"][idx][s], opt_ref.state[p][s])
+    trainer.load_state_dict(start)
+    assert trainer.step == 0
+    opt_fresh = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    for x, y in batches:
+        loss = float(trainer.train_step(x, y))
+        assert loss == pytest.approx(
+            _eager(fresh, opt_fresh, {"x": x, "y": y}, None), rel=LOSS_RTOL
+        )
+    _assert_params_close(base, fresh)
+    assert trainer._program.background.eager.count == 4  # the graph still building
+    trainer._program.background.cancel()
