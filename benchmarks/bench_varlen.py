@@ -122,7 +122,6 @@ def run(backend: str, model: torch.nn.Module, batches: list[Batch], lr: float) -
         )
         trainer = ORTTrainer(model, opt, options)
     losses, times, built, eager = [], [], [], []
-    background = trainer._program.background if trainer is not None else None
     start = time.perf_counter()
     for batch in batches:
         t = time.perf_counter()
@@ -132,10 +131,11 @@ def run(backend: str, model: torch.nn.Module, batches: list[Batch], lr: float) -
             loss.backward()
             opt.step()
         else:
-            before, ran = trainer.build_count, background.eager.count if background else 0
+            before, ran = trainer.build_count, trainer.eager_steps
             loss = trainer.train_step(**batch)
-            built.append(trainer.build_count > before and background is None)
-            eager.append(background is not None and background.eager.count > ran)
+            # a step that waited for a build (in the background none waits: eager instead)
+            built.append(trainer.build_count > before and not trainer.options.background_build)
+            eager.append(trainer.eager_steps > ran)
         losses.append(loss.item())
         times.append(time.perf_counter() - t)
     total = time.perf_counter() - start

@@ -116,3 +116,9 @@ class BackgroundBuild:
         if self._job is not None:
             self._job.cancel()
         self._job = self._batch = None
+
+    def __del__(self) -> None:  # a trainer let go mid-build: its child is not wanted
+        try:
+            self.cancel()
+        except Exception:  # (interpreter shutdown: os may be half gone)
+            pass

@@ -43,4 +43,6 @@ def _build_time(trainer: ORTTrainer) -> str:
     sessions = trainer.session_seconds
     parts = [f"{k} {v:.2f} s" for k, v in stages.items() if v]
     parts += [f"sessions {sessions:.2f} s", f"checks against eager {trainer.verify_seconds:.2f} s"]
+    if trainer.options.background_build:  # what those builds cost the steps instead
+        parts.append(f"built in the background, {trainer.eager_steps} step(s) in eager meanwhile")
     return "build time: " + ", ".join(parts)

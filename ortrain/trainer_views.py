@@ -3,7 +3,7 @@ its update engine and its builds (``TrainerViews``, a base of the trainer)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class TrainerViews:
     _ctx: ProgramContext
+    _program: Any  # the trainer's WholeProgram or SegmentedProgram
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -142,6 +143,13 @@ class TrainerViews:
     def verify_seconds(self) -> float:
         """Seconds the first-step checks against eager took (``ortrain/first_step.py``)."""
         return self._ctx.eager.seconds
+
+    @property
+    def eager_steps(self) -> int:
+        """Steps that ran in eager PyTorch while their graph built in the background
+        (``TrainerOptions.background_build``; 0 without it)."""
+        background = getattr(self._program, "background", None)
+        return background.eager.count if background is not None else 0
 
     @property
     def train_graphs(self) -> list[ir.Model]:

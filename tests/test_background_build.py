@@ -9,12 +9,13 @@ import copy
 import pytest
 import torch
 
-from ortrain import ORTTrainer, TrainerOptions
+from ortrain import ORTTrainer, TrainerOptions, explain
 from ortrain.eager_steps import EagerSteps
 from tests.adam_noise import NOISE_FLOOR
 from tests.conftest import gpt2
 
 LOSS_RTOL = 1e-5
+_BACKGROUND = TrainerOptions(background_build=True)
 
 
 def _packed(lengths: list[int], vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -58,9 +59,9 @@ def test_background_steps_train_like_eager_across_switches():
     background = trainer._program.background
     ran_eager, builds = [], []
     for i, batch in enumerate(batches):
-        before = background.eager.count
+        before = trainer.eager_steps
         loss = float(trainer.train_step(**batch))
-        ran_eager.append(background.eager.count > before)
+        ran_eager.append(trainer.eager_steps > before)
         builds.append(trainer.build_count)
         expected = _eager(ref, opt_ref, batch, max_norm=1.0)
         assert loss == pytest.approx(expected, rel=LOSS_RTOL), f"step {i} (len {lengths[i]})"
@@ -70,6 +71,8 @@ def test_background_steps_train_like_eager_across_switches():
     # 4: bucket 32's graph; 5: bucket 48's graph arrived
     assert ran_eager[:6] == [True, True, False, True, False, False], ran_eager
     assert builds[-1] == 2 and trainer.cache_hits == 0
+    assert trainer.eager_steps == 3
+    assert "built in the background, 3 step(s) in eager meanwhile" in explain(trainer)
     assert not any(ran_eager[5:]), ran_eager
     _assert_adamw_params_close(base, ref, opt_ref, lr=1e-3, steps=len(batches))
     state = trainer.state_dict()["optimizer"]["state"]
@@ -121,7 +124,7 @@ def test_sgd_momentum_continues_from_eager_steps_into_the_graph():
         assert loss == pytest.approx(_eager(ref, opt_ref, {"x": x, "y": y}, None), rel=LOSS_RTOL)
         if i == 1:
             background.wait()
-    assert background.eager.count == 2 and trainer.build_count == 1
+    assert trainer.eager_steps == 2 and trainer.build_count == 1
     _assert_params_close(base, ref)
 
 
@@ -171,7 +174,7 @@ def test_a_checkpoint_between_eager_steps_holds_them_and_restores():
     for x, y in batches:
         trainer.train_step(x, y)
         _eager(ref, opt_ref, {"x": x, "y": y}, None)
-    assert trainer._program.background.eager.count == 2 and trainer.step == 2
+    assert trainer.eager_steps == 2 and trainer.step == 2
     saved = trainer.state_dict()
     assert saved["ortrain"]["step"] == 2
     params = [p for g in opt_ref.param_groups for p in g["params"]]
@@ -187,5 +190,20 @@ def test_a_checkpoint_between_eager_steps_holds_them_and_restores():
             _eager(fresh, opt_fresh, {"x": x, "y": y}, None), rel=LOSS_RTOL
         )
     _assert_params_close(base, fresh)
-    assert trainer._program.background.eager.count == 4  # the graph still building
+    assert trainer.eager_steps == 4  # the graph still building
     trainer._program.background.cancel()
+
+
+def test_a_trainer_let_go_mid_build_stops_its_child():
+    import gc
+    import os
+
+    model = _MLP()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _BACKGROUND)
+    trainer.train_step(torch.randn(4, 12), torch.zeros(4, dtype=torch.long))
+    pid = trainer._program.background._job.pid
+    os.kill(pid, 0)  # building
+    del trainer
+    gc.collect()
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pid, 0)
