@@ -15,6 +15,8 @@ cnn-spectral   a residual CNN whose classifier is spectrally normalized (a no-gr
                iteration through a 1-D MatMul): it trained as segments until both had
                rules / markers; it compiles whole now and stays as a CNN workload
 
+Backends: eager PyTorch, ortrain, and ortrain with ``eager_if_faster=True`` (each graph
+timed against eager on its first steps, the faster kept).
 Each (model, backend) runs in its own process with the same thread count: build, warm-up
 steps (ortrain's first step holds its export, builds and checks against eager), then
 timed AdamW steps. The table: the median step of each, eager / ortrain (above 1: ortrain
@@ -150,7 +152,9 @@ def run_one(name: str, backend: str, steps: int, warmup: int, threads: int) -> d
             opt.step()
             return loss.item()
     else:
-        trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=threads), loss_fn=loss_fn)
+        measured = backend == "ortrain-measured"  # graph or eager, whichever steps faster
+        options = TrainerOptions(intra_op_threads=threads, eager_if_faster=measured)
+        trainer = ORTTrainer(model, opt, options, loss_fn=loss_fn)
 
         def step(b):
             return trainer.train_step(**b).item()
@@ -164,6 +168,9 @@ def run_one(name: str, backend: str, steps: int, warmup: int, threads: int) -> d
     if trainer is not None:
         seg = trainer.segments
         result["segmented"] = seg is not None
+        trial = getattr(trainer._program, "trial", None)
+        if trial is not None:
+            result["choice"] = sorted({t.choice or "trial" for t in trial.trials.values()})
         if seg is not None and seg.model is not None:
             result["compiled"] = seg.model.compiled
             result["compiled_share"] = seg.model.compiled_seconds() / max(seg.step_seconds, 1e-9)
@@ -185,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from hardware import cpu_description
 
-    print("| model | eager ms | ortrain ms | eager / ortrain | first step | in graphs |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | eager ms | ortrain ms | eager / ortrain | first step | in graphs "
+          "| eager_if_faster ms | eager / it | its choice |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for name in args.models.split(","):
         row = {"model": name}
-        for backend in ("torch", "ortrain"):
+        for backend in ("torch", "ortrain", "ortrain-measured"):
             cmd = [sys.executable, __file__, "--child", name, backend, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
@@ -209,13 +217,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _line(row: dict) -> str:
-    t, o = row["torch"], row["ortrain"]
-    if "error" in t or "error" in o:
-        return f"| {row['model']} | {t.get('error', '')} | {o.get('error', '')} | | | |"
+    t, o, m = row["torch"], row["ortrain"], row["ortrain-measured"]
+    if "error" in t or "error" in o or "error" in m:
+        errors = " | ".join(r.get("error", "") for r in (t, o, m))
+        return f"| {row['model']} | {errors} | | | | | |"
     ratio = t["median_ms"] / o["median_ms"]
     share = f"{o['compiled_share']:.0%}" if "compiled_share" in o else "whole graph"
+    choice = ", ".join(m.get("choice", ["segments"]))
     return (f"| {row['model']} | {t['median_ms']:.1f} | {o['median_ms']:.1f} | {ratio:.2f}x "
-            f"| {o['first_s']:.1f} s | {share} |")  # fmt: skip
+            f"| {o['first_s']:.1f} s | {share} | {m['median_ms']:.1f} "
+            f"| {t['median_ms'] / m['median_ms']:.2f}x | {choice} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -141,6 +141,15 @@ class TrainerOptions:
         in eager depends on the build's time, so runs agree to float rounding, not bit for
         bit. CPU, one process, full precision, no accumulation, Adam, AdamW or SGD (others
         are refused here). False (default): a step waits for its graph.
+    eager_if_faster: time each training graph against eager PyTorch on its first steps
+        (after its first, checked step: three steps on each, alternating, all of them real
+        training steps over the same state) and run that batch signature's later steps
+        on the faster, the graph unless eager's median step is over 1.1x faster
+        (``ortrain.explain`` shows both times). For models whose graph ONNX Runtime runs
+        slower than PyTorch (large convolutions on CPU, for one): never slower than
+        eager. Which steps run where after the trial depends on the times measured, so
+        runs agree to float rounding, not bit for bit. The same limits as
+        ``background_build``. False (default): every step runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments
@@ -179,6 +188,7 @@ class TrainerOptions:
     build_progress: bool = True
     verify: bool = True
     background_build: bool = False
+    eager_if_faster: bool = False
     fallback: str = "auto"
     segments: str = "auto"
     reduce_bucket_mb: float = 25.0

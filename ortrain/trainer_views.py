@@ -146,10 +146,12 @@ class TrainerViews:
 
     @property
     def eager_steps(self) -> int:
-        """Steps that ran in eager PyTorch while their graph built in the background
-        (``TrainerOptions.background_build``; 0 without it)."""
-        background = getattr(self._program, "background", None)
-        return background.eager.count if background is not None else 0
+        """Steps that ran in eager PyTorch over the trainer's state: while their graph
+        built in the background (``TrainerOptions.background_build``) or where eager
+        steps faster (``TrainerOptions.eager_if_faster``, its trial's steps included); 0
+        without either."""
+        runs = (getattr(self._program, k, None) for k in ("background", "trial"))
+        return sum(r.eager.count for r in runs if r is not None)
 
     @property
     def train_graphs(self) -> list[ir.Model]:

@@ -30,6 +30,7 @@ from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
 from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.session import CudaGraphCaptureError, register_cpu_arena
+from ortrain.speed_trial import SpeedTrial
 from ortrain.step_errors import from_onnxruntime, run_failed
 from ortrain.verify import EagerStep
 from ortrain.whole_graph import CompiledGraph, NotOneGraph, signature
@@ -54,6 +55,13 @@ class WholeProgram:
             if why:
                 raise ValueError(f"TrainerOptions.background_build=True: {why}")
             self.background = BackgroundBuild(ctx)
+        # each graph timed against eager on its first steps (TrainerOptions.eager_if_faster)
+        self.trial: SpeedTrial | None = None
+        if ctx.options.eager_if_faster:
+            why = unsupported(ctx)
+            if why:
+                raise ValueError(f"TrainerOptions.eager_if_faster=True: {why}")
+            self.trial = SpeedTrial(ctx)
 
     def describe(self) -> TrainingProgram:
         graphs = list(self.graphs.train.values())
@@ -76,6 +84,14 @@ class WholeProgram:
         background: ``ortrain/background_build.py``)."""
         if self._in_background(batch):
             return self.background.eager_step(batch)  # type: ignore[union-attr]
+        if self.trial is not None:  # the graph or eager, whichever steps faster
+            sig = signature(batch)
+            return self.trial.run(sig, self.trial.route(sig), self._graph_step, batch)
+        return self._graph_step(batch)
+
+    def _graph_step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A micro-step of ``batch`` on its training graph (built or loaded here unless
+        it is; its first step checked against eager)."""
         ctx, st = self.ctx, self.ctx.state
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
