@@ -15,6 +15,7 @@ def register_all() -> None:
         contrib,
         conv,
         elementwise,
+        grid_sample,
         indexing,
         loss,
         matmul,
