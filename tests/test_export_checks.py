@@ -1,0 +1,100 @@
+"""``GaussianNLLLoss`` exports with its negative-variance check kept as data
+(``ortrain/export_checks.py``): the loss trains compiled like eager, the variance's clamp
+included, and a batch eager rejects for a negative variance is refused before its update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.errors import NonFiniteLossError
+from ortrain.export_checks import value_checks_as_data
+
+
+class _Regressor(torch.nn.Module):
+    """A mean and a variance head; ``raw``: the variance is the head's output as it is
+    (it can be negative), else a softplus of it."""
+
+    def __init__(self, raw: bool, **loss: object) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh())
+        self.mean = torch.nn.Linear(16, 3)
+        self.var = torch.nn.Linear(16, 3)
+        self.raw = raw
+        self.loss = torch.nn.GaussianNLLLoss(**loss)
+
+    def forward(self, x, y):
+        h = self.body(x)
+        v = self.var(h)
+        return self.loss(self.mean(h), y, v if self.raw else F.softplus(v))
+
+
+def _batch(g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(8, 5, generator=g), "y": torch.randn(8, 3, generator=g)}
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [{}, {"full": True, "reduction": "sum"}, {"eps": 0.8}],  # eps 0.8: the clamp is active
+    ids=["mean", "full-sum", "clamped"],
+)
+def test_gaussian_nll_trains_compiled_like_eager(loss: dict) -> None:
+    torch.manual_seed(0)
+    model = _Regressor(raw=False, **loss)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):
+        batch = _batch(g)
+        got = float(trainer.train_step(**batch))
+        opt_ref.zero_grad()
+        want = ref(**batch)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if "eps" in loss:  # the clamp mattered: some variance below eps
+        with torch.no_grad():
+            assert (F.softplus(ref.var(ref.body(batch["x"]))) < loss["eps"]).any()
+
+
+def test_a_negative_variance_is_refused_before_the_update() -> None:
+    """Eager raises ValueError; the trainer raises NonFiniteLossError and keeps its
+    parameters."""
+    torch.manual_seed(0)
+    model = _Regressor(raw=True)
+    with torch.no_grad():
+        model.var.bias.fill_(2.0)  # positive on the first batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    g = torch.Generator().manual_seed(3)
+    trainer.train_step(**_batch(g))
+    assert trainer.segments is None
+    with torch.no_grad():
+        model.var.bias.fill_(-5.0)
+    trainer.state_dict()  # (the module's tensors are the trainer's)
+    bad = _batch(g)
+    with pytest.raises(ValueError, match="negative"):
+        copy.deepcopy(model)(**bad)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteLossError, match="nan"):
+        trainer.train_step(**bad)
+    trainer.sync_to_module()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_eager_is_untouched_outside_the_export() -> None:
+    original = F.gaussian_nll_loss
+    with pytest.raises(RuntimeError), value_checks_as_data():
+        assert F.gaussian_nll_loss is not original
+        raise RuntimeError("an export that fails")
+    assert F.gaussian_nll_loss is original
