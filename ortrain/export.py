@@ -35,6 +35,7 @@ from ortrain.core.errors import ExportError, first_line
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export_aten import aten_translations
 from ortrain.export_checks import value_checks_as_data
+from ortrain.export_decompositions import exporter_decompositions
 from ortrain.export_hints import without_value_hints
 from ortrain.export_losses import loss_translations
 from ortrain.export_ops import custom_translations, export_hint
@@ -487,6 +488,7 @@ def trace_to_onnx(
             _eager_attention_for_dropout(module, train),
             exportable_batch_norms(module),
             cached_registry(),
+            exporter_decompositions(),
         ):
             warnings.simplefilter("ignore")
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)

@@ -1,0 +1,133 @@
+"""aten ops the ONNX exporter has no function for, decomposed before it translates.
+
+Adaptive pooling (``nn.AdaptiveMaxPool1d/2d/3d`` with or without indices, and
+``nn.AdaptiveAvgPool3d``): output cell ``i`` of an axis of length ``L`` pooled to ``O``
+reads the window ``[floor(i L / O), ceil((i + 1) L / O))``, whose length varies where O
+does not divide L. Each axis gets a constant table of its windows' indices, padded to
+the longest window, and one ``index_select`` per axis gathers every window at once; so
+the graph is gathers, a reduction and (for max) an ``argmax``, each with its gradient
+rule. For max, the padding repeats a window's last index (a repeat never beats the
+first occurrence of its value) and the value is read at the ``argmax`` over the window
+in scan order: the gradient goes to the window's first maximum, as torch's kernel sends
+it, not spread over ties. For the average the padding is masked out of the sum and each
+window's sum divided by its length.
+
+``exporter_decompositions()`` adds them to the exporter's own decomposition table
+(which holds torch's decompositions of the ops without an ONNX function; torch's
+``adaptive_max_pool2d`` one covers divisible sizes only and spreads a global pool's
+gradient over ties).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _windows(
+    length: int, out: int, pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, k] source indices of each output cell's window, padded to the longest (k)
+    with ``pad`` (-1: the window's own last index), and [out] each window's length.
+    Spelled as tensor arithmetic (no ``torch.tensor`` of a list: a trace would make that
+    an in-place lift the exporter's decomposition refuses)."""
+    k = max(-((-(i + 1) * length) // out) - (i * length) // out for i in range(out))
+    cell = torch.arange(out, device=device)
+    starts = (cell * length) // out
+    ends = ((cell + 1) * length + out - 1) // out
+    idx = starts[:, None] + torch.arange(k, device=device)[None, :]
+    inside = idx < ends[:, None]
+    fill = ends[:, None] - 1 if pad < 0 else torch.full_like(idx, pad)
+    return torch.where(inside, idx, fill), ends - starts
+
+
+def _gathered(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x [..., L_1 .. L_d] -> [..., O_1 .. O_d, K_1 * .. * K_d]: every window's elements."""
+    d = len(tables)
+    lead = x.dim() - d
+    for j, table in enumerate(tables):
+        axis = lead + 2 * j  # the axes before it are (O, K) pairs by now
+        x = x.index_select(axis, table.flatten())
+        x = x.unflatten(axis, tuple(table.shape))
+    order = [*range(lead)]
+    order += [lead + 2 * j for j in range(d)] + [lead + 2 * j + 1 for j in range(d)]
+    return x.permute(order).flatten(lead + d)
+
+
+def adaptive_max_pool(
+    x: torch.Tensor, output_size: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values and flat indices (into the pooled axes) of each window's first maximum."""
+    d = len(output_size)
+    sizes, lead = x.shape[-d:], x.dim() - d
+    tables = [_windows(n, o, -1, x.device)[0] for n, o in zip(sizes, output_size, strict=True)]
+    first = _gathered(x, tables).argmax(dim=-1, keepdim=True)  # scan order's first
+    values = _gathered(x, tables).gather(-1, first).squeeze(-1)
+    first = first.squeeze(-1)
+    widths = [t.shape[1] for t in tables]
+    index = torch.zeros_like(first)
+    for j, table in enumerate(tables):
+        offset = (first // math.prod(widths[j + 1 :])) % widths[j]
+        shape = [1] * (lead + d)
+        shape[lead + j] = table.shape[0]
+        cell = torch.arange(table.shape[0], device=x.device).view(shape) * widths[j]
+        source = table.flatten()[(cell + offset).flatten()].view(offset.shape)
+        index = index * sizes[j] + source
+    return values, index
+
+
+def adaptive_avg_pool(x: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """Each window's mean: a zero appended to every pooled axis fills the shorter
+    windows, and each sum is divided by its window's own length."""
+    d = len(output_size)
+    sizes, lead = x.shape[-d:], x.dim() - d
+    pairs = [_windows(n, o, n, x.device) for n, o in zip(sizes, output_size, strict=True)]
+    padded = torch.nn.functional.pad(x, [0, 1] * d)
+    sums = _gathered(padded, [t for t, _ in pairs]).sum(-1)
+    counts = None
+    for j, (_, lengths) in enumerate(pairs):
+        shape = [1] * (lead + d)
+        shape[lead + j] = lengths.shape[0]
+        axis = lengths.to(x.dtype).view(shape)
+        counts = axis if counts is None else counts * axis
+    return sums / counts
+
+
+def _max(x: torch.Tensor, output_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return adaptive_max_pool(x, list(output_size))
+
+
+def _avg(x: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    return adaptive_avg_pool(x, list(output_size))
+
+
+TABLE: dict[torch._ops.OpOverload, Callable] = {
+    aten.adaptive_max_pool2d.default: _max,
+    aten.adaptive_max_pool3d.default: _max,
+    aten._adaptive_avg_pool3d.default: _avg,
+}
+
+
+@contextlib.contextmanager
+def exporter_decompositions() -> Iterator[None]:
+    """The exporter's decomposition table (what it decomposes before translating: ops
+    without an ONNX function) with ``TABLE``'s entries in it, for one export."""
+    from torch.onnx._internal.exporter import _decomp
+
+    original = _decomp.create_onnx_friendly_decomposition_table
+
+    def with_ours(registered: set) -> dict:
+        table = original(registered)
+        table.update({op: fn for op, fn in TABLE.items() if op not in registered})
+        return table
+
+    _decomp.create_onnx_friendly_decomposition_table = with_ours
+    try:
+        yield
+    finally:
+        _decomp.create_onnx_friendly_decomposition_table = original

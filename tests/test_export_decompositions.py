@@ -1,0 +1,80 @@
+"""Adaptive pooling decomposed for the exporter (``ortrain/export_decompositions.py``):
+values and indices equal to torch's (the first maximum of a window with ties, windows of
+unequal length), and CNNs with adaptive max and 3-D average pooling train compiled like
+eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.export_decompositions import adaptive_avg_pool, adaptive_max_pool
+
+CASES = [
+    ((2, 3, 9), (4,)),  # 1-D, overlapping windows
+    ((2, 3, 7, 5), (3, 2)),
+    ((2, 3, 8, 8), (4, 4)),  # divisible
+    ((2, 3, 7, 5), (1, 1)),  # global
+    ((1, 2, 5, 6, 7), (2, 3, 4)),
+    ((1, 2, 4, 4, 4), (4, 1, 3)),
+]
+
+
+@pytest.mark.parametrize(("shape", "out"), CASES, ids=[f"{s}->{o}" for s, o in CASES])
+def test_pools_equal_torchs_with_ties(shape, out) -> None:
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(shape))  # zeros: windows with tied maxima
+    pool = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
+    values, indices = pool[len(out)](x, out, return_indices=True)
+    ours, our_indices = adaptive_max_pool(x, out)
+    assert torch.equal(ours, values) and torch.equal(our_indices, indices)
+    avg = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+    torch.testing.assert_close(adaptive_avg_pool(x, out), avg[len(out)](x, out))
+
+
+class _Net(torch.nn.Module):
+    """2-D features max-pooled adaptively after a ReLU (ties in the windows), and a 3-D
+    branch average-pooled adaptively."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = torch.nn.AdaptiveMaxPool2d((3, 2))
+        self.conv3 = torch.nn.Conv3d(1, 2, 3, padding=1)
+        self.pool3 = torch.nn.AdaptiveAvgPool3d((2, 3, 2))
+        self.head = torch.nn.Linear(4 * 3 * 2 + 2 * 2 * 3 * 2, 3)
+
+    def forward(self, x, v, y):
+        a = self.pool(torch.relu(self.conv(x))).flatten(1)
+        b = self.pool3(self.conv3(v)).flatten(1)
+        return F.cross_entropy(self.head(torch.cat([a, b], 1)), y)
+
+
+def test_adaptive_pools_train_compiled_like_eager() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        batch = {
+            "x": torch.randn(3, 2, 7, 5, generator=g),
+            "v": torch.randn(3, 1, 5, 7, 4, generator=g),
+            "y": torch.randint(0, 3, (3,), generator=g),
+        }
+        got = float(trainer.train_step(**batch))
+        opt_ref.zero_grad()
+        want = ref(**batch)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    ops = {n.op_type for n in trainer.train_graphs[0].graph}
+    assert trainer.segments is None and "ArgMax" in ops  # the first maximum, not a spread
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
