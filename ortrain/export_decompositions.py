@@ -1,16 +1,19 @@
 """aten ops the ONNX exporter has no function for, decomposed before it translates.
 
-Adaptive pooling (``nn.AdaptiveMaxPool1d/2d/3d`` with or without indices, and
-``nn.AdaptiveAvgPool3d``): output cell ``i`` of an axis of length ``L`` pooled to ``O``
-reads the window ``[floor(i L / O), ceil((i + 1) L / O))``, whose length varies where O
-does not divide L. Each axis gets a constant table of its windows' indices, padded to
-the longest window, and one ``index_select`` per axis gathers every window at once; so
-the graph is gathers, a reduction and (for max) an ``argmax``, each with its gradient
-rule. For max, the padding repeats a window's last index (a repeat never beats the
-first occurrence of its value) and the value is read at the ``argmax`` over the window
-in scan order: the gradient goes to the window's first maximum, as torch's kernel sends
-it, not spread over ties. For the average the padding is masked out of the sum and each
-window's sum divided by its length.
+1. Adaptive pooling (``nn.AdaptiveMaxPool1d/2d/3d`` with or without indices, and
+   ``nn.AdaptiveAvgPool3d``): output cell ``i`` of an axis of length ``L`` pooled to
+   ``O`` reads the window ``[floor(i L / O), ceil((i + 1) L / O))``, whose length varies
+   where O does not divide L. Each axis gets a table of its windows' indices, padded to
+   the longest window, and one ``index_select`` per axis gathers every window at once;
+   so the graph is gathers, a reduction and (for max) an ``argmax``, each with its
+   gradient rule. For max, the padding repeats a window's last index (a repeat never
+   beats the first occurrence of its value) and the value is read at the ``argmax``
+   over the window in scan order: the gradient goes to the window's first maximum, as
+   torch's kernel sends it, not spread over ties. For the average the padding points at
+   a zero appended to the axis, and each window's sum is divided by its own length.
+
+2. ``F.pdist``: the distances of every pair of rows, read off their ``cdist`` (which
+   has a translation, ``ortrain/export_aten.py``).
 
 ``exporter_decompositions()`` adds them to the exporter's own decomposition table
 (which holds torch's decompositions of the ops without an ONNX function; torch's
@@ -106,7 +109,18 @@ def _avg(x: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
     return adaptive_avg_pool(x, list(output_size))
 
 
+def _pdist(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """``F.pdist``: the pairwise distances of the rows, i < j in row-major order, read
+    off their ``cdist`` (whose translation keeps zero distances' gradients at 0, as
+    pdist's backward)."""
+    n = x.shape[0]
+    pairs = torch.triu_indices(n, n, 1, device=x.device)
+    whole = aten._cdist_forward(x, x, p, None)
+    return whole.flatten()[pairs[0] * n + pairs[1]]
+
+
 TABLE: dict[torch._ops.OpOverload, Callable] = {
+    aten._pdist_forward.default: _pdist,
     aten.adaptive_max_pool2d.default: _max,
     aten.adaptive_max_pool3d.default: _max,
     aten._adaptive_avg_pool3d.default: _avg,

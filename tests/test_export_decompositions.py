@@ -1,7 +1,7 @@
-"""Adaptive pooling decomposed for the exporter (``ortrain/export_decompositions.py``):
-values and indices equal to torch's (the first maximum of a window with ties, windows of
-unequal length), and CNNs with adaptive max and 3-D average pooling train compiled like
-eager."""
+"""Ops decomposed for the exporter (``ortrain/export_decompositions.py``): adaptive pooling
+with values and indices equal to torch's (the first maximum of a window with ties,
+windows of unequal length), a CNN with adaptive max and 3-D average pooling and a
+``pdist`` loss (equal rows included) training compiled like eager."""
 
 from __future__ import annotations
 
@@ -34,6 +34,40 @@ def test_pools_equal_torchs_with_ties(shape, out) -> None:
     assert torch.equal(ours, values) and torch.equal(our_indices, indices)
     avg = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
     torch.testing.assert_close(adaptive_avg_pool(x, out), avg[len(out)](x, out))
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0])
+def test_pdist_trains_compiled_like_eager(p: float) -> None:
+    """Rows embedded by a Linear, their pairwise distances (two rows equal: a zero
+    distance, whose gradient is 0 in torch's pdist) in a loss."""
+    torch.manual_seed(0)
+    model = _Loss(torch.nn.Linear(4, 3), p)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    g = torch.Generator().manual_seed(6)
+    for step in range(3):
+        x = torch.randn(6, 4, generator=g)
+        x[3] = x[1]  # equal rows
+        got = float(trainer.train_step(x=x))
+        opt_ref.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, w), v in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, p: float) -> None:
+        super().__init__()
+        self.inner, self.p = inner, p
+
+    def forward(self, x):
+        return (F.pdist(self.inner(x), self.p) - 1.0).square().mean()
 
 
 class _Net(torch.nn.Module):
