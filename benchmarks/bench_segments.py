@@ -168,9 +168,9 @@ def run_one(name: str, backend: str, steps: int, warmup: int, threads: int) -> d
     if trainer is not None:
         seg = trainer.segments
         result["segmented"] = seg is not None
-        trial = getattr(trainer._program, "trial", None)
-        if trial is not None:
-            result["choice"] = sorted({t.choice or "trial" for t in trial.trials.values()})
+        if trainer.options.eager_if_faster and seg is None:
+            choices = trainer.speed_choices
+            result["choice"] = ["eager" if "runs in eager" in choices else "graph"]
         if seg is not None and seg.model is not None:
             result["compiled"] = seg.model.compiled
             result["compiled_share"] = seg.model.compiled_seconds() / max(seg.step_seconds, 1e-9)

@@ -16,8 +16,7 @@ def explain(trainer: ORTTrainer) -> str:
     if trainer.segments is not None:
         head.append(trainer.segments.explain())
     head.append(_build_time(trainer))
-    trial = getattr(trainer._program, "trial", None)
-    if trial is not None and (times := trial.summary()):
+    if times := trainer.speed_choices:
         head.append("graph against eager (TrainerOptions.eager_if_faster):\n" + times)
     rows = [*head, "", f"{'graph':<6} {'stage':<22} {'ms':>9} {'nodes':>15}  op changes"]
     rows.append("-" * 90)

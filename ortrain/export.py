@@ -34,8 +34,8 @@ from ortrain.buffer_updates import (
 from ortrain.core.errors import ExportError, first_line
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export_aten import aten_translations
-from ortrain.export_checks import value_checks_as_data
 from ortrain.export_decompositions import exporter_decompositions
+from ortrain.export_functional import functional_for_export
 from ortrain.export_hints import without_value_hints
 from ortrain.export_losses import loss_translations
 from ortrain.export_ops import custom_translations, export_hint
@@ -454,7 +454,7 @@ def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProg
     non-strict again and then dynamo (strict), seconds per model, and over the
     ``torch.nn`` coverage table strict never exported a model non-strict could not
     (data-dependent shapes stop both); the segments take such a model apart instead."""
-    with without_value_hints(), value_checks_as_data():
+    with without_value_hints(), functional_for_export():
         program = torch.export.export(traced, flat, strict=False)
     mark_stop_gradients(program)
     return program

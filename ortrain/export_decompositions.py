@@ -15,6 +15,9 @@
 2. ``F.pdist``: the distances of every pair of rows, read off their ``cdist`` (which
    has a translation, ``ortrain/export_aten.py``).
 
+3. ``MultiLabelMarginLoss``: a row's targets end at its first -1 (torch's decomposition,
+   which the exporter would use, reads on past it).
+
 ``exporter_decompositions()`` adds them to the exporter's own decomposition table
 (which holds torch's decompositions of the ops without an ONNX function; torch's
 ``adaptive_max_pool2d`` one covers divisible sizes only and spreads a global pool's
@@ -119,7 +122,35 @@ def _pdist(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
     return whole.flatten()[pairs[0] * n + pairs[1]]
 
 
+def _multilabel_margin(
+    x: torch.Tensor, target: torch.Tensor, reduction: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MultiLabelMarginLoss``: a row's targets are its entries before the first -1;
+    for each target j and each class c not a target, ``max(0, 1 - x[j] + x[c])``,
+    summed and divided by the class count (torch's own decomposition reads the entries
+    after a -1 as targets too)."""
+    single = x.dim() == 1
+    if single:
+        x, target = x.unsqueeze(0), target.unsqueeze(0)
+    valid = torch.cumsum((target < 0).to(torch.int64), dim=1) == 0  # before the first -1
+    safe = target.clamp(min=0)
+    counts = torch.zeros_like(x).scatter_add(1, safe, valid.to(x.dtype))
+    is_target = (counts > 0).to(x.dtype)
+    picked = x.gather(1, safe)
+    margins = torch.relu(1.0 - picked[:, :, None] + x[:, None, :])
+    margins = margins * valid.to(x.dtype)[:, :, None] * (1.0 - is_target)[:, None, :]
+    loss = margins.sum((1, 2)) / x.shape[1]
+    if reduction == 1:
+        loss = loss.mean()
+    elif reduction == 2:
+        loss = loss.sum()
+    elif single:
+        loss = loss.squeeze(0)
+    return loss, is_target.squeeze(0) if single else is_target
+
+
 TABLE: dict[torch._ops.OpOverload, Callable] = {
+    aten.multilabel_margin_loss_forward.default: _multilabel_margin,
     aten._pdist_forward.default: _pdist,
     aten.adaptive_max_pool2d.default: _max,
     aten.adaptive_max_pool3d.default: _max,

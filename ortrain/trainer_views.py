@@ -154,6 +154,13 @@ class TrainerViews:
         return sum(r.eager.count for r in runs if r is not None)
 
     @property
+    def speed_choices(self) -> str:
+        """Per batch signature timed against eager (``TrainerOptions.eager_if_faster``):
+        both median steps and which runs it, one line each; "" before any is decided."""
+        trial = getattr(self._program, "trial", None)
+        return trial.summary() if trial is not None else ""
+
+    @property
     def train_graphs(self) -> list[ir.Model]:
         """The compiled gradient graphs, one per batch shape signature (and label-row
         count, see ``graph_passes/training/label_sparsity.py``)."""

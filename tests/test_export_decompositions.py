@@ -1,7 +1,8 @@
 """Ops decomposed for the exporter (``ortrain/export_decompositions.py``): adaptive pooling
 with values and indices equal to torch's (the first maximum of a window with ties,
-windows of unequal length), a CNN with adaptive max and 3-D average pooling and a
-``pdist`` loss (equal rows included) training compiled like eager."""
+windows of unequal length), a CNN with adaptive max and 3-D average pooling, a ``pdist``
+loss (equal rows included) and ``MultiLabelMarginLoss`` (targets ending at a -1)
+training compiled like eager."""
 
 from __future__ import annotations
 
@@ -112,3 +113,39 @@ def test_adaptive_pools_train_compiled_like_eager() -> None:
     assert trainer.segments is None and "ArgMax" in ops  # the first maximum, not a spread
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _MultiLabel(torch.nn.Module):
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 5)
+        self.loss = torch.nn.MultiLabelMarginLoss(reduction=reduction)
+
+    def forward(self, x, y):
+        out = self.loss(self.lin(x), y)
+        return out.mean() if out.dim() else out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_multilabel_margin_targets_end_at_the_first_minus_one(reduction: str) -> None:
+    """Targets after a -1 are not targets (torch's own decomposition reads them), a
+    repeated target counts twice; trains compiled like eager."""
+    torch.manual_seed(0)
+    model = _MultiLabel(reduction)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    y = torch.tensor([[3, 0, -1, 1, 2], [1, 1, -1, 4, 4], [4, -1, 0, 0, 0], [0, 1, 2, 3, 4]])
+    g = torch.Generator().manual_seed(8)
+    for step in range(3):
+        x = torch.randn(4, 4, generator=g)
+        got = float(trainer.train_step(x=x, y=y))
+        opt_ref.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, w), v in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,6 +1,8 @@
-"""``GaussianNLLLoss`` exports with its negative-variance check kept as data
-(``ortrain/export_checks.py``): the loss trains compiled like eager, the variance's clamp
-included, and a batch eager rejects for a negative variance is refused before its update."""
+"""Functions whose eager meaning a trace loses, exported as eager means them
+(``ortrain/export_functional.py``): ``GaussianNLLLoss`` with its negative-variance check
+kept as data (it trains compiled like eager, the variance's clamp included, and a batch
+eager rejects is refused before its update), and ``CosineSimilarity`` whose clamp of
+small norms stays out of the gradient."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import NonFiniteLossError
-from ortrain.export_checks import value_checks_as_data
+from ortrain.export_functional import functional_for_export
 
 
 class _Regressor(torch.nn.Module):
@@ -93,8 +95,49 @@ def test_a_negative_variance_is_refused_before_the_update() -> None:
 
 
 def test_eager_is_untouched_outside_the_export() -> None:
-    original = F.gaussian_nll_loss
-    with pytest.raises(RuntimeError), value_checks_as_data():
-        assert F.gaussian_nll_loss is not original
+    originals = (F.gaussian_nll_loss, F.cosine_similarity)
+    with pytest.raises(RuntimeError), functional_for_export():
+        assert F.gaussian_nll_loss is not originals[0]
+        assert F.cosine_similarity is not originals[1]
         raise RuntimeError("an export that fails")
-    assert F.gaussian_nll_loss is original
+    assert (F.gaussian_nll_loss, F.cosine_similarity) == originals
+
+
+class _Cosine(torch.nn.Module):
+    """Rows compared by ``nn.CosineSimilarity`` along ``dim`` with a large ``eps``: small
+    norms are clamped, and eager's gradient passes the clamp through."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 6)
+        self.b = torch.nn.Linear(4, 6)
+        self.sim = torch.nn.CosineSimilarity(dim=dim, eps=eps)
+
+    def forward(self, x):
+        return (1.0 - self.sim(self.a(x), 0.1 * self.b(x))).mean()
+
+
+@pytest.mark.parametrize(("dim", "eps"), [(1, 0.5), (0, 0.5), (1, 1e-8)])
+def test_cosine_similarity_clamps_without_the_gradient_seeing_it(dim: int, eps: float) -> None:
+    torch.manual_seed(0)
+    model = _Cosine(dim, eps)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        x = torch.randn(5, 4, generator=g)
+        got = float(trainer.train_step(x=x))
+        opt_ref.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, w), v in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if eps > 0.1:  # the clamp was active
+        with torch.no_grad():
+            norms = torch.linalg.vector_norm(0.1 * ref.b(x), dim=dim)
+        assert (norms < eps).any()
