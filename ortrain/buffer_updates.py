@@ -24,7 +24,9 @@ BatchNorm in training mode needs two more pieces, both here:
    statistics into its mean/var inputs, i.e. into the buffers the graph still reads.
 4. :func:`exportable_batch_norms`: ``momentum=None`` (the cumulative average) computes its
    factor ``1 / num_batches_tracked`` as a Python float, which torch.export cannot trace;
-   during the export such layers run a forward that keeps the factor a tensor.
+   during the export such layers run a forward that keeps the factor a tensor. An
+   InstanceNorm tracking running statistics updates them inside ``instance_norm``, which
+   the exporter drops; during the export it writes them explicitly.
    ``SyncBatchNorm`` in training mode is refused.
 """
 
@@ -220,6 +222,22 @@ def _cumulative_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _tracked_instance_norm(self: _InstanceNorm, input: torch.Tensor) -> torch.Tensor:
+    """``_InstanceNorm._apply_instance_norm`` in training mode with running statistics,
+    their update written out: torch normalizes the batch as one sample of B x C channels
+    and averages the B updated copies of each channel's statistics (the unbiased
+    variance) back into the buffers."""
+    out = F.instance_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+    momentum = self.momentum if self.momentum is not None else 0.0
+    x = input.detach()
+    axes = list(range(2, x.dim()))
+    mean, var = x.mean(axes), x.var(axes, correction=1)
+    assert self.running_mean is not None and self.running_var is not None
+    self.running_mean.copy_(((1.0 - momentum) * self.running_mean + momentum * mean).mean(0))
+    self.running_var.copy_(((1.0 - momentum) * self.running_var + momentum * var).mean(0))
+    return out
+
+
 @contextlib.contextmanager
 def exportable_batch_norms(module: torch.nn.Module) -> Iterator[None]:
     """Case 4, while the (training-mode) module is exported."""
@@ -228,13 +246,20 @@ def exportable_batch_norms(module: torch.nn.Module) -> Iterator[None]:
         for name, m in module.named_modules():
             if isinstance(m, _InstanceNorm) and m.training and m.track_running_stats:
                 # the exporter drops instance_norm's in-place statistics update (no mutated
-                # buffer in the graph signature): refuse rather than keep them at zero
-                raise ExportError(
-                    f"{type(m).__name__} '{name or type(module).__name__}' tracks running "
-                    "statistics in training, which ortrain's export cannot write back; use "
-                    "track_running_stats=False (normalizing by each batch's statistics in "
-                    "eval as well), or GroupNorm"
-                )
+                # buffer in the graph signature): torch's own layer writes them explicitly
+                # while it exports; another is refused rather than kept at zero
+                own = type(m)._apply_instance_norm is _InstanceNorm._apply_instance_norm
+                if not own or "_apply_instance_norm" in m.__dict__:
+                    raise ExportError(
+                        f"{type(m).__name__} '{name or type(module).__name__}' tracks "
+                        "running statistics in training through its own code, which "
+                        "ortrain's export cannot write back; use track_running_stats=False "
+                        "(normalizing by each batch's statistics in eval as well), or "
+                        "GroupNorm"
+                    )
+                m._apply_instance_norm = types.MethodType(_tracked_instance_norm, m)
+                patched.append((m, "_apply_instance_norm"))
+                continue
             if not isinstance(m, _BatchNorm) or not m.training:
                 continue
             if isinstance(m, torch.nn.SyncBatchNorm):
@@ -248,8 +273,8 @@ def exportable_batch_norms(module: torch.nn.Module) -> Iterator[None]:
             standard = type(m).forward is _BatchNorm.forward and "forward" not in m.__dict__
             if standard and m.momentum is None and m.track_running_stats:
                 m.forward = types.MethodType(_cumulative_forward, m)
-                patched.append(m)
+                patched.append((m, "forward"))
         yield
     finally:
-        for m in patched:
-            del m.forward
+        for m, attr in patched:
+            delattr(m, attr)

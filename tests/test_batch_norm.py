@@ -387,25 +387,60 @@ if __name__ == "__main__":  # a rank of test_data_parallel_keeps_per_rank_statis
     _worker(Path(sys.argv[1]), int(sys.argv[2]))
 
 
-def test_instance_norm_tracking_running_stats_is_refused_not_left_at_zero():
-    # eager updates InstanceNorm's running statistics in training; the export drops that
-    # update, so training would leave them at zero: refused, naming the layer
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_instance_norm_tracking_running_stats_trains_like_eager(momentum):
+    """Eager updates InstanceNorm's running statistics in training inside instance_norm
+    (the batch's B copies of each channel's update averaged); the export dropped that
+    update: written out during the export, they train as eager (unbatched input too)."""
+    from ortrain import ORTTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(3, 4, 3),
+        torch.nn.InstanceNorm1d(4, affine=True, track_running_stats=True, momentum=momentum),
+    )
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"), loss_fn=_sum_loss)
+    g = torch.Generator().manual_seed(1)
+    for step, shape in enumerate([(2, 3, 9), (2, 3, 9), (3, 9), (3, 9)]):  # then unbatched
+        x = 1.5 * torch.randn(shape, generator=g) + 0.5
+        got = float(trainer.train_step(x))
+        opt_ref.zero_grad()
+        want = _sum_loss(ref(x), None)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    trainer.sync_to_module()
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if momentum is not None:  # the statistics moved
+        assert not torch.equal(ref[1].running_var, torch.ones(4))
+
+
+class _OwnInstanceNorm(torch.nn.InstanceNorm2d):
+    def _apply_instance_norm(self, input):
+        return super()._apply_instance_norm(input) * 2.0
+
+
+def test_instance_norm_with_its_own_tracking_code_is_refused_not_left_at_zero():
     from ortrain import ORTTrainer
     from ortrain.core.errors import ExportError
 
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, track_running_stats=True)
+        torch.nn.Conv2d(3, 4, 3), _OwnInstanceNorm(4, track_running_stats=True)
     )
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    # fallback="off": the refusal itself (with "auto" the layer trains in eager,
-    # tests/test_fallback.py)
+    # fallback="off": the refusal itself (with "auto" the layer trains in eager)
     trainer = ORTTrainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         TrainerOptions(fallback="off"),
         loss_fn=_sum_loss,
     )
-    with pytest.raises(ExportError, match=r"InstanceNorm2d '1' tracks running statistics"):
+    with pytest.raises(ExportError, match=r"_OwnInstanceNorm '1' tracks running statistics"):
         trainer.train_step(torch.randn(2, 3, 8, 8))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

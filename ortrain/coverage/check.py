@@ -101,8 +101,7 @@ _SHORTER = [
     (r" \(node '[^']*' in module '[^']*'\)", ""),
     (r"no gradient rule for op (\w+) lies between .*", r"no gradient rule for \1"),
     (r"gradient rule failed for op (\w+): ", r"the gradient rule of \1 refuses "),
-    (r"(tracks running statistics in training, which ortrain's export cannot write back);.*",
-     r"\1"),
+    (r"(tracks running statistics in training through its own code), .*", r"\1"),
 ]  # fmt: skip
 
 
