@@ -14,6 +14,10 @@ model exports (``functional_for_export``; eager PyTorch is untouched):
    whose gradient is zero where it clamps (a model with a large ``eps`` trained another
    gradient; the first-step check sent it to eager). The version here clamps the value
    and passes the gradient straight through, as eager does.
+3. ``F.embedding`` with ``scale_grad_by_freq=True`` divides each occurrence's gradient
+   by how often its index occurs in the batch, a backward-only option the exporter
+   drops (the rows' gradient came out unscaled). The version here reads the rows as
+   without it and scales the path the gradient takes by 1 / count, the value unchanged.
 """
 
 from __future__ import annotations
@@ -75,7 +79,33 @@ def _cosine_similarity(
     return ((x1 / _clamped_value_only(n1, eps)) * (x2 / _clamped_value_only(n2, eps))).sum(dim)
 
 
-SWAPS = {"gaussian_nll_loss": _gaussian_nll_loss, "cosine_similarity": _cosine_similarity}
+_EMBEDDING = F.embedding
+
+
+def _embedding(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
+    rows = _EMBEDDING(input, weight, padding_idx, max_norm, norm_type, False, sparse)
+    if not scale_grad_by_freq:
+        return rows
+    flat = input.reshape(-1)
+    counts = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat, dtype=weight.dtype))
+    scale = (1.0 / counts[input]).unsqueeze(-1)
+    return rows.detach() + (rows - rows.detach()) * scale
+
+
+SWAPS = {
+    "gaussian_nll_loss": _gaussian_nll_loss,
+    "cosine_similarity": _cosine_similarity,
+    "embedding": _embedding,
+}
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Functions whose eager meaning a trace loses, exported as eager means them
 (``ortrain/export_functional.py``): ``GaussianNLLLoss`` with its negative-variance check
 kept as data (it trains compiled like eager, the variance's clamp included, and a batch
-eager rejects is refused before its update), and ``CosineSimilarity`` whose clamp of
-small norms stays out of the gradient."""
+eager rejects is refused before its update), ``CosineSimilarity`` whose clamp of small
+norms stays out of the gradient, and ``Embedding(scale_grad_by_freq=True)``."""
 
 from __future__ import annotations
 
@@ -95,12 +95,13 @@ def test_a_negative_variance_is_refused_before_the_update() -> None:
 
 
 def test_eager_is_untouched_outside_the_export() -> None:
-    originals = (F.gaussian_nll_loss, F.cosine_similarity)
+    originals = (F.gaussian_nll_loss, F.cosine_similarity, F.embedding)
     with pytest.raises(RuntimeError), functional_for_export():
         assert F.gaussian_nll_loss is not originals[0]
         assert F.cosine_similarity is not originals[1]
+        assert F.embedding is not originals[2]
         raise RuntimeError("an export that fails")
-    assert (F.gaussian_nll_loss, F.cosine_similarity) == originals
+    assert (F.gaussian_nll_loss, F.cosine_similarity, F.embedding) == originals
 
 
 class _Cosine(torch.nn.Module):
@@ -141,3 +142,37 @@ def test_cosine_similarity_clamps_without_the_gradient_seeing_it(dim: int, eps: 
         with torch.no_grad():
             norms = torch.linalg.vector_norm(0.1 * ref.b(x), dim=dim)
         assert (norms < eps).any()
+
+
+class _Bag(torch.nn.Module):
+    """Token embeddings with ``scale_grad_by_freq`` (and a padding index), mean-pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(12, 4, padding_idx=0, scale_grad_by_freq=True)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, ids, y):
+        return F.cross_entropy(self.head(self.emb(ids).mean(1)), y)
+
+
+def test_embedding_scales_each_rows_gradient_by_its_frequency() -> None:
+    torch.manual_seed(0)
+    model = _Bag()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    ids = torch.tensor([[3, 3, 3, 5, 0], [5, 7, 7, 0, 0], [1, 2, 3, 4, 3]])  # repeats, padding
+    y = torch.tensor([0, 1, 1])
+    for step in range(3):
+        got = float(trainer.train_step(ids=ids, y=y))
+        opt_ref.zero_grad()
+        want = ref(ids, y)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, w), v in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert torch.equal(model.emb.weight[0], ref.emb.weight[0])  # the padding row never moved
