@@ -1,6 +1,7 @@
 """bf16 nodes ONNX Runtime's CPU provider has no kernel for, computed in float32
 (graph_passes/targets/cpu/half_in_float.py): the session that refused the graph runs it,
-with torch's values, and a model that computes a part in bfloat16 trains as one graph."""
+with torch's values, and a model that computes a part in bfloat16 (or keeps a bfloat16
+buffer) trains as one graph."""
 
 from __future__ import annotations
 
@@ -137,3 +138,39 @@ def test_a_model_computing_in_bfloat16_trains_as_one_graph_like_eager():
     # the graph computes in bf16 still (its casts), and nothing is left without a kernel
     to_bf16 = [n for n in graph.graph if n.op_type == "Cast" and n.attributes["to"].value == BF16]
     assert to_bf16 and compute_half_in_float(graph) == 0
+
+
+class _Bf16Buffer(torch.nn.Module):
+    """A bfloat16 buffer the forward scales by (RecurrentGemma's embedding normalizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(30, 8)
+        self.head = torch.nn.Linear(8, 30)
+        self.register_buffer("normalizer", torch.tensor(8**0.5, dtype=torch.bfloat16))
+
+    def forward(self, ids, labels):
+        h = self.emb(ids) * self.normalizer.type(torch.float32)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_bfloat16_buffer_is_bound_and_trains_like_eager():
+    """The buffer is a bfloat16 graph input, bound as ONNX's BFLOAT16 (numpy has none)."""
+    model = _Bf16Buffer()
+    ref = copy.deepcopy(model)
+    options = TrainerOptions(graph_cache=False, fallback="off")
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        ids = torch.randint(0, 30, (2, 6), generator=g)
+        opt.zero_grad()
+        want = ref(ids, ids)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(trainer.train_step(ids, ids), want.detach(), rtol=1e-5, atol=0)
+    (graph,) = trainer.train_graphs
+    inputs = {v.name: v.dtype for v in graph.graph.inputs}
+    assert inputs["normalizer"] == ir.DataType.BFLOAT16
+    assert [s.kind for s in trainer.program.segments] == ["graph"]

@@ -16,7 +16,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -49,7 +49,7 @@ DISABLED_OPTIMIZERS = ["EliminateDropout"]
 # off: it would merge each copy back into the forward value it stands in for.
 RECOMPUTE_DISABLED = ["CommonSubexpressionElimination"]
 
-_TORCH_TO_NP = {
+_TORCH_TO_NP: dict[torch.dtype, Any] = {
     torch.float32: np.float32,
     torch.float16: np.float16,
     torch.float64: np.float64,
@@ -58,6 +58,9 @@ _TORCH_TO_NP = {
     torch.bool: np.bool_,
     torch.uint8: np.uint8,
     torch.int8: np.int8,
+    torch.int16: np.int16,
+    # no numpy type: ONNX Runtime takes the ONNX element type's number (TensorProto.BFLOAT16)
+    torch.bfloat16: 16,
 }
 
 
