@@ -37,6 +37,7 @@ from ortrain.coverage.check import (
 from ortrain.coverage.spec import Float, Harness, Spec
 
 SPECS = catalog.all_specs()
+_LISTED = report.listed(report.DOC.read_text())  # the page's outcomes by spec id
 
 # Specs that are refused today, each with a part of its cause (the exception's type and
 # first line): a refusal not listed here fails, and so does a listed one that trains. None
@@ -202,6 +203,15 @@ def test_spec_trains_like_eager(spec_id):
         assert EXPECTED_REFUSALS[spec_id] in outcome.detail, outcome.detail
     else:
         assert outcome.kind in (COMPILED, FALLBACK), outcome.detail
+    # the page is a guard too: a row it lists as compiled that now falls back is a
+    # regression (a fallback trains correctly, so nothing else would show it); one that
+    # now compiles wants the page regenerated
+    listed = _LISTED.get(spec_id)
+    if listed is not None and listed.kind != outcome.kind:
+        what = "regressed" if listed.kind == COMPILED else "changed: regenerate the page"
+        raise AssertionError(
+            f"listed as {listed.kind}, now {outcome.kind} ({what}): {outcome.detail}"
+        )
 
 
 # ----------------------------------------------------------------------------- 5. the check

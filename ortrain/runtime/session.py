@@ -406,17 +406,27 @@ def random_nodes(model: ir.Model) -> list[tuple[str, str]]:
 
 def optimizers_to_disable(model: ir.Model) -> tuple[str, ...]:
     """ONNX Runtime graph optimizers that would compute this graph wrongly, besides
-    ``DISABLED_OPTIMIZERS``: MatmulTransposeFusion folds a Transpose into a MatMul whose
-    other operand is 1-D, and the CPU FusedMatMul then ignores ``transA`` (``W.T @ v``
-    computed as ``W @ v``; ortrain's own fuse_matmul_transpose leaves those alone)."""
+    ``DISABLED_OPTIMIZERS``:
+
+    - MatmulTransposeFusion folds a Transpose into a MatMul whose other operand is 1-D,
+      and the CPU FusedMatMul then ignores ``transA`` (``W.T @ v`` computed as ``W @ v``;
+      ortrain's own fuse_matmul_transpose leaves those alone);
+    - ConstantSharing merges equal constants, and a training-mode BatchNormalization
+      (``graph_passes/targets/cpu/batch_norm_training.py``) writes its running statistics
+      into its mean and variance inputs: with ``affine=False`` its bias (zeros) and its
+      mean placeholder (zeros) became one buffer, overwritten by the statistics."""
     import onnx_ir as ir
 
+    found: list[str] = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type == "MatMul" and any(
             v is not None and v.shape is not None and len(v.shape) == 1 for v in node.inputs
         ):
-            return ("MatmulTransposeFusion",)
-    return ()
+            found.append("MatmulTransposeFusion")
+        attr = node.attributes.get("training_mode")
+        if node.op_type == "BatchNormalization" and attr is not None and attr.value:
+            found.append("ConstantSharing")
+    return tuple(dict.fromkeys(found))
 
 
 def refuse_random_nodes(nodes: list[tuple[str, str]]) -> None:
