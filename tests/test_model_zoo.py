@@ -61,6 +61,9 @@ def train_against_eager(entry: Entry, steps: int = STEPS) -> ORTTrainer:
         eager = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
         drift.observe(eager, ort_grads(eager))
     trainer.sync_to_module()
+    # every zoo model compiles whole (its first step agreed with eager): a fallback would
+    # train like eager too, and hide the regression
+    assert trainer.segments is None, trainer.segments.summary()
     assert_params_close(
         dict(model.named_parameters()),
         dict(ref.named_parameters()),
