@@ -18,6 +18,12 @@ model exports (``functional_for_export``; eager PyTorch is untouched):
    by how often its index occurs in the batch, a backward-only option the exporter
    drops (the rows' gradient came out unscaled). The version here reads the rows as
    without it and scales the path the gradient takes by 1 / count, the value unchanged.
+4. ``F.embedding_bag`` with a ``padding_idx``: the exporter's
+   translation loops over the bags with a branch inside that reads the weights, which
+   the gradient cannot cross. The version here gathers every row at once and reduces
+   the bags in one step (a row per bag for 2-D input; for offsets, a bag-membership
+   matrix times the rows), the padding's rows masked out of the sums, the means' counts
+   and the maxima; an empty bag is zeros, as torch's.
 """
 
 from __future__ import annotations
@@ -101,10 +107,68 @@ def _embedding(
     return rows.detach() + (rows - rows.detach()) * scale
 
 
+_EMBEDDING_BAG = F.embedding_bag
+
+
+def _embedding_bag(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    args = (input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+            per_sample_weights, include_last_offset, padding_idx)  # fmt: skip
+    # (with scale_grad_by_freq torch's CPU backward scales other rows than embedding's
+    # does: left to the exporter, and so to the first-step check)
+    plain = padding_idx is None or scale_grad_by_freq
+    offsets_max = input.dim() == 1 and mode == "max"  # (its windows would not fit memory)
+    if plain or max_norm is not None or offsets_max or input.dim() not in (1, 2):
+        return _EMBEDDING_BAG(*args)
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    rows = _EMBEDDING(input, weight)
+    keep = (
+        input != padding_idx
+        if padding_idx is not None
+        else torch.ones_like(input, dtype=torch.bool)
+    )
+    counted = keep.to(weight.dtype)
+    weights = counted if per_sample_weights is None else counted * per_sample_weights
+    if input.dim() == 2:  # each row a bag
+        if mode == "max":  # the first maximum of the kept entries, as torch's kernel
+            masked = rows.masked_fill(~keep[..., None], -math.inf)
+            first = masked.argmax(1, keepdim=True)
+            top = masked.gather(1, first).squeeze(1)
+            return torch.where(keep.any(1, keepdim=True), top, torch.zeros_like(top))
+        total = (rows * weights[..., None]).sum(1)
+        return total if mode == "sum" else total / counted.sum(1, keepdim=True).clamp(min=1)
+    assert offsets is not None
+    position = torch.arange(input.shape[0], device=input.device)
+    starts = offsets[:-1] if include_last_offset else offsets
+    ends = (
+        offsets[1:]
+        if include_last_offset
+        else torch.cat([offsets[1:], offsets.new_tensor([input.shape[0]])])
+    )
+    member = ((position[:, None] >= starts[None, :]) & (position[:, None] < ends[None, :])).to(
+        weight.dtype
+    )
+    total = member.t() @ (rows * weights[:, None])
+    return total if mode == "sum" else total / (member.t() @ counted[:, None]).clamp(min=1)
+
+
 SWAPS = {
     "gaussian_nll_loss": _gaussian_nll_loss,
     "cosine_similarity": _cosine_similarity,
     "embedding": _embedding,
+    "embedding_bag": _embedding_bag,
 }
 
 

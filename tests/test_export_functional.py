@@ -2,7 +2,8 @@
 (``ortrain/export_functional.py``): ``GaussianNLLLoss`` with its negative-variance check
 kept as data (it trains compiled like eager, the variance's clamp included, and a batch
 eager rejects is refused before its update), ``CosineSimilarity`` whose clamp of small
-norms stays out of the gradient, and ``Embedding(scale_grad_by_freq=True)``."""
+norms stays out of the gradient, ``Embedding(scale_grad_by_freq=True)``, and
+``EmbeddingBag`` with a padding index."""
 
 from __future__ import annotations
 
@@ -95,13 +96,12 @@ def test_a_negative_variance_is_refused_before_the_update() -> None:
 
 
 def test_eager_is_untouched_outside_the_export() -> None:
-    originals = (F.gaussian_nll_loss, F.cosine_similarity, F.embedding)
+    names = ("gaussian_nll_loss", "cosine_similarity", "embedding", "embedding_bag")
+    originals = [getattr(F, n) for n in names]
     with pytest.raises(RuntimeError), functional_for_export():
-        assert F.gaussian_nll_loss is not originals[0]
-        assert F.cosine_similarity is not originals[1]
-        assert F.embedding is not originals[2]
+        assert all(getattr(F, n) is not o for n, o in zip(names, originals))
         raise RuntimeError("an export that fails")
-    assert (F.gaussian_nll_loss, F.cosine_similarity, F.embedding) == originals
+    assert [getattr(F, n) for n in names] == originals
 
 
 class _Cosine(torch.nn.Module):
@@ -176,3 +176,56 @@ def test_embedding_scales_each_rows_gradient_by_its_frequency() -> None:
     for (name, w), v in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert torch.equal(model.emb.weight[0], ref.emb.weight[0])  # the padding row never moved
+
+
+class _Bags(torch.nn.Module):
+    def __init__(self, mode: str, weighted: bool) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 4, mode=mode, padding_idx=0)
+        self.head = torch.nn.Linear(4, 2)
+        self.weighted = weighted
+
+    def forward(self, ids, y, offsets=None, psw=None):
+        out = self.bag(ids, offsets, per_sample_weights=psw if self.weighted else None)
+        return F.cross_entropy(self.head(out), y)
+
+
+BAG_CASES = [
+    ("mean", "rows", False),
+    ("sum", "rows", True),
+    ("max", "rows", False),
+    ("sum", "offsets", True),
+    ("mean", "offsets", False),
+]
+
+
+@pytest.mark.parametrize(("mode", "layout", "weighted"), BAG_CASES)
+def test_embedding_bag_with_padding_trains_compiled_like_eager(mode, layout, weighted) -> None:
+    """Padding entries left out of sums, means' counts and maxima; a bag of padding only
+    (and, with offsets, an empty bag) is zeros."""
+    torch.manual_seed(0)
+    model = _Bags(mode, weighted)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    if layout == "rows":
+        batch = {"ids": torch.tensor([[3, 0, 5, 3], [0, 0, 0, 0], [7, 2, 0, 9]]),
+                 "y": torch.tensor([0, 1, 1])}  # fmt: skip
+        psw_shape = (3, 4)
+    else:  # 1-D with offsets: bags [0, 3), [3, 3) (empty), [3, 7)
+        batch = {"ids": torch.tensor([3, 0, 5, 0, 7, 2, 9]), "y": torch.tensor([0, 1, 1]),
+                 "offsets": torch.tensor([0, 3, 3])}  # fmt: skip
+        psw_shape = (7,)
+    if weighted:
+        batch["psw"] = torch.rand(psw_shape, generator=torch.Generator().manual_seed(3))
+    for step in range(3):
+        got = float(trainer.train_step(**batch))
+        opt_ref.zero_grad()
+        want = ref(**batch)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, w), v in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
