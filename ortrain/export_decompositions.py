@@ -15,6 +15,10 @@
 2. ``F.pdist``: the distances of every pair of rows, read off their ``cdist`` (which
    has a translation, ``ortrain/export_aten.py``).
 
+4. ``FractionalMaxPool2d/3d`` given its samples (``_random_samples``, or the draw the
+   module makes, a random op in the graph): windows of fixed size whose starts are
+   computed from the samples as torch computes them, gathered like adaptive pooling's.
+
 3. ``MultiLabelMarginLoss``: a row's targets end at its first -1 (torch's decomposition,
    which the exporter would use, reads on past it).
 
@@ -30,9 +34,11 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 aten = torch.ops.aten
+_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 
 def _windows(
@@ -149,7 +155,69 @@ def _multilabel_margin(
     return loss, is_target.squeeze(0) if single else is_target
 
 
+def _fractional_max(
+    x: torch.Tensor, kernel: Sequence[int], out: Sequence[int], samples: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FractionalMaxPool2d/3d`` given its samples: along an axis of length ``L`` with
+    window ``k`` pooled to ``O`` cells, cell ``i`` < O - 1 starts at
+    ``int((i + u) a) - int(u a)`` with ``a = (L - k) / (O - 1)`` in the input's float type
+    (torch's arithmetic), the last at ``L - k``; ``u`` is the (sample, channel)'s draw for
+    that axis (2-D: the width's first; 3-D: in axis order). Each window's first maximum in
+    scan order, as torch's kernel, with its flat index."""
+    d = len(kernel)
+    single = x.dim() == d + 1
+    if single:
+        x = x.unsqueeze(0)
+    n, c, sizes = x.shape[0], x.shape[1], x.shape[2:]
+    draw = [1, 0] if d == 2 else list(range(d))  # the sample each spatial axis reads
+    tables = []
+    for j in range(d):
+        length, k, o = sizes[j], kernel[j], out[j]
+        u = samples[..., draw[j]].to(x.dtype)  # [N, C]
+        cells = torch.arange(o, device=x.device, dtype=x.dtype)
+        if o > 1:
+            # the quotient as torch's kernel rounds it (a plain number: a traced
+            # torch.tensor would be an in-place lift the exporter refuses)
+            alpha = float(np.array(length - k, _NP[x.dtype]) / np.array(o - 1, _NP[x.dtype]))
+            start = ((cells[None, None, :] + u[..., None]) * alpha).to(torch.int64)
+            start = start - (u * alpha).to(torch.int64)[..., None]
+            start = torch.cat([start[..., :-1], torch.full_like(start[..., -1:], length - k)], -1)
+        else:
+            start = torch.full((n, c, 1), length - k, dtype=torch.int64, device=x.device)
+        tables.append(start[..., None] + torch.arange(k, device=x.device))  # [N, C, O, k]
+    windows = x
+    for j, table in enumerate(tables):
+        axis = 2 + 2 * j
+        flat = table.flatten(2)  # [N, C, O_j * k_j]
+        shape = list(windows.shape)
+        view = [n, c] + [1] * (len(shape) - 2)
+        view[axis] = flat.shape[2]
+        index = flat.view(view).expand(*shape[:axis], flat.shape[2], *shape[axis + 1 :])
+        windows = windows.gather(axis, index).unflatten(axis, tuple(table.shape[2:]))
+    order = [0, 1, *(2 + 2 * j for j in range(d)), *(3 + 2 * j for j in range(d))]
+    windows = windows.permute(order).flatten(2 + d)  # [N, C, O..., K]
+    first = windows.argmax(-1, keepdim=True)
+    values = windows.gather(-1, first).squeeze(-1)
+    first = first.squeeze(-1)
+    widths = [t.shape[3] for t in tables]
+    index = torch.zeros_like(first)
+    for j, table in enumerate(tables):
+        offset = (first // math.prod(widths[j + 1 :])) % widths[j]  # [N, C, O...]
+        cells = table.flatten(2)  # [N, C, O_j * k_j]
+        shape = [1, 1] + [1] * d
+        shape[2 + j] = table.shape[2]
+        base = torch.arange(table.shape[2], device=x.device).view(shape) * widths[j]
+        pick = (base + offset).flatten(2)
+        source = cells.gather(2, pick).view(offset.shape)
+        index = index * sizes[j] + source
+    if single:
+        values, index = values.squeeze(0), index.squeeze(0)
+    return values, index
+
+
 TABLE: dict[torch._ops.OpOverload, Callable] = {
+    aten.fractional_max_pool2d.default: _fractional_max,
+    aten.fractional_max_pool3d.default: _fractional_max,
     aten.multilabel_margin_loss_forward.default: _multilabel_margin,
     aten._pdist_forward.default: _pdist,
     aten.adaptive_max_pool2d.default: _max,

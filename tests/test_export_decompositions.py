@@ -1,12 +1,14 @@
 """Ops decomposed for the exporter (``ortrain/export_decompositions.py``): adaptive pooling
 with values and indices equal to torch's (the first maximum of a window with ties,
 windows of unequal length), a CNN with adaptive max and 3-D average pooling, a ``pdist``
-loss (equal rows included) and ``MultiLabelMarginLoss`` (targets ending at a -1)
-training compiled like eager."""
+loss (equal rows included), ``MultiLabelMarginLoss`` (targets ending at a -1) and
+``FractionalMaxPool`` (values and indices as torch's given its samples) training compiled
+like eager."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -149,3 +151,75 @@ def test_multilabel_margin_targets_end_at_the_first_minus_one(reduction: str) ->
     assert trainer.segments is None
     for (name, w), v in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+FRACTIONAL = [
+    ((2, 3, 9, 8), (2, 2), (4, 3)),
+    ((2, 3, 7, 7), (3, 2), (3, 3)),
+    ((3, 9, 8), (2, 2), (4, 3)),  # unbatched
+    ((2, 2, 5, 5), (2, 2), (1, 4)),  # one cell on an axis
+    ((1, 2, 6, 7, 8), (2, 2, 2), (3, 3, 4)),
+]
+
+
+@pytest.mark.parametrize(("shape", "kernel", "out"), FRACTIONAL, ids=[str(f) for f in FRACTIONAL])
+def test_fractional_pools_equal_torchs_given_the_samples(shape, kernel, out) -> None:
+    from ortrain.export_decompositions import _fractional_max
+
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(shape))  # ties at zero
+    d = len(kernel)
+    samples = torch.rand(shape[0] if len(shape) == d + 2 else 1, shape[-d - 1], d)
+    pool = F.fractional_max_pool2d if d == 2 else F.fractional_max_pool3d
+    values, indices = pool(x, kernel, output_size=out, return_indices=True, _random_samples=samples)
+    ours, our_indices = _fractional_max(x, kernel, out, samples)
+    assert torch.equal(ours, values) and torch.equal(our_indices, indices)
+
+
+class _Fractional(torch.nn.Module):
+    def __init__(self, samples: torch.Tensor | None) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.pool = torch.nn.FractionalMaxPool2d(2, output_size=(4, 3), _random_samples=samples)
+        self.head = torch.nn.Linear(3 * 4 * 3, 2)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.pool(self.conv(x)).flatten(1)), y)
+
+
+def test_fractional_pool_trains_compiled_like_eager_given_its_samples() -> None:
+    torch.manual_seed(0)
+    model = _Fractional(torch.rand(3, 3, 2))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        batch = {
+            "x": torch.randn(3, 2, 9, 7, generator=g),
+            "y": torch.randint(0, 2, (3,), generator=g),
+        }
+        got = float(trainer.train_step(**batch))
+        opt_ref.zero_grad()
+        want = ref(**batch)
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(float(want.detach()), rel=1e-5), step
+    assert trainer.segments is None
+    for (name, w), v in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fractional_pool_drawing_its_samples_compiles_and_says_it_is_unchecked() -> None:
+    """Its samples drawn in the graph (as eager draws its own): not comparable step by
+    step, so its first step is trusted with a warning naming the draw; losses finite."""
+    torch.manual_seed(0)
+    model = _Fractional(None)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(5)
+    batch = {"x": torch.randn(3, 2, 9, 7, generator=g), "y": torch.randint(0, 2, (3,), generator=g)}
+    with pytest.warns(UserWarning, match="not checked against eager: it draws random numbers"):
+        first = float(trainer.train_step(**batch))
+    losses = [first] + [float(trainer.train_step(**batch)) for _ in range(2)]
+    assert trainer.segments is None and all(math.isfinite(v) for v in losses)
