@@ -15,12 +15,14 @@
 2. ``F.pdist``: the distances of every pair of rows, read off their ``cdist`` (which
    has a translation, ``ortrain/export_aten.py``).
 
+3. ``MultiLabelMarginLoss``: a row's targets end at its first -1 (torch's decomposition,
+   which the exporter would use, reads on past it).
+
 4. ``FractionalMaxPool2d/3d`` given its samples (``_random_samples``, or the draw the
    module makes, a random op in the graph): windows of fixed size whose starts are
    computed from the samples as torch computes them, gathered like adaptive pooling's.
 
-3. ``MultiLabelMarginLoss``: a row's targets end at its first -1 (torch's decomposition,
-   which the exporter would use, reads on past it).
+5. ``RReLU``: its slopes drawn in the graph for the elements at or below zero.
 
 ``exporter_decompositions()`` adds them to the exporter's own decomposition table
 (which holds torch's decompositions of the ops without an ONNX function; torch's
@@ -215,7 +217,27 @@ def _fractional_max(
     return values, index
 
 
+def _rrelu(
+    x: torch.Tensor,
+    noise: torch.Tensor,
+    lower: float = 0.125,
+    upper: float = 1.0 / 3.0,
+    training: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RReLU``: in training each element at or below zero is scaled by a slope drawn
+    uniformly from [lower, upper] (a draw in the graph, as eager draws its own), in
+    evaluation by their mean; the slopes are also its second output, as torch's."""
+    if training:
+        slope = torch.rand_like(x) * (upper - lower) + lower
+    else:
+        slope = torch.full_like(x, (lower + upper) / 2)
+    slopes = torch.where(x <= 0, slope, torch.ones_like(x))
+    return x * slopes, slopes
+
+
 TABLE: dict[torch._ops.OpOverload, Callable] = {
+    aten.rrelu_with_noise_functional.default: _rrelu,
     aten.fractional_max_pool2d.default: _fractional_max,
     aten.fractional_max_pool3d.default: _fractional_max,
     aten.multilabel_margin_loss_forward.default: _multilabel_margin,

@@ -223,3 +223,46 @@ def test_fractional_pool_drawing_its_samples_compiles_and_says_it_is_unchecked()
         first = float(trainer.train_step(**batch))
     losses = [first] + [float(trainer.train_step(**batch)) for _ in range(2)]
     assert trainer.segments is None and all(math.isfinite(v) for v in losses)
+
+
+class _Leaky(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 64)
+        self.act = torch.nn.RReLU(0.1, 0.3)
+
+    def forward(self, x):
+        return self.act(self.lin(x)).mean()
+
+
+def test_rrelu_draws_slopes_in_training_and_uses_their_mean_in_eval() -> None:
+    """Training: the slopes of the negative elements are drawn in the graph (the first
+    step is trusted with a warning naming the draw); evaluation equals eager's exactly
+    (the slopes' mean)."""
+    torch.manual_seed(0)
+    model = _Leaky()
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match="not checked against eager: it draws random numbers"):
+        losses = [float(trainer.train_step(x=x)) for _ in range(3)]
+    assert trainer.segments is None and all(math.isfinite(v) for v in losses)
+    (graph,) = trainer.train_graphs
+    assert {"RandomUniformLike", "RandomUniform"} & {n.op_type for n in graph.graph}
+    trainer.sync_to_module()
+    ref.load_state_dict(model.state_dict())
+    ref.eval()
+    got = trainer.eval_step(x=x)["loss"]
+    torch.testing.assert_close(got, ref(x).detach(), rtol=1e-6, atol=0)
+
+
+def test_rrelu_decomposition_draws_within_the_bounds() -> None:
+    from ortrain.export_decompositions import _rrelu
+
+    x = torch.cat([-torch.rand(1000) - 0.1, torch.zeros(1), torch.rand(10) + 0.1])
+    out, slopes = _rrelu(x, torch.empty(0), 0.1, 0.3, True)
+    drawn = slopes[:1001]
+    assert ((drawn >= 0.1) & (drawn <= 0.3)).all() and drawn.std() > 0.03
+    assert torch.equal(out[1001:], x[1001:]) and torch.equal(out, x * slopes)
+    out, slopes = _rrelu(x, torch.empty(0), 0.1, 0.3, False)
+    torch.testing.assert_close(out, F.rrelu(x, 0.1, 0.3, training=False))
