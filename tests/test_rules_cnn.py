@@ -116,6 +116,9 @@ AVG_POOLS = [
     *(_avg(f"k3-s2-pad1{'-ceil' if ceil else ''}", X(2, 3, 8, 7), 2, 3, 2, 1, ceil, cp)
       for ceil in (0, 1) for cp in (0, 1)),
     _avg("k2", X(2, 3, 6, 8), 2, 2),
+    # a window far past the input (EfficientNet's AvgPool2d(hidden_dim, ceil_mode=True))
+    _avg("k9-ceil-past-input", X(2, 3, 2, 3), 2, 9, 9, 0, 1, 1),
+    _avg("k7-pad1-ceil-past-input", X(1, 2, 3, 3), 2, 7, 7, 1, 1, 0),
     _avg("k3-s1-overlap", X(1, 2, 5, 6), 2, 3, 1, 1, 0, 0),
     _avg("k-3x2-s-2x1-pad-1x0-ceil", X(2, 2, 8, 6), 2, (3, 2), (2, 1), (1, 0), 1, 0),
     _avg("k2-s2-ceil-odd", X(2, 2, 7, 5), 2, 2, ceil=1),
@@ -491,6 +494,16 @@ def test_backward_ops(spec_id: str, expected: set[str], absent: set[str]) -> Non
     assert expected <= set(ops), ops
     assert not absent & set(ops), ops
     assert all(op[0].isupper() and "Grad" not in op for op in ops), ops
+
+
+def test_a_window_past_the_input_spreads_through_a_kernel_of_the_inputs_size() -> None:
+    """One window along an axis: the ones kernel stops at the input's end, not at the
+    window's (a 1280 x 1280 window over a 1 x 1 map made gigabytes of kernel)."""
+    spec = next(s for s in SPECS if s.id == "AveragePool2d-k9-ceil-past-input-count_pad1")
+    res, _ = check_gradients(spec)
+    (convt,) = [n for n in res.model.graph if n.op_type == "ConvTranspose"]
+    assert list(convt.attributes["kernel_shape"].value) == [2, 3]
+    assert list(convt.inputs[1].shape) == [3, 1, 2, 3]
 
 
 def test_resize_gradient_touches_only_resized_axes() -> None:

@@ -61,16 +61,23 @@ def _window_sum_transpose(
     """dx[i] = sum of g over the windows that read x[i] (the adjoint of a window sum):
     ConvTranspose of g with a ones kernel per channel. Its output is cropped to x: the
     begin pads off the front, and off the end whatever ceil_mode's partial windows
-    reach past x; trailing inputs no window read get zeros (output_padding)."""
+    reach past x; trailing inputs no window read get zeros (output_padding). Along an
+    axis with one window, taps past x's end read nothing: the kernel stops at x's end
+    (EfficientNet pools a 1 x 1 map with a 1280 x 1280 ceil-mode window, whose ones
+    kernel per channel would be gigabytes)."""
     nd, c = len(ks), x_shape[1]
     gs = ctx.shape(g)[2:]
+    ks = [
+        min(k, x_shape[2 + i] + pads[i]) if gs[i] == 1 and dilations[i] == 1 else k
+        for i, k in enumerate(ks)
+    ]
     end, extra = [], []
     for i in range(nd):
         full = (gs[i] - 1) * strides[i] + (ks[i] - 1) * dilations[i] + 1
         crop = full - pads[i] - x_shape[2 + i]
         end.append(max(crop, 0))
         extra.append(max(-crop, 0))
-    ones = ctx.const(np.ones((c, 1, *ks)), g.dtype)
+    ones = ctx.const(np.ones((c, 1, *ks), np.float32), g.dtype)
     return ctx.op(
         "ConvTranspose",
         g,
