@@ -11,7 +11,9 @@ Exceptions raised by the job come back with their own type (a type that does not
 survive pickling comes back as ``RuntimeError`` naming it) and the child's traceback as
 a note; warnings it raised are re-issued here. A child that does not say it started
 within ``START_TIMEOUT_S`` (stuck inside the fork itself) is killed and forked again; one
-that dies or sends nothing runs the job in this process instead, with a warning.
+killed by a SIGKILL not ours (the out-of-memory killer, most often) raises
+``BuildKilledError``: the same job here would kill the training process; one that
+otherwise dies or sends nothing runs the job in this process instead, with a warning.
 ``ORTRAIN_BUILD_IN_PROCESS=1`` (or the older ``ORTRAIN_EXPORT_IN_PROCESS=1``) runs every
 job here; so does a process that uses CUDA (no fork after CUDA is initialised) or holds
 non-CPU tensors.
@@ -32,6 +34,8 @@ from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 import torch
+
+from ortrain.core.errors import BuildKilledError
 
 T = TypeVar("T")
 # A child's first byte, written as soon as the fork returns in it. Python 3.11.7 and
@@ -135,6 +139,7 @@ class ForkedJob(Generic[T]):
         self.started, self.complete = False, False
         self.began = time.monotonic()
         self.status: int | None = None
+        self.cancelled = False
 
     def done(self) -> bool:
         """Whether the child has sent everything (or died, or ran out of time: ``result``
@@ -148,6 +153,7 @@ class ForkedJob(Generic[T]):
     def cancel(self) -> None:
         """Stop the child (its result is not wanted)."""
         if self.status is None:
+            self.cancelled = True
             os.kill(self.pid, signal.SIGKILL)
             self._reap()
         self.complete = False
@@ -160,6 +166,17 @@ class ForkedJob(Generic[T]):
             self.out.seek(0)
             data = self.out.read()
         self.out.close()
+        if not data and self._killed_from_outside():
+            # most often the out-of-memory killer: the same job here would take the
+            # training process (and what it trained) with it
+            raise BuildKilledError(
+                f"{self.what} in a child process was killed by signal "
+                f"{signal.Signals(os.WTERMSIG(self.status)).name} after "  # type: ignore[arg-type]
+                f"{time.monotonic() - self.began:.0f} s, most likely by the kernel's "
+                "out-of-memory killer (dmesg says); not rerun in this process, which would "
+                "lose the training state with it. Free memory (a smaller batch or model), "
+                f"or set {IN_PROCESS_ENV}=1 to build in this process anyway"
+            )
         if not data:  # the child died, hung or crashed: run it here
             warnings.warn(
                 f"{self.what} in a child process failed (wait status {self.status}); running "
@@ -177,6 +194,17 @@ class ForkedJob(Generic[T]):
         if kind == "error":
             raise value
         return value
+
+    def _killed_from_outside(self) -> bool:
+        """The child started and then died of SIGKILL that ``cancel`` did not send."""
+        status = self.status
+        return (
+            self.started
+            and not self.cancelled
+            and status is not None
+            and os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) == signal.SIGKILL
+        )
 
     def _wait(self, wait_s: float | None) -> bool:
         """Read what the child sends for up to ``wait_s`` seconds (None: until it ends);

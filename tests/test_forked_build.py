@@ -120,6 +120,27 @@ def test_a_child_that_dies_falls_back_to_this_process():
         assert call_forked(job, what="test job") == parent
 
 
+def test_a_child_killed_from_outside_raises_and_is_not_rerun_here():
+    """SIGKILL not sent by the job's own timeout (the out-of-memory killer's): the same
+    job in this process would kill it too, so it raises instead, naming the cause."""
+    import signal
+
+    from ortrain.core.errors import BuildKilledError
+
+    parent, ran_here = os.getpid(), []
+
+    def job() -> int:
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ran_here.append(True)
+        return 1
+
+    with pytest.raises(BuildKilledError, match=r"killed by signal SIGKILL.*out-of-memory"):
+        call_forked(job, what="test job")
+    assert not ran_here
+    assert issubclass(BuildKilledError, MemoryError)
+
+
 _STUCK_AT_FORK = """
 import os, sys, time
 import ortrain.forked as forked

@@ -23,6 +23,11 @@ class NonFiniteLossError(OrtrainError, FloatingPointError):
     """The loss became NaN/Inf; the step was not applied."""
 
 
+class BuildKilledError(OrtrainError, MemoryError):
+    """A build's child process was killed by a signal it did not ask for (SIGKILL: most
+    often the kernel's out-of-memory killer); not rerun in the training process."""
+
+
 class DeviceError(OrtrainError):
     """The requested device cannot run ONNX Runtime sessions here."""
 
