@@ -455,9 +455,10 @@ def test_embedding_bag_trains_like_eager(case: str) -> None:
 
 # padding_idx: the exporter drops padding entries by building each bag's index list
 # element by element on the ids' values, then gathers it (a run-time length): the Loops
-# unroll, but an If on those values stays between the weight and the loss. Refused with
-# the node, its module and the parameter named, not trained without the bag's gradient.
-REFUSED = {
+# unroll, but an If on those values stays between the weight and the loss. Exported
+# instead by reducing every bag at once, padding masked (ortrain/export_functional.py):
+# one graph, trained like eager.
+PADDED = {
     "sum-padding": ({"mode": "sum", "padding_idx": 2}, "2d", False),
     "max-padding": ({"mode": "max", "padding_idx": 2}, "2d", False),
     "offsets-mean-padding": ({"mode": "mean", "padding_idx": 2}, "1d", False),
@@ -465,22 +466,14 @@ REFUSED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(REFUSED))
-def test_embedding_bag_with_data_dependent_bags_is_refused(case: str) -> None:
-    """With fallback="off", the refusal; with "auto" the bag runs in eager and trains like
-    it (tests/test_fallback.py covers the mechanism)."""
-    bag, form, last = REFUSED[case]
-    model = BagModel(**bag)
-    opts = TrainerOptions(fallback="off")
-    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters()), opts)
-    batch = _batches(form, 1, bag.get("padding_idx"), False, last)[0]
-    with pytest.raises(GradientError) as err:
-        trainer.train_step(**batch)
-    msg = str(err.value)
-    assert "op If" in msg and "module.bag" in msg and "['bag.weight']" in msg
-    if case == "sum-padding":
-        trainer = _train_against_eager(bag, _batches(form, 3, bag.get("padding_idx"), False, last))
-        assert trainer.segments is not None
+@pytest.mark.parametrize("case", list(PADDED))
+def test_embedding_bag_with_padding_trains_as_one_graph(case: str) -> None:
+    bag, form, last = PADDED[case]
+    batches = _batches(form, 3, bag.get("padding_idx"), False, last)
+    trainer = _train_against_eager(bag, batches)
+    assert trainer.segments is None
+    (graph,) = trainer.train_graphs
+    assert not {"If", "Loop"} & {n.op_type for n in graph.graph}
 
 
 def test_embedding_max_norm_is_an_export_error() -> None:
