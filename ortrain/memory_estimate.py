@@ -9,9 +9,10 @@ its tensors, in the same classes:
     gradients        whole under data parallel and ZeRO-1; this rank's shard of their
                      sums under ZeRO-2; none where the update runs inside the backward
                      (``update_engine="backward"``: the estimate does not assume it)
-    in flight        ZeRO-2: gradient buckets held during a backward (estimated: two
-                     buckets and the largest block's gradients; measured: the peak so far);
-                     ZeRO-3: also the parameters of the largest segment, gathered
+    in flight        ZeRO-2: gradient buckets held during a backward (estimated: the
+                     largest block's gradients, the two buckets it straddles and those
+                     on their way; measured: the peak so far); ZeRO-3: also the
+                     parameters of the largest segment gathered, and the next one's
     optimizer state  whole under data parallel; this rank's shard under ZeRO-1 and -2
 
 Activations come on top (``ORTTrainer.memory_report()`` plans them for a whole-model graph).
@@ -24,6 +25,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+
+from ortrain.distributed.sharded_grads import IN_FLIGHT
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -110,10 +113,10 @@ def estimate_memory(
     in_flight = 0
     if stage >= 2:
         bucket = int(reduce_bucket_mb * MIB) // 4
-        in_flight = 4 * min(psi, 2 * bucket + _repeated_block_numel(model))
-    if stage == 3:  # and the largest segment's parameters, gathered for its backward
+        in_flight = 4 * min(psi, (2 + IN_FLIGHT) * bucket + _repeated_block_numel(model))
+    if stage == 3:  # a segment's parameters gathered, and the next one's on its way
         largest = max((p.numel() for p in model.parameters()), default=0)
-        in_flight += 4 * max(_repeated_block_numel(model), largest)
+        in_flight += 2 * 4 * max(_repeated_block_numel(model), largest)
     return StateBytes(
         world_size=n,
         zero_stage=stage,

@@ -13,6 +13,8 @@ overflow  data parallel and ZeRO-1 with loss scaling: rank 1 alone overflows one
 segmented data parallel, then ZeRO-1, of a model that trains as compiled segments (its
         loss's label smoothing is lost in the export: the first step disagrees with eager)
 zero2   ZeRO-2 (sharded checkpoint after RESUME_AT steps); zero2_resume continues from it
+reorder ZeRO-3 on a model whose blocks run in reverse order on some micro-steps (the
+        order its gathers are prefetched along changes)
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -307,6 +309,7 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "estimate": dataclasses.asdict(estimate),
         "padding": layout.padding,
         "training_gathered": training_gathered,
+        "prefetched": getattr(reducer, "prefetched_numel", 0),
         "numel_between_steps": sum(between),
         "param_shard": getattr(reducer, "param_shard", torch.empty(0)).numel(),
         "eval_loss": eval_loss,
@@ -318,6 +321,68 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         torch.save(whole, out / f"{tag}_params.pt")
         torch.save(final, out / f"{tag}_state.pt")
     return result
+
+
+class Reordered(torch.nn.Module):
+    """Blocks of one structure, run in reverse order where ``reverse`` is set (by the loop,
+    alike on every rank and in the single process)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.out = torch.nn.Linear(16, 1)
+        self.reverse = False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in reversed(self.blocks) if self.reverse else self.blocks:
+            h = block(h)
+        return torch.nn.functional.mse_loss(self.out(h), y)
+
+
+REORDER_STEPS = 9  # micro-steps; every third runs the blocks in reverse
+
+
+def reorder_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    per = 6 // world
+    out = []
+    for _ in range(REORDER_STEPS):
+        x, y = torch.randn(6, 6, generator=g), torch.randn(6, 1, generator=g)
+        out.append({"x": x[rank * per : (rank + 1) * per], "y": y[rank * per : (rank + 1) * per]})
+    return out
+
+
+def train_reordered(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    model = Reordered(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = TrainerOptions(
+        zero_stage=stage, segments="blocks", intra_op_threads=1, reduce_bucket_mb=0.001
+    )
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    losses = []
+    for i, batch in enumerate(batches):
+        model.reverse = i % 3 == 2
+        losses.append(trainer.train_step(**batch).item())
+    return trainer, losses
+
+
+def scenario_reorder(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses = train_reordered(3, rank, reorder_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / "reorder_params.pt")
+    reducer = trainer.reducer
+    names = {id(m): n for n, m in trainer.module.named_modules()}
+    return {
+        "losses": losses,
+        "prefetched": reducer.prefetched_numel,  # type: ignore[union-attr]
+        "trace": [names[id(m)] for m in reducer._trace],  # type: ignore[union-attr]
+    }
 
 
 def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -348,6 +413,7 @@ def main() -> None:
         "segmented": scenario_segmented,
         "zero2": scenario_zero2,
         "zero2_resume": scenario_zero2_resume,
+        "reorder": scenario_reorder,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

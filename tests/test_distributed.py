@@ -38,7 +38,9 @@ from tests.dist_worker import (
     make_trainer,
     make_zero2,
     micro_batches,
+    reorder_batches,
     run,
+    train_reordered,
 )
 from tests.test_parity import drop_key_bias
 
@@ -240,6 +242,9 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
             assert r["param_shard"] == r["shard_numel"] and r["numel_between_steps"] == 0
             assert 4 * (r["peak_open"] + r["training_gathered"]) <= est["in_flight"]
             assert 0 < r["training_gathered"] < r["numel"]  # never the whole model
+            # from the second micro-step on, each segment's gather starts while the one
+            # before it computes
+            assert r["prefetched"] > 0
         # memory_report(): the states as measured, the reducer's peaks in bytes, the saved
         # activations of the segments, and no more than the process's measured peak
         m = r["memory_report"]
@@ -281,6 +286,21 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
     single.load_checkpoint(tmp_path / tag)
     mid_state = single.state_dict()
     assert mid_state["ortrain"] == {"step": RESUME_AT, "micro_step": 0}
+
+
+@pytest.mark.slow
+def test_zero3_prefetch_follows_a_changing_block_order(tmp_path):
+    """ZeRO-3 prefetches each segment's gather along the order recorded on an earlier
+    micro-step; where the blocks run in another order (every third micro-step here) the
+    ranks stop prefetching alike and record afresh: the training equals one process."""
+    trainer, losses = train_reordered(0, 0, reorder_batches(0, 1))
+    results = finish(launch("reorder", tmp_path), tmp_path, "reorder")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "reorder_params.pt"), trainer.module)
+    assert all(r["prefetched"] > 0 for r in results)
+    # the last micro-step ran the blocks reversed: the order was recorded afresh
+    forward = ["inp", "blocks.2", "blocks.1", "blocks.0", "out"]
+    assert all(r["trace"][:5] == forward for r in results), results[0]["trace"]
 
 
 @pytest.mark.slow

@@ -702,11 +702,12 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
     if device == "cuda" and session_mod.cuda_unavailable_reason() is not None:
         pytest.skip(f"needs ONNX Runtime's CUDA provider: {session_mod.cuda_unavailable_reason()}")
     handed: list[tuple[str, str]] = []
-    for op in ("reduce_to_owners", "broadcast_from", "all_gather", "broadcast_tensors"):
+    for op in ("start_reduce_to_owners", "start_broadcasts", "all_gather", "broadcast_tensors"):
         real = getattr(Comm, op)
 
         def spy(self, tensors, *args, _real=real, _op=op):
             ts = tensors if isinstance(tensors, list | tuple) else [tensors]
+            ts = [t[0] if isinstance(t, tuple) else t for t in ts]  # (tensor, source rank)
             handed.extend((_op, t.device.type) for t in ts if t.dtype == torch.float32)
             return _real(self, tensors, *args)
 
@@ -749,7 +750,7 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
             p, plain_params[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
     ops = {op for op, _ in handed}
-    assert "reduce_to_owners" in ops and ("broadcast_from" in ops) == (stage == 3)
+    assert "start_reduce_to_owners" in ops and ("start_broadcasts" in ops) == (stage == 3)
     assert {where for _, where in handed} == {device}
 
 

@@ -127,11 +127,6 @@ class Comm:
         with self._guard("broadcast"):
             dist.broadcast(t, src=self.global_ranks[0], group=self.group_for(t))
 
-    def broadcast_from(self, t: torch.Tensor, rank: int) -> None:
-        """``t`` from group rank ``rank`` to every rank, in place."""
-        with self._guard("broadcast"):
-            dist.broadcast(t, src=self.global_ranks[rank], group=self.group_for(t))
-
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Group rank 0's values of ``tensors`` to every rank, in place; one broadcast per
         device and dtype (gloo has no bool: those travel as bytes)."""
@@ -193,13 +188,15 @@ class Comm:
             for w in works:
                 w.wait()
 
-    def reduce_to_owners(self, part: torch.Tensor, start: int, shard_numel: int) -> None:
+    def start_reduce_to_owners(self, part: torch.Tensor, start: int, shard_numel: int) -> InFlight:
         """In place, for ``part`` = elements ``[start, start + part.numel())`` of a flat
         buffer whose rank-i shard is ``[i * shard_numel, (i + 1) * shard_numel)``: on the
-        rank owning each stretch of it, that stretch becomes the sum over ranks; the rest
-        is left undefined. One reduce per owner, all in flight at once (ZeRO-2's bucket)."""
+        rank owning each stretch of it, that stretch becomes the sum over ranks once
+        ``wait()`` returns; the rest is left undefined. One reduce per owner, all in flight
+        at once (ZeRO-2's bucket)."""
         stop, group = start + part.numel(), self.group_for(part)
-        with self._guard("reduce of a gradient bucket"):
+        op = "reduce of a gradient bucket"
+        with self._guard(op):
             works = []
             for i in range(self.world_size):
                 lo, hi = max(start, i * shard_numel), min(stop, (i + 1) * shard_numel)
@@ -212,8 +209,17 @@ class Comm:
                             async_op=True,
                         )
                     )
-            for w in works:
-                w.wait()
+        return InFlight(self, op, works)
+
+    def start_broadcasts(self, pieces: Sequence[tuple[torch.Tensor, int]], op: str) -> InFlight:
+        """Each ``(tensor, rank)``: ``tensor`` from group rank ``rank`` to every rank, in
+        place, all in flight at once; done when ``wait()`` returns."""
+        with self._guard(op):
+            works = [
+                dist.broadcast(t, src=self.global_ranks[r], group=self.group_for(t), async_op=True)
+                for t, r in pieces
+            ]
+        return InFlight(self, op, works)
 
     def all_gather(self, flat: torch.Tensor) -> None:
         """In place: every rank's shard of ``flat`` to every rank (one broadcast per shard,
@@ -249,3 +255,17 @@ class Comm:
         t = torch.tensor([1.0 if flag else 0.0])
         self.all_reduce(t)
         return bool(t.item() > 0)
+
+
+class InFlight:
+    """Collectives started together; ``wait`` finishes them, failing as a guarded
+    collective does (a peer that died or did not arrive is named)."""
+
+    def __init__(self, comm: Comm, op: str, works: list[Any]):
+        self._comm, self._op, self._works = comm, op, works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        with self._comm._guard(self._op):
+            for w in works:
+                w.wait()

@@ -8,9 +8,12 @@ gradients arrive through torch autograd block by block. Per micro-step:
     backward  -> each trainable parameter's gradient, when autograd has accumulated it
                  (a post-accumulate-grad hook), is copied into its bucket and dropped
     reduce    -> a bucket whose gradients are all in goes to the ranks that own its
-                 stretches of the flat layout (``Comm.reduce_to_owners``); this rank adds
-                 its stretch to its gradient shard, and the bucket is freed
-    end       -> buckets still open (parameters this batch did not reach) go out too
+                 stretches of the flat layout (``Comm.start_reduce_to_owners``) while the
+                 backward goes on; once it has landed this rank adds its stretch to its
+                 gradient shard, and the bucket is freed. At most ``IN_FLIGHT`` buckets
+                 are on their way at once (the oldest lands before another goes out)
+    end       -> buckets still open (parameters this batch did not reach) go out too,
+                 and every bucket in flight lands
 
 The flat layout follows the module's declaration order; buckets are contiguous ranges
 of it and go out in one fixed order, the last first (a backward reaches the last layers
@@ -25,6 +28,7 @@ gradients and the buckets in flight (``peak_open_numel``): no whole gradient buf
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -33,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ortrain.distributed.comm import Comm
+from ortrain.distributed.comm import Comm, InFlight
 from ortrain.distributed.sharded_state import ShardedState
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
@@ -41,6 +45,11 @@ from ortrain.runtime.heap import trim_heap
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
     from ortrain.runtime.update_engines import GraphUpdate
+
+# Bucket reduces on their way while the backward computes: one overlaps the backward
+# that fills the next bucket, which lands it before going out itself. More would hold
+# more buckets' memory for the same overlap.
+IN_FLIGHT = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,7 @@ class ShardedGradients(ShardedState):
         self._expected = [len(b.names) for b in self.buckets]
         self._waiting = list(self._expected)
         self._open: dict[int, torch.Tensor] = {}
+        self._flying: collections.deque[tuple[int, torch.Tensor, InFlight]] = collections.deque()
         self._next = len(self.buckets) - 1  # the next bucket to go out
         self._armed = False
         self.reached: set[str] = set()  # parameters with a gradient in this micro-step
@@ -130,9 +140,12 @@ class ShardedGradients(ShardedState):
         try:
             yield
             self._send(every=True)
+            while self._flying:
+                self._land()
         finally:
             self._armed = False
             self._open.clear()  # a failed backward's buckets: its window starts over
+            self._flying.clear()
 
     def _arrival(self, name: str) -> Callable[[torch.Tensor], None]:
         def arrived(p: torch.Tensor) -> None:
@@ -154,8 +167,7 @@ class ShardedGradients(ShardedState):
                     buf = self._open[k] = grad if grad.is_contiguous() else grad.clone()
                 else:
                     buf = self._open[k] = torch.zeros(bucket.numel, device=self.comm.device)
-                held = sum(t.numel() for t in self._open.values())
-                self.peak_open_numel = max(self.peak_open_numel, held)
+                self._count_held()
             e = self._entries[name]
             view = buf[e.offset - bucket.start : e.stop - bucket.start]
             if name in self.reached:  # accumulated twice in one backward: both count
@@ -170,9 +182,14 @@ class ShardedGradients(ShardedState):
 
         return arrived
 
+    def _count_held(self) -> None:
+        held = sum(t.numel() for t in self._open.values())
+        held += sum(buf.numel() for _, buf, _ in self._flying)
+        self.peak_open_numel = max(self.peak_open_numel, held)
+
     def _send(self, every: bool = False) -> None:
-        """Reduce the buckets that are complete, in the fixed order (``every``: all left)."""
-        lo, hi = self.config.layout.shard(self.config.rank)
+        """Start the reduces of the buckets that are complete, in the fixed order
+        (``every``: all left)."""
         n = self.config.layout.shard_numel
         while self._next >= 0 and (every or self._waiting[self._next] <= 0):
             k = self._next
@@ -180,13 +197,26 @@ class ShardedGradients(ShardedState):
             buf = self._open.pop(k, None)
             if buf is None:  # no gradient here on this rank: the others may have some
                 buf = torch.zeros(bucket.numel, device=self.comm.device)
+            while len(self._flying) >= IN_FLIGHT:
+                self._land()
             started = time.perf_counter()
-            self.comm.reduce_to_owners(buf, bucket.start, n)
+            flight = self.comm.start_reduce_to_owners(buf, bucket.start, n)
+            self._flying.append((k, buf, flight))
+            self._count_held()
             self.reduce_seconds += time.perf_counter() - started
-            a, b = max(bucket.start, lo), min(bucket.stop, hi)
-            if a < b:
-                self.grad_shard[a - lo : b - lo].add_(buf[a - bucket.start : b - bucket.start])
             self._next -= 1
+
+    def _land(self) -> None:
+        """Wait for the oldest bucket in flight and add this rank's stretch of its sums."""
+        k, buf, flight = self._flying.popleft()
+        started = time.perf_counter()
+        flight.wait()
+        self.reduce_seconds += time.perf_counter() - started
+        bucket = self.buckets[k]
+        lo, hi = self.config.layout.shard(self.config.rank)
+        a, b = max(bucket.start, lo), min(bucket.stop, hi)
+        if a < b:
+            self.grad_shard[a - lo : b - lo].add_(buf[a - bucket.start : b - bucket.start])
 
     # ------------------------------------------------------------------ the update
     def update(self, run_update: Callable[[], None]) -> None:

@@ -15,8 +15,15 @@ becomes an empty placeholder, before that step's own forward. From then on:
                       all-gather after it
 
 Every rank issues the same gathers in the same order (one autograd graph, run the same
-way). A module that runs in eager cannot drop parameters autograd has saved, so ZeRO-3
-needs every module with parameters compiled and says which is not. ``state_dict``,
+way). The first sharded micro-step records the order in which segments acquire their
+parameters; from the next one on, acquiring a segment starts the gather of the one
+recorded after it, which travels while this one computes (ONNX Runtime releases the
+GIL during a run), and a segment whose backward comes right after its forward keeps its
+parameters between them. A micro-step that departs from the record stops prefetching
+and records afresh; every rank departs alike, so the collectives still match.
+
+A module that runs in eager cannot drop parameters autograd has saved, so ZeRO-3 needs
+every module with parameters compiled and says which is not. ``state_dict``,
 checkpoints and evaluation gather all parameters for their duration (``materialized``).
 """
 
@@ -30,12 +37,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ortrain.distributed.comm import Comm
+from ortrain.distributed.comm import Comm, InFlight
 from ortrain.distributed.sharded_grads import ShardedGradients
 from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
+
+
+class _Gather:
+    """Parameters gathered (or on their way) into one buffer."""
+
+    def __init__(self, names: list[str], lo: int, buf: torch.Tensor, flight: InFlight):
+        self.names, self.lo, self.buf, self.flight = names, lo, buf, flight
 
 
 class ShardedParams(ShardedGradients):
@@ -57,6 +71,13 @@ class ShardedParams(ShardedGradients):
         self._held = 0  # elements of the gathered buffers alive now
         self._buffer_of: dict[str, int] = {}  # gathered parameter -> its buffer's id
         self._buffers: dict[int, list[int]] = {}  # buffer id -> [numel, parameters in it]
+        # the segments' acquire order in a micro-step: recorded, then prefetched along
+        self._trace: list[torch.nn.Module] | None = None
+        self._recording: list[torch.nn.Module] = []
+        self._pos = 0  # acquires so far in this micro-step
+        self._following = False  # this micro-step has kept to the trace so far
+        self._ahead: _Gather | None = None  # the prefetched gather, on its way
+        self.prefetched_numel = 0  # parameter elements that arrived by prefetch so far
 
     @property
     def sharded(self) -> bool:
@@ -73,46 +94,94 @@ class ShardedParams(ShardedGradients):
 
     def acquire(self, module: torch.nn.Module) -> None:
         """``module``'s parameters whole (a collective: every rank calls it alike)."""
-        if self.sharded:
-            self._gather([n for n in self._module_names(module) if n not in self.gathered])
+        if not self.sharded:
+            return
+        following = self._step_to(module)
+        if self._ahead is not None:  # on its way since the previous acquire
+            ahead, self._ahead = self._ahead, None
+            self._finish(ahead)
+            if following:
+                self.prefetched_numel += ahead.buf.numel()
+        self._gather([n for n in self._module_names(module) if n not in self.gathered])
+        nxt = self._upcoming()
+        if following and nxt is not None and nxt is not module:
+            names = [n for n in self._module_names(nxt) if n not in self.gathered]
+            if names:
+                self._ahead = self._start(names)
 
     def release(self, module: torch.nn.Module) -> None:
-        """Drop ``module``'s gathered parameters (after its forward)."""
+        """Drop ``module``'s gathered parameters (after its forward), unless its own
+        backward is the next to acquire them."""
+        if self._following and self._upcoming() is module:
+            return
         self._drop(self._module_names(module))
+
+    def _step_to(self, module: torch.nn.Module) -> bool:
+        """Advance along this micro-step's acquires; True while it keeps to the trace."""
+        if not self._armed:  # evaluation, checkpoints: not part of a micro-step's order
+            return False
+        k = self._pos
+        self._pos += 1
+        self._recording.append(module)
+        trace = self._trace
+        self._following = (
+            self._following and trace is not None and k < len(trace) and trace[k] is module
+        )
+        return self._following
+
+    def _upcoming(self) -> torch.nn.Module | None:
+        trace = self._trace
+        if not self._following or trace is None or self._pos >= len(trace):
+            return None
+        return trace[self._pos]
 
     def planned(self) -> None:
         if not self.sharded:
             self._shard_params()
 
     def _gather(self, names: list[str]) -> None:
-        if not names:
-            return
+        if names:
+            self._finish(self._start(names))
+
+    def _start(self, names: list[str]) -> _Gather:
+        """Start gathering ``names`` into one buffer spanning their range of the layout:
+        one broadcast per owner of a stretch of it, all in flight together."""
         layout, shard = self.config.layout, self.param_shard
         assert shard is not None
-        entries = {e.name: e for e in layout.entries}
-        lo = min(entries[n].offset for n in names)
-        hi = max(entries[n].stop for n in names)
-        started = time.perf_counter()
+        lo = min(self._entries[n].offset for n in names)
+        hi = max(self._entries[n].stop for n in names)
         buf = torch.empty(hi - lo, device=self.comm.device)
         n = layout.shard_numel
+        pieces = []
         for rank in range(self.world_size):
             a, b = max(lo, rank * n), min(hi, (rank + 1) * n)
             if a >= b:
                 continue
             if rank == self.config.rank:
                 buf[a - lo : b - lo].copy_(shard[a - rank * n : b - rank * n])
-            self.comm.broadcast_from(buf[a - lo : b - lo], rank)
+            pieces.append((buf[a - lo : b - lo], rank))
+        flight = self.comm.start_broadcasts(pieces, "gather of parameters")
+        self._held += buf.numel()
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self._held)
+        return _Gather(names, lo, buf, flight)
+
+    def _finish(self, g: _Gather) -> None:
+        """Wait for ``g`` and make its parameters views of its buffer."""
+        started = time.perf_counter()
+        g.flight.wait()
         self.gather_seconds += time.perf_counter() - started
-        for name in names:
-            e = entries[name]
-            view = buf[e.offset - lo : e.stop - lo].view(e.shape)
+        fresh = [n for n in g.names if n not in self.gathered]
+        if not fresh:
+            self._held -= g.buf.numel()
+            return
+        for name in fresh:
+            e = self._entries[name]
+            view = g.buf[e.offset - g.lo : e.stop - g.lo].view(e.shape)
             self._params[name].data = view
             self._state.params[name] = view
             self.gathered.add(name)
-            self._buffer_of[name] = id(buf)
-        self._buffers[id(buf)] = [buf.numel(), len(names)]
-        self._held += buf.numel()
-        self.peak_gathered_numel = max(self.peak_gathered_numel, self._held)
+            self._buffer_of[name] = id(g.buf)
+        self._buffers[id(g.buf)] = [g.buf.numel(), len(fresh)]
 
     def _drop(self, names: list[str]) -> None:
         if not self.sharded:
@@ -169,10 +238,21 @@ class ShardedParams(ShardedGradients):
     # ------------------------------------------------------------------ the backward
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
+        self._pos, self._recording = 0, []
+        self._following = self._trace is not None
         try:
             with super().collecting():
                 yield
+            if self._ahead is not None:  # the trace ran past this micro-step's acquires
+                self._finish(self._ahead)
+            kept = self._following and self._pos == len(self._trace or ())
+            if self.sharded and not kept:
+                self._trace = self._recording  # this micro-step's order, for the next
         finally:  # frozen or unreached ones a backward gathered, or a failed step's
+            if self._ahead is not None:  # a failed step's: its buffer goes with it
+                self._held -= self._ahead.buf.numel()
+                self._ahead = None
+            self._following = False
             self._drop(list(self.gathered))
         if not self.sharded:
             self._shard_params()
