@@ -59,6 +59,7 @@ BACKENDS = (
     # the update in the backward (which keeps no gradient buffers)
     "ortrain-mlas",  # cpu_gemm="onnxruntime": ONNX Runtime's GEMMs, not the BLAS custom op
     "ortrain-stdgrad",  # cpu_kernels="onnxruntime": backwards as standard ops, not fused
+    "ortrain-noverify",  # verify=False: the first step not checked against eager
     "torch-fused",  # eager with AdamW(fused=True): the kernels ortrain's CPU update runs
     "ortrain-fp16",
     "ortrain-bf16",  # CUDA only
@@ -246,6 +247,7 @@ def setup_ortrain(
     update_engine: str = "auto",
     cpu_gemm: str = "auto",
     cpu_kernels: str = "auto",
+    verify: bool = True,
 ) -> Setup:
     import ortrain.program_context as context_mod
     from ortrain import ORTTrainer, TrainerOptions
@@ -271,6 +273,7 @@ def setup_ortrain(
         update_engine=update_engine,
         cpu_gemm=cpu_gemm,
         cpu_kernels=cpu_kernels,
+        verify=verify,
     )
     trainer = ORTTrainer(model, opt, options)
 
@@ -383,7 +386,17 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
         gemm = "onnxruntime" if args.backend == "ortrain-mlas" else "auto"
         kernels = "onnxruntime" if args.backend == "ortrain-stdgrad" else "auto"
         s = setup_ortrain(
-            model, opt, args.threads, precision, args.device, graph, passes, engine, gemm, kernels
+            model,
+            opt,
+            args.threads,
+            precision,
+            args.device,
+            graph,
+            passes,
+            engine,
+            gemm,
+            kernels,
+            verify=args.backend != "ortrain-noverify",
         )
     rss_setup = rss_bytes()
 
