@@ -40,7 +40,8 @@ class TrainerOptions:
         loss scaling): no gradient buffers at all (a gradient dies at its update, which
         lowers the peak), and ``trainer.grads`` stays empty. "auto": "backward" where it
         applies, else on CUDA the kernels when built, on CPU torch's kernels for
-        Adam/AdamW in a single process, the graph otherwise.
+        Adam/AdamW in a single process and over each rank's shard under ZeRO, the graph
+        otherwise.
     grad_accumulation_steps: micro-steps per update; gradients are averaged, so N
         micro-batches of size b train like one batch of N·b. A micro-batch that fails in
         ONNX Runtime (``BatchError``) or gives a NaN/Inf loss ends its window: the window

@@ -81,7 +81,7 @@ class TrainerViews:
 
     @property
     def update_engine(self) -> UpdateEngine:
-        """What runs the optimizer update (``update_engine.name``: "graph", "kernels",
+        """What runs the optimizer update (``update_engine.name``: "graph", "kernels", "zero-torch",
         "torch", "backward" or "zero1")."""
         return self._ctx.engine
 

@@ -35,7 +35,7 @@ import torch
 
 from ortrain import ORTTrainer, RankFailureError, TrainerOptions, estimate_memory
 from ortrain.core.roles import Role
-from ortrain.runtime.update_engines import GraphUpdate
+from ortrain.runtime.update_engines import GraphUpdate, ShardTorchUpdate
 from tests.conftest import decay_groups, gpt2, lm_batches
 from tests.unexportable import smoothed_cross_entropy
 
@@ -92,19 +92,27 @@ def run(trainer: ORTTrainer, sched, batches: list[dict], start: int, stop: int) 
 
 
 def state_bytes(trainer: ORTTrainer) -> dict[str, Any]:
-    """Optimizer-state bytes of the OrtValues bound to the update graph, and of the
-    storages behind them."""
+    """Optimizer-state bytes of what the shard's update reads and writes (the update
+    graph's bound OrtValues, or the pieces torch's kernels update), and of the storages
+    behind them."""
     engine = trainer.update_engine
-    assert isinstance(engine, GraphUpdate) and engine.name == "zero1"
-    graph, session = engine.graph, engine.session
-    assert graph is not None and session is not None
-    names = [io.name for io in graph.io if io.role is Role.OPTIMIZER_STATE]
-    values = [session.bound_inputs[n] for n in names]
+    if isinstance(engine, ShardTorchUpdate):
+        values = [t for _, _, avg, avg_sq in engine.groups for t in (*avg, *avg_sq)]
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in trainer.opt_state.values()
+        }
+    else:
+        assert isinstance(engine, GraphUpdate) and engine.name == "zero1"
+        graph, session = engine.graph, engine.session
+        assert graph is not None and session is not None
+        names = [io.name for io in graph.io if io.role is Role.OPTIMIZER_STATE]
+        values = [session.bound_inputs[n] for n in names]
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in (trainer.opt_state[n] for n in names)
+        }
     bound = sum(v.numel() * v.element_size() for v in values)
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in (trainer.opt_state[n] for n in names)
-    }
     ptrs = sorted((v.data_ptr(), v.numel() * v.element_size()) for v in values)
     overlap = any(a + n > b for (a, n), (b, _) in itertools.pairwise(ptrs))
     return {"bound": bound, "storage": sum(storages.values()), "overlap": overlap}

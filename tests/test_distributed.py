@@ -215,7 +215,7 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
     compiled = sorted(blocks.segments.model.compiled)
     assert "transformer.h.0" in compiled and "transformer.h.1" in compiled
     for r in results:
-        assert r["engine"] == "zero1"  # the shard's update graph
+        assert r["engine"] == "zero-torch"  # torch's kernels over the shard
         assert r["compiled"] == compiled
         assert r["builds"] == blocks.segments.model.builds == len(compiled) - 1  # one block graph
         assert r["whole_grads"] == 0 and not r["flat_grads"]
@@ -317,8 +317,9 @@ def test_one_rank_overflowing_makes_every_rank_skip_the_update(tmp_path):
 
 @pytest.mark.slow
 def test_zero1_optimizer_state_is_sharded(trained, reference):
-    """The OrtValues bound as optimizer state hold 1/N of the single-process state (plus
-    alignment padding): each element's moments live on exactly one rank."""
+    """The optimizer state the shard's update reads (torch's kernels over its pieces)
+    holds 1/N of the single-process state (plus alignment padding): each element's
+    moments live on exactly one rank."""
     _, results = trained
     ref_trainer, _ = reference
     single = sum(t.numel() * t.element_size() for t in ref_trainer.opt_state.values())

@@ -685,8 +685,9 @@ def test_world_of_one_reducer_on_the_trainers_device(world_of_one, monkeypatch, 
     ],
 )
 @pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("engine", ["graph", "auto"])
 def test_zero2_and_3_world_of_one_train_as_one_process(
-    world_of_one, monkeypatch, device, precision, stage
+    world_of_one, monkeypatch, device, precision, stage, engine
 ):
     """ZeRO-2 and ZeRO-3 at world size 1 (the collectives run: gloo on CPU, NCCL on CUDA)
     train as one process cut at the same blocks without a reducer: per-step losses and
@@ -694,7 +695,9 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
     to a collective on the trainer's device; in fp32, and in fp16 (the segments compute in
     fp16, dynamic loss scaling). Without clipping: its norm is summed in another order
     over a shard, and AdamW turns that noise into steps of up to lr where a gradient is
-    zero in exact arithmetic (the 2- and 3-rank tests clip)."""
+    zero in exact arithmetic (the 2- and 3-rank tests clip). The shard's update graph
+    against the update graph of one process, and ("auto") torch's fused kernels over the
+    shard's pieces on CPU against torch's over the whole flat buffers."""
     import ortrain.program_context as context_mod
     from ortrain.distributed import make_reducer
     from ortrain.distributed.comm import Comm
@@ -729,10 +732,14 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
             zero_stage=stage if reducer else 0,
             segments="auto" if reducer else "blocks",
             reduce_bucket_mb=0.01,
-            update_engine="graph",  # both sides (torch's fused AdamW rounds otherwise)
+            # the same kernels both sides (the graph's AdamW and torch's round apart)
+            update_engine=engine if reducer or engine == "graph" else "torch",
             mixed_precision=precision,
         )
         trainer = ORTTrainer(model, opt, options)
+        if reducer:
+            torch_kernels = engine == "auto" and device == "cpu"
+            assert trainer.update_engine.name == ("zero-torch" if torch_kernels else "zero1")
         losses = [trainer.train_step(**b).item() for b in batches]
         if reducer:  # no whole gradients; under ZeRO-3 no whole parameters between steps
             assert trainer.grads == {}

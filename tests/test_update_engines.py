@@ -57,8 +57,13 @@ def _facts(**changes: object) -> EngineFacts:
         ({"requested": "torch"}, "torch"),
         ({"zero_stage": 0}, "graph"),
         ({"zero_stage": 0, "requested": "graph"}, "graph"),
-        ({"zero_stage": 1}, "zero1"),
+        # ZeRO on CPU: torch's kernels over the shard where they run the optimizer
+        ({"zero_stage": 1}, "zero-torch"),
+        ({"zero_stage": 3, "kind": "adam", "clipping": True}, "zero-torch"),
+        ({"zero_stage": 2, "requested": "graph"}, "zero1"),
+        ({"zero_stage": 1, "kind": "sgd"}, "zero1"),
         ({"zero_stage": 1, "kind": "lamb", "requested": "graph"}, "zero1"),
+        ({"zero_stage": 2, "device": torch.device("meta")}, "zero1"),
     ],
 )
 def test_choice(changes, engine):
@@ -94,7 +99,7 @@ def test_a_graph_that_refuses_the_update_in_the_backward():
 
 
 def test_every_engine_has_the_interface():
-    assert set(ENGINES) == {"graph", "zero1", "kernels", "torch", "backward"}
+    assert set(ENGINES) == {"graph", "zero1", "zero-torch", "kernels", "torch", "backward"}
     for name, cls in ENGINES.items():
         assert cls.name == name
         assert cls.in_backward == (name == "backward")

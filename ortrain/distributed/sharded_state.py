@@ -45,6 +45,16 @@ if TYPE_CHECKING:
     from ortrain.runtime.update_engines import GraphUpdate
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardPiece:
+    """One parameter's piece of this rank's shard, as an update kernel takes it."""
+
+    group: int  # the parameter group
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, torch.Tensor]  # optimizer state name -> its piece
+
+
 class ShardedState:
     """This rank's ZeRO-1 state and the steps around its update graph (a ``Reducer``)."""
 
@@ -95,8 +105,9 @@ class ShardedState:
         state.adopt_grads({p: views[p] for p in state.grad_params})
 
     # ------------------------------------------------------------------ building
-    def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
-        """Lay out the gradients and bind the shard's update graph as ``engine``'s session."""
+    def _lay_out(self, state: TrainingState) -> list[Piece]:
+        """Lay out the gradients and adopt the shard's optimizer state: this rank's pieces
+        of the parameters the loss reaches."""
         assert state.grad_params is not None
         cfg, spec = self.config, state.spec
         reached = set(state.grad_params)
@@ -104,14 +115,43 @@ class ShardedState:
         self._adopt_grads(state)
         pieces = [pc for pc in cfg.layout.pieces(cfg.rank) if pc.name in reached]
         group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
-        clip = state.max_grad_norm is not None
-        skip = state.scaler is not None
         shard_state = {
             state_key(s, pc.name): self.state[s][cfg.local(pc)]
             for pc in pieces
             for s in group_states[pc.name]
         }
         state.adopt_opt_state(shard_state, replace=True)
+        return pieces
+
+    def shard_pieces(self, state: TrainingState) -> list[ShardPiece]:
+        """Lay out the update (as ``prepare_update``) for kernels instead of a graph: per
+        piece of this rank's shard, its parameter group and the tensors it updates."""
+        pieces = self._lay_out(state)
+        lo = self.config.shard.start
+        group_of = {p: gi for gi, g in enumerate(state.spec.groups) for p in g.params}
+        return [
+            ShardPiece(
+                group_of[pc.name],
+                self._param_piece(pc.start, pc.stop),
+                self.grad_shard[pc.start - lo : pc.stop - lo],
+                {s: buf[pc.start - lo : pc.stop - lo] for s, buf in self.state.items()},
+            )
+            for pc in pieces
+        ]
+
+    def global_sq_norm(self) -> torch.Tensor:
+        """The sum over ranks of the squares of the reduced gradient shards (a collective)."""
+        self.sq_norm.copy_(torch.linalg.vector_norm(self.grad_shard).square())
+        self.comm.all_reduce(self.sq_norm)
+        return self.sq_norm
+
+    def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
+        """Lay out the gradients and bind the shard's update graph as ``engine``'s session."""
+        cfg, spec = self.config, state.spec
+        pieces = self._lay_out(state)
+        group_states = {p: spec.state_names(g) for g in spec.groups for p in g.params}
+        clip = state.max_grad_norm is not None
+        skip = state.scaler is not None
         chunks = _chunks(pieces)
         ug = build_shard_update_graph(
             _chunked_spec(spec, chunks),

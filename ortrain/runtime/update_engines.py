@@ -18,7 +18,10 @@ engines (``TrainerOptions.update_engine``):
 4. "graph" (``GraphUpdate``): the update graph in an ONNX Runtime session; under data
    parallel the reducer all-reduces the gradients around its run;
 5. "zero1" (``ShardUpdate``): ZeRO-1's update graph over this rank's shard, laid out and
-   bound by ``ortrain/distributed/sharded_state.py``, run between its collectives.
+   bound by ``ortrain/distributed/sharded_state.py``, run between its collectives;
+6. "zero-torch" (``ShardTorchUpdate``): torch's fused Adam/AdamW kernels over the pieces
+   of this rank's shard (ZeRO-1, -2 and -3 on CPU), between the same collectives: no
+   update graph to build, one pass over each piece.
 
 ``choose_engine`` decides from the options, the device, the optimizer, the process group
 and one build fact (a gradient graph that could not take the update in its backward).
@@ -283,6 +286,91 @@ class ShardUpdate(GraphUpdate):
         return False
 
 
+class ShardReducer(Protocol):
+    """What ``ShardTorchUpdate`` needs of ZeRO's reducer (``ShardedState``)."""
+
+    def shard_pieces(self, state: TrainingState) -> list[Any]: ...
+
+    def global_sq_norm(self) -> torch.Tensor: ...
+
+    def update(self, run_update: Callable[[], None]) -> None: ...
+
+
+class ShardTorchUpdate(_AfterBackward):
+    """torch's fused Adam/AdamW over this rank's shard, piece by piece, run by the reducer
+    between its collectives (where ZeRO-1's update graph runs)."""
+
+    name = "zero-torch"
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        super().__init__(state, env)
+        if state.spec.kind not in TORCH_KINDS:
+            raise ValueError(f"torch's fused kernels run {TORCH_KINDS}, not {state.spec.kind}")
+        self.kernel = torch._fused_adamw_ if state.spec.kind == "adamw" else torch._fused_adam_
+        self.step_t = torch.zeros((), dtype=torch.float32, device=state.device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
+        self.groups: list[tuple[list[torch.Tensor], ...]] = []
+
+    @property
+    def _reducer(self) -> ShardReducer:
+        reducer = self.env.reducer
+        assert reducer is not None and hasattr(reducer, "shard_pieces")
+        return reducer  # type: ignore[return-value]
+
+    def prepare(self) -> bool:
+        groups: list[tuple[list[torch.Tensor], ...]] = [
+            ([], [], [], []) for _ in self.state.spec.groups
+        ]
+        for pc in self._reducer.shard_pieces(self.state):
+            params, grads, avg, avg_sq = groups[pc.group]
+            params.append(pc.param)
+            grads.append(pc.grad)
+            avg.append(pc.state["exp_avg"])
+            avg_sq.append(pc.state["exp_avg_sq"])
+        self.groups = groups
+        return False
+
+    def step(self, values: Values, grad_scale: float) -> None:
+        self._reducer.update(lambda: self._run(values, grad_scale))
+
+    def _run(self, values: Values, grad_scale: float) -> None:
+        st = self.state
+        # torch's kernels divide by their grad_scale: pass 1 / ours (None when it is 1)
+        divisor: torch.Tensor | None = None
+        if grad_scale != 1.0:
+            divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=st.device)
+        self.found_inf.zero_()
+        if st.checks_gradients:  # every rank reads the same global norm: all decide alike
+            norm = self._reducer.global_sq_norm().sqrt() * grad_scale
+            self.found_inf.copy_((~torch.isfinite(norm)).to(torch.float32))
+            if st.max_grad_norm is not None:
+                st.record_grad_norm(norm)
+                coef = torch.clamp(st.max_grad_norm / (norm + 1e-6), max=1.0)
+                divisor = 1.0 / (coef * grad_scale)
+        self.step_t.fill_(float(st.step_tensor) + 1.0)  # the 1-based t of this update
+        for (params, grads, avg, avg_sq), hp in zip(self.groups, values, strict=True):
+            if not params:
+                continue
+            self.kernel(
+                params,
+                grads,
+                avg,
+                avg_sq,
+                [],
+                [self.step_t] * len(params),
+                lr=hp["lr"],
+                beta1=hp["beta1"],
+                beta2=hp["beta2"],
+                weight_decay=hp["weight_decay"],
+                eps=hp["eps"],
+                amsgrad=False,
+                maximize=False,
+                grad_scale=divisor,
+                found_inf=self.found_inf if st.checks_gradients else None,
+            )
+        st.record_update(self.found_inf == 0)
+
+
 class _FlatKernels(_AfterBackward):
     """Kernels over the state's flat gradient (and moment) buffers: no update graph."""
 
@@ -383,7 +471,8 @@ class BackwardUpdate:
 
 
 ENGINES: dict[str, type[UpdateEngine]] = {
-    e.name: e for e in (GraphUpdate, ShardUpdate, KernelUpdate, TorchUpdate, BackwardUpdate)
+    e.name: e
+    for e in (GraphUpdate, ShardUpdate, ShardTorchUpdate, KernelUpdate, TorchUpdate, BackwardUpdate)
 }
 
 
@@ -438,7 +527,8 @@ def choose_engine(f: EngineFacts) -> str:
     3. "auto": the update in the backward where it can run; where a graph refused it
        (``refused``), the choice below, if no update was laid out yet (otherwise, and for
        "backward" requested, the refusal is raised);
-    4. ZeRO-1 and ZeRO-2: the shard's update graph; "auto" on CUDA in a single process: the kernels
+    4. ZeRO-1, -2 and -3: "auto" on CPU with Adam/AdamW: torch's kernels over the shard;
+       otherwise the shard's update graph; "auto" on CUDA in a single process: the kernels
        when built and they cover the optimizer; "auto" on CPU in a single process: torch's
        kernels for Adam/AdamW; otherwise the update graph.
     """
@@ -473,7 +563,8 @@ def choose_engine(f: EngineFacts) -> str:
     elif req in ("auto", "backward") and not why:
         return "backward"
     if f.zero_stage in (1, 2, 3):  # ZeRO-2 and -3 update their shard as ZeRO-1 does
-        return "zero1"
+        cpu_torch = f.device.type == "cpu" and f.kind in TORCH_KINDS
+        return "zero-torch" if req == "auto" and cpu_torch else "zero1"
     if req == "auto":
         # (single process: the kernels' engine runs no reducer, whose all-reduce would be lost)
         cuda = f.device.type == "cuda" and single
