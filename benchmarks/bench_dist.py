@@ -289,20 +289,29 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "--json", str(out), "--workload", args.workload, "--threads", str(args.threads),
                 "--warmup", str(args.warmup), "--steps", str(args.steps),
             ] + (["--no-verify"] if args.no_verify else []) + (
-                ["--same-batch"] if args.same_batch else [])  # fmt: skip
+                ["--same-batch"] if args.same_batch else []) + (
+                ["--rank-memory-gib", str(args.rank_memory_gib)]
+                if args.rank_memory_gib is not None else [])  # fmt: skip
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )
         logs = [p.communicate()[0].decode(errors="replace") for p in procs]
-        for p, log in zip(procs, logs):
-            if p.returncode != 0:
+        results = []
+        for rank, (p, log, out) in enumerate(zip(procs, logs, outs)):
+            if p.returncode != 0 and args.rank_memory_gib is not None:  # killed by its limit
+                last = log.strip().splitlines()[-1] if log.strip() else ""
+                results.append({"rank": rank, "stopped": f"exited {p.returncode}: {last}"})
+            elif p.returncode != 0:
                 sys.stderr.write(log[-4000:])
                 raise SystemExit(f"{backend}: a rank exited {p.returncode}")
-        return [json.loads(o.read_text()) for o in outs]
+            else:
+                results.append(json.loads(out.read_text()))
+        return results
 
 
 def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) -> str:
-    params = next(iter(results.values()))[0]["params"]
+    ran = [r for ranks in results.values() for r in ranks if "stopped" not in r]
+    params = ran[0]["params"] if ran else sum(p.numel() for p in build_model(w).parameters())
     lines = [
         f"{w.name}: GPT-2 {w.layers} layers, hidden {w.hidden}, vocab {w.vocab}, "
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
@@ -314,8 +323,13 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dp = results.get("ortrain-dp") or results.get("torch-ddp")
+    if dp and any("stopped" in r for r in dp):
+        dp = None
     for b, ranks in results.items():
         for r in ranks:
+            if "stopped" in r:
+                lines.append(f"| {b} | {r['rank']} | stopped: {r['stopped']} |" + " - |" * 11)
+                continue
             lines.append(
                 f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {waits(r)} "
                 f"| {r['first_step_s']:.1f} "
@@ -400,6 +414,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every step on one batch per rank (random tokens: the loss falls only as the "
         "model learns that batch, a check that the updates train)",
     )
+    p.add_argument(
+        "--rank-memory-gib",
+        type=float,
+        help="limit each rank's private memory (RLIMIT_DATA) to this many GiB; a rank that "
+        "runs out (or whose peer did) is reported as stopped, with its error",
+    )
     p.add_argument("--rank-of", choices=BACKENDS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
@@ -409,7 +429,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     w = WORKLOADS[args.workload]
     if args.rank_of is not None:
-        Path(args.json).write_text(json.dumps(run_rank(args.rank_of, w, args)))
+        if args.rank_memory_gib is None:
+            Path(args.json).write_text(json.dumps(run_rank(args.rank_of, w, args)))
+            return
+        limit = int(args.rank_memory_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        try:
+            result = run_rank(args.rank_of, w, args)
+        except Exception as exc:  # out of memory here, or a peer that ran out
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            result = {"rank": int(os.environ["RANK"]), "stopped": f"{type(exc).__name__}: {first}"}
+            Path(args.json).write_text(json.dumps(result))
+            sys.stdout.flush()
+            os._exit(0)  # no teardown of a process group a peer left
+        Path(args.json).write_text(json.dumps(result))
         return
     command = "PYTHONPATH=. python " + shlex.join(sys.argv)
     results = {b: run_backend(b, args) for b in (args.backend or BACKENDS)}
