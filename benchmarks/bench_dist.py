@@ -9,6 +9,8 @@ torchrun-style with ``--rank-of BACKEND --json PATH`` and RANK/WORLD_SIZE/MASTER
   ortrain-zero3  ORTTrainer(zero_stage=3): parameters sharded too, gathered per segment
   torch-ddp      DistributedDataParallel + torch.optim.AdamW
   torch-zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer
+  torch-fsdp2    fully_shard (FSDP2) on each GPT-2 block and the model + torch.optim.AdamW:
+                 parameters, gradients and optimizer state sharded (ZeRO-3's layout)
 
 Same workload for all: a GPT-2 built from one seed, AdamW(lr=1e-4, weight_decay=0.01),
 per-rank synthetic batches (rank r draws its own), ``--threads`` threads per rank. Per
@@ -53,7 +55,8 @@ if str(REPO) not in sys.path:
 from benchmarks.hardware import cpu_description  # noqa: E402
 
 BACKENDS = (
-    "ortrain-dp", "ortrain-zero1", "ortrain-zero2", "ortrain-zero3", "torch-ddp", "torch-zero"
+    "ortrain-dp", "ortrain-zero1", "ortrain-zero2", "ortrain-zero3", "torch-ddp", "torch-zero",
+    "torch-fsdp2",
 )  # fmt: skip
 STAGES = {"ortrain-dp": 0, "ortrain-zero1": 1, "ortrain-zero2": 2, "ortrain-zero3": 3}
 WORLD = 2
@@ -176,6 +179,33 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
 
         def held_params() -> int:
             return trainer.state_bytes().parameters
+    elif backend == "torch-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:  # one gather unit per block, as ortrain's segments
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        model.train()
+
+        def step(b: dict[str, torch.Tensor]) -> float:
+            opt.zero_grad(set_to_none=True)
+            loss = model(**b).loss
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        def held_state() -> int:
+            return sum(state_bytes([local(v) for v in s.values()]) for s in opt.state.values())
+
+        def held_grads() -> int:
+            return sum(local(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None)
+
+        def held_params() -> int:
+            return sum(local(p).numel() * 4 for p in model.parameters())
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel

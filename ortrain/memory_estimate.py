@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ortrain.distributed.sharded_grads import IN_FLIGHT
+from ortrain.distributed.shard_config import IN_FLIGHT
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions, estimate_memory
-from ortrain.distributed.sharded_grads import IN_FLIGHT
+from ortrain.distributed.shard_config import IN_FLIGHT
 from ortrain.memory_estimate import storage_bytes
 from tests.conftest import gpt2, lm_batches
 

@@ -10,6 +10,10 @@ from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.runtime.flat_layout import FlatLayout, Piece
 
 ALIGN = 16  # elements: every tensor and every shard starts on a 64-byte boundary
+# ZeRO-2/3's bucket reduces on their way while the backward computes: one overlaps the
+# backward that fills the next bucket, which lands it before going out itself. More would
+# hold more buckets' memory for the same overlap.
+IN_FLIGHT = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ortrain.distributed.comm import Comm, InFlight
+from ortrain.distributed.shard_config import IN_FLIGHT
 from ortrain.distributed.sharded_state import ShardedState
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
@@ -45,11 +46,6 @@ from ortrain.runtime.heap import trim_heap
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
     from ortrain.runtime.update_engines import GraphUpdate
-
-# Bucket reduces on their way while the backward computes: one overlaps the backward
-# that fills the next bucket, which lands it before going out itself. More would hold
-# more buckets' memory for the same overlap.
-IN_FLIGHT = 1
 
 
 @dataclasses.dataclass(frozen=True)
