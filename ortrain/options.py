@@ -130,8 +130,10 @@ class TrainerOptions:
         an evaluation graph's outputs), also a graph loaded from the graph cache
         (``ortrain/verify.py``). Its cost is one eager step per graph built, on CPU run
         on one thread in a forked child before the build (so an eager step's memory does
-        not set the training process's peak); ``ortrain.explain`` reports it. False:
-        trust the graphs unchecked.
+        not set the training process's peak), and while the graph's first run is compared
+        a copy of what that run writes (the parameters, moments or gradients it changes,
+        put back after): that copy raises the first step's peak; ``ortrain.explain``
+        reports the time. False: trust the graphs unchecked.
     background_build: a step whose batch has no training graph yet starts its build in a
         forked child (one core, lowest priority) and runs in eager PyTorch on the other
         cores (the module's forward and backward, your torch optimizer's step over
