@@ -15,9 +15,10 @@ import functools
 import inspect
 import io
 import logging
+import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -367,6 +368,28 @@ def _root_cause(exc: BaseException) -> BaseException:
         exc = nxt
 
 
+_TRACED_LINE = re.compile(
+    r"# File: (?P<path>[^\n]*?):(?P<line>\d+) in (?P<fn>\w+), code: (?P<code>[^\n]*)"
+)
+
+
+def _failing_code(exc: BaseException) -> str:
+    """' (at file.py:N in fn: `code`)': the last line of the model's source that
+    torch.export traced before it stopped, from the partial graph its errors carry."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        graph = getattr(cur, "partial_fx_graph", None)
+        if isinstance(graph, str):
+            found = _TRACED_LINE.findall(graph)
+            if found:
+                path, line, fn, code = found[-1]
+                return f" (at {os.path.basename(path)}:{line} in {fn}: `{code.strip()}`)"
+        cur = cur.__cause__ or cur.__context__
+    return ""
+
+
 def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy for every batch tensor passed again under another name.
 
@@ -446,6 +469,30 @@ class Traced:
         return roles + updated_io(self.model, self.updated)
 
 
+# torch's loggers whose warnings a failed export prints (a data-dependent guard logs the
+# whole FX graph); the failure itself reaches the user as the ExportError or the fallback's
+# warning, which name the cause.
+_EXPORT_LOGGERS = (
+    "torch.onnx",
+    "torch.export",
+    "torch._dynamo",
+    "torch.fx.experimental.symbolic_shapes",
+)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProgram:
     """``traced`` exported as the ONNX exporter would first try it (non-strict), with its
     detached and no-grad values marked (``ortrain/stop_gradient.py``).
@@ -454,7 +501,9 @@ def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProg
     non-strict again and then dynamo (strict), seconds per model, and over the
     ``torch.nn`` coverage table strict never exported a model non-strict could not
     (data-dependent shapes stop both); the segments take such a model apart instead."""
-    with without_value_hints(), functional_for_export():
+    # On failure torch.export prints its partial FX graph to stderr (pages for a model);
+    # the ExportError that follows names the cause.
+    with without_value_hints(), functional_for_export(), contextlib.redirect_stderr(io.StringIO()):
         program = torch.export.export(traced, flat, strict=False)
     mark_stop_gradients(program)
     return program
@@ -489,9 +538,9 @@ def trace_to_onnx(
             exportable_batch_norms(module),
             cached_registry(),
             exporter_decompositions(),
+            _quiet_torch_logs(),
         ):
             warnings.simplefilter("ignore")
-            logging.getLogger("torch.onnx").setLevel(logging.ERROR)
             program = torch.onnx.export(
                 _exported(traced, flat),
                 flat,
@@ -527,7 +576,7 @@ def trace_to_onnx(
         # The exporter wraps the model's own error in pages of advice: name the cause.
         raise ExportError(
             f"torch.onnx.export failed for {type(module).__name__}: "
-            f"{type(root).__name__}: {first_line(root)}{export_hint(module)}"
+            f"{type(root).__name__}: {first_line(root)}{_failing_code(exc)}{export_hint(module)}"
         ) from exc
     finally:
         module.train(was_training)

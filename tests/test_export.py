@@ -274,3 +274,30 @@ def test_padding_idx_from_fx_record_or_module_scope(fx, scopes, expected):
     graph = ir.Graph([w, i], node.outputs, nodes=[node], opset_imports={"": 20})
     assert tag_padding_rows(ir.Model(graph, ir_version=10), module) == (expected is not None)
     assert node.metadata_props.get(PADDING_IDX) == expected
+
+
+class _ChecksItsLabels(torch.nn.Module):
+    """A forward that validates its labels by value (as HF's CTC heads do): torch.export
+    cannot trace a branch on data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if y.max() >= 3:
+            raise ValueError("labels out of range")
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+
+def test_export_error_names_the_model_line_and_prints_nothing(capfd):
+    """The error names the model's source line where tracing stopped; torch's partial
+    graph and its guard warnings do not reach the user's terminal."""
+    with pytest.raises(ExportError) as info:
+        batch = {"x": torch.randn(2, 4), "y": torch.tensor([0, 2])}
+        export_forward(_ChecksItsLabels(), batch, train=True)
+    message = str(info.value)
+    assert "torch.onnx.export failed for _ChecksItsLabels" in message
+    assert "(at test_export.py:" in message and "in forward: `if y.max() >= 3:`)" in message
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err and "Unable to find user code" not in err
