@@ -26,6 +26,7 @@ import torch
 from ortrain.batch_input import BatchInput
 from ortrain.bucketing import Bucketing
 from ortrain.build import StageRecord
+from ortrain.core.errors import OrtrainError
 from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
@@ -135,7 +136,10 @@ class ORTTrainer(TrainerState, TrainerViews):
                     raise
                 # eager cannot run this batch either (its recording forward failed):
                 # the model's own error, as the build named it, not a fallback's
-                self._program, self._ctx.segmented = program, False
+                failed, self._program, self._ctx.segmented = self._program, program, False
+                if failed.training.recorded is None and not isinstance(eager, OrtrainError):
+                    # the model's own forward failed (not ortrain's reading of its output)
+                    raise exc.eager_fails_too(eager, type(self.module).__name__) from eager
                 raise exc.error from eager
 
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain.build import BuiltGraph, ForwardSource, StageRecord, graph_for, label_rows
+from ortrain.core.errors import first_line
 from ortrain.core.roles import Role
 from ortrain.index_check import check_batch
 from ortrain.runtime.session import BoundSession
@@ -61,6 +62,19 @@ class NotOneGraph(Exception):
         super().__init__(cause)
         self.cause = cause
         self.error = error
+
+    def eager_fails_too(self, eager: BaseException, model: str) -> Exception:
+        """``error`` saying that the model's own forward fails on the batch in eager
+        PyTorch (a bug or a bad batch of the user's, not the compiler's)."""
+        said = (
+            f"; {model}'s forward fails on this batch in eager PyTorch too "
+            f"({type(eager).__name__}: {first_line(eager)}): fix the model or the batch"
+        )
+        try:
+            return type(self.error)(f"{self.error}{said}")
+        except TypeError:  # an error type that takes other arguments: keep it, add a note
+            self.error.add_note(said[2:])
+            return self.error
 
 
 @dataclasses.dataclass

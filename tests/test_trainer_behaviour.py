@@ -364,6 +364,11 @@ def test_export_errors_name_their_cause_in_one_line():
         trainer.train_step(input_ids=ids.float(), labels=ids)
     for err in (no_loss, float_ids):
         assert "\n" not in str(err.value)
+    # the float ids fail the model's own forward in eager too: said, with eager's error
+    assert "GPT2LMHeadModel's forward fails on this batch in eager PyTorch too" in str(
+        float_ids.value
+    )
+    assert "in eager PyTorch too" not in str(no_loss.value)  # eager runs; ortrain finds no loss
 
 
 @pytest.mark.slow
