@@ -158,11 +158,15 @@ class EagerSide:
                     g.zero_()
             session.run()
 
+        # every trainable parameter: one the graph computes no gradient for (read only
+        # where the export saw no_grad) must get none in eager either
+        trained = set(names)
+        others = [n for n, p in self.module.named_parameters() if p.requires_grad]
         bad, sites, seconds = graph_step_mismatches(
             lambda module: self.loss_of(batch, module),
             self.module,
             run,
-            names,
+            names + [n for n in others if n not in trained],
             lambda: grads,
             written,
             dropout_on,

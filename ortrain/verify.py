@@ -17,7 +17,8 @@ tensors the run writes are put back and eager's buffers (BatchNorm statistics) r
 3. ``no_dropout()``: eager's dropout functions (``F.dropout`` and its variants, SDPA's
    ``dropout_p``) become the identity; it counts the dropout sites eager has, so a graph
    with fewer (an exporter that dropped one) is reported;
-4. ``eager_loss_and_grads``: the reference, without touching ``.grad`` or buffers.
+4. ``eager_loss_and_grads``: the reference, without touching ``.grad`` or buffers (what a
+   custom autograd.Function's backward writes into ``.grad`` itself included).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ __all__ = [
     "eager_loss_and_grads",
     "no_dropout",
     "restoring",
+    "with_written",
+    "written_grads",
 ]
 
 
@@ -322,6 +325,34 @@ def snapshot(t: torch.Tensor) -> torch.Tensor | None:
 EagerStep = tuple[torch.Tensor, dict[str, torch.Tensor | None], int, float]
 
 
+@contextlib.contextmanager
+def written_grads(params: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor | None]]:
+    """What a backward inside the block writes into ``params``' ``.grad`` itself, in the
+    yielded list once the block ends; their ``.grad`` as it was afterwards. A custom
+    autograd.Function may backpropagate inside its own backward (reversible layers that
+    run their forward under no_grad): ``torch.autograd.grad`` returns no gradient for
+    those parameters, and what ``loss.backward()`` would leave in ``.grad`` is eager's."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    written: list[torch.Tensor | None] = []
+    try:
+        yield written
+        written.extend(p.grad for p in params)
+    finally:
+        for p, g in zip(params, held, strict=True):
+            p.grad = g
+
+
+def with_written(
+    grads: Sequence[torch.Tensor | None], written: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """``grads`` plus what ``written_grads`` collected, element by element."""
+    return [
+        w if g is None else g if w is None else g + w for g, w in zip(grads, written, strict=True)
+    ]
+
+
 def eager_loss_and_grads(
     loss_of: Any,
     module: torch.nn.Module,
@@ -333,12 +364,16 @@ def eager_loss_and_grads(
     start = time.perf_counter()
     params = dict(module.named_parameters())
     wrt = [params[n] for n in names]
-    with restoring(list(module.buffers())), no_dropout() as mode, torch.enable_grad():
-        loss = loss_of()
-        grads = (
-            torch.autograd.grad(loss, wrt, allow_unused=True) if wrt and loss.requires_grad else ()
-        )
-    found = dict(zip(names, grads)) if grads else dict.fromkeys(names)
+    with written_grads(list(params.values())) as written:
+        with restoring(list(module.buffers())), no_dropout() as mode, torch.enable_grad():
+            loss = loss_of()
+            grads = (
+                torch.autograd.grad(loss, wrt, allow_unused=True)
+                if wrt and loss.requires_grad
+                else (None,) * len(wrt)
+            )
+    by_name = dict(zip(params, written, strict=True))
+    found = dict(zip(names, with_written(grads, [by_name[n] for n in names])))
     return loss.detach(), found, mode.sites, time.perf_counter() - start
 
 

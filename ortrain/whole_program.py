@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -32,7 +32,7 @@ from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.session import CudaGraphCaptureError, register_cpu_arena
 from ortrain.speed_trial import SpeedTrial
 from ortrain.step_errors import from_onnxruntime, run_failed
-from ortrain.verify import EagerStep
+from ortrain.verify import EagerStep, compare, module_of, report
 from ortrain.whole_graph import CompiledGraph, NotOneGraph, signature
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class WholeProgram:
             fresh = attempt > 0
             compiled = None if fresh else self.graphs.find_train(batch)
             if compiled is None:
-                compiled = self._build(batch, fresh)
+                compiled = self._build(batch, fresh, reference if ctx.options.verify else None)
             keep = compiled.bind_batch(batch, ctx.device)
             if ctx.options.grad_accumulation_steps > 1 and st.micro_step == 0:
                 st.zero_grads()
@@ -181,8 +181,11 @@ class WholeProgram:
             bg.start(batch)
         return True
 
-    def _build(self, batch: dict[str, Any], fresh: bool = False) -> CompiledGraph:
-        """``batch``'s training graph built (or loaded), given a session, bound by role."""
+    def _build(
+        self, batch: dict[str, Any], fresh: bool = False, reference: EagerStep | None = None
+    ) -> CompiledGraph:
+        """``batch``'s training graph built (or loaded), given a session, bound by role;
+        ``reference``: eager's step on it, whose reached parameters the graph must reach."""
         ctx = self.ctx
         while True:  # twice at most: the settings change with the engine
             try:
@@ -192,7 +195,19 @@ class WholeProgram:
             except UpdateInBackwardError:
                 if ctx.engine.in_backward:  # the engine may not change: the refusal stands
                     raise
+        if reference is not None and self.ctx.state.grad_params is None:
+            self._reaches_what_eager_reaches(built, reference)
         return self._bind(batch, rows, built, hit)
+
+    def _reaches_what_eager_reaches(self, built: BuiltGraph, reference: EagerStep) -> None:
+        """Before the first graph lays out the gradients: a parameter eager's backward
+        reaches (a custom autograd.Function's backward may reach one the export saw read
+        under no_grad only) that the graph computes no gradient for fails its check."""
+        eager = {n: g for n, g in reference[1].items() if n not in built.grad_params}
+        bad = compare({}, eager, self.ctx.eager.tol.grad)
+        if bad:
+            what = f"{type(self.ctx.module).__name__}'s training graph"
+            self._disagrees(report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3))
 
     @contextlib.contextmanager
     def _build_errors(self) -> Iterator[None]:
@@ -287,11 +302,16 @@ class WholeProgram:
         self.graphs.forget_train(compiled, batch)
         if compiled.cache_hit:
             return False
+        self._disagrees(bad)
+
+    def _disagrees(self, bad: str) -> NoReturn:
+        """A graph built here disagrees with eager: ``NotOneGraph`` (fallback "auto") or
+        ``VerificationError``."""
         hint = (
             "The exporter or a gradient rule changed what the model computes; "
             "fallback='auto' trains such a model as compiled segments and eager PyTorch"
         )
-        if ctx.options.fallback == "off":
+        if self.ctx.options.fallback == "off":
             raise VerificationError(f"{bad}. {hint}")
         cause = f"its first step disagrees with eager: {bad}"
         raise NotOneGraph(cause, VerificationError(f"{bad}. {hint}"))

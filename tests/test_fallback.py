@@ -4,6 +4,7 @@ autograd, with eager PyTorch for the rest (ortrain/segments, TrainerOptions.fall
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.errors import VerificationError
 from ortrain.core.names import GradientError
 
 
@@ -301,3 +303,56 @@ def test_segments_train_in_training_mode_whatever_the_modules_mode():
     assert not model.training  # its mode is left as it was
     for (k, b), r in zip(model.named_buffers(), ref.buffers()):  # training-mode statistics
         torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible residual as Reformer's: the forward runs ``f`` under no_grad (no
+    activations kept); the backward runs it again with grad and backpropagates through it
+    itself, which writes ``f``'s parameters' ``.grad`` directly."""
+
+    @staticmethod
+    def forward(ctx, x, f):
+        ctx.f = f
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return x + f(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            ctx.f(x).backward(grad)
+        return grad + x.grad, None
+
+
+class _RevNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(8, 16)
+        self.f = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(_Reversible.apply(self.embed(x), self.f)), y)
+
+
+def test_gradients_a_custom_backward_writes_itself_are_eagers_too():
+    """The export sees ``f`` read under no_grad only, so the whole graph computes no
+    gradient for its parameters; eager's backward gives them one (written into ``.grad``
+    by the Function's backward). The first-step check counts that gradient: the whole
+    graph is refused before it lays out the gradients, and the segments run ``f`` again
+    with grad as eager does (a second graph for the call whose input requires grad)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train_like_eager(_RevNet, _batches(4))
+    assert len([w for w in caught if "does not compile as one graph" in str(w.message)]) == 1
+    seg = trainer.segments
+    assert seg is not None and re.search(r"f\.0\.(weight|bias) \(only eager has it\)", seg.cause)
+    assert "f" in seg.model.compiled
+    assert sorted(trainer.grad_params) == sorted(n for n, _ in _RevNet().named_parameters())
+    model = _RevNet()
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
+    with pytest.raises(VerificationError, match=r"f\.0\.(weight|bias) \(only eager has it\)"):
+        trainer.train_step(*_batches(1)[0])

@@ -48,7 +48,10 @@ class Call:
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 tensor_at.append(i)
-                sig.append(("tensor", tuple(leaf.shape), leaf.dtype, str(leaf.device)))
+                # requires_grad: a graph computes the input gradients its call asked for
+                sig.append(
+                    ("tensor", tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad)
+                )
             else:
                 sig.append(_constant_token(leaf, f"#{i}"))
         return cls(spec, leaves, tensor_at, tuple(sig))

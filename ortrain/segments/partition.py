@@ -52,6 +52,8 @@ from ortrain.verify import (
     in_mode,
     no_dropout,
     restoring,
+    with_written,
+    written_grads,
 )
 
 SessionFactory = Callable[[GraphBytes], BoundSession]
@@ -133,10 +135,16 @@ def _eager_call(
     ]
     args, kwargs = call.with_tensors(tensors)
     params = dict(module.named_parameters())
-    wrt = [t for t in tensors if t.requires_grad] + [params[p] for p in runner.grad_params]
+    inputs = [t for t in tensors if t.requires_grad]
+    wrt = inputs + [params[p] for p in trainable(module)]
     # the buffers (BatchNorm statistics) are put back after the backward, which checks
     # that nothing it saved was changed in place
-    with restoring(list(module.buffers())), no_dropout(), torch.enable_grad():
+    with (
+        written_grads(list(params.values())) as written,
+        restoring(list(module.buffers())),
+        no_dropout(),
+        torch.enable_grad(),
+    ):
         out = _original_forward(module)(*args, **kwargs)
         outs = runner.graphs.result.tensors(out)
         if seeds is None:
@@ -157,15 +165,26 @@ def _eager_call(
             if pairs and wrt
             else [None] * len(wrt)
         )
-    return tensors, list(grads), [o.detach() for o in outs], seeds
+    by_name = dict(zip(params, written, strict=True))
+    grads = [
+        *grads[: len(inputs)],
+        *with_written(grads[len(inputs) :], [by_name[n] for n in trainable(module)]),
+    ]
+    return tensors, grads, [o.detach() for o in outs], seeds
 
 
-def _named(tensors: list[torch.Tensor], grads: list, outs: list, runner: SegmentRunner):
+def trainable(module: torch.nn.Module) -> list[str]:
+    """The parameters a check compares: every one that requires grad (one the graph
+    computes no gradient for must get none in eager either)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _named(module: torch.nn.Module, tensors: list[torch.Tensor], grads: list, outs: list):
     """(outputs by name, gradients by name) of one side of a check."""
     outputs = {f"output {k}": o for k, o in enumerate(outs)}
     grad_inputs = [k for k, t in enumerate(tensors) if t.requires_grad]
     named = {f"gradient of input {k}": g for k, g in zip(grad_inputs, grads)}
-    named.update(zip(runner.grad_params, grads[len(grad_inputs) :]))
+    named.update(zip(trainable(module), grads[len(grad_inputs) :]))
     return outputs, named
 
 
@@ -196,7 +215,7 @@ def _verify_call(
         zeros = [torch.zeros_like(o) if s is None else s for o, s in zip(couts, seeds)]
         read = {k: tensors[k] for k in runner.backward_reads}
         in_grads, param_grads = runner.backward(module, len(tensors), read, saved, zeros)
-    want_out, want = _named(tensors, grads, outs, runner)
+    want_out, want = _named(module, tensors, grads, outs)
     got_out = {f"output {k}": o for k, o in enumerate(couts)}
     got = {f"gradient of input {k}": in_grads[k] for k, t in enumerate(tensors) if t.requires_grad}
     got.update(param_grads)
@@ -207,7 +226,7 @@ def _verify_call(
         if module64 is not None:
             module64.train(module.training)
             t64, g64, o64, _ = _eager_call(module64, call, runner, seeds)
-            exact_out, exact = _named(t64, g64, o64, runner)
+            exact_out, exact = _named(module64, t64, g64, o64)
             bad_out = confirm(bad_out, got_out, want_out, exact_out, tol.loss)
             bad = confirm(bad, got, want, exact, tol.grad)
     return bad_out + bad
