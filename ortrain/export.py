@@ -469,13 +469,14 @@ class Traced:
         return roles + updated_io(self.model, self.updated)
 
 
-# torch's loggers whose warnings a failed export prints (a data-dependent guard logs the
-# whole FX graph); the failure itself reaches the user as the ExportError or the fallback's
-# warning, which name the cause.
+# torch's loggers that a failed export writes to (a data-dependent guard logs the whole
+# FX graph, a failing shape check its fake-tensor traceback): the failure reaches the user
+# as the ExportError or the fallback's warning, which name the cause and the model's line.
 _EXPORT_LOGGERS = (
     "torch.onnx",
     "torch.export",
     "torch._dynamo",
+    "torch._subclasses.fake_tensor",
     "torch.fx.experimental.symbolic_shapes",
 )
 
@@ -485,7 +486,7 @@ def _quiet_torch_logs() -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:

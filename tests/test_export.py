@@ -301,3 +301,4 @@ def test_export_error_names_the_model_line_and_prints_nothing(capfd):
     assert "(at test_export.py:" in message and "in forward: `if y.max() >= 3:`)" in message
     out, err = capfd.readouterr()
     assert "def forward" not in out + err and "Unable to find user code" not in err
+    assert "Traceback" not in err
