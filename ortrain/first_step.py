@@ -27,6 +27,7 @@ import torch
 from ortrain.core.names import IN_BACKWARD_STATES, state_key
 from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
 from ortrain.forked import call_forked, can_fork
+from ortrain.python_state import changed_every_call, kept
 from ortrain.verify import (
     EagerStep,
     Tolerance,
@@ -35,7 +36,9 @@ from ortrain.verify import (
     graph_step_mismatches,
     in_mode,
     module_of,
+    no_dropout,
     report,
+    restoring,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +69,9 @@ class EagerSide:
         self.exact = exact  # float32 graphs: mismatches get a float64 second look
         self.any_rank = any_rank
         self.seconds = 0.0  # first-step checks so far
+        # the scalar attributes the forward changes on every call, by owning module
+        # (``ortrain/python_state.py``): found by the first early reference
+        self.stateful: dict[str, str] = {}
 
     def on_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """``batch`` with its tensors where the module is: eager PyTorch (the checks, the
@@ -95,13 +101,24 @@ class EagerSide:
         module = self.module
         names = [n for n, p in module.named_parameters() if p.requires_grad]
 
-        def step() -> EagerStep:
-            return eager_loss_and_grads(lambda: self.loss_of(batch, module), module, names)
+        def again() -> None:  # a second forward: what changes on every call
+            with restoring(list(module.buffers())), no_dropout(), torch.no_grad():
+                self.loss_of(batch, module)
+
+        def step() -> tuple[EagerStep, dict[str, str]]:
+            return changed_every_call(
+                module,
+                lambda: eager_loss_and_grads(lambda: self.loss_of(batch, module), module, names),
+                again,
+            )
 
         try:
             if can_fork([*module.parameters(), *module.buffers()]):
-                return call_forked(step, what="the first step's eager check")
-            return step()
+                reference, found = call_forked(step, what="the first step's eager check")
+            else:
+                reference, found = step()
+            self.stateful.update(found)
+            return reference
         except Exception:
             return None
 
@@ -203,7 +220,8 @@ class EagerSide:
         module.eval()
         try:
             args, kwargs = call_arguments(module, self.on_device(batch))
-            out = module(*args, **kwargs)
+            with kept(module):
+                out = module(*args, **kwargs)
             loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
         finally:
             module.train(was)

@@ -39,6 +39,7 @@ class SegmentedProgram:
             cause,
             blocks,
             ctx.reducer if hasattr(ctx.reducer, "acquire") else None,  # ZeRO-3
+            ctx.eager.stateful,
         )
         ctx.segmented = True
         if ctx.engine.in_backward:  # the update runs after torch's backward now

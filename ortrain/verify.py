@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ortrain.core.errors import VerificationError
+from ortrain.python_state import kept
 
 __all__ = [
     "Mismatch",
@@ -443,7 +444,8 @@ def graph_step_mismatches(
     start = time.perf_counter()
     earlier = 0.0 if reference is None else reference[3]  # its seconds, counted here too
     if reference is None:
-        reference = eager_loss_and_grads(lambda: loss_of(module), module, names)
+        with kept(module):  # a look, not a step: no Python attribute advanced
+            reference = eager_loss_and_grads(lambda: loss_of(module), module, names)
     want_loss, every, sites, _ = reference
     want = {n: every[n] for n in names}
     with restoring([*written, loss]):

@@ -28,6 +28,7 @@ from ortrain.eager_steps import unsupported
 from ortrain.optim.from_torch import group_values
 from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
+from ortrain.python_state import describe
 from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.session import CudaGraphCaptureError, register_cpu_arena
 from ortrain.speed_trial import SpeedTrial
@@ -94,6 +95,8 @@ class WholeProgram:
         it is; its first step checked against eager)."""
         ctx, st = self.ctx, self.ctx.state
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
+        if reference is not None and ctx.eager.stateful and st.grad_params is None:
+            self._keeps_python_state()
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
             fresh = attempt > 0
             compiled = None if fresh else self.graphs.find_train(batch)
@@ -303,6 +306,21 @@ class WholeProgram:
         if compiled.cache_hit:
             return False
         self._disagrees(bad)
+
+    def _keeps_python_state(self) -> NoReturn:
+        """The forward changes Python attributes on every call: a graph would keep the
+        values the export saw (``ortrain/python_state.py``)."""
+        ctx = self.ctx
+        said = describe(ctx.eager.stateful, type(ctx.module).__name__)
+        bad = (
+            f"its forward changes Python attributes on every call ({said}), which a graph "
+            "would hold at the values its export saw"
+        )
+        if ctx.options.fallback == "off":
+            raise VerificationError(
+                f"{bad}; fallback='auto' runs the modules that own them in eager PyTorch"
+            )
+        raise NotOneGraph(bad, VerificationError(bad))
 
     def _disagrees(self, bad: str) -> NoReturn:
         """A graph built here disagrees with eager: ``NotOneGraph`` (fallback "auto") or

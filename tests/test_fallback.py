@@ -356,3 +356,71 @@ def test_gradients_a_custom_backward_writes_itself_are_eagers_too():
     trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
     with pytest.raises(VerificationError, match=r"f\.0\.(weight|bias) \(only eager has it\)"):
         trainer.train_step(*_batches(1)[0])
+
+
+class _Annealed(torch.nn.Module):
+    """A temperature annealed per call in a Python attribute of a sub-module, and a list
+    the top module appends to: eager computes with new values every call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.head = _TemperedHead()
+        self.seen: list[int] = []
+
+    def forward(self, x, y):
+        self.seen.append(len(self.seen))
+        scale = 1.0 if len(self.seen) % 2 else 0.5
+        return F.cross_entropy(self.head(self.encoder(x)), y) * scale
+
+
+class _TemperedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 3)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        return self.lin(h) / (1.0 + 0.25 * self.calls)
+
+
+def test_python_attributes_a_forward_changes_every_call_run_in_eager():
+    """A graph would hold ``calls`` and the list's length at their export-time values and
+    train another loss from the second step on, with the first step agreeing with eager.
+    The first-step check sees them change on two calls in a row: the owners run in eager
+    (the head's linear layer and the encoder compile), and ortrain's own eager runs (the
+    check, the recording forward) leave them as they were, so the losses equal eager's
+    step by step; with fallback "off" the whole graph is refused, naming them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train_like_eager(_Annealed, _batches(4))
+    seg = trainer.segments
+    assert seg is not None and "calls (" in seg.cause and "seen (" in seg.cause
+    assert sorted(seg.model.compiled) == ["encoder", "head.lin"]
+    assert {p.name: p.status for p in seg.model.fallbacks} == {"head": "split"}
+    assert len([w for w in caught if "does not compile as one graph" in str(w.message)]) == 1
+    model = _Annealed()
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
+    with pytest.raises(VerificationError, match=r"_Annealed\.head: calls \(\d+ -> \d+\)"):
+        trainer.train_step(*_batches(1)[0])
+    assert model.head.calls == 0 and model.seen == []  # the refusal advanced nothing
+
+
+def test_a_cache_set_on_the_first_call_only_keeps_the_whole_graph():
+    """An attribute a forward sets once (a lazily built cache) is no schedule."""
+
+    class Lazy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(8, 3)
+            self.ready = False
+
+        def forward(self, x, y):
+            self.ready = True
+            return F.cross_entropy(self.lin(x), y)
+
+    trainer = train_like_eager(Lazy, _batches(3))
+    assert trainer.segments is None

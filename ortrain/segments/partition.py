@@ -38,6 +38,7 @@ import torch
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import ExportError, OrtrainError, first_line
 from ortrain.core.names import GradientError
+from ortrain.python_state import kept
 from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
@@ -98,7 +99,8 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
         handles.append(m.register_forward_hook(post, with_kwargs=True))
     start = time.perf_counter()
     try:
-        with restoring(list(module.buffers())):  # a look, not a step: no statistics update
+        # a look, not a step: no statistics update, no Python attribute advanced
+        with restoring(list(module.buffers())), kept(module):
             run()
     finally:
         for h in handles:
@@ -141,6 +143,7 @@ def _eager_call(
     # that nothing it saved was changed in place
     with (
         written_grads(list(params.values())) as written,
+        kept(module),
         restoring(list(module.buffers())),
         no_dropout(),
         torch.enable_grad(),
@@ -276,9 +279,12 @@ def plan_segments(
     tol: Tolerance | None,
     only: str | None = None,
     blocks: frozenset[str] = frozenset(),
+    stateful: Mapping[str, str] | None = None,
 ) -> Plan:
     """Cases 1-4 of the module docstring (``only``: plan that one module alone;
-    ``blocks``: the repeated blocks to cut at, case 5)."""
+    ``blocks``: the repeated blocks to cut at, case 5; ``stateful``: the modules whose
+    forward changes their Python attributes on every call, which run in eager)."""
+    stateful = stateful or {}
     plans: list[ModulePlan] = []
     graphs: list[SegmentGraphs] = []
     shared: dict[tuple, int] = {}  # structure -> graph index
@@ -341,6 +347,7 @@ def plan_segments(
             return
         if name in recorded.calls and any(p.requires_grad for p in m.parameters()):
             try:
+                _keeps_no_python_state(name, stateful)
                 plans.append(compile_module(name, m))
                 return
             except (ExportError, GradientError, Uncompilable, _Mismatched, OrtrainError) as exc:
@@ -371,6 +378,18 @@ def plan_segments(
 
 class _Mismatched(Exception):
     """A compiled call disagreed with eager."""
+
+
+def _keeps_no_python_state(name: str, stateful: Mapping[str, str]) -> None:
+    """Raises where ``name`` or a module inside it changes Python attributes on every
+    call (``ortrain/python_state.py``): a graph would hold them at one value."""
+    for owner, attrs in sorted(stateful.items()):
+        if owner == name or owner.startswith(name + "."):
+            whose = "its" if owner == name else f"{owner[len(name) + 1 :]}'s"
+            raise _Mismatched(
+                f"{whose} forward changes Python attributes on every call ({attrs}), which "
+                "a graph would hold at one value"
+            )
 
 
 class SegmentedModel:

@@ -52,6 +52,7 @@ class SegmentedTraining:
         cause: str,
         blocks: bool = False,
         home: ParamHome | None = None,
+        stateful: Mapping[str, str] | None = None,
     ):
         self.module = module
         self.loss_fn = loss_fn
@@ -64,6 +65,8 @@ class SegmentedTraining:
         # cut at the repeated blocks by choice (segments="blocks", ZeRO-2), not a fallback
         self.blocks = repeated_blocks(module) if blocks else None
         self.home = home  # ZeRO-3's sharded parameters (``runner.ParamHome``)
+        # modules whose forward changes their Python attributes on every call: eager
+        self.stateful = dict(stateful or {})
         self.model: SegmentedModel | None = None
         self.recorded: Recorded | None = None
         self.plan_seconds = 0.0
@@ -86,11 +89,20 @@ class SegmentedTraining:
             recorded = Recorded({only: [call]}, {only: [True]}, {}, 0.0)
         module, config, session = self.module, self.config, self.session
         device, tol, blocks = self.device, self.tol, self.blocks or frozenset()
+        stateful = self.stateful
 
         def job() -> Plan:
             with no_kv_cache(module):
                 return plan_segments(
-                    module, recorded, config, session, device, tol, only, blocks=blocks
+                    module,
+                    recorded,
+                    config,
+                    session,
+                    device,
+                    tol,
+                    only,
+                    blocks=blocks,
+                    stateful=stateful,
                 )
 
         return job

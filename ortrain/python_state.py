@@ -1,0 +1,113 @@
+"""Python attributes that a forward changes: what a compiled graph cannot follow.
+
+A forward that keeps a schedule in a plain attribute (``self.calls += 1``, a temperature
+annealed per call) computes with a new value on every call in eager PyTorch; its graph
+holds the value the export saw, and from the second step on it trains another loss, with
+no error (the first step agrees with eager). The first-step check runs the forward twice
+and names the scalar attributes (bool, int, float, str, None) that changed both times,
+with the module that owns them: that module cannot be compiled (``whole_program``
+refuses the whole graph, the segments run the owner in eager). An attribute set on the
+first call only (a lazily built cache) is not such a schedule. A plain container that
+grows on every call (a list the forward appends to) counts too: the graph would not
+append.
+
+ortrain's own eager runs of the model (the first-step check, the segments' recording
+forward) leave the scalar attributes as they found them (``kept``), so a counter advances
+once per training step, as in eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+Key = tuple[str, str]  # (module name, attribute)
+_SCALARS = (bool, int, float, str, type(None))
+_CONTAINERS = (list, dict, set)
+_TORCH = frozenset({"training"})  # module.train() changes it, not a forward
+
+
+def scalars(module: torch.nn.Module) -> dict[Key, Any]:
+    """Every sub-module's scalar instance attributes, and the length of its plain
+    containers (a list the forward appends to)."""
+    out: dict[Key, Any] = {}
+    for name, m in module.named_modules():
+        for attr, value in vars(m).items():
+            if attr in _TORCH:
+                continue
+            if isinstance(value, _SCALARS):
+                out[(name, attr)] = value
+            elif type(value) in _CONTAINERS:
+                out[(name, attr)] = _Length(len(value))
+    return out
+
+
+class _Length(int):
+    """A container's length (what says that a forward appended to it)."""
+
+    def __repr__(self) -> str:
+        return f"{int(self)} items"
+
+
+def _changed(before: dict[Key, Any], after: dict[Key, Any]) -> dict[Key, tuple[Any, Any]]:
+    return {k: (before.get(k), v) for k, v in after.items() if before.get(k, v) != v}
+
+
+@contextlib.contextmanager
+def kept(module: torch.nn.Module) -> Iterator[None]:
+    """The forwards run inside leave ``module``'s scalar attributes and plain containers
+    as they were (a container's items put back in the same object)."""
+    before = scalars(module)
+    modules = dict(module.named_modules())
+    held = {
+        (name, attr): copy.copy(getattr(modules[name], attr))
+        for (name, attr), v in before.items()
+        if isinstance(v, _Length)
+    }
+    try:
+        yield
+    finally:
+        for (name, attr), (old, _) in _changed(before, scalars(module)).items():
+            m = modules[name]
+            if (name, attr) not in held:
+                setattr(m, attr, old)
+                continue
+            now, was = getattr(m, attr), held[(name, attr)]
+            now.clear()
+            if isinstance(now, list):
+                now.extend(was)
+            else:
+                now.update(was)
+
+
+def changed_every_call(
+    module: torch.nn.Module, first: Callable[[], Any], again: Callable[[], Any]
+) -> tuple[Any, dict[str, str]]:
+    """``first()`` (a forward and backward), then, where it changed scalar attributes,
+    ``again()`` (a forward): (``first()``'s result, what both changed by owning module:
+    "attr (a -> b)"). The attributes are put back afterwards."""
+    with kept(module):
+        before = scalars(module)
+        result = first()
+        after = scalars(module)
+        once = _changed(before, after)
+        if not once:
+            return result, {}
+        again()
+        twice = _changed(after, scalars(module))
+    owners: dict[str, list[str]] = {}
+    for (name, attr), (old, new) in twice.items():
+        if (name, attr) in once:
+            owners.setdefault(name, []).append(f"{attr} ({old!r} -> {new!r})")
+    return result, {name: ", ".join(attrs) for name, attrs in owners.items()}
+
+
+def describe(stateful: dict[str, str], model: str) -> str:
+    """The attributes for a message: "M.calls (1 -> 2); M.block.t (...)"."""
+    return "; ".join(
+        f"{model}{'.' + name if name else ''}: {attrs}" for name, attrs in sorted(stateful.items())
+    )
