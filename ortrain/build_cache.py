@@ -540,6 +540,10 @@ class GraphCache:
             self._model_key = model_fingerprint(self.module, self.loss_fn)
         return _key(graph, library_versions(), self._model_key, batch_token(batch))
 
+    def forget_model_key(self) -> None:
+        """The module changed what its key saw (a sub-module's mode): key it again."""
+        self._model_key = None
+
     def _path(self, key: str) -> Path:
         assert self.dir is not None
         return self.dir / key[:2] / f"{key}.pkl"

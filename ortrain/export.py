@@ -45,6 +45,7 @@ from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
 from ortrain.stop_gradient import mark_stop_gradients
 from ortrain.stop_gradient import translations as stop_gradient_translations
+from ortrain.verify import in_mode
 
 if TYPE_CHECKING:  # the training process does not import them (ortrain/build.py)
     import onnx_ir as ir
@@ -528,11 +529,10 @@ def trace_to_onnx(
     returned = bnames if train else []
     traced = WithBuffers(wrapper, module, returned) if returned else wrapper
     flat = tuple(p.detach() for p in params.values()) + tuple(tensors)
-    was_training = module.training
-    module.train(train)
     sink = io.StringIO()
     try:
         with (
+            in_mode(module, train),
             warnings.catch_warnings(),
             contextlib.redirect_stdout(sink),
             _eager_attention_for_dropout(module, train),
@@ -579,8 +579,6 @@ def trace_to_onnx(
             f"torch.onnx.export failed for {type(module).__name__}: "
             f"{type(root).__name__}: {first_line(root)}{_failing_code(exc)}{export_hint(module)}"
         ) from exc
-    finally:
-        module.train(was_training)
     model = program.model
     drop_unread_buffers(model, set(bnames))
     model.graph.name = type(module).__name__

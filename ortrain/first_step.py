@@ -216,14 +216,9 @@ class EagerSide:
     def outputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """What an evaluation graph returns, from eager PyTorch in eval mode (case 3)."""
         module = self.module
-        was = module.training
-        module.eval()
-        try:
+        with in_mode(module, False), kept(module):  # every sub-module's mode as it was after
             args, kwargs = call_arguments(module, self.on_device(batch))
-            with kept(module):
-                out = module(*args, **kwargs)
+            out = module(*args, **kwargs)
             loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
-        finally:
-            module.train(was)
         found = {"loss": loss, **dict(other_outputs(out))}
         return {k: v.detach().to("cpu", copy=True) for k, v in found.items()}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -55,7 +56,7 @@ from ortrain.runtime.update_engines import (
     make_engine,
 )
 from ortrain.step_errors import window_restarts
-from ortrain.verify import Tolerance
+from ortrain.verify import Tolerance, eval_children
 from ortrain.whole_graph import WholeGraphs
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class ProgramContext:
         )
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self.graph_cache = GraphCache(options, module, loss_fn)
+        self._modes: tuple[str, ...] | None = None  # eval_children at the last step
         self.build_log: list[StageRecord] = []
         self.graphs = WholeGraphs(module, loss_fn, self.graph_cache, self.run_build, self.build_log)
         self.graph_dir = Path(options.save_graphs_dir) if options.save_graphs_dir else None
@@ -161,6 +163,28 @@ class ProgramContext:
         )
         env = EngineEnv(session=self.session, save=self.save, reducer=self.reducer)
         return make_engine(choose_engine(facts), self.state, env)
+
+    def modes_changed(self) -> bool:
+        """Whether a sub-module went into or out of evaluation mode since the last training
+        step (a BatchNorm frozen or thawed): the graphs were exported with the old modes,
+        so the training graphs are dropped (built again, and checked) and the graph cache
+        keys the new modes. The first call says once that a module in evaluation mode
+        trains in training mode."""
+        modes = eval_children(self.module)
+        if self._modes is None and not self.module.training:
+            warnings.warn(
+                f"ortrain: {type(self.module).__name__} is in evaluation mode; train_step "
+                "trains it in training mode (dropout on, BatchNorm on batch statistics) as "
+                "model.train() would. Call model.train() before training; sub-modules put in "
+                "evaluation mode after it (a frozen BatchNorm) stay in it",
+                stacklevel=4,
+            )
+        changed = self._modes is not None and modes != self._modes
+        self._modes = modes
+        if changed:
+            self.graphs.clear_train()
+            self.graph_cache.forget_model_key()
+        return changed
 
     def blocks_cause(self) -> str:
         """Why the model is cut at its repeated blocks from the first step ("": it is not)."""

@@ -26,6 +26,7 @@ class SegmentedProgram:
 
     def __init__(self, ctx: ProgramContext, cause: str, blocks: bool = False):
         self.ctx = ctx
+        self.blocks = blocks
         ctx.graphs.clear_train()
         options = ctx.options
         self.training = SegmentedTraining(

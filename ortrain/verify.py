@@ -44,6 +44,7 @@ __all__ = [
     "VerificationError",
     "compare",
     "eager_loss_and_grads",
+    "eval_children",
     "no_dropout",
     "restoring",
     "with_written",
@@ -282,12 +283,23 @@ def no_dropout() -> Iterator[_NoDropout]:
             setattr(F, name, func)
 
 
+def eval_children(module: torch.nn.Module) -> tuple[str, ...]:
+    """The sub-modules a training step runs in evaluation mode: those its user put there
+    (a frozen BatchNorm) while ``module`` itself trains; none when ``module`` is in
+    evaluation mode (a training step trains it whole)."""
+    if not module.training:
+        return ()
+    return tuple(name for name, m in module.named_modules() if not m.training)
+
+
 @contextlib.contextmanager
 def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
-    """``module`` (and its children) in training or evaluation mode inside, as it was
-    after: a training graph is the training-mode forward whatever mode the module is in."""
+    """``module`` in training or evaluation mode inside, as it was after. A training graph
+    is the training-mode forward whatever mode the module is in; a module in training
+    mode keeps the modes its user gave its sub-modules (``eval_children``)."""
     modes = {m: m.training for m in module.modules()}
-    module.train(training)
+    if not (training and module.training):
+        module.train(training)
     try:
         yield
     finally:

@@ -315,12 +315,8 @@ def plan_segments(
                 if bad:
                     index = None  # another module's graph does not fit this one: its own
             if index is None:
-                was = m.training
-                m.train(training)
-                try:
+                with in_mode(m, training):
                     built = build_segment(m, call, training, config)
-                finally:
-                    m.train(was)
                 graphs.append(built)
                 index = len(graphs) - 1
                 shared.setdefault(struct, index)

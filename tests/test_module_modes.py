@@ -1,0 +1,84 @@
+"""Training steps keep the modes a user gives sub-modules (``verify.in_mode``,
+``ProgramContext.modes_changed``): a BatchNorm frozen in evaluation mode normalizes with
+its running statistics and leaves them, a Dropout in evaluation mode drops nothing, as in
+eager; switching a sub-module's mode between steps builds the graph again."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortrain import ORTTrainer, TrainerOptions
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, segmented: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(8, 3)
+        self.segmented = segmented
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x, y):
+        h = F.relu(self.bn(self.conv(x))).mean((2, 3))
+        if self.segmented:  # a data-dependent shape: no whole graph
+            h = h[h.sum(-1) > -1e9]
+        return F.cross_entropy(self.head(self.drop(h)), y)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segments"])
+def test_frozen_batch_norm_and_dropout_train_like_eager_and_may_thaw(segmented: bool) -> None:
+    model = _Net(segmented)
+    model.train()
+    model.bn.eval()
+    model.drop.eval()
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(_batches(6)):
+        if i == 3:  # thaw the BatchNorm: batch statistics from now on, and they move
+            model.bn.train()
+            ref.bn.train()
+        opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        got = trainer.train_step(x, y)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+    trainer.sync_to_module()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    for k in ("running_mean", "running_var"):  # frozen for 3 steps, then updated 3 times
+        torch.testing.assert_close(getattr(model.bn, k), getattr(ref.bn, k), rtol=1e-5, atol=1e-6)
+    assert not model.drop.training and model.bn.training  # the user's modes, untouched
+    assert (trainer.segments is not None) == segmented
+
+
+def test_a_model_in_evaluation_mode_trains_in_training_mode_with_a_warning() -> None:
+    model = _Net()
+    model.eval()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _batches(2):
+            trainer.train_step(x, y)
+    said = [w for w in caught if "is in evaluation mode" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+    assert not model.training and not model.bn.training  # left as the user set it
