@@ -33,7 +33,7 @@ import torch
 from ortrain.build import StageRecord
 from ortrain.build_cache import GraphCache
 from ortrain.core.build_config import BuildConfig
-from ortrain.core.errors import NonFiniteLossError
+from ortrain.core.errors import NonFiniteLossError, TrainableChangedError
 from ortrain.core.names import UpdateInBackwardError
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.distributed import join_process_group
@@ -100,6 +100,14 @@ class ProgramContext:
             module.to(self.device)
         named = dict(module.named_parameters())
         self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
+        # the optimizer's parameters and whether each required grad when the trainer was
+        # made: gradients and optimizer state are laid out for that set
+        name_of = {id(p): n for n, p in named.items()}
+        self._requires = [
+            (name_of[id(p)], p, p.requires_grad)
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ]
         # Loss scaling: the backward is seeded with the scale; the update reports whether
         # the gradients were finite (and skips the update if not). Parameters share memory
         # with the module on CPU: updates are visible in place.
@@ -163,6 +171,29 @@ class ProgramContext:
         )
         env = EngineEnv(session=self.session, save=self.save, reducer=self.reducer)
         return make_engine(choose_engine(facts), self.state, env)
+
+    def check_trainable(self) -> None:
+        """Raises where a parameter's ``requires_grad`` changed since the trainer was made
+        (layers frozen or unfrozen): its graphs, gradients and optimizer state are laid out
+        for the set it had then, and training on would leave newly trainable parameters
+        unchanged, or keep updating frozen ones, with no error."""
+        changed = [(n, now) for n, p, was in self._requires if (now := p.requires_grad) != was]
+        if not changed:
+            return
+        thawed = [n for n, now in changed if now]
+        frozen = [n for n, now in changed if not now]
+        said = "; ".join(
+            f"{what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+            for what, names in (("now require grad", thawed), ("no longer", frozen))
+            if names
+        )
+        raise TrainableChangedError(
+            f"parameters changed requires_grad after the ORTTrainer was made ({said}); its "
+            "gradients and optimizer state are laid out for the parameters that required "
+            "grad then. Set requires_grad before making the trainer; to freeze or unfreeze "
+            "layers later, call trainer.sync_to_module() and make a new ORTTrainer (nothing "
+            "of this step ran)"
+        )
 
     def modes_changed(self) -> bool:
         """Whether a sub-module went into or out of evaluation mode since the last training

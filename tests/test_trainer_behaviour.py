@@ -421,3 +421,50 @@ def test_many_batch_shapes_warn_once_per_doubling():
     assert [len(w) for w in warned] == [0, 0, 0, 1, 0, 0, 0]
     assert "4 batch shapes" in warned[3][0] and "input_ids: [2, 11]" in warned[3][0]
     assert "pad_to_multiple_of" in warned[3][0]
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_changing_requires_grad_after_the_trainer_is_made_is_refused(change: str) -> None:
+    """Gradients and optimizer state are laid out for the parameters that required grad
+    when the trainer was made: a layer unfrozen later would stay as it is, one frozen
+    later would keep training, both with no error. The step is refused before it runs,
+    naming the parameters, and a new trainer trains the new set like eager."""
+    from ortrain.core.errors import TrainableChangedError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if change == "unfreeze":
+        model[0].requires_grad_(False)
+
+    def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).square().mean()
+
+    trainer = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=lambda out, b: out.square().mean(),
+    )
+    x = torch.randn(4, 8)
+    trainer.train_step(x)
+    trainer.sync_to_module()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].requires_grad_(change == "unfreeze")
+    with pytest.raises(TrainableChangedError, match=r"0\.weight, 0\.bias"):
+        trainer.train_step(x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # nothing of the refused step ran
+    ref = copy.deepcopy(model)
+    again = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=lambda out, b: out.square().mean(),
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        again.train_step(x)
+        opt.zero_grad()
+        loss_of(ref, x).backward()
+        opt.step()
+    again.sync_to_module()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=k)

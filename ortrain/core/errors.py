@@ -15,6 +15,10 @@ class UnsupportedOptimizerError(OrtrainError, TypeError):
     """The torch optimizer or one of its options has no in-graph implementation."""
 
 
+class TrainableChangedError(OrtrainError, ValueError):
+    """A parameter's ``requires_grad`` changed after the trainer was made; nothing ran."""
+
+
 class BatchError(OrtrainError, ValueError):
     """A batch the compiled graph cannot take (names, dtypes)."""
 
