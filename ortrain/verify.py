@@ -28,8 +28,8 @@ import copy
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ __all__ = [
     "compare",
     "eager_loss_and_grads",
     "eval_children",
+    "in_float64_run",
     "no_dropout",
     "restoring",
     "with_written",
@@ -422,6 +423,19 @@ def in_float64(module: torch.nn.Module) -> torch.nn.Module | None:
         return None
 
 
+T = TypeVar("T")
+
+
+def in_float64_run(run: Callable[[], T]) -> T | None:
+    """``run()`` on a float64 copy of the model, or None where it cannot run in float64
+    (the copy failed, or the forward mixes dtypes on purpose: an autocast region): the
+    mismatches then stand unconfirmed."""
+    try:
+        return run()
+    except Exception:
+        return None
+
+
 def as_float64(value: Any) -> Any:
     """Floating tensors in ``value`` (a batch, a call's arguments) as float64."""
     import torch.utils._pytree as pytree
@@ -474,10 +488,11 @@ def graph_step_mismatches(
     bad = compare(got, want, tol.grad, tol.floor)
     if (bad_loss or bad) and exact:
         module64 = in_float64(module)
-        if module64 is not None:
-            loss64, exact_grads, _, _ = eager_loss_and_grads(
-                lambda: loss_of(module64), module64, names
-            )
+        exact_step = in_float64_run(
+            lambda: eager_loss_and_grads(lambda: loss_of(module64), module64, names)
+        )
+        if exact_step is not None:
+            loss64, exact_grads, _, _ = exact_step
             bad_loss = confirm(
                 bad_loss, {"loss": got_loss}, {"loss": want_loss}, {"loss": loss64}, tol.loss
             )

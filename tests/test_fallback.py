@@ -424,3 +424,29 @@ def test_a_cache_set_on_the_first_call_only_keeps_the_whole_graph():
 
     trainer = train_like_eager(Lazy, _batches(3))
     assert trainer.segments is None
+
+
+class _Autocast(torch.nn.Module):
+    """A bfloat16 autocast region of the user's own inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.body(x))
+        return F.cross_entropy(self.head(h.float()), y)
+
+
+def test_a_users_autocast_region_runs_in_eager_with_its_casts():
+    """The whole graph computes the region in float32 and disagrees with eager's bfloat16
+    (the float64 second look cannot run a forward that mixes dtypes on purpose: the
+    mismatch stands); as segments, a module called inside the region runs in eager (a
+    graph would not make autocast's casts) and the rest compiles."""
+    trainer = train_like_eager(_Autocast, _batches(3))
+    seg = trainer.segments
+    assert seg is not None and seg.model.compiled == ["head"]
+    assert "torch.autocast('cpu', torch.bfloat16)" in seg.model.plans["body"].cause

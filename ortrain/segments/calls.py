@@ -43,6 +43,12 @@ class Call:
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> Call:
+        for device in ("cpu", "cuda"):  # the user's own autocast region: eager's dtypes
+            if torch.is_autocast_enabled(device):
+                raise Uncompilable(
+                    f"called inside torch.autocast({device!r}, "
+                    f"{torch.get_autocast_dtype(device)}), whose casts a graph does not make"
+                )
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at, sig = [], [str(spec)]
         for i, leaf in enumerate(leaves):

@@ -50,6 +50,7 @@ from ortrain.verify import (
     compare,
     confirm,
     in_float64,
+    in_float64_run,
     in_mode,
     no_dropout,
     restoring,
@@ -225,10 +226,10 @@ def _verify_call(
     bad_out = compare(got_out, want_out, tol.loss)
     bad = compare(got, want, tol.grad, tol.floor)
     if bad_out or bad:
-        module64 = in_float64(module)
-        if module64 is not None:
-            module64.train(module.training)
-            t64, g64, o64, _ = _eager_call(module64, call, runner, seeds)
+        module64 = in_float64(module)  # a copy: the modes it runs in, each sub-module's
+        exact_call = in_float64_run(lambda: _eager_call(module64, call, runner, seeds))
+        if exact_call is not None:
+            t64, g64, o64, _ = exact_call
             exact_out, exact = _named(module64, t64, g64, o64)
             bad_out = confirm(bad_out, got_out, want_out, exact_out, tol.loss)
             bad = confirm(bad, got, want, exact, tol.grad)
