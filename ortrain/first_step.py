@@ -122,6 +122,17 @@ class EagerSide:
         except Exception:
             return None
 
+    def fails(self, batch: Mapping[str, Any]) -> Exception | None:
+        """What eager PyTorch's own forward of ``batch`` raises, if anything (no hooks of
+        ortrain's, no gradient, the buffers and Python attributes put back)."""
+        module = self.module
+        try:
+            with restoring(list(module.buffers())), kept(module), torch.no_grad():
+                self.loss_of(batch, module)
+        except Exception as exc:
+            return exc
+        return None
+
     def unchecked(self, graph: BuiltGraph) -> str:
         """Why ``graph`` cannot be compared with eager ("" where it can): it draws random
         numbers besides its switchable Dropouts (RReLU's slopes, a noise layer), which

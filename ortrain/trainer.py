@@ -141,9 +141,10 @@ class ORTTrainer(TrainerState, TrainerViews):
                 # eager cannot run this batch either (its recording forward failed):
                 # the model's own error, as the build named it, not a fallback's
                 failed, self._program, self._ctx.segmented = self._program, program, False
-                if failed.training.recorded is None and not isinstance(eager, OrtrainError):
-                    # the model's own forward failed (not ortrain's reading of its output)
-                    raise exc.eager_fails_too(eager, type(self.module).__name__) from eager
+                own = self._ctx.eager.fails(raw) if failed.training.recorded is None else None
+                if own is not None and not isinstance(own, OrtrainError):
+                    # the model's own forward fails (not ortrain's reading of its output)
+                    raise exc.eager_fails_too(own, type(self.module).__name__) from own
                 raise exc.error from eager
 
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:

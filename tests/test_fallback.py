@@ -450,3 +450,23 @@ def test_a_users_autocast_region_runs_in_eager_with_its_casts():
     seg = trainer.segments
     assert seg is not None and seg.model.compiled == ["head"]
     assert "torch.autocast('cpu', torch.bfloat16)" in seg.model.plans["body"].cause
+
+
+class _Scripted(torch.nn.Module):
+    """A TorchScript sub-module (no export, no hooks) before a plain head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.body(x)), y)
+
+
+def test_a_torchscript_sub_module_runs_in_eager():
+    """The recording forward hooks every sub-module but TorchScript ones (they take no
+    hooks: that failure was taken for the model's own, "fails in eager too")."""
+    trainer = train_like_eager(_Scripted, _batches(3))
+    assert trainer.segments is not None and trainer.segments.model.compiled == ["head"]

@@ -73,14 +73,15 @@ class Recorded:
 
 
 def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
-    """Run ``run()`` (an eager forward of ``module``) with hooks on every sub-module."""
+    """Run ``run()`` (an eager forward of ``module``) with hooks on every sub-module but
+    TorchScript ones (which take no hooks, and run in eager as they are)."""
     calls: dict[str, list[Call | Uncompilable]] = collections.defaultdict(list)
     training: dict[str, list[bool]] = collections.defaultdict(list)
     seconds: dict[str, float] = collections.defaultdict(float)
     started: dict[str, list[float]] = collections.defaultdict(list)
     handles = []
     for name, m in module.named_modules():
-        if not name:
+        if not name or isinstance(m, torch.jit.ScriptModule):
             continue
 
         def pre(mod: torch.nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
