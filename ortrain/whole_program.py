@@ -95,8 +95,10 @@ class WholeProgram:
         it is; its first step checked against eager)."""
         ctx, st = self.ctx, self.ctx.state
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
-        if reference is not None and ctx.eager.stateful and st.grad_params is None:
-            self._keeps_python_state()
+        # before the first graph: every rank takes the same path (a collective)
+        if ctx.options.verify and st.grad_params is None:
+            if ctx.eager.any_rank(bool(reference is not None and ctx.eager.stateful)):
+                self._keeps_python_state()
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
             fresh = attempt > 0
             compiled = None if fresh else self.graphs.find_train(batch)
@@ -198,19 +200,25 @@ class WholeProgram:
             except UpdateInBackwardError:
                 if ctx.engine.in_backward:  # the engine may not change: the refusal stands
                     raise
-        if reference is not None and self.ctx.state.grad_params is None:
+        if ctx.options.verify and ctx.state.grad_params is None:
             self._reaches_what_eager_reaches(built, reference)
         return self._bind(batch, rows, built, hit)
 
-    def _reaches_what_eager_reaches(self, built: BuiltGraph, reference: EagerStep) -> None:
+    def _reaches_what_eager_reaches(self, built: BuiltGraph, reference: EagerStep | None) -> None:
         """Before the first graph lays out the gradients: a parameter eager's backward
         reaches (a custom autograd.Function's backward may reach one the export saw read
-        under no_grad only) that the graph computes no gradient for fails its check."""
-        eager = {n: g for n, g in reference[1].items() if n not in built.grad_params}
-        bad = compare({}, eager, self.ctx.eager.tol.grad)
-        if bad:
+        under no_grad only) that the graph computes no gradient for fails its check, on
+        every rank if on one (a collective)."""
+        bad = []
+        if reference is not None:
+            eager = {n: g for n, g in reference[1].items() if n not in built.grad_params}
+            bad = compare({}, eager, self.ctx.eager.tol.grad)
+        if self.ctx.eager.any_rank(bool(bad)):
             what = f"{type(self.ctx.module).__name__}'s training graph"
-            self._disagrees(report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3))
+            mods = {m.name: module_of(m.name) for m in bad}
+            self._disagrees(
+                report(what, bad, mods, limit=3) if bad else "another rank's graph reaches fewer"
+            )
 
     @contextlib.contextmanager
     def _build_errors(self) -> Iterator[None]:
