@@ -18,6 +18,7 @@ import torch
 from ortrain.core.errors import ExportError, VerificationError, first_line
 from ortrain.core.names import GradientError
 from ortrain.program_context import ProgramContext
+from ortrain.python_state import describe
 from ortrain.runtime.binder import bind_eval_graph
 from ortrain.step_errors import run_failed
 from ortrain.verify import Tolerance, compare, report
@@ -37,6 +38,9 @@ class Evaluation:
             with materialized():
                 return ctx.eager.outputs(batch)
         sig = signature(batch)
+        if ctx.eager.stateful and sig not in self.in_eager:  # a graph would freeze them
+            said = describe(ctx.eager.stateful, type(ctx.module).__name__)
+            self._in_eager(sig, f"its forward changes Python attributes on every call ({said})")
         if sig in self.in_eager:
             return ctx.eager.outputs(batch)
         with ctx.on_stream():
@@ -55,7 +59,7 @@ class Evaluation:
             del keep
         outputs = compiled.host_outputs()
         if ctx.options.verify and not compiled.verified:
-            want = ctx.eager.outputs(batch)
+            want = ctx.eager.outputs(batch, check=True)
             bad = compare(outputs, want, Tolerance.of(ctx.options.mixed_precision).loss)
             if bad and compiled.graph.from_training_export:
                 # the model computes otherwise in evaluation mode (BatchNorm's running

@@ -18,6 +18,7 @@ What a mismatch means (rebuild a cached graph, segments, or an error) is the cal
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -224,10 +225,13 @@ class EagerSide:
                 stacklevel=7,
             )
 
-    def outputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """What an evaluation graph returns, from eager PyTorch in eval mode (case 3)."""
+    def outputs(self, batch: Mapping[str, Any], check: bool = False) -> dict[str, torch.Tensor]:
+        """What an evaluation graph returns, from eager PyTorch in eval mode (case 3);
+        ``check``: a look to compare a graph with, which advances no Python attribute
+        (an evaluation run in eager does, as eager's own)."""
         module = self.module
-        with in_mode(module, False), kept(module):  # every sub-module's mode as it was after
+        keep = kept(module) if check else contextlib.nullcontext()
+        with in_mode(module, False), keep:  # every sub-module's mode as it was after
             args, kwargs = call_arguments(module, self.on_device(batch))
             out = module(*args, **kwargs)
             loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)

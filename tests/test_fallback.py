@@ -401,6 +401,20 @@ def test_python_attributes_a_forward_changes_every_call_run_in_eager():
     assert sorted(seg.model.compiled) == ["encoder", "head.lin"]
     assert {p.name: p.status for p in seg.model.fallbacks} == {"head": "split"}
     assert len([w for w in caught if "does not compile as one graph" in str(w.message)]) == 1
+    # evaluation runs in eager too, and advances the schedule as eager's does
+    ref = _Annealed()
+    for x, y in _batches(4):  # ref where the trained model is: same weights, same calls
+        ref(x, y)
+    ref.load_state_dict(trainer.module.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _batches(2, seed=7):
+            got = trainer.eval_step(x, y).loss
+            with torch.no_grad():
+                want = ref.eval()(x, y)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert trainer.module.head.calls == ref.head.calls == 6
+    assert len([w for w in caught if "evaluation runs in eager" in str(w.message)]) == 1
     model = _Annealed()
     trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
     with pytest.raises(VerificationError, match=r"_Annealed\.head: calls \(\d+ -> \d+\)"):
