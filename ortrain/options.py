@@ -65,8 +65,8 @@ class TrainerOptions:
         block's gradients are reduced while the backward runs on, and a rank keeps only
         its shard of them; ``ortrain/distributed/sharded_grads.py``), 3 = ZeRO-3 (also
         parameters: each rank keeps 1/N of them, a segment's are gathered for its forward
-        and again for its backward and dropped after; every module with parameters must
-        compile; ``model.parameters()`` are empty placeholders between steps, and
+        and again for its backward and dropped after; those eager code reads stay whole
+        on every rank, said in a warning; the others are empty placeholders between steps, and
         ``state_dict()``, checkpoints and ``eval_step`` gather them all for their
         duration; ``sharded_params.py``). Ignored in a single process.
     reduce_bucket_mb: the size of a gradient bucket in MiB: data parallel all-reduces

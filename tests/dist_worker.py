@@ -15,6 +15,8 @@ segmented data parallel, then ZeRO-1, of a model that trains as compiled segment
 zero2   ZeRO-2 (sharded checkpoint after RESUME_AT steps); zero2_resume continues from it
 reorder ZeRO-3 on a model whose blocks run in reverse order on some micro-steps (the
         order its gathers are prefetched along changes)
+eager_reads ZeRO-3 on a model whose eager code reads parameters (its root's forward, a
+        module that falls back to eager, a weight tied by hand)
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -28,6 +30,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from ortrain import ORTTrainer, RankFailureError, TrainerOptions, estimate_memor
 from ortrain.core.roles import Role
 from ortrain.runtime.update_engines import GraphUpdate, ShardTorchUpdate
 from tests.conftest import decay_groups, gpt2, lm_batches
-from tests.unexportable import smoothed_cross_entropy
+from tests.unexportable import opaque_mul, smoothed_cross_entropy
 
 STEPS, ACCUM, RESUME_AT = 6, 2, 3  # optimizer steps; micro-steps per step; checkpoint step
 PER_RANK = 2  # sequences per rank per micro-step
@@ -393,6 +396,115 @@ def scenario_reorder(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+class EagerReads(torch.nn.Module):
+    """Parameters read by eager code: the root's own ``scale``, ``gate.w`` (the gate's
+    product has no ONNX function: it runs in eager) and the embedding's weight, tied by
+    hand as the output projection; on odd micro-steps the last block's call takes an
+    argument no graph can take, so that call of a compiled module runs in eager."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(Block(16) for _ in range(2))
+        self.gate = Gate(16)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.odd = False  # set by the loop: the last block's call then runs in eager
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) * self.scale
+        for k, block in enumerate(self.blocks):
+            h = block(h, Note() if self.odd and k == 1 else None)
+        logits = self.gate(h) @ self.embed.weight.T
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class Note:
+    """An argument no graph can take: a call given one runs in eager."""
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, note: Note | None = None) -> torch.Tensor:
+        return torch.tanh(self.linear(h))
+
+
+class Gate(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return opaque_mul(self.norm(h), self.w)
+
+
+EAGER_READS_STEPS = 6  # micro-steps
+
+
+def eager_reads_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    per = 6 // world
+    out = []
+    for _ in range(EAGER_READS_STEPS):
+        ids = torch.randint(0, 32, (6, 5), generator=g)
+        labels = torch.randint(0, 32, (6, 5), generator=g)
+        out.append(
+            {
+                "ids": ids[rank * per : (rank + 1) * per],
+                "labels": labels[rank * per : (rank + 1) * per],
+            }
+        )
+    return out
+
+
+def train_eager_reads(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    model = EagerReads(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    options = TrainerOptions(
+        zero_stage=stage,
+        segments="blocks",
+        intra_op_threads=1,
+        reduce_bucket_mb=0.001,
+        max_grad_norm=1.0,
+    )
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    losses = []
+    for i, batch in enumerate(batches):
+        model.odd = i % 2 == 1
+        losses.append(trainer.train_step(**batch).item())
+        if i == 0:  # ZeRO-3: what its first micro-step's gathers got by prefetch
+            trainer.first_prefetched = getattr(trainer.reducer, "prefetched_numel", 0)  # type: ignore[attr-defined]
+    model.odd = False
+    return trainer, losses
+
+
+def scenario_eager_reads(rank: int, world: int, out: Path) -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer, losses = train_eager_reads(3, rank, eager_reads_batches(rank, world))
+    reducer = trainer.reducer
+    held = {
+        n: p.numel() for n, p in trainer.module.named_parameters()
+    }  # between steps: whole only what eager code reads
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / "eager_reads_params.pt")
+    assert trainer.segments is not None and trainer.segments.model is not None
+    return {
+        "losses": losses,
+        "warnings": [str(w.message) for w in said],
+        "first_prefetched": trainer.first_prefetched,  # type: ignore[attr-defined]
+        "whole": sorted(reducer.whole),  # type: ignore[union-attr]
+        "held": held,
+        "compiled": sorted(trainer.segments.model.compiled),
+        "eval_loss": float(trainer.eval_step(**eager_reads_batches(0, 1)[0]).loss),
+    }
+
+
 def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
     stage = _stage()
     tag = f"zero{stage}_{world}"
@@ -422,6 +534,7 @@ def main() -> None:
         "zero2": scenario_zero2,
         "zero2_resume": scenario_zero2_resume,
         "reorder": scenario_reorder,
+        "eager_reads": scenario_eager_reads,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

@@ -34,12 +34,14 @@ from tests.dist_worker import (
     RESUME_AT,
     STEPS,
     ZERO2_TOTAL,
+    eager_reads_batches,
     make_segmented,
     make_trainer,
     make_zero2,
     micro_batches,
     reorder_batches,
     run,
+    train_eager_reads,
     train_reordered,
 )
 from tests.test_parity import drop_key_bias
@@ -301,6 +303,36 @@ def test_zero3_prefetch_follows_a_changing_block_order(tmp_path):
     # the last micro-step ran the blocks reversed: the order was recorded afresh
     forward = ["inp", "blocks.2", "blocks.1", "blocks.0", "out"]
     assert all(r["trace"][:5] == forward for r in results), results[0]["trace"]
+
+
+@pytest.mark.slow
+def test_zero3_keeps_whole_the_parameters_eager_code_reads(tmp_path):
+    """ZeRO-3 of a model whose eager code reads parameters (the root's own, one of a module
+    that falls back to eager, an embedding tied by hand as the output projection): those
+    stay whole on every rank, the rest are sharded, and the training equals one process
+    on the combined batches (losses, final parameters, an evaluation). A compiled block
+    whose call runs in eager on some micro-steps keeps its gathered parameters for its
+    backward; the first micro-step's gathers are prefetched along the recorded forward."""
+    trainer, losses = train_eager_reads(0, 0, eager_reads_batches(0, 1))
+    results = finish(launch("eager_reads", tmp_path), tmp_path, "eager_reads")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "eager_reads_params.pt"), trainer.module)
+    whole = ["embed.weight", "gate.w", "scale"]
+    assert trainer.segments is not None and trainer.segments.model is not None
+    for r in results:
+        assert r["whole"] == whole
+        said = [w for w in r["warnings"] if "ZeRO-3 keeps 3 parameter(s) whole" in w]
+        assert len(said) == 1 and "embed.weight, gate.w, scale" in said[0], r["warnings"]
+        assert "blocks.0" in r["compiled"] and "gate" not in r["compiled"]
+        assert r["compiled"] == sorted(trainer.segments.model.compiled)
+        # the first sharded micro-step prefetches along the recorded forward (no trace yet)
+        assert r["first_prefetched"] > 0
+        # between steps a rank holds whole only what eager code reads
+        sizes = {n: p.numel() for n, p in trainer.module.named_parameters()}
+        assert {n for n, k in r["held"].items() if k} == set(whole)
+        assert all(r["held"][n] == sizes[n] for n in whole)
+    want = float(trainer.eval_step(**eager_reads_batches(0, 1)[0]).loss)
+    assert all(r["eval_loss"] == pytest.approx(want, rel=TOL) for r in results)
 
 
 @pytest.mark.slow

@@ -22,9 +22,15 @@ GIL during a run), and a segment whose backward comes right after its forward ke
 parameters between them. A micro-step that departs from the record stops prefetching
 and records afresh; every rank departs alike, so the collectives still match.
 
-A module that runs in eager cannot drop parameters autograd has saved, so ZeRO-3 needs
-every module with parameters compiled and says which is not. ``state_dict``,
-checkpoints and evaluation gather all parameters for their duration (``materialized``).
+Parameters that eager code reads (the root's forward, a module that fell back to eager,
+a weight tied by hand as ``h @ self.embed.weight.T``: ``segments/param_reads.py``) stay
+whole on every rank (``keep_whole``): eager code reads ``.data`` where it likes and
+autograd keeps what it read for the backward, so there is no point at which they could
+be dropped. Their gradients are reduced as every other's; after each update every rank
+gathers their new values from the ranks that own them. A compiled module whose call runs
+in eager (a signature its plan could not compile) keeps its gathered parameters until
+their gradients arrive. ``state_dict``, checkpoints and evaluation gather all parameters
+for their duration (``materialized``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,6 +84,7 @@ class ShardedParams(ShardedGradients):
         self._following = False  # this micro-step has kept to the trace so far
         self._ahead: _Gather | None = None  # the prefetched gather, on its way
         self.prefetched_numel = 0  # parameter elements that arrived by prefetch so far
+        self.whole: set[str] = set()  # read by eager code: whole on every rank (keep_whole)
 
     @property
     def sharded(self) -> bool:
@@ -88,7 +95,11 @@ class ShardedParams(ShardedGradients):
         names = self._names_of.get(id(module))
         if names is None:
             mine = {id(p) for p in module.parameters()}
-            names = [n for n in self.config.layout.names if id(self._params[n]) in mine]
+            names = [
+                n
+                for n in self.config.layout.names
+                if id(self._params[n]) in mine and n not in self.whole
+            ]
             self._names_of[id(module)] = names
         return names
 
@@ -135,9 +146,32 @@ class ShardedParams(ShardedGradients):
             return None
         return trace[self._pos]
 
-    def planned(self) -> None:
-        if not self.sharded:
-            self._shard_params()
+    def hold(self, module: torch.nn.Module) -> None:
+        """After a call of ``module`` that ran in eager: autograd keeps what it read, so
+        its parameters stay gathered until their gradients arrive (or the micro-step ends)."""
+
+    def keep_whole(self, names: list[str]) -> None:
+        """``names`` (read by eager code) are never sharded: whole on every rank."""
+        assert not self.sharded, "which parameters stay whole is decided before sharding"
+        self.whole = set(names) & set(self.config.layout.names)
+        self._names_of.clear()
+        self.first_step_numel -= sum(self._owned_elsewhere(n) for n in self.whole)
+
+    def _owned_elsewhere(self, name: str) -> int:
+        """Elements of ``name`` outside this rank's shard."""
+        e, (lo, hi) = self._entries[name], self.config.layout.shard(self.config.rank)
+        return (e.stop - e.offset) - max(0, min(e.stop, hi) - max(e.offset, lo))
+
+    def planned(self, order: Sequence[torch.nn.Module] = ()) -> None:
+        if self.sharded:
+            return
+        self._shard_params()
+        if order and self._armed:
+            # the first sharded micro-step's acquires as the recording saw the forward's
+            # calls, then the backward's in reverse: its gathers are prefetched too (a
+            # backward that goes otherwise departs from it, as any micro-step may)
+            self._trace = [*order, *reversed(order)]
+            self._following = True
 
     def _gather(self, names: list[str]) -> None:
         if names:
@@ -202,9 +236,32 @@ class ShardedParams(ShardedGradients):
         self.param_shard = self.flat_params[self.config.shard].clone()
         self._state.shard_params.append(self.param_shard)
         for name in self.config.layout.names:
-            self._params[name].data = self._placeholder
-            self._state.params[name] = self._placeholder
+            # the whole ones get storages of their own: the flat buffer goes
+            kept = self._params[name].data.clone() if name in self.whole else self._placeholder
+            self._params[name].data = kept
+            self._state.params[name] = kept
         self.flat_params = None  # type: ignore[assignment]
+
+    def _refresh_whole(self) -> None:
+        """After an update: the whole parameters' new values, from the ranks owning them
+        (one broadcast per owner of each one's range, all in flight together)."""
+        shard, n = self.param_shard, self.config.layout.shard_numel
+        assert shard is not None
+        pieces = []
+        for name in sorted(self.whole):
+            e = self._entries[name]
+            flat = self._params[name].data.view(-1)
+            for rank in range(self.world_size):
+                a, b = max(e.offset, rank * n), min(e.stop, (rank + 1) * n)
+                if a >= b:
+                    continue
+                if rank == self.config.rank:
+                    flat[a - e.offset : b - e.offset].copy_(shard[a - rank * n : b - rank * n])
+                pieces.append((flat[a - e.offset : b - e.offset], rank))
+        if pieces:
+            started = time.perf_counter()
+            self.comm.start_broadcasts(pieces, "gather of parameters read in eager").wait()
+            self.gather_seconds += time.perf_counter() - started
 
     @contextlib.contextmanager
     def materialized(self, write_back: bool = False) -> Iterator[None]:
@@ -213,12 +270,14 @@ class ShardedParams(ShardedGradients):
         if not self.sharded:
             yield
             return
-        names = [n for n in self.config.layout.names if n not in self.gathered]
+        names = [
+            n for n in self.config.layout.names if n not in self.gathered and n not in self.whole
+        ]
         self._gather(names)
         try:
             yield
             if write_back:
-                self._write_back(names)
+                self._write_back([*names, *self.whole])
         finally:
             self._drop(names)
 
@@ -279,6 +338,8 @@ class ShardedParams(ShardedGradients):
             self._norm.run()
             self.comm.all_reduce(self.sq_norm)
         run_update()  # writes this rank's stretch in place; the others gather it when used
+        if self.whole:
+            self._refresh_whole()
         trim_heap()
 
     # ------------------------------------------------------------------ state

@@ -70,6 +70,7 @@ class Recorded:
     training: dict[str, list[bool]]
     seconds: dict[str, float]  # per module, its calls' time (inclusive)
     total: float  # the whole forward
+    order: list[str] = dataclasses.field(default_factory=list)  # every call, as they began
 
 
 def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
@@ -79,6 +80,7 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
     training: dict[str, list[bool]] = collections.defaultdict(list)
     seconds: dict[str, float] = collections.defaultdict(float)
     started: dict[str, list[float]] = collections.defaultdict(list)
+    order: list[str] = []
     handles = []
     for name, m in module.named_modules():
         if not name or isinstance(m, torch.jit.ScriptModule):
@@ -90,6 +92,7 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
             except Uncompilable as exc:
                 calls[name].append(exc)
             training[name].append(mod.training)
+            order.append(name)
             started[name].append(time.perf_counter())
 
         def post(
@@ -107,7 +110,8 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
     finally:
         for h in handles:
             h.remove()
-    return Recorded(dict(calls), dict(training), dict(seconds), time.perf_counter() - start)
+    total = time.perf_counter() - start
+    return Recorded(dict(calls), dict(training), dict(seconds), total, order)
 
 
 def _original_forward(module: torch.nn.Module) -> Callable[..., Any]:
@@ -459,24 +463,30 @@ class SegmentedModel:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.home is None:
-                return run(*args, **kwargs)
+                return run(args, kwargs)[0]
             self.home.acquire(m)
+            in_eager = False
             try:
-                return run(*args, **kwargs)
+                out, in_eager = run(args, kwargs)
+                return out
             finally:
-                self.home.release(m)
+                if in_eager and torch.is_grad_enabled():
+                    self.home.hold(m)  # autograd saved what eager read
+                else:
+                    self.home.release(m)
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+            """The call's output, and whether it ran in eager."""
             try:
                 call = Call.of(args, kwargs)
             except Uncompilable:
-                return original(*args, **kwargs)
+                return original(*args, **kwargs), True
             key = (call.signature, m.training)
             if key not in table:
                 table[key] = self._build(name, call, m.training)
             runner = table[key]
             if runner is None:
-                return original(*args, **kwargs)
+                return original(*args, **kwargs), True
             params = dict(m.named_parameters())
             outs = SegmentFunction.apply(
                 runner,
@@ -486,7 +496,7 @@ class SegmentedModel:
                 *call.tensors,
                 *[params[p] for p in runner.grad_params],
             )
-            return runner.graphs.result.build(list(outs))
+            return runner.graphs.result.build(list(outs)), False
 
         return forward
 

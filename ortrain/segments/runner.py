@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -176,9 +176,19 @@ class ParamHome(Protocol):
 
     def release(self, module: torch.nn.Module) -> None: ...
 
-    def planned(self) -> None:
+    def hold(self, module: torch.nn.Module) -> None:
+        """After a call of ``module`` that ran in eager instead of ``release``: autograd
+        saved what it read."""
+        ...
+
+    def keep_whole(self, names: list[str]) -> None:
+        """``names`` are read by eager code: never dropped."""
+        ...
+
+    def planned(self, order: Sequence[torch.nn.Module] = ()) -> None:
         """The segments are planned (on whole parameters): from now on they may be
-        sharded and gathered per call."""
+        sharded and gathered per call; ``order``: the compiled modules' calls in the
+        recorded forward."""
         ...
 
 

@@ -22,6 +22,7 @@ from ortrain.core.build_config import BuildConfig
 from ortrain.export import LossFn, call_arguments, find_loss
 from ortrain.segments.blocks import repeated_blocks
 from ortrain.segments.calls import Call
+from ortrain.segments.param_reads import ParamReads
 from ortrain.segments.partition import (
     Plan,
     Recorded,
@@ -109,7 +110,10 @@ class SegmentedTraining:
 
     def plan(self, batch: Mapping[str, Any]) -> None:
         start = time.perf_counter()
-        self.recorded = record_calls(self.module, lambda: self.loss(batch))
+        # ZeRO-3: which parameters eager code reads (they cannot be sharded)
+        reads = ParamReads(self.module) if self.home is not None else None
+        with reads if reads is not None else contextlib.nullcontext():
+            self.recorded = record_calls(self.module, lambda: self.loss(batch))
         plan = self.run_build(self._plan_job(), batch)
         self.verify_seconds += plan.verify_seconds
 
@@ -121,19 +125,34 @@ class SegmentedTraining:
         self.model = SegmentedModel(self.module, plan, self.session, self.device, replan, self.home)
         # the planned calls' tensors (every sub-module's inputs) are not needed again
         self.recorded = dataclasses.replace(self.recorded, calls={})
-        if self.home is not None:
-            eager = self.model.uncompiled_parameters()
-            if eager:
-                causes = "; ".join(f"{p.name}: {p.cause}" for p in self.model.fallbacks)
-                raise ValueError(
-                    f"ZeRO-3 shards every parameter, but {', '.join(eager[:6])} "
-                    f"{'is' if len(eager) == 1 else 'are'} read by eager code "
-                    f"({causes or 'outside every compiled module'}): use zero_stage=2"
-                )
-            self.home.planned()  # the first step's own forward and backward run sharded
+        if self.home is not None and reads is not None:
+            self._keep_whole(self.model, reads)
+            # the first step's own forward and backward run sharded, their gathers
+            # prefetched along the recorded forward's calls (and the backward's, reversed)
+            modules, compiled = dict(self.module.named_modules()), set(self.model.compiled)
+            self.home.planned([modules[n] for n in self.recorded.order if n in compiled])
         self.plan_seconds = time.perf_counter() - start
         if self.blocks is None or self.model.fallbacks:  # a fallback, or one in the cut
             warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
+
+    def _keep_whole(self, model: SegmentedModel, reads: ParamReads) -> None:
+        """ZeRO-3: the parameters eager code reads stay whole on every rank (said once)."""
+        assert self.home is not None
+        params = dict(self.module.named_parameters())
+        eager = set(model.uncompiled_parameters()) | set(reads.outside(model.compiled))
+        whole = sorted(n for n in eager if params[n].requires_grad)  # frozen: never sharded
+        self.home.keep_whole(whole)
+        if not whole:
+            return
+        mib = sum(params[n].numel() * params[n].element_size() for n in whole) / 2**20
+        causes = "; ".join(f"{p.name}: {p.cause}" for p in model.fallbacks)
+        warnings.warn(
+            f"ortrain: ZeRO-3 keeps {len(whole)} parameter(s) whole on every rank "
+            f"({mib:.1f} MiB), because eager code reads them: {', '.join(whole[:8])}"
+            f"{' ...' if len(whole) > 8 else ''}"
+            f"{f' (in eager: {causes})' if causes else ''}",
+            stacklevel=7,
+        )
 
     def summary(self) -> str:
         """One line per fallback: the module, the cause, the eager share of the forward."""
