@@ -20,6 +20,8 @@ import torch
 from ortrain.checkpoint import index_names
 from ortrain.core.errors import NonFiniteLossError
 from ortrain.core.names import state_key
+from ortrain.python_state import kept
+from ortrain.verify import restoring
 
 if TYPE_CHECKING:
     from ortrain.program_context import ProgramContext
@@ -79,6 +81,18 @@ class EagerSteps:
                 p.grad = grad
         self.count += 1
         return loss.detach().to(torch.float32)
+
+    def look(self, batch: dict[str, Any]) -> None:
+        """Eager's forward of ``batch`` without gradients, as a step's would run, with what
+        it changes put back (buffers, Python attributes, the random generator)."""
+        module = self.ctx.module
+        with (
+            torch.random.fork_rng(devices=[]),
+            restoring(list(module.buffers())),
+            kept(module),
+            torch.no_grad(),
+        ):
+            self.ctx.eager.loss_of(batch, module)
 
     def _states(self, params: list[torch.nn.Parameter]):
         """(parameter, its state's name, the trainer's key) for every state tensor."""

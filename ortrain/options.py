@@ -144,15 +144,19 @@ class TrainerOptions:
         in eager depends on the build's time, so runs agree to float rounding, not bit for
         bit. CPU, one process, full precision, no accumulation, Adam, AdamW or SGD (others
         are refused here). False (default): a step waits for its graph.
-    eager_if_faster: time each training graph against eager PyTorch on its first steps
-        (after its first, checked step: three steps on each, alternating, all of them real
-        training steps over the same state) and run that batch signature's later steps
-        on the faster, the graph unless eager's median step is over 1.1x faster
-        (``ortrain.explain`` shows both times). For models whose graph ONNX Runtime runs
-        slower than PyTorch (large convolutions on CPU, for one): never slower than
+    eager_if_faster: True: time each training graph against eager PyTorch on its first
+        steps (after its first, checked step: three steps on each, alternating, all of
+        them real training steps over the same state) and run that batch signature's
+        later steps on the faster, the graph unless eager's median step is over 1.1x
+        faster (``ortrain.explain`` shows both times). For models whose graph ONNX Runtime
+        runs slower than PyTorch (large convolutions on CPU, for one): never slower than
         eager. Which steps run where after the trial depends on the times measured, so
         runs agree to float rounding, not bit for bit. The same limits as
-        ``background_build``. False (default): every step runs on its graph.
+        ``background_build`` (refused outside them). None (default): the same trial, only
+        for a graph whose steps are over 1.2x slower than eager's estimated from one eager
+        forward of the batch (three forwards: ``ortrain/speed_trial.py``), and only within
+        those limits; a graph clearly faster never runs an eager step. False: every step
+        runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments
@@ -191,7 +195,7 @@ class TrainerOptions:
     build_progress: bool = True
     verify: bool = True
     background_build: bool = False
-    eager_if_faster: bool = False
+    eager_if_faster: bool | None = None
     fallback: str = "auto"
     segments: str = "auto"
     reduce_bucket_mb: float = 25.0

@@ -8,6 +8,16 @@ step decides: the graph stays unless eager's is faster by more than ``MARGIN`` (
 graph's steps are what the memory plan sized, and the margin keeps a near tie from
 flipping between runs), and that signature's steps run on the winner from then on.
 
+The default (``eager_if_faster=None``) first asks whether a trial is worth its eager
+steps, whose activations can set the process's peak memory where the graph's are
+smaller: after ``GATE_STEPS`` timed graph steps it times eager's forward of the same
+batch (without gradients, nothing it changes kept: buffers, Python attributes, the
+random generator) and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward
+costs about two forwards: the products of each layer are computed once for the output
+and twice for the gradients). Only a graph step slower than ``GATE`` times that
+estimate goes on to the trial; the trial's own eager steps decide. A graph that is
+clearly faster never runs an eager step.
+
 Which steps ran where is fixed (the trial's schedule does not depend on time); what runs
 after it does, so two runs agree to float rounding, not bit for bit, where the choice
 falls differently.
@@ -29,23 +39,39 @@ if TYPE_CHECKING:
 
 ROUNDS = 3  # timed steps of each kind per signature
 MARGIN = 1.1  # eager wins only when the graph's median step is this much slower
+GATE_STEPS = 2  # the default's timed graph steps before it weighs a trial
+FORWARD_SHARE = 3.0  # an eager step as forwards: one forward, a backward of about two
+GATE = 1.2  # the default's trial: a graph step this much slower than eager's estimate
 
 
 @dataclasses.dataclass
 class Trial:
     """One signature's timed steps and, once they are in, the choice."""
 
+    gated: bool = False  # the default: a trial only where the gate finds the graph slow
     warm: bool = False  # its first graph step (check, warm-up) ran: not timed
     graph: list[float] = dataclasses.field(default_factory=list)
     eager: list[float] = dataclasses.field(default_factory=list)
     choice: str = ""  # "graph" or "eager" once decided
+    estimate: float | None = None  # gated: eager's step estimated from its forward
 
     def route(self) -> str:
         if self.choice:
             return self.choice
-        if not self.warm:
+        if not self.warm or (self.gated and self.estimate is None):
             return "graph"
         return "graph" if len(self.graph) <= len(self.eager) else "eager"
+
+    def weighing(self) -> bool:
+        """Gated, with its graph steps in: the gate's estimate is due."""
+        due = self.gated and self.estimate is None and not self.choice
+        return due and len(self.graph) >= GATE_STEPS
+
+    def gate(self, forward: float) -> None:
+        """Eager's forward took ``forward`` seconds: a trial, or the graph for good."""
+        self.estimate = FORWARD_SHARE * forward
+        if min(self.graph) <= GATE * self.estimate:
+            self.choice = "graph"
 
     def record(self, route: str, seconds: float) -> None:
         if self.choice:
@@ -66,21 +92,35 @@ def faster(graph: list[float], eager: list[float]) -> str:
 class SpeedTrial:
     """Per batch signature: which route its steps take, and the steps' times."""
 
-    def __init__(self, ctx: ProgramContext):
+    def __init__(self, ctx: ProgramContext, gated: bool = False):
         self.eager = EagerSteps(ctx)
+        self.gated = gated  # the default (eager_if_faster=None): the gate first
         self.trials: dict[tuple, Trial] = {}
 
+    def _trial(self, sig: tuple) -> Trial:
+        return self.trials.setdefault(sig, Trial(gated=self.gated))
+
     def route(self, sig: tuple) -> str:
-        return self.trials.setdefault(sig, Trial()).route()
+        return self._trial(sig).route()
 
     def run(self, sig: tuple, route: str, step: Any, batch: dict[str, Any]) -> torch.Tensor:
         """``batch``'s step on ``route`` (``step`` runs the graph's), timed into its trial."""
         start = time.perf_counter()
         loss = self.eager.step(batch) if route == "eager" else step(batch)
-        self.trials.setdefault(sig, Trial()).record(
-            route, self._seconds(route, time.perf_counter() - start)
-        )
+        trial = self._trial(sig)
+        trial.record(route, self._seconds(route, time.perf_counter() - start))
+        if trial.weighing():
+            trial.gate(self._forward_seconds(batch))
         return loss
+
+    def _forward_seconds(self, batch: dict[str, Any]) -> float:
+        """Eager's forward of ``batch``, the faster of two (the first warms its caches)."""
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            self.eager.look(batch)
+            times.append(time.perf_counter() - start)
+        return min(times)
 
     def _seconds(self, route: str, measured: float) -> float:
         """A step's time as the trial counts it (tests replace this to pin a choice)."""
@@ -92,7 +132,16 @@ class SpeedTrial:
         for sig, t in self.trials.items():
             if not t.choice:
                 continue
-            g, e = statistics.median(t.graph), statistics.median(t.eager)
+            if not t.eager:  # the gate kept the graph without a trial (on its fastest step)
+                assert t.estimate is not None
+                lines.append(
+                    f"  {_shape_text(sig)}: graph {min(t.graph) * 1e3:.1f} ms a step, eager's "
+                    f"estimated from its forward {t.estimate * 1e3:.1f} ms: runs on the graph "
+                    "(no trial)"
+                )
+                continue
+            g = statistics.median(t.graph)
+            e = statistics.median(t.eager)
             lines.append(
                 f"  {_shape_text(sig)}: graph {g * 1e3:.1f} ms, eager {e * 1e3:.1f} ms a step: "
                 f"runs {'in eager' if t.choice == 'eager' else 'on the graph'}"

@@ -58,11 +58,13 @@ class WholeProgram:
             self.background = BackgroundBuild(ctx)
         # each graph timed against eager on its first steps (TrainerOptions.eager_if_faster)
         self.trial: SpeedTrial | None = None
-        if ctx.options.eager_if_faster:
+        chosen = ctx.options.eager_if_faster
+        if chosen is not False:
             why = unsupported(ctx)
-            if why:
+            if why and chosen:
                 raise ValueError(f"TrainerOptions.eager_if_faster=True: {why}")
-            self.trial = SpeedTrial(ctx)
+            if not why:  # the default: where eager steps can stand in, a gated trial
+                self.trial = SpeedTrial(ctx, gated=chosen is None)
 
     def describe(self) -> TrainingProgram:
         graphs = list(self.graphs.train.values())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ortrain import ORTTrainer, TrainerOptions, explain
-from ortrain.speed_trial import MARGIN, ROUNDS, Trial, faster
+from ortrain.speed_trial import FORWARD_SHARE, GATE, GATE_STEPS, MARGIN, ROUNDS, Trial, faster
 
 LOSS_RTOL = 1e-5
 
@@ -137,6 +137,63 @@ def test_choice_needs_eager_clearly_faster():
     assert seen == ["graph"] + ["graph", "eager"] * ROUNDS and t.choice == "eager"
     t.record("graph", 0.1)  # decided: later times change nothing
     assert t.route() == "eager" and len(t.graph) == ROUNDS
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["graph-fast", "graph-slow"])
+def test_default_weighs_a_trial_on_eager_forward(slow):
+    """By default a graph step is first weighed against eager's step estimated from one
+    eager forward: a clearly faster graph keeps every step (no eager step, the forward's
+    buffers and random draws put back); a slower one goes on to the trial, which decides.
+    Every step equals eager's either way."""
+    torch.manual_seed(0)
+    base = _ConvNet()
+    ref = copy.deepcopy(base)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9)
+    trainer = ORTTrainer(base, opt, TrainerOptions())
+    assert trainer.options.eager_if_faster is None
+    graph_s, eager_s = 1.0, 0.5
+    routes = _pinned(trainer, graph_s, eager_s)
+    trial = trainer._program.trial
+    assert trial is not None and trial.gated
+    forwards = []
+    real_forward = trial._forward_seconds
+
+    def forward_seconds(batch):
+        forwards.append(real_forward(batch))  # runs eager's forward, as unpinned
+        # the graph's step against GATE times eager's estimate, just above or below
+        return (0.99 if slow else 1.01) * graph_s / (GATE * FORWARD_SHARE)
+
+    trial._forward_seconds = forward_seconds
+    torch.manual_seed(1)
+    batches = _batches(10)
+    for i, batch in enumerate(batches):
+        loss = float(trainer.train_step(**batch))
+        expected = _eager_step(ref, opt_ref, batch, None)
+        assert loss == pytest.approx(expected, rel=LOSS_RTOL), f"step {i} ({routes[i]})"
+    assert len(forwards) == 1  # one gate per signature
+    gate = ["graph"] * (1 + GATE_STEPS)
+    if slow:
+        rest = ["eager", "eager", "graph", "eager"]  # the trial's, after the gate's steps
+        assert routes == gate + rest + ["eager"] * (len(batches) - len(gate) - len(rest))
+    else:
+        assert routes == ["graph"] * len(batches) and trainer.eager_steps == 0
+        assert "runs on the graph (no trial)" in explain(trainer)
+    for (name, b), c in zip(base.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_default_trial_stays_out_where_eager_cannot_stand_in():
+    """Outside the trial's limits the default runs every step on its graph, no error."""
+    model = _ConvNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = ORTTrainer(model, opt, TrainerOptions(grad_accumulation_steps=2))
+    assert trainer._program.trial is None
+    other = _ConvNet()
+    off = ORTTrainer(
+        other, torch.optim.AdamW(other.parameters()), TrainerOptions(eager_if_faster=False)
+    )
+    assert off._program.trial is None
 
 
 @pytest.mark.parametrize(
