@@ -33,6 +33,7 @@ import torch
 
 from ortrain.core.errors import CheckpointError, first_line
 from ortrain.core.names import state_key
+from ortrain.core.optimizer_spec import EAGER
 from ortrain.optim.state_check import check_counters, check_optimizer_state
 from ortrain.safe_files import atomic_write
 
@@ -80,6 +81,12 @@ def trainer_state_dict(
     opt_state = st.opt_state if opt_state is None else opt_state
     st.sync_to_module()
     model = _clone_model_state(training.module)
+    extra: dict[str, Any] = {"step": st.step, "micro_step": st.micro_step}
+    if st.scaler is not None:
+        extra["loss_scaler"] = st.scaler.state_dict()
+    if training.spec.kind == EAGER:  # the optimizer keeps its state: its own state dict
+        own = _cloned(training.optimizer.state_dict())
+        return {"model": model, "optimizer": own, "ortrain": extra}
     names = index_names(training)
     state: dict[int, dict[str, torch.Tensor]] = {}
     group_of = {n: g for g in training.spec.groups for n in g.params}
@@ -103,14 +110,23 @@ def trainer_state_dict(
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
-    extra: dict[str, Any] = {"step": st.step, "micro_step": st.micro_step}
-    if st.scaler is not None:
-        extra["loss_scaler"] = st.scaler.state_dict()
     return {
         "model": model,
         "optimizer": {"state": state, "param_groups": groups},
         "ortrain": extra,
     }
+
+
+def _cloned(obj: Any) -> Any:
+    """``obj`` with every tensor in it cloned (a torch optimizer's state dict refers to its
+    live state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
 
 
 def _check_model(training: TrainingState, model: Any) -> None:
@@ -177,6 +193,17 @@ def load_trainer_state_dict(
         training.module.load_state_dict(state["model"])
         for n, b in training.module.named_buffers():
             st.buffers[n].copy_(b)
+        if training.spec.kind == EAGER:  # its own state dict, into the optimizer itself
+            try:
+                training.optimizer.load_state_dict(_cloned(opt))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"the optimizer's state: {exc}") from exc
+            ours = state.get("ortrain", {})
+            st.set_counters(int(ours.get("step", 0)), int(ours.get("micro_step", 0)))
+            scaler_state = ours.get("loss_scaler")
+            if st.scaler is not None and scaler_state is not None:
+                st.scaler.load_state_dict(scaler_state)
+            return
         steps = [0.0]
         for idx, entry in opt["state"].items():
             name = names[int(idx)]

@@ -20,14 +20,16 @@ import torch
 from ortrain.checkpoint import index_names
 from ortrain.core.errors import NonFiniteLossError
 from ortrain.core.names import state_key
+from ortrain.core.optimizer_spec import EAGER
 from ortrain.python_state import kept
 from ortrain.verify import restoring
 
 if TYPE_CHECKING:
     from ortrain.program_context import ProgramContext
 
-# optimizers whose state ortrain keeps under torch's own names (``STATE_NAMES``)
-KINDS = ("adam", "adamw", "sgd")
+# optimizers whose state ortrain keeps under torch's own names (``STATE_NAMES``), and
+# those that keep their own (EAGER: their step runs in eager anyway)
+KINDS = ("adam", "adamw", "sgd", EAGER)
 
 
 def unsupported(ctx: ProgramContext) -> str:
@@ -108,6 +110,8 @@ class EagerSteps:
         """The optimizer's state becomes the trainer's tensors (once the trainer has
         taken a step: before it, torch makes its own at its first step, as eager does)."""
         st, optimizer = self.ctx.state, self.ctx.optimizer
+        if st.spec.kind == EAGER:  # its state is its own
+            return
         if st.step == 0:  # (a checkpoint of step 0 loaded since: no state either)
             for p in params:
                 optimizer.state.pop(p, None)

@@ -47,7 +47,6 @@ from transformers import Trainer
 
 from ortrain.checkpoint import naming
 from ortrain.export import LossFn, find_loss
-from ortrain.optim.lamb import Lamb
 from ortrain.options import TrainerOptions
 from ortrain.trainer import ORTTrainer
 
@@ -56,7 +55,6 @@ __all__ = ["ORTHFTrainer", "trainer_options", "unsupported_features"]
 OPTIMIZER_NAME = "optimizer.pt"  # Trainer's file names (transformers/trainer.py)
 SCHEDULER_NAME = "scheduler.pt"
 ORTRAIN_STATE_NAME = "ortrain_state.pt"
-SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Lamb)
 # The TrainerOptions fields TrainingArguments set, and the argument that sets each.
 FROM_ARGS = {
     "device": "use_cpu / the device",
@@ -100,15 +98,6 @@ def _overridden(trainer: Trainer, name: str) -> bool:
     return getattr(type(trainer), name) is not getattr(ORTHFTrainer, name)
 
 
-def _optimizer_class(trainer: Trainer) -> type | None:
-    if trainer.optimizer is not None:
-        return type(trainer.optimizer)
-    if trainer.optimizer_cls_and_kwargs is not None:
-        return trainer.optimizer_cls_and_kwargs[0]
-    cls, _ = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
-    return cls if isinstance(cls, type) else None
-
-
 def unsupported_features(trainer: Trainer) -> list[str]:
     """What ``trainer`` (its arguments, model, callables) asks for that ortrain cannot do,
     one phrase each."""
@@ -148,13 +137,6 @@ def unsupported_features(trainer: Trainer) -> list[str]:
         if p.dtype != torch.float32:
             why.append(f"{p.dtype} parameters ({name}): ortrain trains float32 parameters")
             break
-    cls = _optimizer_class(trainer)
-    if cls is not None and not issubclass(cls, SUPPORTED_OPTIMIZERS):
-        why.append(
-            f"the optimizer {cls.__module__}.{cls.__qualname__} (optim="
-            f"{getattr(args.optim, 'value', args.optim)!r}); ortrain "
-            "updates with torch.optim.AdamW, Adam, SGD or ortrain.optim.Lamb"
-        )
     return why
 
 

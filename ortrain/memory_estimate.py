@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ortrain.core.optimizer_spec import EAGER
 from ortrain.distributed.shard_config import IN_FLIGHT
 
 if TYPE_CHECKING:
@@ -75,6 +76,11 @@ def _states_per_param(optimizer: torch.optim.Optimizer | str) -> int:
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     spec = optimizer_spec(optimizer, {id(p): str(i) for i, p in enumerate(params)})
+    if spec.kind == EAGER:
+        raise ValueError(
+            f"estimate_memory: {spec.source} keeps a state ortrain does not lay out (its own "
+            "step() runs in eager PyTorch): name the optimizer's kind as a string instead"
+        )
     per_group = [len(spec.state_names(g)) for g in spec.groups]
     return max(per_group, default=0)
 
@@ -154,5 +160,13 @@ def held_state_bytes(state: TrainingState, reducer: object, zero_stage: int) -> 
         parameters=storage_bytes([*state.params.values(), *state.shard_params]),
         gradients=storage_bytes([*state.grads.values(), *state.shard_grads]),
         in_flight=4 * in_flight,
-        optimizer_state=storage_bytes(state.opt_state.values()),
+        optimizer_state=storage_bytes([*state.opt_state.values(), *_eager_state(state)]),
     )
+
+
+def _eager_state(state: TrainingState) -> list[torch.Tensor]:
+    """What an optimizer whose own step runs in eager keeps (ortrain's ``opt_state`` is
+    empty then)."""
+    if state.spec.kind != EAGER or state.optimizer is None:
+        return []
+    return [t for e in state.optimizer.state.values() for t in e.values() if torch.is_tensor(t)]

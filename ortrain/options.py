@@ -41,7 +41,11 @@ class TrainerOptions:
         lowers the peak), and ``trainer.grads`` stays empty. "auto": "backward" where it
         applies, else on CUDA the kernels when built, on CPU torch's kernels for
         Adam/AdamW in a single process and over each rank's shard under ZeRO, the graph
-        otherwise.
+        otherwise. An optimizer whose update ortrain does not compile (another class than
+        AdamW, Adam, SGD or Lamb, a subclass with its own ``step()``, ``amsgrad`` or
+        ``maximize``) runs its own ``step()`` in eager PyTorch over ortrain's gradients
+        (``EagerUpdate``; one warning says so), under "auto" only; ZeRO refuses it (data
+        parallel runs it).
     grad_accumulation_steps: micro-steps per update; gradients are averaged, so N
         micro-batches of size b train like one batch of N·b. A micro-batch that fails in
         ONNX Runtime (``BatchError``) or gives a NaN/Inf loss ends its window: the window
@@ -155,8 +159,8 @@ class TrainerOptions:
         ``background_build`` (refused outside them). None (default): the same trial, only
         for a graph whose steps are over 1.2x slower than eager's estimated from one eager
         forward of the batch (three forwards: ``ortrain/speed_trial.py``), and only within
-        those limits; a graph clearly faster never runs an eager step. False: every step
-        runs on its graph.
+        those limits (an optimizer whose own ``step()`` runs in eager: no trial); a graph
+        clearly faster never runs an eager step. False: every step runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments

@@ -35,7 +35,7 @@ from ortrain.build_cache import GraphCache
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import NonFiniteLossError, TrainableChangedError
 from ortrain.core.names import UpdateInBackwardError
-from ortrain.core.optimizer_spec import OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
 from ortrain.distributed import join_process_group
 from ortrain.export import LossFn, warn_sdpa
 from ortrain.first_step import EagerSide
@@ -100,6 +100,12 @@ class ProgramContext:
             module.to(self.device)
         named = dict(module.named_parameters())
         self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
+        if self.spec.kind == EAGER:  # (ortrain/runtime/update_engines.py: EagerUpdate)
+            warnings.warn(
+                f"ortrain: {self.spec.source}'s update runs as its own step() in eager PyTorch "
+                f"over the gradients of the compiled graphs ({self.spec.why_eager})",
+                stacklevel=3,
+            )
         # the optimizer's parameters and whether each required grad when the trainer was
         # made: gradients and optimizer state are laid out for that set
         name_of = {id(p): n for n, p in named.items()}

@@ -24,6 +24,7 @@ from ortrain.background_build import PENDING, BackgroundBuild
 from ortrain.build import BuiltGraph
 from ortrain.core.errors import BatchError, ExportError, VerificationError, first_line
 from ortrain.core.names import GradientError, UpdateInBackwardError
+from ortrain.core.optimizer_spec import EAGER
 from ortrain.eager_steps import unsupported
 from ortrain.optim.from_torch import group_values
 from ortrain.program import ProgramSegment, TrainingProgram
@@ -63,7 +64,10 @@ class WholeProgram:
             why = unsupported(ctx)
             if why and chosen:
                 raise ValueError(f"TrainerOptions.eager_if_faster=True: {why}")
-            if not why:  # the default: where eager steps can stand in, a gated trial
+            # the default: where eager steps can stand in, a gated trial; not for an
+            # optimizer whose own step runs in eager, whose time the gate's estimate (eager's
+            # forward) leaves out while the graph's steps include it
+            if not why and (chosen or ctx.spec.kind != EAGER):
                 self.trial = SpeedTrial(ctx, gated=chosen is None)
 
     def describe(self) -> TrainingProgram:

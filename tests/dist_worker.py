@@ -17,6 +17,7 @@ reorder ZeRO-3 on a model whose blocks run in reverse order on some micro-steps 
         order its gathers are prefetched along changes)
 eager_reads ZeRO-3 on a model whose eager code reads parameters (its root's forward, a
         module that falls back to eager, a weight tied by hand)
+rmsprop data parallel with an optimizer ortrain does not compile (its own step, in eager)
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -505,6 +506,25 @@ def scenario_eager_reads(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+def train_rmsprop(seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    """Data parallel (one process: plain) with an optimizer ortrain does not compile: its
+    own step runs in eager over the all-reduced gradients."""
+    model = Reordered(seed)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2, momentum=0.9, centered=True)
+    options = TrainerOptions(intra_op_threads=1, max_grad_norm=0.5, grad_accumulation_steps=ACCUM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its update runs in eager: said once)
+        trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_rmsprop(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses = train_rmsprop(rank, reorder_batches(rank, world))
+    if rank == 0:
+        torch.save(params(trainer), out / "rmsprop_params.pt")
+    return {"losses": losses, "engine": trainer.program.update}
+
+
 def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
     stage = _stage()
     tag = f"zero{stage}_{world}"
@@ -535,6 +555,7 @@ def main() -> None:
         "zero2_resume": scenario_zero2_resume,
         "reorder": scenario_reorder,
         "eager_reads": scenario_eager_reads,
+        "rmsprop": scenario_rmsprop,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

@@ -43,6 +43,7 @@ from tests.dist_worker import (
     run,
     train_eager_reads,
     train_reordered,
+    train_rmsprop,
 )
 from tests.test_parity import drop_key_bias
 
@@ -333,6 +334,18 @@ def test_zero3_keeps_whole_the_parameters_eager_code_reads(tmp_path):
         assert all(r["held"][n] == sizes[n] for n in whole)
     want = float(trainer.eval_step(**eager_reads_batches(0, 1)[0]).loss)
     assert all(r["eval_loss"] == pytest.approx(want, rel=TOL) for r in results)
+
+
+@pytest.mark.slow
+def test_data_parallel_with_an_optimizer_ortrain_does_not_compile(tmp_path):
+    """RMSprop (centered, momentum) under data parallel: its own step runs in eager over
+    the all-reduced, clipped gradients, on every rank alike; equal to one process on the
+    combined batches."""
+    trainer, losses = train_rmsprop(0, reorder_batches(0, 1))
+    results = finish(launch("rmsprop", tmp_path), tmp_path, "rmsprop")
+    assert all(r["engine"] == "eager" for r in results)
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "rmsprop_params.pt"), trainer.module)
 
 
 @pytest.mark.slow

@@ -172,9 +172,11 @@ def test_op_without_rule_names_op_node_and_scope():
 
 def test_unsupported_optimizer_and_options():
     model = tiny()
-    with pytest.raises(UnsupportedOptimizerError, match="RMSprop"):
-        ORTTrainer(model, torch.optim.RMSprop(model.parameters()))
-    with pytest.raises(UnsupportedOptimizerError, match="amsgrad"):
+    # an update ortrain does not compile runs as the optimizer's own step, said once
+    # (tests/test_eager_optimizer.py trains them)
+    with pytest.warns(UserWarning, match=r"RMSprop's update runs as its own step\(\)"):
+        assert ORTTrainer(model, torch.optim.RMSprop(model.parameters())).spec.kind == "eager"
+    with pytest.warns(UserWarning, match="amsgrad=True"):
         ORTTrainer(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
     other = torch.nn.Linear(2, 2)
     with pytest.raises(UnsupportedOptimizerError, match="not a parameter"):

@@ -64,6 +64,9 @@ def _facts(**changes: object) -> EngineFacts:
         ({"zero_stage": 1, "kind": "sgd"}, "zero1"),
         ({"zero_stage": 1, "kind": "lamb", "requested": "graph"}, "zero1"),
         ({"zero_stage": 2, "device": torch.device("meta")}, "zero1"),
+        # an optimizer ortrain does not compile: its own step, in a process or data parallel
+        ({"kind": "eager"}, "eager"),
+        ({"kind": "eager", "zero_stage": 0, "clipping": True}, "eager"),
     ],
 )
 def test_choice(changes, engine):
@@ -79,6 +82,8 @@ def test_choice(changes, engine):
         ({"requested": "kernels", "zero_stage": 1}, ValueError, "single-process only"),
         ({"requested": "backward", "clipping": True}, ValueError, r"no clipping"),
         ({"requested": "backward", "zero_stage": 0, "kind": "lamb"}, ValueError, "Adam or AdamW"),
+        ({"requested": "graph", "kind": "eager"}, UnsupportedOptimizerError, "own step"),
+        ({"requested": "backward", "kind": "eager"}, UnsupportedOptimizerError, "own step"),
     ],
 )
 def test_refusals_name_what_is_missing(changes, error, match):
@@ -99,7 +104,7 @@ def test_a_graph_that_refuses_the_update_in_the_backward():
 
 
 def test_every_engine_has_the_interface():
-    assert set(ENGINES) == {"graph", "zero1", "zero-torch", "kernels", "torch", "backward"}
+    assert set(ENGINES) == {"graph", "zero1", "zero-torch", "kernels", "torch", "backward", "eager"}
     for name, cls in ENGINES.items():
         assert cls.name == name
         assert cls.in_backward == (name == "backward")

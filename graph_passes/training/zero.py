@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from ortrain.core.errors import UnsupportedOptimizerError
-from ortrain.core.optimizer_spec import OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
 from ortrain.graph_passes.infra.emitter import Emitter
 from ortrain.graph_passes.training.optimizer.update_graph import UpdateGraph, build_update_graph
 
@@ -28,6 +28,12 @@ ELEMENTWISE = ("adam", "adamw", "sgd")
 
 
 def check_shardable(spec: OptimizerSpec) -> None:
+    if spec.kind == EAGER:
+        raise UnsupportedOptimizerError(
+            f"ZeRO (TrainerOptions.zero_stage>=1) shards the optimizer state ortrain keeps for "
+            f"AdamW, Adam, SGD and Lamb; {spec.source} keeps its own and runs its own step() "
+            f"({spec.why_eager}): use zero_stage=0 (data parallel) or one of those"
+        )
     if spec.kind not in ELEMENTWISE:
         raise UnsupportedOptimizerError(
             f"ZeRO-1 (TrainerOptions.zero_stage=1) does not support the {spec.kind} optimizer: "

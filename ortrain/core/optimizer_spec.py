@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+# An optimizer whose update ortrain does not compile: its own ``step()`` runs in eager
+# PyTorch over ortrain's parameters and gradients (``EagerUpdate`` in
+# ``ortrain/runtime/update_engines.py``), and it keeps its own state.
+EAGER = "eager"
+
 # Per-group hyperparameters fed to the update graph each step (read from param_groups).
 HYPERPARAMETERS = {
+    EAGER: (),
     "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     "lamb": ("lr", "beta1", "beta2", "eps", "weight_decay"),
@@ -15,6 +21,7 @@ HYPERPARAMETERS = {
 
 # Optimizer state tensors per parameter, named as torch names them in optimizer.state.
 STATE_NAMES = {
+    EAGER: (),  # the torch optimizer's own, in its ``state``
     "adam": ("exp_avg", "exp_avg_sq"),
     "adamw": ("exp_avg", "exp_avg_sq"),
     "lamb": ("exp_avg", "exp_avg_sq"),
@@ -34,6 +41,9 @@ class GroupSpec:
 class OptimizerSpec:
     kind: str
     groups: tuple[GroupSpec, ...]
+    # kind EAGER: the optimizer's class, and why its update is not compiled
+    source: str = ""
+    why_eager: str = ""
 
     @property
     def hyperparameters(self) -> tuple[str, ...]:

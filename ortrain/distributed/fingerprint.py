@@ -88,7 +88,7 @@ def run_fields(training: TrainingState, options: TrainerOptions) -> Fields:
     for name, b in sorted(training.module.named_buffers()):
         fields.append((f"buffer {name}", _tensor(b)))
     spec = training.spec
-    fields.append(("optimizer", spec.kind))
+    fields.append(("optimizer", spec.kind + (f" {spec.source}" if spec.source else "")))
     values = group_values(training.optimizer, spec)
     for gi, (group, hyper) in enumerate(zip(spec.groups, values, strict=True)):
         fields.append((f"optimizer group {gi} parameters", ", ".join(group.params)))

@@ -9,36 +9,34 @@ from typing import Any
 import torch
 
 from ortrain.core.errors import UnsupportedOptimizerError
-from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, GroupSpec, OptimizerSpec
 from ortrain.optim.lamb import Lamb
 
 
-def _refuse_own_step(optimizer: torch.optim.Optimizer, base: type) -> None:
-    """A subclass's own ``step()`` would never run: the update is ``base``'s, in the graph."""
+def _own_step(optimizer: torch.optim.Optimizer, base: type) -> str:
+    """Where a subclass has its own ``step()`` (which a compiled update would never run):
+    which class; "" where the update is ``base``'s."""
     for cls in type(optimizer).__mro__:
         if cls is base:
-            return
+            return ""
         step = cls.__dict__.get("step")  # torch wraps step() in a profiling hook: unwrap
         if step is not None and inspect.unwrap(step) is not inspect.unwrap(base.step):
-            raise UnsupportedOptimizerError(
-                f"optimizer {cls.__qualname__} overrides step(), which ortrain never calls (it "
-                f"runs {base.__qualname__}'s update inside its graphs); use {base.__qualname__} "
-                "itself (hyperparameters in param_groups are read every step)"
-            )
+            return cls.__qualname__
+    return ""
 
 
-def _kind(optimizer: torch.optim.Optimizer) -> str:
+def _kind(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
+    """(kind, why its update runs in eager: "" where ortrain compiles it)."""
     kinds = ((Lamb, "lamb"), (torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"))
     for base, kind in (*kinds, (torch.optim.SGD, "sgd")):
         if isinstance(optimizer, base):
-            _refuse_own_step(optimizer, base)
+            own = _own_step(optimizer, base)
+            if own:
+                return EAGER, f"{own} overrides step()"
             if kind == "adam" and optimizer.defaults.get("decoupled_weight_decay", False):
-                return "adamw"
-            return kind
-    raise UnsupportedOptimizerError(
-        f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported "
-        "by ortrain; use torch.optim.AdamW, Adam, SGD or ortrain.optim.Lamb"
-    )
+                return "adamw", ""
+            return kind, ""
+    return EAGER, "ortrain compiles the updates of AdamW, Adam, SGD and Lamb"
 
 
 def group_spec(kind: str, group: Mapping[str, Any], params: tuple[str, ...] = ()) -> GroupSpec:
@@ -60,16 +58,21 @@ def group_spec(kind: str, group: Mapping[str, Any], params: tuple[str, ...] = ()
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimizerSpec:
-    """Describe ``optimizer``; ``names`` maps id(parameter) -> parameter name."""
-    kind = _kind(optimizer)
+    """Describe ``optimizer``; ``names`` maps id(parameter) -> parameter name. An optimizer
+    whose update ortrain cannot compile (another class, its own ``step()``, a flag the
+    update graph lacks) is kind ``EAGER``: its own step runs in eager PyTorch."""
+    kind, why = _kind(optimizer)
     name = type(optimizer).__name__
-    groups = []
-    seen: set[str] = set()
     for gi, group in enumerate(optimizer.param_groups):
+        if kind == EAGER:
+            break
         try:
             group_spec(kind, group)
         except UnsupportedOptimizerError as exc:
-            raise UnsupportedOptimizerError(f"{name} param group {gi}: {exc}") from None
+            kind, why = EAGER, f"param group {gi}: {exc}"
+    groups = []
+    seen: set[str] = set()
+    for gi, group in enumerate(optimizer.param_groups):
         pnames = []
         for p in group["params"]:
             if id(p) not in names:
@@ -82,8 +85,13 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> O
             seen.add(names[id(p)])
             if p.requires_grad:
                 pnames.append(names[id(p)])
-        groups.append(group_spec(kind, group, tuple(pnames)))
-    return OptimizerSpec(kind, tuple(groups))
+        groups.append(
+            GroupSpec(tuple(pnames)) if kind == EAGER else group_spec(kind, group, tuple(pnames))
+        )
+    if kind != EAGER:
+        return OptimizerSpec(kind, tuple(groups))
+    source = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return OptimizerSpec(kind, tuple(groups), source=source, why_eager=why)
 
 
 def group_values(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> list[dict[str, float]]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ortrain.core.errors import CheckpointError, UnsupportedOptimizerError
-from ortrain.core.optimizer_spec import OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
 from ortrain.optim.from_torch import group_spec
 
 _NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "lamb": "Lamb"}
@@ -162,6 +162,14 @@ def check_optimizer_state(
     ours = optimizer.param_groups
     if len(saved_groups) != len(ours):
         raise _fail(f"{len(saved_groups)} param groups, the optimizer has {len(ours)}")
+    if spec.kind == EAGER:  # its own state dict: torch's load_state_dict checks the rest
+        for gi, (saved, group) in enumerate(zip(saved_groups, ours, strict=True)):
+            n = len(saved.get("params", ())) if isinstance(saved, Mapping) else None
+            if n != len(group["params"]):
+                raise _fail(
+                    f"param group {gi} holds {n} parameters, the optimizer's {len(group['params'])}"
+                )
+        return
     group_of: list[int] = []  # index -> its group
     for gi, (saved, group) in enumerate(zip(saved_groups, ours, strict=True)):
         _check_group(spec.kind, gi, saved, group, spec.groups[gi])

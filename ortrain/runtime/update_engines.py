@@ -44,6 +44,7 @@ from ortrain.core.names import (
     hyper_name,
     state_key,
 )
+from ortrain.core.optimizer_spec import EAGER
 from ortrain.core.roles import Role
 from ortrain.runtime import kernels
 from ortrain.runtime.flat_update import flatten_update
@@ -470,9 +471,104 @@ class BackwardUpdate:
         return int(self.done.sum()), len(self.done)
 
 
+class EagerUpdate(_AfterBackward):
+    """The update of an optimizer ortrain does not compile: its own ``step()``, in eager
+    PyTorch over the state's parameters and gradients.
+
+    For an optimizer of kind ``EAGER`` (another class than AdamW, Adam, SGD and Lamb, a
+    subclass with its own ``step()``, a flag the compiled update lacks: ``ortrain.optim.
+    from_torch``) the gradient graph (or the segments) still computes the gradients into the
+    state's buffers, and the reducer still reduces them; then, per optimizer step:
+
+        scale      the gradient sums times ``grad_scale`` (1 / (accumulation * world * loss
+                   scale)), in place: after the update the buffers hold what it read
+        clip       global-norm clipping as ``clip_grad_norm_`` (the norm recorded before it)
+        check      gradients not all finite (loss scaling, clipping): nothing changes, the
+                   step is not counted, as the compiled updates do
+        step       each trained parameter's ``.data`` and ``.grad`` become the state's
+                   tensors for the call, and the optimizer's own ``step()`` runs; it keeps its
+                   state in ``optimizer.state`` (checkpoints store its ``state_dict()``)
+
+    The parameters are updated in place where the training graphs read them, so nothing is
+    copied either way.
+    """
+
+    name: ClassVar[str] = "eager"
+
+    def prepare(self) -> bool:
+        st = self.state
+        assert st.grad_params is not None
+        reducer = self.env.reducer
+        if reducer is not None:  # data parallel: the gradients become its flat buffer's views
+            reducer.prepare_update(st, self)  # type: ignore[arg-type]
+        for p in st.grad_params:
+            st.grads.setdefault(p, torch.zeros_like(st.params[p]))
+        return False
+
+    def step(self, values: Any, grad_scale: float) -> None:
+        if self.env.reducer is None:
+            self._run(grad_scale)
+        else:
+            self.env.reducer.update(lambda: self._run(grad_scale))
+
+    def _run(self, grad_scale: float) -> None:
+        st = self.state
+        assert st.grad_params is not None and st.optimizer is not None
+        grads = [st.grads[p] for p in st.grad_params]
+        with torch.no_grad():
+            if grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)
+            finite = torch.ones((), dtype=torch.bool, device=st.device)
+            if st.checks_gradients:
+                norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g) for g in grads])
+                    if grads
+                    else torch.zeros(1, device=st.device)
+                )
+                finite = torch.isfinite(norm)
+                if st.max_grad_norm is not None:
+                    st.record_grad_norm(norm)
+                    coef = torch.clamp(st.max_grad_norm / (norm + 1e-6), max=1.0)
+                    torch._foreach_mul_(grads, coef)
+            if not bool(finite):  # nothing changes; the loss scale backs off
+                st.record_update(finite)
+                return
+        _optimizer_step(st, dict(zip(st.grad_params, grads, strict=True)))
+        st.record_update(finite)
+
+
+def _optimizer_step(st: TrainingState, grads: dict[str, torch.Tensor]) -> None:
+    """``st.optimizer.step()`` with each trained parameter's data and gradient the state's
+    tensors for the call (what the module had is put back after)."""
+    optimizer = st.optimizer
+    assert optimizer is not None
+    held = []
+    for name, p in st.module.named_parameters():
+        moved = name in st.params and p.data.data_ptr() != st.params[name].data_ptr()
+        held.append((p, p.data if moved else None, p.grad))
+        p.grad = grads.get(name)  # None: not reached this window, the optimizer skips it
+        if moved:  # (a device copy: the optimizer steps the state's tensor)
+            p.data = st.params[name]
+    try:
+        optimizer.step()
+    finally:
+        for p, data, grad in held:
+            if data is not None:
+                p.data = data
+            p.grad = grad
+
+
 ENGINES: dict[str, type[UpdateEngine]] = {
     e.name: e
-    for e in (GraphUpdate, ShardUpdate, ShardTorchUpdate, KernelUpdate, TorchUpdate, BackwardUpdate)
+    for e in (
+        GraphUpdate,
+        ShardUpdate,
+        ShardTorchUpdate,
+        KernelUpdate,
+        TorchUpdate,
+        BackwardUpdate,
+        EagerUpdate,
+    )
 }
 
 
@@ -533,6 +629,14 @@ def choose_engine(f: EngineFacts) -> str:
        kernels for Adam/AdamW; otherwise the update graph.
     """
     req, single = f.requested, f.zero_stage is None
+    if f.kind == EAGER:  # the optimizer's own step() (EagerUpdate)
+        if req != "auto":
+            raise UnsupportedOptimizerError(
+                f"TrainerOptions.update_engine={req!r} runs the updates ortrain compiles "
+                "(AdamW, Adam, SGD, Lamb); this optimizer's own step() runs in eager PyTorch: "
+                "use update_engine='auto'"
+            )
+        return "eager"
     if req == "kernels":
         check_supported(f.kind)
         if not single:
