@@ -31,6 +31,7 @@ from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
 from ortrain.options import TrainerOptions
+from ortrain.parallel_wrappers import unwrapped
 from ortrain.program import TrainingProgram
 from ortrain.program_context import ProgramContext
 from ortrain.rank_memory import resident_bytes
@@ -66,6 +67,7 @@ class ORTTrainer(TrainerState, TrainerViews):
         # what the heap holds free is handed back first, or later allocations reusing it
         # would count twice
         trim_heap()
+        model = unwrapped(model)  # torch's own data-parallel wrappers: ortrain reduces itself
         self._runtime_bytes = resident_bytes() - storage_bytes(
             t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"
         )
