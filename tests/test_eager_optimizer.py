@@ -8,6 +8,7 @@ says so."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ import transformers
 
 from ortrain import ORTTrainer, TrainerOptions, UnsupportedOptimizerError
 from ortrain.graph_passes.training.zero import check_shardable
+from ortrain.loss_scaler import DynamicLossScale
 from ortrain.optim.from_torch import optimizer_spec
 from tests.unexportable import smoothed_cross_entropy
 
@@ -201,3 +203,26 @@ def test_what_cannot_run_it_says_so():
                 torch.optim.RMSprop(model.parameters()),
                 TrainerOptions(update_engine="graph"),
             )
+
+
+def test_loss_scaling_skips_an_overflowing_update_before_the_optimizer_sees_it():
+    """fp16 with a loss scale that overflows at first: those windows change nothing (the
+    optimizer's step is not called, its state stays empty) and are not counted; once the
+    scale has backed off, the optimizer's own step trains."""
+    model = _Tagger()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    options = TrainerOptions(
+        mixed_precision="fp16", loss_scale=DynamicLossScale(initial=2.0**40, factor=2.0**8)
+    )
+    with pytest.warns(UserWarning, match="eager PyTorch"):
+        trainer = ORTTrainer(model, opt, options)
+    batches = _batches(8)
+    trainer.train_step(**batches[0])
+    assert trainer.skipped_steps == 1 and trainer.step == 0 and not opt.state
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    losses = [float(trainer.train_step(**b)) for b in batches[1:]]
+    assert trainer.step > 0 and trainer.step + trainer.skipped_steps == len(batches)
+    assert all(math.isfinite(v) for v in losses) and len(opt.state) == len(before)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
