@@ -191,6 +191,12 @@ def test_checkpoint_resumes_the_optimizers_own_state(tmp_path):
 
 def test_what_cannot_run_it_says_so():
     model = _Tagger()
+    for opt, why in (
+        (torch.optim.LBFGS(model.parameters()), "closure"),
+        (torch.optim.SparseAdam(list(model.emb.parameters())), "sparse gradients"),
+    ):
+        with pytest.raises(UnsupportedOptimizerError, match=why):
+            ORTTrainer(model, opt)
     names = {id(p): n for n, p in model.named_parameters()}
     spec = optimizer_spec(torch.optim.RMSprop(model.parameters()), names)
     assert spec.kind == "eager" and spec.source == "torch.optim.rmsprop.RMSprop"

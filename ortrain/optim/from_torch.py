@@ -25,8 +25,20 @@ def _own_step(optimizer: torch.optim.Optimizer, base: type) -> str:
     return ""
 
 
+# optimizers whose own step cannot run on ortrain's gradients, and why
+_CANNOT = {
+    torch.optim.LBFGS: "it re-evaluates the model inside its step (a closure), which a "
+    "training step of compiled graphs cannot do",
+    torch.optim.SparseAdam: "it takes sparse gradients and ortrain computes dense ones "
+    "(torch.optim.Adam takes them)",
+}
+
+
 def _kind(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
     """(kind, why its update runs in eager: "" where ortrain compiles it)."""
+    for cls, why in _CANNOT.items():
+        if isinstance(optimizer, cls):
+            raise UnsupportedOptimizerError(f"{cls.__name__} cannot train through ortrain: {why}")
     kinds = ((Lamb, "lamb"), (torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"))
     for base, kind in (*kinds, (torch.optim.SGD, "sgd")):
         if isinstance(optimizer, base):
