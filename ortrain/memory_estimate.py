@@ -157,7 +157,8 @@ def held_state_bytes(state: TrainingState, reducer: object, zero_stage: int) -> 
     return StateBytes(
         world_size=getattr(reducer, "world_size", 1),
         zero_stage=zero_stage if reducer is not None else 0,
-        parameters=storage_bytes([*state.params.values(), *state.shard_params]),
+        # (ZeRO-3's shard: its own bytes, the pages of the buffer around it handed back)
+        parameters=storage_bytes(state.params.values()) + sum(t.nbytes for t in state.shard_params),
         gradients=storage_bytes([*state.grads.values(), *state.shard_grads]),
         in_flight=4 * in_flight,
         optimizer_state=storage_bytes([*state.opt_state.values(), *_eager_state(state)]),

@@ -569,6 +569,31 @@ def test_shard_graphs_take_the_global_norm_and_hold_pieces():
         build_shard_update_graph(lamb, {"weight": 5}, clip_grad_norm=False)
 
 
+def test_zero3_shard_cut_hands_back_the_pages_around_the_stretch():
+    """ZeRO-3 on CPU keeps the flat parameters in a private mapping: cutting the shard
+    leaves the stretch in place (no copy) and hands the pages around it back, so the
+    process's resident memory drops by them while the stretch keeps its values."""
+    import mmap
+
+    from ortrain.distributed.sharded_params import _release_outside
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+
+    n = 16 * 2**20  # 64 MiB of float32
+    mapping = mmap.mmap(-1, 4 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(mapping, dtype=torch.float32, count=n)
+    flat.copy_(torch.arange(n, dtype=torch.float32))
+    lo, hi = n // 4 + 3, n // 2 + 5  # not on page boundaries
+    before = resident()
+    _release_outside(mapping, 4 * lo, 4 * hi)
+    dropped = before - resident()
+    assert dropped >= 4 * (n - (hi - lo)) - 2 * mmap.PAGESIZE - 2**20, dropped
+    assert torch.equal(flat[lo:hi], torch.arange(lo, hi, dtype=torch.float32))
+    assert float(flat[0]) == 0.0 and float(flat[-1]) == 0.0  # handed back: reads as zeros
+
+
 def test_partial_norm_graph_numerics():
     from ortrain.graph_passes.training.zero import build_partial_norm_graph
 

@@ -36,6 +36,7 @@ for their duration (``materialized``).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,6 +50,17 @@ from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
+
+
+def _release_outside(mapping: mmap.mmap, lo: int, hi: int) -> None:
+    """Hand back to the system the whole pages of ``mapping`` outside bytes [lo, hi) (they
+    read as zeros if touched again; nothing does)."""
+    page = mmap.PAGESIZE
+    first, last = (lo // page) * page, -(-hi // page) * page
+    if first > 0:
+        mapping.madvise(mmap.MADV_DONTNEED, 0, first)
+    if last < len(mapping):
+        mapping.madvise(mmap.MADV_DONTNEED, last, len(mapping) - last)
 
 
 class _Gather:
@@ -230,10 +242,27 @@ class ShardedParams(ShardedGradients):
                 if held[1] == 0:  # its last view gone: the buffer is freed
                     self._held -= held[0]
 
+    def _flat_buffer(self, numel: int) -> torch.Tensor:
+        """On CPU the flat parameters live in an anonymous mapping of their own, so that
+        sharding can hand the pages beyond this rank's stretch back to the system where
+        they lie instead of copying the stretch out (``_shard_params``)."""
+        if self.comm.device.type != "cpu" or numel == 0:
+            return super()._flat_buffer(numel)
+        # private: a forked child (builds, checks) sees a copy-on-write view as of plain
+        # memory, and handed-back pages are freed (a shared mapping's would stay)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._mapping = mmap.mmap(-1, numel * 4, flags=flags)  # zero-filled
+        return torch.frombuffer(self._mapping, dtype=torch.float32, count=numel)
+
     def _shard_params(self) -> None:
-        """Once planned: keep this rank's stretch, drop the whole buffer."""
-        assert self.flat_params is not None
-        self.param_shard = self.flat_params[self.config.shard].clone()
+        """Once planned: keep this rank's stretch, drop the rest of the whole buffer."""
+        flat = self.flat_params
+        assert flat is not None
+        mapping = getattr(self, "_mapping", None)
+        # in a mapping the stretch stays where it is; elsewhere it is copied out
+        self.param_shard = (
+            flat[self.config.shard] if mapping is not None else flat[self.config.shard].clone()
+        )
         self._state.shard_params.append(self.param_shard)
         for name in self.config.layout.names:
             # the whole ones get storages of their own: the flat buffer goes
@@ -241,6 +270,8 @@ class ShardedParams(ShardedGradients):
             self._params[name].data = kept
             self._state.params[name] = kept
         self.flat_params = None  # type: ignore[assignment]
+        if mapping is not None:
+            _release_outside(mapping, self.config.shard.start * 4, self.config.shard.stop * 4)
 
     def _refresh_whole(self) -> None:
         """After an update: the whole parameters' new values, from the ranks owning them

@@ -66,7 +66,7 @@ class ShardedState:
         self.comm = comm
         self.world_size = comm.world_size
         layout = self.config.layout
-        self.flat_params = torch.zeros(layout.numel, device=comm.device)
+        self.flat_params = self._flat_buffer(layout.numel)
         # The trainable parameters move into the flat buffer; module and state see views.
         state.move_params(layout.views(self.flat_params))
         comm.broadcast_tensors(
@@ -82,6 +82,10 @@ class ShardedState:
         # Parameters whose optimizer state is live: those with gradients, and those a
         # loaded checkpoint had state for (before the first step says which get gradients).
         self.stateful: set[str] = set()
+
+    def _flat_buffer(self, numel: int) -> torch.Tensor:
+        """The flat parameters' buffer (zeros)."""
+        return torch.zeros(numel, device=self.comm.device)
 
     def _param_piece(self, start: int, stop: int) -> torch.Tensor:
         """Flat parameter elements ``[start, stop)`` of this rank's shard, as the update
