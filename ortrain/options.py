@@ -156,11 +156,13 @@ class TrainerOptions:
         runs slower than PyTorch (large convolutions on CPU, for one): never slower than
         eager. Which steps run where after the trial depends on the times measured, so
         runs agree to float rounding, not bit for bit. The same limits as
-        ``background_build`` (refused outside them). None (default): the same trial, only
-        for a graph whose steps are over 1.2x slower than eager's estimated from one eager
+        ``background_build`` (refused outside them). "auto": the same trial, only for a
+        graph whose steps are over 1.2x slower than eager's estimated from one eager
         forward of the batch (three forwards: ``ortrain/speed_trial.py``), and only within
         those limits (an optimizer whose own ``step()`` runs in eager: no trial); a graph
-        clearly faster never runs an eager step. False: every step runs on its graph.
+        clearly faster never runs an eager step, but a model whose eager backward costs
+        far more than two forwards may go to a trial it did not need. False (default):
+        every step runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, or the first step disagrees with eager).
         "auto" (default): the largest sub-modules that compile run as compiled segments
@@ -199,13 +201,18 @@ class TrainerOptions:
     build_progress: bool = True
     verify: bool = True
     background_build: bool = False
-    eager_if_faster: bool | None = None
+    eager_if_faster: bool | str = False
     fallback: str = "auto"
     segments: str = "auto"
     reduce_bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         _check_types(self)  # every field against its annotation; no NaN
+        if isinstance(self.eager_if_faster, str) and self.eager_if_faster != "auto":
+            raise ValueError(
+                "TrainerOptions.eager_if_faster must be True, False or 'auto', got "
+                f"{self.eager_if_faster!r}"
+            )
         kind, _, index = self.device.partition(":")
         if (
             kind not in ("cpu", "cuda")

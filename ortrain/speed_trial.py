@@ -8,15 +8,17 @@ step decides: the graph stays unless eager's is faster by more than ``MARGIN`` (
 graph's steps are what the memory plan sized, and the margin keeps a near tie from
 flipping between runs), and that signature's steps run on the winner from then on.
 
-The default (``eager_if_faster=None``) first asks whether a trial is worth its eager
-steps, whose activations can set the process's peak memory where the graph's are
-smaller: after ``GATE_STEPS`` timed graph steps it times eager's forward of the same
-batch (without gradients, nothing it changes kept: buffers, Python attributes, the
-random generator) and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward
-costs about two forwards: the products of each layer are computed once for the output
-and twice for the gradients). Only a graph step slower than ``GATE`` times that
-estimate goes on to the trial; the trial's own eager steps decide. A graph that is
-clearly faster never runs an eager step.
+``eager_if_faster="auto"`` first asks whether a trial is worth its eager steps, whose
+activations can set the process's peak memory where the graph's are smaller: after
+``GATE_STEPS`` timed graph steps it times eager's forward of the same batch (without
+gradients, nothing it changes kept: buffers, Python attributes, the random generator)
+and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward costs about two
+forwards: the products of each layer are computed once for the output and twice for the
+gradients). Only a graph step slower than ``GATE`` times that estimate goes on to the
+trial; the trial's own eager steps decide. A graph that is clearly faster never runs an
+eager step; but eager's backward and optimizer step can cost far more than two forwards
+(BERT-tiny's MLM, whose graph steps 1.6x faster than eager, went to a trial in three
+runs of five), so it is not the default.
 
 Which steps ran where is fixed (the trial's schedule does not depend on time); what runs
 after it does, so two runs agree to float rounding, not bit for bit, where the choice
@@ -39,16 +41,16 @@ if TYPE_CHECKING:
 
 ROUNDS = 3  # timed steps of each kind per signature
 MARGIN = 1.1  # eager wins only when the graph's median step is this much slower
-GATE_STEPS = 2  # the default's timed graph steps before it weighs a trial
+GATE_STEPS = 2  # "auto": timed graph steps before it weighs a trial
 FORWARD_SHARE = 3.0  # an eager step as forwards: one forward, a backward of about two
-GATE = 1.2  # the default's trial: a graph step this much slower than eager's estimate
+GATE = 1.2  # "auto"'s trial: a graph step this much slower than eager's estimate
 
 
 @dataclasses.dataclass
 class Trial:
     """One signature's timed steps and, once they are in, the choice."""
 
-    gated: bool = False  # the default: a trial only where the gate finds the graph slow
+    gated: bool = False  # "auto": a trial only where the gate finds the graph slow
     warm: bool = False  # its first graph step (check, warm-up) ran: not timed
     graph: list[float] = dataclasses.field(default_factory=list)
     eager: list[float] = dataclasses.field(default_factory=list)
@@ -94,7 +96,7 @@ class SpeedTrial:
 
     def __init__(self, ctx: ProgramContext, gated: bool = False):
         self.eager = EagerSteps(ctx)
-        self.gated = gated  # the default (eager_if_faster=None): the gate first
+        self.gated = gated  # eager_if_faster="auto": the gate first
         self.trials: dict[tuple, Trial] = {}
 
     def _trial(self, sig: tuple) -> Trial:

@@ -62,13 +62,13 @@ class WholeProgram:
         chosen = ctx.options.eager_if_faster
         if chosen is not False:
             why = unsupported(ctx)
-            if why and chosen:
+            if why and chosen is True:
                 raise ValueError(f"TrainerOptions.eager_if_faster=True: {why}")
-            # the default: where eager steps can stand in, a gated trial; not for an
-            # optimizer whose own step runs in eager, whose time the gate's estimate (eager's
+            # "auto": where eager steps can stand in, a gated trial; not for an optimizer
+            # whose own step runs in eager, whose time the gate's estimate (eager's
             # forward) leaves out while the graph's steps include it
-            if not why and (chosen or ctx.spec.kind != EAGER):
-                self.trial = SpeedTrial(ctx, gated=chosen is None)
+            if not why and (chosen is True or ctx.spec.kind != EAGER):
+                self.trial = SpeedTrial(ctx, gated=chosen == "auto")
 
     def describe(self) -> TrainingProgram:
         graphs = list(self.graphs.train.values())

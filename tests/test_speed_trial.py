@@ -140,8 +140,8 @@ def test_choice_needs_eager_clearly_faster():
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["graph-fast", "graph-slow"])
-def test_default_weighs_a_trial_on_eager_forward(slow):
-    """By default a graph step is first weighed against eager's step estimated from one
+def test_auto_weighs_a_trial_on_eager_forward(slow):
+    """With "auto" a graph step is first weighed against eager's step estimated from one
     eager forward: a clearly faster graph keeps every step (no eager step, the forward's
     buffers and random draws put back); a slower one goes on to the trial, which decides.
     Every step equals eager's either way."""
@@ -150,8 +150,10 @@ def test_default_weighs_a_trial_on_eager_forward(slow):
     ref = copy.deepcopy(base)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9)
-    trainer = ORTTrainer(base, opt, TrainerOptions())
-    assert trainer.options.eager_if_faster is None
+    other = copy.deepcopy(base)
+    plain = ORTTrainer(other, torch.optim.SGD(other.parameters(), lr=0.05), TrainerOptions())
+    assert plain._program.trial is None  # the default: every step on its graph
+    trainer = ORTTrainer(base, opt, TrainerOptions(eager_if_faster="auto"))
     graph_s, eager_s = 1.0, 0.5
     routes = _pinned(trainer, graph_s, eager_s)
     trial = trainer._program.trial
@@ -183,11 +185,12 @@ def test_default_weighs_a_trial_on_eager_forward(slow):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_default_trial_stays_out_where_eager_cannot_stand_in():
-    """Outside the trial's limits the default runs every step on its graph, no error."""
+def test_auto_trial_stays_out_where_eager_cannot_stand_in():
+    """Outside the trial's limits "auto" runs every step on its graph, no error."""
     model = _ConvNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = ORTTrainer(model, opt, TrainerOptions(grad_accumulation_steps=2))
+    options = TrainerOptions(eager_if_faster="auto", grad_accumulation_steps=2)
+    trainer = ORTTrainer(model, opt, options)
     assert trainer._program.trial is None
     other = _ConvNet()
     off = ORTTrainer(
