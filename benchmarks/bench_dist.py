@@ -250,6 +250,7 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         return (getattr(reducer, "gather_seconds", 0.0), getattr(reducer, "reduce_seconds", 0.0))
 
     waited_before = waited()
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)
     times, losses = [], []
     for i in range(args.steps):
         b = data[(1 + args.warmup + i) % len(data)]
@@ -257,6 +258,7 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         losses.append(step(b))
         times.append(time.perf_counter() - t)
     steady_peak = rss.take_peak()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     gathers, reduces = (b - a for a, b in zip(waited_before, waited(), strict=True))
     rss.stop()
     classes = {}
@@ -278,6 +280,9 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         "memory_report_mib": classes,
         "gather_ms_per_step": 1e3 * gathers / max(1, args.steps),
         "reduce_ms_per_step": 1e3 * reduces / max(1, args.steps),
+        # the kernel's share of a step: pages faulted in (fresh allocations) and its time
+        "faults_per_step": (usage.ru_minflt - usage_before.ru_minflt) / max(1, args.steps),
+        "sys_ms_per_step": 1e3 * (usage.ru_stime - usage_before.ru_stime) / max(1, args.steps),
         "opt_state_mib": held_state() / 2**20,
         "grads_mib": held_grads() / 2**20,
         "params_mib": held_params() / 2**20,
@@ -346,11 +351,12 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"{w.name}: GPT-2 {w.layers} layers, hidden {w.hidden}, vocab {w.vocab}, "
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
         "",
-        "| backend | rank | ms/step | waits ms/step | first step s | peak RSS MiB "
+        "| backend | rank | ms/step | waits ms/step | page faults k / sys ms per step "
+        "| first step s | peak RSS MiB "
         "| built / first step / steps peak MiB | steady RSS MiB "
         "| parameters MiB | optimizer state MiB | gradients MiB | peak / data parallel "
         "| first loss (rank mean) | later losses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dp = results.get("ortrain-dp") or results.get("torch-ddp")
     if dp and any("stopped" in r for r in dp):
@@ -358,10 +364,11 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
     for b, ranks in results.items():
         for r in ranks:
             if "stopped" in r:
-                lines.append(f"| {b} | {r['rank']} | stopped: {r['stopped']} |" + " - |" * 11)
+                lines.append(f"| {b} | {r['rank']} | stopped: {r['stopped']} |" + " - |" * 12)
                 continue
             lines.append(
                 f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {waits(r)} "
+                f"| {r.get('faults_per_step', 0) / 1e3:.1f} / {r.get('sys_ms_per_step', 0):.0f} "
                 f"| {r['first_step_s']:.1f} "
                 f"| {r['peak_rss_mib']:.0f} | {phases(r)} | {r['steady_rss_mib']:.0f} "
                 f"| {r.get('params_mib', 0):.1f} | {r['opt_state_mib']:.1f} "
@@ -373,7 +380,8 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         "",
         "ms/step: median of the timed steps (rank processes share the machine's CPUs); waits: "
         "per timed step, the time spent waiting on ZeRO-3's parameter gathers / on ZeRO-2/3's "
-        "gradient-bucket reduces; "
+        "gradient-bucket reduces; page faults / sys: per timed step, the minor page faults "
+        "(pages of fresh allocations touched) and the kernel's CPU time; "
         "peak RSS: ru_maxrss (for ortrain it includes the one-off export); built / first "
         "step / steps peak: RSS once the model and trainer exist, the sampled peak during the "
         "first step (export, builds, checks) and during the timed steps; steady RSS: RSS "

@@ -40,6 +40,7 @@ import torch
 from ortrain.distributed.comm import Comm, InFlight
 from ortrain.distributed.shard_config import IN_FLIGHT
 from ortrain.distributed.sharded_state import ShardedState
+from ortrain.runtime.buffer_pool import BufferPool
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
 
@@ -90,6 +91,8 @@ class ShardedGradients(ShardedState):
         self._waiting = list(self._expected)
         self._open: dict[int, torch.Tensor] = {}
         self._flying: collections.deque[tuple[int, torch.Tensor, InFlight]] = collections.deque()
+        self.bucket_pool = BufferPool(comm.device)  # the buckets, reused step to step
+        self._pooled: set[int] = set()  # ids of the open or flying buckets taken from it
         self._next = len(self.buckets) - 1  # the next bucket to go out
         self._armed = False
         self.reached: set[str] = set()  # parameters with a gradient in this micro-step
@@ -140,7 +143,13 @@ class ShardedGradients(ShardedState):
                 self._land()
         finally:
             self._armed = False
-            self._open.clear()  # a failed backward's buckets: its window starts over
+            # a failed backward's buckets: its window starts over (those in flight may
+            # still be written by their reduce: not reused)
+            for buf in [*self._open.values(), *(b for _, b, _ in self._flying)]:
+                if id(buf) in self._pooled:
+                    self.bucket_pool.forget(buf)
+            self._pooled.clear()
+            self._open.clear()
             self._flying.clear()
 
     def _arrival(self, name: str) -> Callable[[torch.Tensor], None]:
@@ -162,7 +171,7 @@ class ShardedGradients(ShardedState):
                     # bucket, no copy of it is made (autograd's reference dies below)
                     buf = self._open[k] = grad if grad.is_contiguous() else grad.clone()
                 else:
-                    buf = self._open[k] = torch.zeros(bucket.numel, device=self.comm.device)
+                    buf = self._open[k] = self._take_bucket(bucket.numel)
                 self._count_held()
             e = self._entries[name]
             view = buf[e.offset - bucket.start : e.stop - bucket.start]
@@ -192,7 +201,7 @@ class ShardedGradients(ShardedState):
             bucket = self.buckets[k]
             buf = self._open.pop(k, None)
             if buf is None:  # no gradient here on this rank: the others may have some
-                buf = torch.zeros(bucket.numel, device=self.comm.device)
+                buf = self._take_bucket(bucket.numel)
             while len(self._flying) >= IN_FLIGHT:
                 self._land()
             started = time.perf_counter()
@@ -213,6 +222,14 @@ class ShardedGradients(ShardedState):
         a, b = max(bucket.start, lo), min(bucket.stop, hi)
         if a < b:
             self.grad_shard[a - lo : b - lo].add_(buf[a - bucket.start : b - bucket.start])
+        if id(buf) in self._pooled:
+            self._pooled.discard(id(buf))
+            self.bucket_pool.give(buf)
+
+    def _take_bucket(self, numel: int) -> torch.Tensor:
+        buf = self.bucket_pool.take(numel, zero=True)
+        self._pooled.add(id(buf))
+        return buf
 
     # ------------------------------------------------------------------ the update
     def update(self, run_update: Callable[[], None]) -> None:

@@ -46,6 +46,7 @@ import torch
 
 from ortrain.distributed.comm import Comm, InFlight
 from ortrain.distributed.sharded_grads import ShardedGradients
+from ortrain.runtime.buffer_pool import BufferPool
 from ortrain.runtime.heap import trim_heap
 
 if TYPE_CHECKING:
@@ -66,8 +67,11 @@ def _release_outside(mapping: mmap.mmap, lo: int, hi: int) -> None:
 class _Gather:
     """Parameters gathered (or on their way) into one buffer."""
 
-    def __init__(self, names: list[str], lo: int, buf: torch.Tensor, flight: InFlight):
+    def __init__(
+        self, names: list[str], lo: int, buf: torch.Tensor, flight: InFlight, pooled: bool
+    ):
         self.names, self.lo, self.buf, self.flight = names, lo, buf, flight
+        self.pooled = pooled  # from the pool, and back to it when done
 
 
 class ShardedParams(ShardedGradients):
@@ -88,7 +92,9 @@ class ShardedParams(ShardedGradients):
         self.first_step_numel = self.config.layout.numel - self.config.layout.shard_numel
         self._held = 0  # elements of the gathered buffers alive now
         self._buffer_of: dict[str, int] = {}  # gathered parameter -> its buffer's id
-        self._buffers: dict[int, list[int]] = {}  # buffer id -> [numel, parameters in it]
+        # buffer id -> [the buffer, its parameters still gathered]
+        self._buffers: dict[int, list[Any]] = {}
+        self.gather_pool = BufferPool(comm.device)  # gather buffers, reused step to step
         # the segments' acquire order in a micro-step: recorded, then prefetched along
         self._trace: list[torch.nn.Module] | None = None
         self._recording: list[torch.nn.Module] = []
@@ -196,7 +202,13 @@ class ShardedParams(ShardedGradients):
         assert shard is not None
         lo = min(self._entries[n].offset for n in names)
         hi = max(self._entries[n].stop for n in names)
-        buf = torch.empty(hi - lo, device=self.comm.device)
+        # a micro-step's gathers recur every step: pooled; a whole model's for a
+        # checkpoint or an evaluation is not kept past it
+        pooled = self._armed
+        if pooled:
+            buf = self.gather_pool.take(hi - lo)
+        else:
+            buf = torch.empty(hi - lo, device=self.comm.device)
         n = layout.shard_numel
         pieces = []
         for rank in range(self.world_size):
@@ -209,7 +221,7 @@ class ShardedParams(ShardedGradients):
         flight = self.comm.start_broadcasts(pieces, "gather of parameters")
         self._held += buf.numel()
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._held)
-        return _Gather(names, lo, buf, flight)
+        return _Gather(names, lo, buf, flight, pooled)
 
     def _finish(self, g: _Gather) -> None:
         """Wait for ``g`` and make its parameters views of its buffer."""
@@ -219,6 +231,7 @@ class ShardedParams(ShardedGradients):
         fresh = [n for n in g.names if n not in self.gathered]
         if not fresh:
             self._held -= g.buf.numel()
+            self._give_back(g.buf, g.pooled)
             return
         for name in fresh:
             e = self._entries[name]
@@ -227,7 +240,7 @@ class ShardedParams(ShardedGradients):
             self._state.params[name] = view
             self.gathered.add(name)
             self._buffer_of[name] = id(g.buf)
-        self._buffers[id(g.buf)] = [g.buf.numel(), len(fresh)]
+        self._buffers[id(g.buf)] = [g.buf, len(fresh), g.pooled]
 
     def _drop(self, names: list[str]) -> None:
         if not self.sharded:
@@ -237,10 +250,17 @@ class ShardedParams(ShardedGradients):
                 self.gathered.discard(name)
                 self._params[name].data = self._placeholder
                 self._state.params[name] = self._placeholder
-                held = self._buffers[self._buffer_of.pop(name)]
+                key = self._buffer_of.pop(name)
+                held = self._buffers[key]
                 held[1] -= 1
-                if held[1] == 0:  # its last view gone: the buffer is freed
-                    self._held -= held[0]
+                if held[1] == 0:  # its last view gone: the buffer goes back to the pool
+                    del self._buffers[key]
+                    self._held -= held[0].numel()
+                    self._give_back(held[0], held[2])
+
+    def _give_back(self, buf: torch.Tensor, pooled: bool) -> None:
+        if pooled:
+            self.gather_pool.give(buf)
 
     def _flat_buffer(self, numel: int) -> torch.Tensor:
         """On CPU the flat parameters live in an anonymous mapping of their own, so that
@@ -341,6 +361,8 @@ class ShardedParams(ShardedGradients):
         finally:  # frozen or unreached ones a backward gathered, or a failed step's
             if self._ahead is not None:  # a failed step's: its buffer goes with it
                 self._held -= self._ahead.buf.numel()
+                if self._ahead.pooled:  # a broadcast may still write it: not reused
+                    self.gather_pool.forget(self._ahead.buf)
                 self._ahead = None
             self._following = False
             self._drop(list(self.gathered))

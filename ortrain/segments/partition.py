@@ -40,6 +40,7 @@ from ortrain.core.errors import ExportError, OrtrainError, first_line
 from ortrain.core.names import GradientError
 from ortrain.python_state import kept
 from ortrain.rank_memory import MemoryTally
+from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
@@ -415,11 +416,14 @@ class SegmentedModel:
         self.runners: dict[str, dict[Key, SegmentRunner | None]] = {}
         self.builds = 0
         self.tally = MemoryTally()  # what every runner's calls hold (``memory_report``)
+        # every runner's output tensors, reused (on CUDA torch's allocator caches them)
+        self.outputs = ReusePool() if device.type == "cpu" else None
         self.adopt(plan)
 
     def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:
         runner = SegmentRunner(graphs, self.session, self.device)
         runner.tally = self.tally
+        runner.pool = self.outputs
         self.builds += 1
         return runner
 

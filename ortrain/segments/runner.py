@@ -23,6 +23,7 @@ import torch
 from ortrain.core.names import DROPOUT_SWITCH_INPUT
 from ortrain.core.roles import Role
 from ortrain.rank_memory import MemoryTally
+from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs
 
@@ -67,6 +68,9 @@ class SegmentRunner:
         self.runs = 0  # forward runs (a test's and ``explain``'s count)
         self.tally = MemoryTally()  # the model's, shared by its runners (``memory_report``)
         self.seconds = 0.0  # in both graphs' runs (``explain``'s share of the step)
+        # the model's outputs, reused step to step (a fresh large tensor faults in every
+        # page again); None: allocated per call
+        self.pool: ReusePool | None = None
 
     # ------------------------------------------------------------------ state by role
     @staticmethod
@@ -87,7 +91,10 @@ class SegmentRunner:
             shape, dtype = graph.output_types[r.name]
             if shape is None or dtype not in _DTYPES:
                 raise RuntimeError(f"segment output {r.name} has no static shape ({dtype})")
-            outs[r.name] = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+            if self.pool is not None:
+                outs[r.name] = self.pool.empty(shape, _DTYPES[dtype])
+            else:
+                outs[r.name] = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
         session.bind_outputs(outs)
         return outs
 
