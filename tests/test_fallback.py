@@ -121,11 +121,9 @@ def test_a_mixed_model_trains_like_eager_with_one_warning():
     assert not program.whole and program.update == trainer.update_engine.name
     kinds = {s.module: s.kind for s in program.segments}
     assert kinds["encoder"] == "compiled" and kinds["scorer"] == "split"
-    # the segments' outputs are made over the memory of the step before's (equal to
-    # eager above all the same): no fresh tensors a step, and no more kept than used
-    outputs = seg.model.outputs
-    assert outputs.reused > 0
-    assert outputs.free_bytes + outputs.out_bytes <= outputs.peak_bytes
+    # one process keeps no outputs' memory between steps (its peak is the forward's end);
+    # ZeRO-2/3 do (tests/test_distributed.py)
+    assert seg.model.outputs is None
 
 
 def test_fallback_off_raises_the_cause():

@@ -406,6 +406,7 @@ class SegmentedModel:
         device: torch.device,
         replan: Callable[[str, Call, bool], Plan],
         home: ParamHome | None = None,
+        reuse_outputs: bool = False,
     ):
         self.module = module
         self.home = home  # ZeRO-3: gathers a compiled module's parameters around its calls
@@ -416,8 +417,9 @@ class SegmentedModel:
         self.runners: dict[str, dict[Key, SegmentRunner | None]] = {}
         self.builds = 0
         self.tally = MemoryTally()  # what every runner's calls hold (``memory_report``)
-        # every runner's output tensors, reused (on CUDA torch's allocator caches them)
-        self.outputs = ReusePool() if device.type == "cpu" else None
+        # every runner's output tensors, reused step to step (``reuse_outputs``; on CUDA
+        # torch's allocator caches them)
+        self.outputs = ReusePool() if reuse_outputs and device.type == "cpu" else None
         self.adopt(plan)
 
     def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:

@@ -54,6 +54,7 @@ class SegmentedTraining:
         blocks: bool = False,
         home: ParamHome | None = None,
         stateful: Mapping[str, str] | None = None,
+        reuse_outputs: bool = False,
     ):
         self.module = module
         self.loss_fn = loss_fn
@@ -66,6 +67,8 @@ class SegmentedTraining:
         # cut at the repeated blocks by choice (segments="blocks", ZeRO-2), not a fallback
         self.blocks = repeated_blocks(module) if blocks else None
         self.home = home  # ZeRO-3's sharded parameters (``runner.ParamHome``)
+        # the graphs' outputs made over memory earlier ones gave back (``ReusePool``)
+        self.reuse_outputs = reuse_outputs
         # modules whose forward changes their Python attributes on every call: eager
         self.stateful = dict(stateful or {})
         self.model: SegmentedModel | None = None
@@ -122,7 +125,9 @@ class SegmentedTraining:
             self.verify_seconds += new.verify_seconds
             return new
 
-        self.model = SegmentedModel(self.module, plan, self.session, self.device, replan, self.home)
+        self.model = SegmentedModel(
+            self.module, plan, self.session, self.device, replan, self.home, self.reuse_outputs
+        )
         # the planned calls' tensors (every sub-module's inputs) are not needed again
         self.recorded = dataclasses.replace(self.recorded, calls={})
         if self.home is not None and reads is not None:
