@@ -122,3 +122,20 @@ def test_the_outputs_kept_never_exceed_the_most_handed_out_at_once():
         assert pool.out_bytes == handed
         assert pool.free_bytes + pool.out_bytes <= pool.peak_bytes == most
     assert pool.reused > 0
+
+
+def test_outputs_let_go_on_other_threads_come_back_counted():
+    """A collective's worker may hold an output (a gradient it reduces) last."""
+    import threading
+
+    pool = ReusePool()
+    for _ in range(20):
+        held = [pool.empty((256,), torch.float32) for _ in range(8)]
+        workers = [threading.Thread(target=held.pop) for _ in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert not held and pool.out_bytes == 0
+        assert pool.free_bytes + pool.out_bytes <= pool.peak_bytes == 8 * 256 * 4
+    assert pool.reused == 19 * 8

@@ -15,6 +15,7 @@ the pool refers to its storage (a view kept by eager code keeps it out of the po
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -118,8 +119,15 @@ class ReusePool:
         self.out_bytes = 0  # handed out and alive
         self.peak_bytes = 0  # most ever handed out at once
         self.reused = 0  # outputs made over a kept array (a test's figure)
+        # an output's last user may let go on another thread (a collective's worker holds
+        # a gradient it reduces), and its finalizer may run inside ``empty`` (reentrant)
+        self._lock = threading.RLock()
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            return self._empty(shape, dtype)
+
+    def _empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         key = (numel, dtype)
         kept = self._free.get(key)
@@ -139,9 +147,10 @@ class ReusePool:
         return torch.from_numpy(view)
 
     def _back(self, key: tuple[int, torch.dtype], raw: np.ndarray) -> None:
-        self.out_bytes -= raw.nbytes
-        self._free.setdefault(key, []).append(raw)
-        self.free_bytes += raw.nbytes
+        with self._lock:
+            self.out_bytes -= raw.nbytes
+            self._free.setdefault(key, []).append(raw)
+            self.free_bytes += raw.nbytes
 
     def _evict(self, room: int) -> None:
         for key in sorted(self._free, key=lambda k: k[0] * k[1].itemsize, reverse=True):
