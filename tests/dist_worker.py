@@ -325,6 +325,7 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "buckets_reused": reducer.bucket_pool.reused,  # type: ignore[union-attr]
         "gathers_reused": getattr(getattr(reducer, "gather_pool", None), "reused", 0),
         "outputs_reused": segments.model.outputs.reused if segments.model.outputs else 0,
+        "tied_rows_added": segments.model.tied.added_count,
         "numel_between_steps": sum(between),
         "param_shard": getattr(reducer, "param_shard", torch.empty(0)).numel(),
         "eval_loss": eval_loss,

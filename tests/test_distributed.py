@@ -231,6 +231,8 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
         assert r["peak_open"] < r["numel"] - max(r["buckets"])
         # the buckets (and ZeRO-3's gathers) of a step are the memory of the step before's
         assert r["buckets_reused"] > 0 and r["outputs_reused"] > 0
+        # the tied embedding's rows went into the head's gradient of it on every micro-step
+        assert r["tied_rows_added"] == END
         assert (r["gathers_reused"] > 0) == (stage == 3)
 
     # what each rank holds, measured from its tensors' storages, is what

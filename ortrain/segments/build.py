@@ -59,6 +59,10 @@ class SegmentGraphs:
     grads: dict[str, str]  # parameter / ``in:<k>`` -> the backward output holding its gradient
     seconds: dict[str, float]  # export, passes, split
     nodes: tuple[int, int]  # forward, backward node counts
+    # the backward whose embedding rows add into a gradient already made (``accumulate.py``)
+    # and its inputs for them: parameter -> ``acc:`` input name (bound to that gradient)
+    backward_acc: GraphBytes | None = None
+    accumulators: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _is_float(dtype: Any) -> bool:
@@ -103,6 +107,7 @@ def build_segment(
     where it cannot be compiled)."""
     from ortrain.graph_passes.infra.pipeline import SerializedPass, run_pipeline
     from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
+    from ortrain.segments.accumulate import accumulating_variant
     from ortrain.segments.export import export_segment
     from ortrain.segments.split import split_forward_backward
 
@@ -144,7 +149,7 @@ def build_segment(
     roles[DROPOUT_SWITCH_INPUT] = GraphIO(DROPOUT_SWITCH_INPUT, Role.DROPOUT_SWITCH)
     fwd = _graph_bytes(split.forward, roles)
     bwd = _graph_bytes(split.backward, roles)
-    return SegmentGraphs(
+    graphs = SegmentGraphs(
         fwd,
         bwd,
         ex.result,
@@ -153,3 +158,10 @@ def build_segment(
         seconds,
         (len(split.forward.graph), len(split.backward.graph)),
     )
+    variant = accumulating_variant(split.backward, grads)
+    if variant is not None:
+        model_acc, graphs.accumulators = variant
+        for p, name in graphs.accumulators.items():
+            roles[name] = GraphIO(name, Role.ACCUMULATOR, of=p)
+        graphs.backward_acc = _graph_bytes(model_acc, roles)
+    return graphs

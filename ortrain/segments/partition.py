@@ -44,7 +44,7 @@ from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
-from ortrain.segments.runner import ParamHome, SegmentFunction, SegmentRunner
+from ortrain.segments.runner import ParamHome, SegmentFunction, SegmentRunner, TiedGradients
 from ortrain.verify import (
     Mismatch,
     Tolerance,
@@ -420,14 +420,36 @@ class SegmentedModel:
         # every runner's output tensors, reused step to step (``reuse_outputs``; on CUDA
         # torch's allocator caches them)
         self.outputs = ReusePool() if reuse_outputs and device.type == "cpu" else None
+        self.tied = TiedGradients()
         self.adopt(plan)
 
     def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:
         runner = SegmentRunner(graphs, self.session, self.device)
         runner.tally = self.tally
         runner.pool = self.outputs
+        runner.tied = self.tied
         self.builds += 1
         return runner
+
+    def _watch_tied(self) -> None:
+        """Parameters whose gradient two runners make, one of which can add its rows into
+        the other's (``TiedGradients``)."""
+        modules = dict(self.module.named_modules())
+        makers: dict[int, set[int]] = {}
+        adders: dict[int, torch.nn.Parameter] = {}
+        for name, table in self.runners.items():
+            m = modules[name]
+            for runner in table.values():
+                if runner is None:
+                    continue
+                for p in runner.grad_params:
+                    makers.setdefault(id(m.get_parameter(p)), set()).add(id(runner))
+                for p in runner.graphs.accumulators:
+                    param = m.get_parameter(p)
+                    adders[id(param)] = param
+        for key, param in adders.items():
+            if len(makers.get(key, ())) >= 2:
+                self.tied.watch(param)
 
     def adopt(self, plan: Plan) -> None:
         made: dict[int, SegmentRunner] = {}
@@ -440,6 +462,7 @@ class SegmentedModel:
                 if index not in made:
                     made[index] = self._runner(plan.graphs[index])
                 table[key] = made[index]
+        self._watch_tied()
 
     @property
     def compiled(self) -> list[str]:
@@ -490,6 +513,7 @@ class SegmentedModel:
             key = (call.signature, m.training)
             if key not in table:
                 table[key] = self._build(name, call, m.training)
+                self._watch_tied()
             runner = table[key]
             if runner is None:
                 return original(*args, **kwargs), True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -50,8 +51,10 @@ class SegmentRunner:
     ):
         self.graphs = graphs
         self.device = device
+        self._session = session
         self.fwd = session(graphs.forward)
         self.bwd = session(graphs.backward)
+        self.bwd_acc: BoundSession | None = None  # made on its first use
         self.dropout_on = torch.ones((), dtype=torch.bool, device=device)
         for s in (self.fwd, self.bwd):
             s.bind_inputs({DROPOUT_SWITCH_INPUT: self.dropout_on})
@@ -71,6 +74,8 @@ class SegmentRunner:
         # the model's outputs, reused step to step (a fresh large tensor faults in every
         # page again); None: allocated per call
         self.pool: ReusePool | None = None
+        # gradients another segment made of parameters this one adds rows to (the model's)
+        self.tied: TiedGradients | None = None
 
     # ------------------------------------------------------------------ state by role
     @staticmethod
@@ -85,9 +90,13 @@ class SegmentRunner:
                 out[r.name] = buffers[r.name]
         return out
 
-    def _outputs(self, session: BoundSession, graph: GraphBytes) -> dict[str, torch.Tensor]:
-        outs = {}
+    def _outputs(
+        self, session: BoundSession, graph: GraphBytes, given: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        outs = dict(given or {})
         for r in graph.outputs:
+            if r.name in outs:
+                continue
             shape, dtype = graph.output_types[r.name]
             if shape is None or dtype not in _DTYPES:
                 raise RuntimeError(f"segment output {r.name} has no static shape ({dtype})")
@@ -139,11 +148,27 @@ class SegmentRunner:
         read: dict[int, torch.Tensor],
         saved: list[torch.Tensor],
         grad_outputs: list[torch.Tensor],
+        into: dict[str, torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
         """(gradients of the call's ``n_inputs`` tensors, gradients of the trainable
         parameters) for the output gradients ``grad_outputs``; ``read``: the call's tensors
-        the backward graph reads (``backward_reads``), by position."""
-        g = self.graphs.backward
+        the backward graph reads (``backward_reads``), by position. ``into``: gradients
+        already made of parameters in ``graphs.accumulators``, which this backward adds
+        its rows to in place (and returns as theirs)."""
+        g, session, given = self.graphs.backward, self.bwd, {}
+        if into and self.graphs.backward_acc is not None:
+            g = self.graphs.backward_acc
+            if self.bwd_acc is None:
+                self.bwd_acc = self._session(g)
+                self.bwd_acc.bind_inputs({DROPOUT_SWITCH_INPUT: self.dropout_on})
+            session = self.bwd_acc
+            for p, name in self.graphs.accumulators.items():
+                out = self.graphs.grads[p]
+                t = into.get(p)
+                if t is None:  # no gradient made yet: rows into zeros, as the plain graph
+                    shape, dtype = g.output_types[out]
+                    t = torch.zeros(shape, dtype=_DTYPES[dtype], device=self.device)
+                given[out] = given[name] = t
         feed = {**self._state(module, g), **{f"in:{k}": t.detach() for k, t in read.items()}}
         feed.update(zip(self.graphs.saved, saved))
         seeds = {r.of: r.name for r in g.inputs if r.role is Role.OUTPUT_GRADIENT}
@@ -151,13 +176,14 @@ class SegmentRunner:
         for name, grad in zip(names, grad_outputs, strict=True):
             if name in seeds:
                 feed[seeds[name]] = grad
-        keep = self._bind(self.bwd, feed)
-        outs = self._outputs(self.bwd, g)
+        feed.update({n: t for n, t in given.items() if n in session.input_names})
+        keep = self._bind(session, feed)
+        outs = self._outputs(session, g, {n: t for n, t in given.items() if n in g.output_types})
         start = time.perf_counter()
-        self.bwd.run()
-        self.bwd.release_outputs()
+        session.run()
+        session.release_outputs()
         self.seconds += time.perf_counter() - start
-        del keep
+        del keep, given
         grads = self.graphs.grads
         self.tally.passing(sum(t.nbytes for t in outs.values()))
         in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
@@ -238,9 +264,84 @@ class SegmentFunction(torch.autograd.Function):
         n = len(runner.backward_reads)
         read = dict(zip(runner.backward_reads, tensors[:n]))
         grads = [g.contiguous() for g in grad_outputs]  # torch gives zeros for unused ones
+        tied, named, into = runner.tied, {}, {}
+        if tied is not None and runner.graphs.accumulators:
+            named = dict(ctx.module.named_parameters())
+            for p in runner.graphs.accumulators:
+                out_type = runner.graphs.backward.output_types[runner.graphs.grads[p]]
+                made = tied.take(named[p], out_type)
+                if made is not None:
+                    into[p] = made
         in_grads, param_grads = runner.backward(
-            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads
+            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into
         )
         runner.tally.drop(ctx.saved_bytes)
-        params = [param_grads.get(p) for p in runner.grad_params]
+        params: list[torch.Tensor | None] = []
+        for p in runner.grad_params:
+            grad = param_grads.get(p)
+            if p in into:  # added in place to the gradient autograd holds for it already
+                tied.added(named[p], grad)  # type: ignore[union-attr]
+                grad = None
+            elif tied is not None and tied.eligible and grad is not None:
+                tied.offer(named[p] if p in named else ctx.module.get_parameter(p), grad)
+            params.append(grad)
+        del into, param_grads
         return (None, None, None, None, *in_grads, *params)
+
+
+class TiedGradients:
+    """Parameters whose gradient two compiled segments make, one of them by adding
+    embedding rows into zeros (a tied embedding and LM head): the first gradient made in a
+    backward is remembered (weakly: autograd holds it until the last one is added), and the
+    rows segment adds into it in place (``accumulate.py``) instead of making a table-sized
+    tensor of its own for autograd to add. A parameter's pre-hook checks that the tensor
+    autograd accumulates is the one the rows went into."""
+
+    def __init__(self) -> None:
+        self.eligible: set[int] = set()  # id of each parameter it handles
+        self._made: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._into: dict[int, int] = {}  # id -> data_ptr of the tensor the rows went into
+        self._hooked: set[int] = set()
+        self.added_count = 0  # rows added in place so far (a test's figure)
+
+    def watch(self, param: torch.nn.Parameter) -> None:
+        self.eligible.add(id(param))
+        if id(param) not in self._hooked:
+            self._hooked.add(id(param))
+            param.register_hook(self._checker(id(param)))
+
+    def _checker(self, key: int) -> Callable[[torch.Tensor], None]:
+        def check(grad: torch.Tensor) -> None:
+            ptr = self._into.pop(key, None)
+            if ptr is not None and grad.data_ptr() != ptr:
+                raise RuntimeError(
+                    "ortrain: a tied parameter's gradient was replaced after a segment added "
+                    "its embedding rows into it (the rows would be lost); train with "
+                    'TrainerOptions(segments="auto") or report this'
+                )
+
+        return check
+
+    def offer(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        key = id(param)
+        if key in self.eligible and key not in self._made and grad.is_contiguous():
+            self._made[key] = weakref.ref(grad)
+
+    def take(self, param: torch.Tensor, out_type: tuple[Any, str]) -> torch.Tensor | None:
+        """The gradient of ``param`` another segment made in this backward, if autograd
+        still holds it and it has the rows output's shape and type."""
+        ref = self._made.pop(id(param), None)
+        grad = ref() if ref is not None else None
+        shape, dtype = out_type
+        if grad is None or tuple(grad.shape) != shape or grad.dtype != _DTYPES.get(dtype):
+            return None
+        return grad
+
+    def added(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self._into[id(param)] = grad.data_ptr()
+        self.added_count += 1
+
+    def clear(self) -> None:
+        """After a backward: what it made is autograd's no more."""
+        self._made.clear()
+        self._into.clear()

@@ -198,7 +198,10 @@ class SegmentedTraining:
                     f"the loss must be a scalar (0-dim) tensor, got {list(loss.shape)}"
                 )
             if loss.requires_grad:
-                (loss * scale if scale is not None else loss).backward()
+                try:
+                    (loss * scale if scale is not None else loss).backward()
+                finally:
+                    self.model.tied.clear()
         self.step_seconds += time.perf_counter() - start
         self.steps += 1
         return loss.detach()
