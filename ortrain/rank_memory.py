@@ -19,8 +19,10 @@ the process's own bytes, and the measured resident peak they should add up to:
                      gradient temporaries)
     sessions         resident bytes that creating the ONNX Runtime sessions added
 
-A class the trainer cannot see (eager code's own activations, a caller's tensors) is
-the difference between ``total`` and ``measured_peak``, shown as ``unaccounted``.
+``total`` is their sum, except that the first step's whole parameters and a later step's
+buckets and gathers never coexist: the larger of the two is counted. A class the trainer
+cannot see (eager code's own activations, a caller's tensors) is the difference between
+``total`` and ``measured_peak``, shown as ``unaccounted``.
 """
 
 from __future__ import annotations
@@ -117,16 +119,16 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        # the states' in-flight bytes are ``buckets + gathered``, listed on their own
+        # the states' in-flight bytes are ``buckets + gathered``, listed on their own; the
+        # first step's whole parameters are gone before any bucket or gather exists (the
+        # plan is made on them, then they are sharded), so the larger of the two counts
         s = self.states
         return (
             self.runtime
             + s.parameters
             + s.gradients
             + s.optimizer_state
-            + self.buckets
-            + self.gathered
-            + self.first_step
+            + max(self.buckets + self.gathered, self.first_step)
             + self.activations
             + self.sessions
         )

@@ -105,3 +105,22 @@ def test_memory_report_accounts_for_the_rank_by_class(segments):
     assert rep.unaccounted == rep.measured_peak - rep.total
     text = rep.format()
     assert "gathered parameters" in text and f"{rep.total / 2**20:.1f}" in text
+
+
+def test_the_first_steps_whole_parameters_and_later_gathers_count_once():
+    """ZeRO-3 plans its first step on whole parameters and shards them before any bucket
+    or gather exists: the report's total counts the larger of the two, not both."""
+    import dataclasses
+
+    from ortrain.memory_estimate import StateBytes
+    from ortrain.rank_memory import RankMemory
+
+    states = StateBytes(
+        world_size=2, zero_stage=3, parameters=100, gradients=100, in_flight=0, optimizer_state=200
+    )
+    base = RankMemory(states, 50, 30, 40, 0, 20, 10, 1000, 900, None)
+    assert base.total == 50 + 400 + 30 + 40 + 20 + 10
+    bigger = dataclasses.replace(base, first_step=100)
+    assert bigger.total == base.total - 70 + 100
+    smaller = dataclasses.replace(base, first_step=60)
+    assert smaller.total == base.total

@@ -183,9 +183,10 @@ class SegmentRunner:
         session.run()
         session.release_outputs()
         self.seconds += time.perf_counter() - start
+        # made by this run: not the gradients it added rows into (made before, held already)
+        self.tally.passing(sum(t.nbytes for n, t in outs.items() if n not in given))
         del keep, given
         grads = self.graphs.grads
-        self.tally.passing(sum(t.nbytes for t in outs.values()))
         in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
         param_grads = {p: outs[grads[p]] for p in self.grad_params}
         return in_grads, param_grads
