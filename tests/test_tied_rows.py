@@ -72,7 +72,7 @@ def test_the_rows_go_into_the_heads_gradient_and_train_like_eager():
     assert emb_runner.graphs.accumulators == {"weight": "acc:weight"}
     assert seg.tied.eligible == {id(trainer.module.emb.weight)}
     assert seg.tied.added_count == 4  # every backward: the head's gradient came first
-    assert emb_runner.bwd_acc is not None
+    assert emb_runner.bwd_acc is not None and emb_runner._bwd is None
 
 
 @pytest.mark.slow
@@ -90,10 +90,15 @@ def test_accumulation_and_eager_code_reading_the_tied_table():
 
 
 def test_an_untied_embedding_keeps_its_own_rows():
+    """Its rows go into zeros made per backward: the plain graph, whose zeros ONNX Runtime
+    would fold into a table-sized constant its session keeps, is never made."""
     trainer = train_like_eager(lambda: _LM(tied=False), _batches(2), BLOCKS)
     seg = trainer.segments.model
     assert not seg.tied.eligible and seg.tied.added_count == 0
-    assert next(iter(seg.runners["emb"].values())).bwd_acc is None  # never made
+    runner = next(iter(seg.runners["emb"].values()))
+    assert runner.bwd_acc is not None and runner._bwd is None
+    block = next(iter(seg.runners["blocks.0"].values()))
+    assert block.graphs.backward_acc is None and block._bwd is not None  # no rows: plain
 
 
 def test_a_gradient_replaced_after_the_rows_went_in_raises():

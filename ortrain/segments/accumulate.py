@@ -32,10 +32,24 @@ def accumulating_variant(
     """(a copy of ``model`` whose rows-into-zeros gradients add into an input, {parameter:
     that input's name}); None where no gradient of ``grad_outputs`` (parameter -> output
     name) is made that way."""
+    if not _sites(model.graph, grad_outputs):
+        return None
     variant = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     graph = variant.graph
-    outputs = {v.name: v for v in graph.outputs}
     made: dict[str, str] = {}
+    for param, (node, out) in _sites(graph, grad_outputs).items():
+        acc = ir.Value(name=ACC_PREFIX + param, shape=out.shape, type=ir.TensorType(out.dtype))
+        graph.inputs.append(acc)
+        node.replace_input_with(0, acc)
+        made[param] = str(acc.name)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(variant)
+    return variant, made
+
+
+def _sites(graph: ir.Graph, grad_outputs: Mapping[str, str]) -> dict[str, tuple[ir.Node, ir.Value]]:
+    """parameter -> (its scatter, its gradient output) for each rows-into-zeros gradient."""
+    outputs = {v.name: v for v in graph.outputs}
+    found = {}
     for param, name in grad_outputs.items():
         out = outputs.get(name)
         if param.startswith("in:") or out is None:
@@ -46,17 +60,10 @@ def accumulating_variant(
         base = node.inputs[0]
         if base is None or base.shape != out.shape or base.dtype != out.dtype:
             continue
-        uses = base.uses()
-        if len(uses) != 1 or base.name in outputs or not _zeros(base):
+        if len(base.uses()) != 1 or base.name in outputs or not _zeros(base):
             continue
-        acc = ir.Value(name=ACC_PREFIX + param, shape=out.shape, type=ir.TensorType(out.dtype))
-        graph.inputs.append(acc)
-        node.replace_input_with(0, acc)
-        made[param] = str(acc.name)
-    if not made:
-        return None
-    onnx_ir.passes.common.RemoveUnusedNodesPass()(variant)
-    return variant, made
+        found[param] = (node, out)
+    return found
 
 
 def _zeros(value: ir.Value) -> bool:

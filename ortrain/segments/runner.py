@@ -52,12 +52,12 @@ class SegmentRunner:
         self.graphs = graphs
         self.device = device
         self._session = session
-        self.fwd = session(graphs.forward)
-        self.bwd = session(graphs.backward)
-        self.bwd_acc: BoundSession | None = None  # made on its first use
         self.dropout_on = torch.ones((), dtype=torch.bool, device=device)
-        for s in (self.fwd, self.bwd):
-            s.bind_inputs({DROPOUT_SWITCH_INPUT: self.dropout_on})
+        self.fwd = self._made(graphs.forward)
+        # the backward's sessions, made on first use: a segment whose rows go into zeros
+        # runs only the accumulating one (``backward``)
+        self._bwd: BoundSession | None = None
+        self.bwd_acc: BoundSession | None = None
         self.trainable = [
             r.name
             for r in graphs.forward.inputs + graphs.backward.inputs
@@ -76,6 +76,17 @@ class SegmentRunner:
         self.pool: ReusePool | None = None
         # gradients another segment made of parameters this one adds rows to (the model's)
         self.tied: TiedGradients | None = None
+
+    def _made(self, graph: GraphBytes) -> BoundSession:
+        session = self._session(graph)
+        session.bind_inputs({DROPOUT_SWITCH_INPUT: self.dropout_on})
+        return session
+
+    @property
+    def bwd(self) -> BoundSession:
+        if self._bwd is None:
+            self._bwd = self._made(self.graphs.backward)
+        return self._bwd
 
     # ------------------------------------------------------------------ state by role
     @staticmethod
@@ -106,6 +117,13 @@ class SegmentRunner:
                 outs[r.name] = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
         session.bind_outputs(outs)
         return outs
+
+    def _zeros(self, shape: tuple[int, ...] | None, dtype: str) -> torch.Tensor:
+        if shape is None or dtype not in _DTYPES:
+            raise RuntimeError(f"segment gradient has no static shape ({dtype})")
+        if self.pool is not None:
+            return self.pool.empty(shape, _DTYPES[dtype]).zero_()
+        return torch.zeros(shape, dtype=_DTYPES[dtype], device=self.device)
 
     @staticmethod
     def _bind(session: BoundSession, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -155,19 +173,23 @@ class SegmentRunner:
         the backward graph reads (``backward_reads``), by position. ``into``: gradients
         already made of parameters in ``graphs.accumulators``, which this backward adds
         its rows to in place (and returns as theirs)."""
-        g, session, given = self.graphs.backward, self.bwd, {}
-        if into and self.graphs.backward_acc is not None:
+        given: dict[str, torch.Tensor] = {}
+        if self.graphs.backward_acc is None:
+            g, session = self.graphs.backward, self.bwd
+        else:
+            # Always this one where it exists: the plain graph's zeros are a constant that
+            # ONNX Runtime folds into an initializer its session keeps (a table's worth,
+            # copied into the output on every run); here they are made per run, or the rows
+            # go into a gradient another segment made
             g = self.graphs.backward_acc
             if self.bwd_acc is None:
-                self.bwd_acc = self._session(g)
-                self.bwd_acc.bind_inputs({DROPOUT_SWITCH_INPUT: self.dropout_on})
+                self.bwd_acc = self._made(g)
             session = self.bwd_acc
             for p, name in self.graphs.accumulators.items():
                 out = self.graphs.grads[p]
-                t = into.get(p)
-                if t is None:  # no gradient made yet: rows into zeros, as the plain graph
-                    shape, dtype = g.output_types[out]
-                    t = torch.zeros(shape, dtype=_DTYPES[dtype], device=self.device)
+                t = (into or {}).get(p)
+                if t is None:
+                    t = self._zeros(*g.output_types[out])
                 given[out] = given[name] = t
         feed = {**self._state(module, g), **{f"in:{k}": t.detach() for k, t in read.items()}}
         feed.update(zip(self.graphs.saved, saved))
