@@ -66,6 +66,8 @@ left out with ``optimize=False``):
                        (``cpu_kernels=True``)
 17. cpu_layer_norm     fp32 LayerNorms (with the residual Add before them) and GELUs
     cpu_gelu           on ortrain's CPU kernels, which share the BLAS products' threads
+    cpu_dropout        training Dropouts drawn by ortrain's CPU kernel: counter-based, on
+                       those threads (``cpu_kernels=True``; a kernel choice too)
     layer_norm_grad_sum  the residual gradient's Sums taken into LayerNormGrad
     cpu_split_concat   last-axis fp32 Splits / Concats (the QKV's) copied on those threads
     cpu_elementwise    large fp32 Mul / Add / Sub / Sum on those threads
@@ -132,6 +134,7 @@ from ortrain.graph_passes.targets.cpu.batch_norm_training import train_batch_nor
 from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
 from ortrain.graph_passes.targets.cpu.blas_gemm import lower_gemm_to_blas
 from ortrain.graph_passes.targets.cpu.causal_products import mark_causal_products
+from ortrain.graph_passes.targets.cpu.dropout import lower_dropout
 from ortrain.graph_passes.targets.cpu.elementwise import lower_elementwise
 from ortrain.graph_passes.targets.cpu.gelu import lower_gelu
 from ortrain.graph_passes.targets.cpu.gelu_value import take_gelu_values
@@ -477,6 +480,11 @@ def pipeline_entries(
         Entry(
             Pass("cpu_gelu", lower_gelu, stage="target", target="cpu", gate=kernels,
                  test=fwd_kernels, on_eval=True),
+            _cpu_kernels,
+        ),
+        Entry(
+            Pass("cpu_dropout", lower_dropout, stage="target", target="cpu", gate=kernels,
+                 test="tests/test_dropout_kernel.py"),
             _cpu_kernels,
         ),
         Entry(

@@ -133,7 +133,8 @@ def test_the_target_stage_alone_is_the_pipelines_target_passes():
         "half_in_float", "blas_gemm", "blas_batch_matmul", "scatter_rows", "scatter_in_place",
         "cpu_softmax",
         "cpu_scatter_last", "causal_products", "gelu_value", "cpu_layer_norm", "cpu_gelu",
-        "layer_norm_grad_sum", "cpu_split_concat", "cpu_elementwise", "transposed_activations",
+        "cpu_dropout", "layer_norm_grad_sum", "cpu_split_concat", "cpu_elementwise",
+        "transposed_activations",
     ]  # fmt: skip
     # on CPU builds without ortrain's kernels: the 16-bit nodes ONNX Runtime lacks, only
     assert [p.name for p in target_pipeline(BuildConfig(), inputs, BuildProducts())] == [

@@ -18,7 +18,7 @@ int ortrain_omp_team = 0;
 long ortrain_team_runs = 0;
 
 /* ortrain/runtime/cpu_ops.py: ABI_VERSION, checked before any other symbol is used */
-int ortrain_cpu_ops_abi_version(void) { return 6; }
+int ortrain_cpu_ops_abi_version(void) { return 7; }
 /* the instruction-set variant this file was compiled as: baseline, avx2 or avx512 */
 const char* ortrain_cpu_ops_isa(void) { return ORTRAIN_CPU_ISA; }
 
@@ -67,15 +67,20 @@ typedef struct {
   size_t inputs, outputs;
   size_t required_inputs, required_outputs; /* the rest may be left out */
   int int64_input;                          /* the index of an int64 input, or -1 */
+  const int *in_types, *out_types;          /* each input's / output's element type, or
+                                               NULL: float32 (but int64_input) */
 } KernelOp;
 
 #define KOP(op) ((const KernelOp*)(op))
 static const char* op_name(const OrtCustomOp* op) { return KOP(op)->name; }
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int op_input_type(const OrtCustomOp* op, size_t i) {
+  if (KOP(op)->in_types != NULL) return KOP(op)->in_types[i];
   return (int)i == KOP(op)->int64_input ? ELEM_INT64 : ELEM_FLOAT;
 }
-static int op_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static int op_output_type(const OrtCustomOp* op, size_t i) {
+  return KOP(op)->out_types != NULL ? KOP(op)->out_types[i] : ELEM_FLOAT;
+}
 static size_t op_inputs(const OrtCustomOp* op) { return KOP(op)->inputs; }
 static size_t op_outputs(const OrtCustomOp* op) { return KOP(op)->outputs; }
 static int op_input_kind(const OrtCustomOp* op, size_t i) {
@@ -109,6 +114,8 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
                                                                   &transposed);
   if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), transposed = 0; /* absent */
   k->out_transposed = (int)transposed;
+  st = API_FN(api, I_KernelInfoGetAttribute_int64, GetAttrInt64Fn)(info, "seed", &k->seed);
+  if (st) API_FN(api, I_ReleaseStatus, ReleaseStatusFn)(st), k->seed = ortrain_dropout_default_seed(k);
   *out = k;
   return NULL;
 }
@@ -134,8 +141,10 @@ static void release_inplace(int* input_index, int* output_index) {
 }
 
 /* name, inputs (required of them), outputs (required of them), compute, int64 input; the
- * op-table version and GetMayInplace / ReleaseMayInplace (NULL: none offered) */
-#define KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, version_, inplace, release) \
+ * op-table version, GetMayInplace / ReleaseMayInplace (NULL: none offered) and the element
+ * types of the inputs and outputs (NULL: float32, but the int64 input) */
+#define KERNEL_OP_T(name_, n_in, req_in, n_out, req_out, fn, int64_in, version_, inplace, release, \
+                    in_types_, out_types_)                                                  \
   {                                                                          \
     .op =                                                                    \
         {                                                                    \
@@ -163,14 +172,22 @@ static void release_inplace(int* input_index, int* output_index) {
         },                                                                   \
     .name = name_, .inputs = n_in, .outputs = n_out,                         \
     .required_inputs = req_in, .required_outputs = req_out,                  \
-    .int64_input = int64_in                                                  \
+    .int64_input = int64_in, .in_types = in_types_, .out_types = out_types_ \
   }
+#define KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, version_, inplace, release) \
+  KERNEL_OP_T(name_, n_in, req_in, n_out, req_out, fn, int64_in, version_, inplace, release, NULL, NULL)
 #define KERNEL_OP(name_, n_in, req_in, n_out, req_out, fn, int64_in) \
   KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, API_VERSION, NULL, NULL)
 /* ... and output 0 may take input 0's buffer (op version 18: GetMayInplace) */
 #define KERNEL_OP_INPLACE(name_, n_in, req_in, n_out, req_out, fn, int64_in)                  \
   KERNEL_OP_V(name_, n_in, req_in, n_out, req_out, fn, int64_in, INPLACE_API_VERSION,        \
               x_to_y_inplace, release_inplace)
+
+/* Dropout's element types (dropout_kernels.c) */
+static const int g_dropout_in[3] = {ELEM_FLOAT, ELEM_FLOAT, ELEM_BOOL};
+static const int g_dropout_out[2] = {ELEM_FLOAT, ELEM_BOOL};
+static const int g_dropout_grad_in[4] = {ELEM_FLOAT, ELEM_BOOL, ELEM_FLOAT, ELEM_BOOL};
+static const int g_float_out[1] = {ELEM_FLOAT};
 
 static const KernelOp g_ops[] = {
     /* GELU backwards: Y (the GELU itself) optional */
@@ -204,6 +221,11 @@ static const KernelOp g_ops[] = {
     KERNEL_OP("Sum", 8, 2, 1, 1, ortrain_sum_compute, -1),
     /* the optimizer update in the backward (update_kernels.c): up to 8 ordering inputs */
     KERNEL_OP("AdamStep", 14, 6, 1, 1, ortrain_adam_step_compute, -1),
+    /* dropout_kernels.c: X, ratio?, training_mode? -> Y, mask?; and its backward */
+    KERNEL_OP_T("Dropout", 3, 1, 2, 1, ortrain_dropout_compute, -1, API_VERSION, NULL, NULL,
+                g_dropout_in, g_dropout_out),
+    KERNEL_OP_T("DropoutGrad", 4, 2, 1, 1, ortrain_dropout_grad_compute, -1, API_VERSION, NULL,
+                NULL, g_dropout_grad_in, g_float_out),
 };
 #define N_OPS (sizeof g_ops / sizeof g_ops[0])
 

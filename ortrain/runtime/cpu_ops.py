@@ -58,10 +58,11 @@ SOURCES = tuple(
         "softmax.c",
         "blas_gemm.c",
         "blas_batch.c",
+        "dropout_kernels.c",
     )
 )
 HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h", _HERE / "adam_math.h")
-ABI_VERSION = 6  # cpu_ops.c: ortrain_cpu_ops_abi_version
+ABI_VERSION = 7  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
 KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")
 # The compiler flags of each variant: CMakeLists.txt's ISA_FLAGS_* (the development build)

@@ -145,6 +145,8 @@ typedef struct {
   int grad_transposed; /* AdamStep's "grad_transposed" attribute, default 0 */
   int out_transposed;  /* the "out_transposed" attribute, default 0: bit i set, output i is
                           stored as its 2-D view's transpose (below) */
+  int64_t seed;        /* Dropout's "seed" attribute (dropout_kernels.c) */
+  uint64_t runs;       /* Dropout: the runs so far, each its own draws */
 } Kernel;
 
 /* ------------------------------------------------------------------- threading */
@@ -202,7 +204,7 @@ static inline OrtStatus* input_typed(const Kernel* k, OrtKernelContext* ctx, siz
   if ((st = ort_shape_of(api, v, t->dims, &t->rank, &elem))) return st;
   if (elem != type)
     return ort_invalid(api, "ortrain.cpu.%s: input %zu must be %s, got element type %d", k->name,
-                       i, type == ELEM_INT64 ? "int64" : "float32", elem);
+                       i, type == ELEM_INT64 ? "int64" : type == ELEM_BOOL ? "bool" : "float32", elem);
   t->count = 1;
   for (size_t d = 0; d < t->rank; ++d) t->count *= t->dims[d];
   return API_FN(api, I_GetTensorMutableData, GetTensorMutableDataFn)((OrtValue*)v, &t->data);
@@ -303,5 +305,8 @@ OrtStatus* ortrain_sum_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_adam_step_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_last_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_add_last_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_dropout_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_dropout_grad_compute(void* kernel, OrtKernelContext* ctx);
+int64_t ortrain_dropout_default_seed(const void* kernel);
 
 #endif

@@ -30,7 +30,7 @@ typedef struct OrtApiBase {
 enum { API_VERSION = 16 };           /* CreateKernelV2 / KernelComputeV2 */
 enum { INPLACE_API_VERSION = 18 };   /* GetMayInplace: ops that offer their output in place */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { ELEM_FLOAT = 1, ELEM_INT64 = 7 }; /* ONNX_TENSOR_ELEMENT_DATA_TYPE_* */
+enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_BOOL = 9 }; /* ONNX_TENSOR_ELEMENT_DATA_TYPE_* */
 enum { REQUIRED = 0, OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic */
 
 /* Indices into the OrtApi table (one function pointer each). */

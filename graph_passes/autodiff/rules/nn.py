@@ -3,7 +3,8 @@
 Stock onnxruntime has no training kernels (SoftmaxGrad, LayerNormalizationGrad,
 GeluGrad, DropoutGrad), so each backward is spelled in standard ONNX ops; CPU builds
 with ortrain's kernel library emit its fused fp32 kernels instead (``ctx.kernel_for``:
-``ortrain/runtime/grad_kernels.c``, held to these spellings by tests/test_grad_kernels.py).
+``ortrain/runtime/grad_kernels.c`` and ``dropout_kernels.c``, held to these spellings by
+tests/test_grad_kernels.py and tests/test_dropout_kernel.py).
 """
 
 from __future__ import annotations
@@ -197,6 +198,10 @@ def dropout(ctx: GradContext):
     g = ctx.GO(0)
     if not ctx.has_input(2):  # no training_mode input: inference, identity
         return {0: g}
+    ratio_f32 = not ctx.has_input(1) or ctx.I(1).dtype == ir.DataType.FLOAT
+    if ctx.kernel_for(g) and ratio_f32 and ctx.O(1).dtype == ir.DataType.BOOL:
+        ratio = ctx.I(1) if ctx.has_input(1) else ctx.scalar_like(0.5, g)
+        return {0: ctx.kernel("DropoutGrad", g, ctx.O(1), ratio, ctx.I(2), like=g)}
     mask = ctx.cast_like(ctx.O(1), g)
     if ctx.has_input(1):
         ratio = ctx.cast_like(ctx.I(1), g)
