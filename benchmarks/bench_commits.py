@@ -64,7 +64,7 @@ def run_once(
             sys.executable, "-c", _LAUNCH, str(tree / "benchmarks" / "bench_train.py"),
             "--backend", backend, "--workload", workload, "--json", str(out),
             "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--threads", str(args.threads),
+            "--threads", str(args.threads), "--dropout", str(args.dropout),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(tree), "ORTRAIN_GRAPH_CACHE": "0",
                "BENCH_TREE": str(tree), "ORTRAIN_NATIVE_DIR": str(native)}  # fmt: skip
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0, help="all dropout probabilities")
     p.add_argument("--json", type=Path, help="write every run's result here")
     p.add_argument("--native-root", type=Path, default=Path(tempfile.gettempdir()) / "bench-native")
     args = p.parse_args(argv)

@@ -344,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     budget = Budget(args.budget_s, args.run_cap_s)
     names = list(DRY_WORKLOADS) if args.dry_run else list(GPU_WORKLOADS)
+    if args.workloads:
+        unknown = sorted(set(args.workloads) - set(names))
+        if unknown:
+            raise SystemExit(f"unknown workload(s) {unknown}: {', '.join(names)}")
+        names = [n for n in names if n in args.workloads]
     # In order of what the issue asks most, so that a short budget drops the least:
     # fp32 against eager, fp16 against AMP, the largest batch, then torch.compile and
     # CUDA graphs.
@@ -395,6 +400,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-doublings", type=int, help="largest-batch search (default 6; dry 1)")
     p.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--backends", type=lambda s: s.split(","), default=list(BACKENDS))
+    p.add_argument(
+        "--workloads", type=lambda s: s.split(","), help="a subset of the workloads (default all)"
+    )
     # child only
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)

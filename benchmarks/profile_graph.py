@@ -58,6 +58,7 @@ def workload_graph(
     seed: int,
     cpu_gemm: str = "auto",
     cpu_kernels: str = "auto",
+    dropout: float = 0.0,
 ) -> tuple[Path, dict[str, np.ndarray], int]:
     """Run one train step of workload ``name``.
 
@@ -69,7 +70,7 @@ def workload_graph(
     torch.set_num_threads(threads)
     _quiet_transformers()
     torch.manual_seed(seed)
-    model = w.build(w, 0.0)
+    model = w.build(w, dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     trainer = ORTTrainer(
         model,
@@ -309,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-kernels", choices=["auto", "ortrain", "onnxruntime"], default="auto",
         help="TrainerOptions.cpu_kernels of the workload's trainer",
     )  # fmt: skip
+    p.add_argument("--dropout", type=float, default=0.0, help="the workload's dropout")
     p.add_argument("--runs", type=int, default=5, help="measured runs")
     p.add_argument("--warmup-runs", type=int, default=2, help="runs left out of the aggregate")
     p.add_argument("--top", type=int, default=15, help="op types to list")
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.seed,
                 args.cpu_gemm,
                 args.cpu_kernels,
+                args.dropout,
             )
         # The trainer runs RemoveUnusedNodesPass on the gradient graph after saving it.
         remove = not args.no_remove_unused and path.name.startswith("train.")

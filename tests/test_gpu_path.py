@@ -937,8 +937,9 @@ def test_gpu_checks_dry_run_writes_the_summary(tmp_path):
     env = {
         **os.environ,
         "OUT": str(tmp_path / "out"),
-        # no batch doublings: test_largest_batch_doubles_until_out_of_memory checks the search
-        "BENCH_ARGS": "--backends torch,ortrain --max-doublings 0",
+        # no batch doublings: test_largest_batch_doubles_until_out_of_memory checks the search;
+        # one workload: the plumbing is the same for the other
+        "BENCH_ARGS": "--backends torch,ortrain --max-doublings 0 --workloads gpt2-dry",
         "BUDGET_dp": "240",
         # one world-of-one case: the suite runs them all itself; here the plumbing
         "DP_SELECT": "world_of_one_reducer and 1-cpu",
@@ -962,6 +963,7 @@ def test_gpu_checks_dry_run_writes_the_summary(tmp_path):
         "torch",
         "ortrain",
     }
-    assert all(r["ok"] for r in bench["runs"]) and len(bench["largest"]) == 4
+    assert all(r["ok"] for r in bench["runs"]) and len(bench["largest"]) == 2
+    assert {r["workload"] for r in bench["runs"]} == {"gpt2-dry"}
     md = (out / "gpu-checks.md").read_text()
     assert "| dp | ok |" in md and "# GPU benchmark (dry run on CPU: tiny models)" in md
