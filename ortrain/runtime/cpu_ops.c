@@ -18,7 +18,7 @@ int ortrain_omp_team = 0;
 long ortrain_team_runs = 0;
 
 /* ortrain/runtime/cpu_ops.py: ABI_VERSION, checked before any other symbol is used */
-int ortrain_cpu_ops_abi_version(void) { return 7; }
+int ortrain_cpu_ops_abi_version(void) { return 8; }
 /* the instruction-set variant this file was compiled as: baseline, avx2 or avx512 */
 const char* ortrain_cpu_ops_isa(void) { return ORTRAIN_CPU_ISA; }
 
@@ -196,6 +196,7 @@ static const KernelOp g_ops[] = {
     KERNEL_OP("SoftmaxGrad", 2, 2, 1, 1, ortrain_softmax_grad_compute, -1),
     KERNEL_OP("LayerNormGrad", 6, 5, 3, 3, ortrain_layer_norm_grad_compute, -1),
     KERNEL_OP("BatchNormGrad", 3, 3, 3, 3, ortrain_batch_norm_grad_compute, -1),
+    KERNEL_OP("ReluGrad", 2, 2, 1, 1, ortrain_relu_grad_compute, -1),
     /* out may take base's buffer: a tied embedding's gradient, whose optimizer update runs
      * in the backward (update_in_backward.py), where no bound gradient buffer holds it */
     KERNEL_OP_INPLACE("ScatterAddRows", 3, 3, 1, 1, ortrain_scatter_add_rows_compute, 1),

@@ -62,7 +62,7 @@ SOURCES = tuple(
     )
 )
 HEADERS = (_HERE / "ort_abi.h", _HERE / "kernel_util.h", _HERE / "adam_math.h")
-ABI_VERSION = 7  # cpu_ops.c: ortrain_cpu_ops_abi_version
+ABI_VERSION = 8  # cpu_ops.c: ortrain_cpu_ops_abi_version
 CHOICES = ("auto", "blas", "onnxruntime")
 KERNEL_CHOICES = ("auto", "ortrain", "onnxruntime")
 # The compiler flags of each variant: CMakeLists.txt's ISA_FLAGS_* (the development build)

@@ -570,3 +570,37 @@ OrtStatus* ortrain_batch_norm_grad_compute(void* kernel, OrtKernelContext* ctx) 
   for_blocks(k, ctx, batch_norm_block, (size_t)c, &w);
   return NULL;
 }
+
+/* ---------------------------------------------------------------- ReluGrad
+ * ReluGrad(dY, Y) -> dX = Y > 0 ? dY : 0: a ReLU's backward read from its output, as the
+ * standard spelling's Where(X > 0, dY, 0) (Y > 0 exactly where X > 0, NaN included). One
+ * pass where ONNX Runtime ran a Greater and a broadcasting Where (a residual CNN's ReLU
+ * backwards: 21 ms of its step); reading Y, not X, lets the memory plan free X when
+ * nothing else reads it. */
+typedef struct {
+  const float *dy, *y;
+  float* dx;
+  int64_t n;
+} ReluGrad;
+
+static void relu_grad_block(void* work, size_t b) {
+  const ReluGrad* w = (const ReluGrad*)work;
+  const int64_t lo = (int64_t)b * ELEMS_PER_BLOCK;
+  const int64_t hi = lo + ELEMS_PER_BLOCK < w->n ? lo + ELEMS_PER_BLOCK : w->n;
+  const float* restrict dy = w->dy;
+  const float* restrict y = w->y;
+  float* restrict dx = w->dx;
+  for (int64_t i = lo; i < hi; ++i) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+OrtStatus* ortrain_relu_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = (const Kernel*)kernel;
+  Tensor dy, y;
+  OrtStatus* st;
+  if ((st = input(k, ctx, 0, &dy)) || (st = input(k, ctx, 1, &y))) return st;
+  if ((st = same_shape(k, &dy, "dY", &y, "Y"))) return st;
+  ReluGrad w = {(const float*)dy.data, (const float*)y.data, NULL, y.count};
+  if ((st = output(k, ctx, 0, y.dims, y.rank, &w.dx))) return st;
+  for_blocks(k, ctx, relu_grad_block, div_up((size_t)w.n, ELEMS_PER_BLOCK), &w);
+  return NULL;
+}

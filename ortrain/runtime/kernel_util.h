@@ -290,6 +290,7 @@ OrtStatus* ortrain_fast_gelu_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_softmax_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_layer_norm_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_batch_norm_grad_compute(void* kernel, OrtKernelContext* ctx);
+OrtStatus* ortrain_relu_grad_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_add_rows_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_scatter_add_columns_compute(void* kernel, OrtKernelContext* ctx);
 OrtStatus* ortrain_softmax_compute(void* kernel, OrtKernelContext* ctx);

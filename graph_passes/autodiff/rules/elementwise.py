@@ -132,7 +132,9 @@ def erf(ctx: GradContext):
 
 @gradient("Relu")
 def relu(ctx: GradContext):
-    x = ctx.I(0)
+    x, y, g = ctx.I(0), ctx.O(0), ctx.GO(0)
+    if ctx.kernel_for(g, y):  # one pass, from Y (ortrain/runtime/grad_kernels.c)
+        return {0: ctx.kernel("ReluGrad", g, y, like=g)}
     pos = ctx.op("Greater", x, ctx.scalar_like(0.0, x), dtype=None)
     return {0: ctx.op("Where", pos, ctx.GO(0), ctx.scalar_like(0.0, x), dtype=x.dtype)}
 
