@@ -117,6 +117,22 @@ def trainer_state_dict(
     }
 
 
+def uneven_steps(state: Mapping[str, Any]) -> str:
+    """ "" where every parameter of a torch-format state dict took the same number of
+    steps (or it has none); else the counts seen ("3 and 5"): a model whose steps reach
+    different parameters, trained with the optimizer's own step."""
+    opt = state.get("optimizer") if isinstance(state, Mapping) else None
+    entries = opt.get("state") if isinstance(opt, Mapping) else None
+    if not isinstance(entries, Mapping):
+        return ""
+    counts = {
+        float(e["step"])
+        for e in entries.values()
+        if isinstance(e, Mapping) and isinstance(e.get("step"), torch.Tensor | int | float)
+    }
+    return " and ".join(f"{c:g}" for c in sorted(counts)) if len(counts) > 1 else ""
+
+
 def _cloned(obj: Any) -> Any:
     """``obj`` with every tensor in it cloned (a torch optimizer's state dict refers to its
     live state)."""
@@ -188,6 +204,11 @@ def load_trainer_state_dict(
     _check_optimizer(training, state)
     opt = state["optimizer"]
     names = index_names(training)
+    if training.spec.kind != EAGER and (counts := uneven_steps(state)):
+        # saved after the update moved to the optimizer's own step: it goes there again
+        if training.update_in_eager is None:
+            raise CheckpointError(f"its parameters took {counts} optimizer steps")
+        training.update_in_eager(f"the checkpoint's parameters took {counts} steps")
     # Validated: now change things.
     with torch.no_grad():
         training.module.load_state_dict(state["model"])

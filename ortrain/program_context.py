@@ -33,7 +33,7 @@ import torch
 from ortrain.build import StageRecord
 from ortrain.build_cache import GraphCache
 from ortrain.core.build_config import BuildConfig
-from ortrain.core.errors import NonFiniteLossError, TrainableChangedError
+from ortrain.core.errors import BatchError, NonFiniteLossError, TrainableChangedError
 from ortrain.core.names import UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
 from ortrain.distributed import join_process_group
@@ -127,6 +127,7 @@ class ProgramContext:
             max_grad_norm=options.max_grad_norm,
             accumulation=options.grad_accumulation_steps,
         )
+        self.state.update_in_eager = self.update_in_eager
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self.graph_cache = GraphCache(options, module, loss_fn)
         self._modes: tuple[str, ...] | None = None  # eval_children at the last step
@@ -309,6 +310,52 @@ class ProgramContext:
         self.state.grad_params = grad_params
         if self.engine.prepare():  # parameters or gradients moved: evals bind anew
             self.graphs.eval.clear()
+
+    def update_in_eager(self, why: str) -> None:
+        """From now on the update is the optimizer's own ``step()`` in eager PyTorch
+        (``EagerUpdate``), starting from the state the engine kept so far: the steps of
+        this model reach different parameters (``why``), and the compiled updates lay out
+        one set and count one step for all, where torch's skips a parameter without a
+        gradient and counts each parameter's steps (Adam's bias correction). Distributed
+        runs and an engine the options name keep one set: refused there."""
+        if self.engine.name == "eager":
+            return
+        if self.engine.in_backward and self.state.grad_params is not None:
+            raise BatchError(
+                f"{why}: this model's training graph runs the update inside its backward, "
+                "for one set of parameters; train it with update_engine='graph'"
+            )
+        if self.reducer is not None or self.options.update_engine != "auto":
+            where = (
+                "a distributed run"
+                if self.reducer is not None
+                else f"update_engine={self.options.update_engine!r}"
+            )
+            raise BatchError(
+                f"{why}: {where} lays out the gradients and the update for the first step's "
+                "parameters only (the optimizer's own step, which skips the parameters a step "
+                "does not reach, runs in one process with update_engine='auto'); if the model "
+                "skips layers at random in training (LayerDrop: config.layerdrop, "
+                "encoder_layerdrop, decoder_layerdrop), set that probability to 0.0"
+            )
+        from ortrain.checkpoint import trainer_state_dict
+
+        st = self.state
+        self.optimizer.load_state_dict(trainer_state_dict(st)["optimizer"])
+        self.spec = dataclasses.replace(
+            self.spec, kind=EAGER, source=type(self.optimizer).__name__, why_eager=why
+        )
+        st.spec = self.spec
+        st.opt_state.clear()
+        self.engine = self.choose_engine()
+        if st.grad_params is not None:  # else laid out at the first step
+            self.engine.prepare()
+        warnings.warn(
+            f"ortrain: {type(self.module).__name__}: {why}; from optimizer step {st.step} on, "
+            f"{self.spec.source}'s update runs as its own step() in eager PyTorch, which "
+            "skips the parameters a step does not reach as eager training does",
+            stacklevel=4,
+        )
 
     def end_micro_step(self, loss: torch.Tensor) -> torch.Tensor:
         """A micro-step's loss counted (whichever program ran it); the update at the end

@@ -13,16 +13,20 @@ append.
 
 ortrain's own eager runs of the model (the first-step check, the segments' recording
 forward) leave the scalar attributes as they found them (``kept``), so a counter advances
-once per training step, as in eager.
+once per training step, as in eager; and the random generators a forward's Python code
+draws from (torch's on the CPU, NumPy's global one, Python's ``random``: a LayerDrop's
+coin, SpecAugment's masks), so the first step draws what an eager step would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 Key = tuple[str, str]  # (module name, attribute)
@@ -58,9 +62,28 @@ def _changed(before: dict[Key, Any], after: dict[Key, Any]) -> dict[Key, tuple[A
 
 
 @contextlib.contextmanager
+def random_states_kept() -> Iterator[None]:
+    """The CPU generators of torch, NumPy (global) and Python as they were before."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+@contextlib.contextmanager
 def kept(module: torch.nn.Module) -> Iterator[None]:
     """The forwards run inside leave ``module``'s scalar attributes and plain containers
-    as they were (a container's items put back in the same object)."""
+    as they were (a container's items put back in the same object), and the random
+    generators (``random_states_kept``)."""
+    with random_states_kept(), _attributes_kept(module):
+        yield
+
+
+@contextlib.contextmanager
+def _attributes_kept(module: torch.nn.Module) -> Iterator[None]:
     before = scalars(module)
     modules = dict(module.named_modules())
     held = {

@@ -10,13 +10,14 @@ read them (``ortrain/segments/grads.py``); the update runs after the backward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
 from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
-from ortrain.segments.grads import bind_grads, take_grads, take_reduced
+from ortrain.segments.grads import Reached, bind_grads, take_grads, take_reduced
 from ortrain.segments.training import SegmentedTraining
 from ortrain.verify import Tolerance
 
@@ -48,6 +49,7 @@ class SegmentedProgram:
             reuse_outputs=getattr(ctx.reducer, "takes_grads", False),
         )
         ctx.segmented = True
+        self._reached: Reached | None = None  # made at the first step (one process)
         if ctx.engine.in_backward:  # the update runs after torch's backward now
             ctx.engine = ctx.choose_engine()
             if ctx.state.grad_params is not None:
@@ -83,11 +85,17 @@ class SegmentedProgram:
         """A micro-step: eager forward and torch's backward, the segments' graphs inside;
         the update engine as for a graph."""
         ctx, st = self.ctx, self.ctx.state
-        if st.micro_step == 0:
-            st.zero_grads()  # torch accumulates into .grad: every window starts at 0
         named = dict(ctx.module.named_parameters())
         # ZeRO-2 takes each gradient from autograd as it is made (distributed/sharded_grads.py)
         collecting = getattr(ctx.reducer, "collecting", None)
+        # one process: the set each window reaches is followed (in a distributed run a
+        # rank's own set says nothing of the reduced gradients: one set, checked below)
+        if ctx.reducer is None and self._reached is None:
+            self._reached = Reached(named, st.trainable)
+        if st.micro_step == 0:
+            st.zero_grads()  # torch accumulates into .grad: every window starts at 0
+            if self._reached is not None:
+                self._reached.clear()
         if collecting is None:
             bind_grads(st, named)
         scale = st.scaler.scale if st.scaler is not None else None
@@ -100,8 +108,30 @@ class SegmentedProgram:
             st.micro_step = 0  # the window starts over (its sums are incomplete)
             raise
         if collecting is None:
-            take_grads(st, named, ctx.lay_out)
+            take_grads(st, named, ctx.lay_out, self._widen if ctx.reducer is None else None)
         else:
             take_reduced(st, ctx.reducer.reached, ctx.lay_out)  # type: ignore[union-attr]
         st.loss.copy_(loss)
-        return ctx.end_micro_step(loss.clone())
+        if self._reached is not None and st.micro_step + 1 == ctx.options.grad_accumulation_steps:
+            st.unreached = frozenset(set(st.grad_params or ()) - self._reached.names)
+            if st.unreached:
+                ctx.update_in_eager(f"this step does not reach {_some(st.unreached)}")
+        try:
+            return ctx.end_micro_step(loss.clone())
+        finally:
+            st.unreached = frozenset()
+
+    def _widen(self, extra: list[str]) -> None:
+        """This step reaches ``extra``, which no step before did: the update in eager, and
+        the gradients laid out for them too."""
+        ctx, st = self.ctx, self.ctx.state
+        ctx.update_in_eager(f"this step reaches {_some(extra)}, which the first did not")
+        known = set(st.grad_params or ()) | set(extra)
+        ctx.lay_out([n for n in st.trainable if n in known])
+
+
+def _some(names: Collection[str]) -> str:
+    """A few of ``names`` (a layer's parameters share its prefix), and how many."""
+    shown = sorted(names)[:3]
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    return f"parameters {', '.join(shown)}{more}"

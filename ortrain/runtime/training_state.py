@@ -23,7 +23,7 @@ change the state through it:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -72,6 +72,12 @@ class TrainingState:
     grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     opt_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     grad_params: list[str] | None = None  # trainable params reached by the loss
+    # of those, the ones this accumulation window did not reach (a model whose steps reach
+    # different parameters: a layer skipped at random); the eager update skips them
+    unreached: frozenset[str] = frozenset()
+    # moves the update to the optimizer's own step (ProgramContext.update_in_eager): what a
+    # checkpoint whose parameters took different numbers of steps loads into
+    update_in_eager: Callable[[str], None] | None = None
     # gradient sums kept other than per parameter (ZeRO-2: this rank's shard of them)
     shard_grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # parameters kept other than whole (ZeRO-3: this rank's stretch of them)

@@ -487,7 +487,12 @@ class EagerUpdate(_AfterBackward):
                    step is not counted, as the compiled updates do
         step       each trained parameter's ``.data`` and ``.grad`` become the state's
                    tensors for the call, and the optimizer's own ``step()`` runs; it keeps its
-                   state in ``optimizer.state`` (checkpoints store its ``state_dict()``)
+                   state in ``optimizer.state`` (checkpoints store its ``state_dict()``); a
+                   parameter the window did not reach (``state.unreached``) has no
+                   ``.grad``, so the optimizer skips it as in eager
+
+    It is also where a model whose steps reach different parameters (a LayerDrop) moves
+    its update to (``ProgramContext.update_in_eager``).
 
     The parameters are updated in place where the training graphs read them, so nothing is
     copied either way.
@@ -533,7 +538,8 @@ class EagerUpdate(_AfterBackward):
             if not bool(finite):  # nothing changes; the loss scale backs off
                 st.record_update(finite)
                 return
-        _optimizer_step(st, dict(zip(st.grad_params, grads, strict=True)))
+        taken = zip(st.grad_params, grads, strict=True)
+        _optimizer_step(st, {p: g for p, g in taken if p not in st.unreached})
         st.record_update(finite)
 
 

@@ -5,9 +5,14 @@ each parameter's ``.grad``; the update engines read ``TrainingState.grads``. Bef
 ``bind_grads`` points each reached parameter's ``.grad`` at its buffer, so torch adds in
 place; after it ``take_grads`` copies what torch put elsewhere (a ``.grad`` the user set
 to None meanwhile). The first step learns which parameters the loss reaches and
-``lay_out`` lays out the gradients and the update for them; a later step may not reach
-others. ZeRO-2 and -3 take each gradient as autograd makes it
-(``distributed/sharded_grads.py``): ``take_reduced`` only learns and checks the set.
+``lay_out`` lays out the gradients and the update for them. A model whose steps reach
+different parameters (a LayerDrop skips a layer at random) is followed: ``Reached``
+records which parameters each accumulation window's backward gave a gradient; one that
+reaches a parameter the first did not widens the layout (``widen``), one that leaves a
+laid-out parameter unreached has it skipped by the update (``state.unreached``); both
+move the update to the optimizer's own step (``ProgramContext.update_in_eager``).
+ZeRO-2 and -3 take each gradient as autograd makes it (``distributed/sharded_grads.py``):
+``take_reduced`` only learns and checks the set.
 """
 
 from __future__ import annotations
@@ -22,13 +27,40 @@ from ortrain.runtime.training_state import TrainingState
 LayOut = Callable[[list[str]], None]  # the first step's reached parameters, in order
 
 
+class Reached:
+    """The trainable parameters that torch's backward gave a gradient since ``clear``:
+    a hook after each accumulation into ``.grad`` (which a bound buffer would not show,
+    and ortrain's own checks, through ``torch.autograd.grad``, do not fire)."""
+
+    def __init__(self, named: dict[str, torch.nn.Parameter], trainable: list[str]):
+        self.names: set[str] = set()
+        self._handles = [
+            named[n].register_post_accumulate_grad_hook(self._marker(n)) for n in trainable
+        ]
+
+    def _marker(self, name: str) -> Callable[[torch.Tensor], None]:
+        def mark(_: torch.Tensor) -> None:
+            self.names.add(name)
+
+        return mark
+
+    def clear(self) -> None:
+        self.names.clear()
+
+
 def bind_grads(state: TrainingState, named: dict[str, torch.nn.Parameter]) -> None:
     for p in state.grad_params or []:
         named[p].grad = state.grads[p]
 
 
-def take_grads(state: TrainingState, named: dict[str, torch.nn.Parameter], lay_out: LayOut) -> None:
-    """Torch's ``.grad`` into the state's gradient buffers."""
+def take_grads(
+    state: TrainingState,
+    named: dict[str, torch.nn.Parameter],
+    lay_out: LayOut,
+    widen: LayOut | None = None,
+) -> None:
+    """Torch's ``.grad`` into the state's gradient buffers; ``widen``: lays out the
+    parameters this step reached and the first did not (None: refused)."""
     if state.grad_params is None:
         reached = [n for n in state.trainable if named[n].grad is not None]
         if not reached:
@@ -40,7 +72,13 @@ def take_grads(state: TrainingState, named: dict[str, torch.nn.Parameter], lay_o
         for n, g in first.items():
             state.grads.setdefault(n, torch.zeros_like(state.params[n])).copy_(g)
         return
-    _refuse_others(state, [n for n in state.trainable if named[n].grad is not None])
+    reached = [n for n in state.trainable if named[n].grad is not None]
+    if widen is None:
+        _refuse_others(state, reached)
+    else:
+        laid = set(state.grad_params)
+        if extra := [n for n in reached if n not in laid]:
+            widen(extra)
     for n in state.grad_params:
         g, got = state.grads[n], named[n].grad
         if got is not None and got is not g:
