@@ -3,7 +3,11 @@
 A forward that keeps a schedule in a plain attribute (``self.calls += 1``, a temperature
 annealed per call) computes with a new value on every call in eager PyTorch; its graph
 holds the value the export saw, and from the second step on it trains another loss, with
-no error (the first step agrees with eager). The first-step check runs the forward twice
+no error (the first step agrees with eager). So does a forward that draws from NumPy's
+global generator or Python's ``random`` (a mask, a coin): the export keeps the first
+draw as a constant. The first-step check records which module's own code drew
+(``generator_draws``: hooks around every module's forward) and names it like an
+attribute. The first-step check runs the forward twice
 and names the scalar attributes (bool, int, float, str, None) that changed both times,
 with the module that owns them: that module cannot be compiled (``whole_program``
 refuses the whole graph, the segments run the owner in eager). An attribute set on the
@@ -107,25 +111,86 @@ def _attributes_kept(module: torch.nn.Module) -> Iterator[None]:
                 now.update(was)
 
 
+# Generators whose draws a graph cannot make: the export runs the Python code once and
+# keeps what it drew as constants (torch's own random ops are traced as graph ops instead).
+_HOST_GENERATORS: dict[str, Callable[[], Any]] = {
+    "NumPy's global random generator": lambda: np.random.get_state()[1:3],
+    "Python's random module": lambda: random.getstate()[1:2],
+}
+
+
+def _generators() -> tuple[Any, ...]:
+    """Where each host generator is (a draw moves it)."""
+    out = []
+    for where in _HOST_GENERATORS.values():
+        state = where()
+        out.append(tuple(np.asarray(x).tobytes() for x in state))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def generator_draws(module: torch.nn.Module) -> Iterator[dict[str, list[str]]]:
+    """Which modules' own code (not their children's) drew from a host generator in the
+    forwards run inside: {module name: [generator, ...]}, filled on exit."""
+    found: dict[str, list[str]] = {}
+    names = {id(m): n for n, m in module.named_modules()}
+    stack: list[list[Any]] = []  # per open call: [module name, generators at its last event]
+
+    def note(frame: list[Any], now: tuple[Any, ...]) -> None:
+        for label, a, b in zip(_HOST_GENERATORS, frame[1], now, strict=True):
+            if a != b and label not in found.setdefault(frame[0], []):
+                found[frame[0]].append(label)
+        frame[1] = now
+
+    def pre(m: torch.nn.Module, *_: Any) -> None:
+        now = _generators()
+        if stack:
+            note(stack[-1], now)  # the parent's own code since its last event
+        stack.append([names.get(id(m), ""), now])
+
+    def post(m: torch.nn.Module, *_: Any) -> None:
+        now = _generators()
+        if stack:
+            note(stack.pop(), now)
+        if stack:
+            stack[-1][1] = now  # the child's draws are not the parent's
+
+    handles = []
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+        for name in [n for n, labels in found.items() if not labels]:
+            del found[name]
+
+
 def changed_every_call(
     module: torch.nn.Module, first: Callable[[], Any], again: Callable[[], Any]
 ) -> tuple[Any, dict[str, str]]:
     """``first()`` (a forward and backward), then, where it changed scalar attributes,
     ``again()`` (a forward): (``first()``'s result, what both changed by owning module:
-    "attr (a -> b)"). The attributes are put back afterwards."""
+    "attr (a -> b)", and the host generators its own code drew from). The attributes and
+    the generators are put back afterwards."""
     with kept(module):
         before = scalars(module)
-        result = first()
+        with generator_draws(module) as drawn:
+            result = first()
         after = scalars(module)
         once = _changed(before, after)
-        if not once:
-            return result, {}
-        again()
-        twice = _changed(after, scalars(module))
+        twice = {}
+        if once:
+            again()
+            twice = _changed(after, scalars(module))
     owners: dict[str, list[str]] = {}
     for (name, attr), (old, new) in twice.items():
         if (name, attr) in once:
             owners.setdefault(name, []).append(f"{attr} ({old!r} -> {new!r})")
+    for name, labels in drawn.items():
+        owners.setdefault(name, []).extend(f"draws from {label}" for label in labels)
     return result, {name: ", ".join(attrs) for name, attrs in owners.items()}
 
 

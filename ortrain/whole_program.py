@@ -327,7 +327,7 @@ class WholeProgram:
         ctx = self.ctx
         said = describe(ctx.eager.stateful, type(ctx.module).__name__)
         bad = (
-            f"its forward changes Python attributes on every call ({said}), which a graph "
+            f"its forward changes Python state on every call ({said}), which a graph "
             "would hold at the values its export saw"
         )
         if ctx.options.fallback == "off":

@@ -390,7 +390,7 @@ def _keeps_no_python_state(name: str, stateful: Mapping[str, str]) -> None:
         if owner == name or owner.startswith(name + "."):
             whose = "its" if owner == name else f"{owner[len(name) + 1 :]}'s"
             raise _Mismatched(
-                f"{whose} forward changes Python attributes on every call ({attrs}), which "
+                f"{whose} forward changes Python state on every call ({attrs}), which "
                 "a graph would hold at one value"
             )
 
