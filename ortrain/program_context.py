@@ -316,8 +316,8 @@ class ProgramContext:
         (``EagerUpdate``), starting from the state the engine kept so far: the steps of
         this model reach different parameters (``why``), and the compiled updates lay out
         one set and count one step for all, where torch's skips a parameter without a
-        gradient and counts each parameter's steps (Adam's bias correction). Distributed
-        runs and an engine the options name keep one set: refused there."""
+        gradient and counts each parameter's steps (Adam's bias correction). ZeRO and an
+        engine the options name keep one set: refused there."""
         if self.engine.name == "eager":
             return
         if self.engine.in_backward and self.state.grad_params is not None:
@@ -325,16 +325,20 @@ class ProgramContext:
                 f"{why}: this model's training graph runs the update inside its backward, "
                 "for one set of parameters; train it with update_engine='graph'"
             )
-        if self.reducer is not None or self.options.update_engine != "auto":
+        from ortrain.distributed.data_parallel import DataParallel
+
+        sharded = self.reducer is not None and not isinstance(self.reducer, DataParallel)
+        if sharded or self.options.update_engine != "auto":
             where = (
-                "a distributed run"
-                if self.reducer is not None
+                f"ZeRO-{self.options.zero_stage}"
+                if sharded
                 else f"update_engine={self.options.update_engine!r}"
             )
             raise BatchError(
                 f"{why}: {where} lays out the gradients and the update for the first step's "
                 "parameters only (the optimizer's own step, which skips the parameters a step "
-                "does not reach, runs in one process with update_engine='auto'); if the model "
+                "does not reach, runs in one process or under data parallel with "
+                "update_engine='auto'); if the model "
                 "skips layers at random in training (LayerDrop: config.layerdrop, "
                 "encoder_layerdrop, decoder_layerdrop), set that probability to 0.0"
             )
@@ -347,9 +351,14 @@ class ProgramContext:
         )
         st.spec = self.spec
         st.opt_state.clear()
+        held = dict(st.grads)  # data parallel lays its flat buffer out anew: sums carried
         self.engine = self.choose_engine()
         if st.grad_params is not None:  # else laid out at the first step
             self.engine.prepare()
+        for name, old in held.items():
+            new = st.grads.get(name)
+            if new is not None and new is not old:
+                new.copy_(old)
         warnings.warn(
             f"ortrain: {type(self.module).__name__}: {why}; from optimizer step {st.step} on, "
             f"{self.spec.source}'s update runs as its own step() in eager PyTorch, which "

@@ -88,9 +88,8 @@ class SegmentedProgram:
         named = dict(ctx.module.named_parameters())
         # ZeRO-2 takes each gradient from autograd as it is made (distributed/sharded_grads.py)
         collecting = getattr(ctx.reducer, "collecting", None)
-        # one process: the set each window reaches is followed (in a distributed run a
-        # rank's own set says nothing of the reduced gradients: one set, checked below)
-        if ctx.reducer is None and self._reached is None:
+        # the set each window reaches is followed (ZeRO-2/3 take the gradients themselves)
+        if collecting is None and self._reached is None:
             self._reached = Reached(named, st.trainable)
         if st.micro_step == 0:
             st.zero_grads()  # torch accumulates into .grad: every window starts at 0
@@ -107,19 +106,34 @@ class SegmentedProgram:
         except Exception:
             st.micro_step = 0  # the window starts over (its sums are incomplete)
             raise
+        agreed: set[str] | None = None
         if collecting is None:
-            take_grads(st, named, ctx.lay_out, self._widen if ctx.reducer is None else None)
+            agreed = self._agreed()
+            take_grads(st, named, ctx.lay_out, self._widen, agreed)
         else:
             take_reduced(st, ctx.reducer.reached, ctx.lay_out)  # type: ignore[union-attr]
         st.loss.copy_(loss)
-        if self._reached is not None and st.micro_step + 1 == ctx.options.grad_accumulation_steps:
-            st.unreached = frozenset(set(st.grad_params or ()) - self._reached.names)
+        if agreed is not None and st.micro_step + 1 == ctx.options.grad_accumulation_steps:
+            st.unreached = frozenset(set(st.grad_params or ()) - agreed)
             if st.unreached:
                 ctx.update_in_eager(f"this step does not reach {_some(st.unreached)}")
         try:
             return ctx.end_micro_step(loss.clone())
         finally:
             st.unreached = frozenset()
+
+    def _agreed(self) -> set[str]:
+        """The parameters this window reached on any rank (one all-reduce of a mask under
+        data parallel or ZeRO-1; in one process, its own)."""
+        assert self._reached is not None
+        names = self._reached.names
+        comm = getattr(self.ctx.reducer, "comm", None)
+        if comm is None:
+            return set(names)
+        trainable = self.ctx.state.trainable
+        mask = torch.tensor([1.0 if n in names else 0.0 for n in trainable])
+        comm.all_reduce(mask)
+        return {n for n, v in zip(trainable, mask.tolist(), strict=True) if v > 0}
 
     def _widen(self, extra: list[str]) -> None:
         """This step reaches ``extra``, which no step before did: the update in eager, and

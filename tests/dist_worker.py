@@ -18,6 +18,8 @@ reorder ZeRO-3 on a model whose blocks run in reverse order on some micro-steps 
 eager_reads ZeRO-3 on a model whose eager code reads parameters (its root's forward, a
         module that falls back to eager, a weight tied by hand)
 rmsprop data parallel with an optimizer ortrain does not compile (its own step, in eager)
+layer_drop data parallel of a model that skips blocks at random: the same coins on every
+        rank, then each rank its own
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -529,6 +531,47 @@ def scenario_rmsprop(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"losses": losses, "engine": trainer.program.update}
 
 
+def layer_drop_batches(rank: int, world: int, steps: int = 8) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of each combined batch of 12 rows (world 1: all of it)."""
+    g = torch.Generator().manual_seed(1)
+    n, out = 12 // world, []
+    for _ in range(steps):
+        x, y = torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g)
+        out.append({"x": x[rank * n : (rank + 1) * n], "y": y[rank * n : (rank + 1) * n]})
+    return out
+
+
+def train_layer_drop(coin_seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    """A model that skips blocks at random (tests/test_layer_drop.py) under data parallel
+    (one process: plain), AdamW; the coins from ``coin_seed``."""
+    from tests.test_layer_drop import LayerDropNet
+
+    torch.manual_seed(0)
+    model = LayerDropNet()
+    model.ran = []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (segments, the update moved to eager: said once)
+        trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=1))
+        torch.manual_seed(coin_seed)
+        return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_layer_drop(rank: int, world: int, out: Path) -> dict[str, Any]:
+    batches = layer_drop_batches(rank, world)
+    trainer, losses = train_layer_drop(5, batches)  # every rank the same coins
+    if rank == 0:
+        torch.save(params(trainer), out / "layer_drop_params.pt")
+    other, _ = train_layer_drop(5 + rank, batches)  # each rank its own coins
+    return {
+        "losses": losses,
+        "engine": trainer.update_engine.name,
+        "other_coins": other.module.ran,
+        "other_engine": other.update_engine.name,
+        "other_sum": sum(float(p.double().sum()) for p in params(other).values()),
+    }
+
+
 def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
     stage = _stage()
     tag = f"zero{stage}_{world}"
@@ -560,6 +603,7 @@ def main() -> None:
         "reorder": scenario_reorder,
         "eager_reads": scenario_eager_reads,
         "rmsprop": scenario_rmsprop,
+        "layer_drop": scenario_layer_drop,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

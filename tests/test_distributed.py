@@ -35,6 +35,7 @@ from tests.dist_worker import (
     STEPS,
     ZERO2_TOTAL,
     eager_reads_batches,
+    layer_drop_batches,
     make_segmented,
     make_trainer,
     make_zero2,
@@ -42,6 +43,7 @@ from tests.dist_worker import (
     reorder_batches,
     run,
     train_eager_reads,
+    train_layer_drop,
     train_reordered,
     train_rmsprop,
 )
@@ -351,6 +353,22 @@ def test_data_parallel_with_an_optimizer_ortrain_does_not_compile(tmp_path):
     assert all(r["engine"] == "eager" for r in results)
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / "rmsprop_params.pt"), trainer.module)
+
+
+@pytest.mark.slow
+def test_data_parallel_of_a_model_that_skips_blocks_at_random(tmp_path):
+    """LayerDrop under data parallel: the ranks agree on the parameters any of them reached
+    (first layout included), and the update moves to the optimizer's own step on every
+    rank. Same coins on every rank (one seed, as transformers' Trainer sets it): equal to
+    one process on the combined batches. Each rank its own coins (their first steps reach
+    different blocks): the replicas stay equal."""
+    trainer, losses = train_layer_drop(5, layer_drop_batches(0, 1))
+    results = finish(launch("layer_drop", tmp_path), tmp_path, "layer_drop")
+    assert all(r["engine"] == "eager" and r["other_engine"] == "eager" for r in results)
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "layer_drop_params.pt"), trainer.module)
+    assert results[0]["other_coins"][0] != results[1]["other_coins"][0]
+    assert results[0]["other_sum"] == results[1]["other_sum"]
 
 
 @pytest.mark.slow

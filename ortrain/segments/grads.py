@@ -10,7 +10,9 @@ different parameters (a LayerDrop skips a layer at random) is followed: ``Reache
 records which parameters each accumulation window's backward gave a gradient; one that
 reaches a parameter the first did not widens the layout (``widen``), one that leaves a
 laid-out parameter unreached has it skipped by the update (``state.unreached``); both
-move the update to the optimizer's own step (``ProgramContext.update_in_eager``).
+move the update to the optimizer's own step (``ProgramContext.update_in_eager``). Under
+data parallel the ranks agree on the set first (one small all-reduce per micro-step):
+a parameter any rank reached has a gradient in the sum, as on the combined batch.
 ZeRO-2 and -3 take each gradient as autograd makes it (``distributed/sharded_grads.py``):
 ``take_reduced`` only learns and checks the set.
 """
@@ -58,21 +60,26 @@ def take_grads(
     named: dict[str, torch.nn.Parameter],
     lay_out: LayOut,
     widen: LayOut | None = None,
+    agreed: Collection[str] | None = None,
 ) -> None:
     """Torch's ``.grad`` into the state's gradient buffers; ``widen``: lays out the
-    parameters this step reached and the first did not (None: refused)."""
+    parameters this step reached and the first did not (None: refused); ``agreed``: the
+    parameters any rank's window reached so far (data parallel: every rank lays out the
+    same set), default this process's."""
+    local = [n for n in state.trainable if named[n].grad is not None]
+    reached = local if agreed is None else [n for n in state.trainable if n in agreed]
     if state.grad_params is None:
-        reached = [n for n in state.trainable if named[n].grad is not None]
         if not reached:
             raise BatchError("the loss reaches no trainable parameter")
-        first = {n: named[n].grad.detach().clone() for n in reached}  # type: ignore[union-attr]
-        for n in reached:
+        first = {n: named[n].grad.detach().clone() for n in local}  # type: ignore[union-attr]
+        for n in local:
             named[n].grad = None
         lay_out(reached)
-        for n, g in first.items():
-            state.grads.setdefault(n, torch.zeros_like(state.params[n])).copy_(g)
+        for n in reached:
+            g = state.grads.setdefault(n, torch.zeros_like(state.params[n]))
+            if n in first:
+                g.copy_(first[n])
         return
-    reached = [n for n in state.trainable if named[n].grad is not None]
     if widen is None:
         _refuse_others(state, reached)
     else:
@@ -82,7 +89,7 @@ def take_grads(
     for n in state.grad_params:
         g, got = state.grads[n], named[n].grad
         if got is not None and got is not g:
-            g.copy_(got)  # a new tensor (the user set .grad to None): the window's sum
+            g.copy_(got)  # a new tensor (the user set .grad to None, a widened layout)
             named[n].grad = g
 
 
