@@ -103,7 +103,8 @@ class EagerSide:
         names = [n for n, p in module.named_parameters() if p.requires_grad]
 
         def again() -> None:  # a second forward: what changes on every call
-            with restoring(list(module.buffers())), no_dropout(), torch.no_grad():
+            # with grad: a forward may take gradients itself (a penalty, on this call only)
+            with restoring(list(module.buffers())), no_dropout():
                 self.loss_of(batch, module)
 
         def step() -> tuple[EagerStep, dict[str, str]]:

@@ -17,7 +17,9 @@ forked where the trainer forks its builds) walks the module tree from the top:
 5. cut at repeated blocks (``segments="blocks"``, ZeRO-2): a module that holds repeated
    blocks (``repeated_blocks``) is not compiled whole but cut ("cut"): its own code runs
    in eager and its children are planned, so each block is a segment of its own and
-   the blocks share one graph (case 3).
+   the blocks share one graph (case 3);
+6. a module whose output the forward itself differentiates with ``create_graph=True``
+   (``twice.py``), or that holds one, runs in eager: compiled backwards are first-order.
 
 ``SegmentedModel`` holds the plan's sessions and, while ``active``, replaces each compiled
 module's ``forward`` by a call of its graphs through ``SegmentFunction``. A call whose
@@ -45,6 +47,7 @@ from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
 from ortrain.segments.runner import ParamHome, SegmentFunction, SegmentRunner, TiedGradients
+from ortrain.segments.twice import TwiceWatch, refuse_twice
 from ortrain.verify import (
     Mismatch,
     Tolerance,
@@ -72,6 +75,8 @@ class Recorded:
     seconds: dict[str, float]  # per module, its calls' time (inclusive)
     total: float  # the whole forward
     order: list[str] = dataclasses.field(default_factory=list)  # every call, as they began
+    # modules whose outputs the forward differentiates with create_graph=True (``twice``)
+    twice: frozenset[str] = frozenset()
 
 
 def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
@@ -82,6 +87,7 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
     seconds: dict[str, float] = collections.defaultdict(float)
     started: dict[str, list[float]] = collections.defaultdict(list)
     order: list[str] = []
+    twice = TwiceWatch()
     handles = []
     for name, m in module.named_modules():
         if not name or isinstance(m, torch.jit.ScriptModule):
@@ -100,6 +106,7 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
             mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any, name: str = name
         ) -> None:
             seconds[name] += time.perf_counter() - started[name].pop()
+            twice.watch(name, out)
 
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True))
@@ -112,7 +119,9 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
         for h in handles:
             h.remove()
     total = time.perf_counter() - start
-    return Recorded(dict(calls), dict(training), dict(seconds), total, order)
+    return Recorded(
+        dict(calls), dict(training), dict(seconds), total, order, frozenset(twice.names)
+    )
 
 
 def _original_forward(module: torch.nn.Module) -> Callable[..., Any]:
@@ -351,6 +360,8 @@ def plan_segments(
         if name in recorded.calls and any(p.requires_grad for p in m.parameters()):
             try:
                 _keeps_no_python_state(name, stateful)
+                if (why := refuse_twice(name, recorded.twice)) is not None:
+                    raise _Mismatched(why)
                 plans.append(compile_module(name, m))
                 return
             except (ExportError, GradientError, Uncompilable, _Mismatched, OrtrainError) as exc:

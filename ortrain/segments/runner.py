@@ -27,6 +27,7 @@ from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs
+from ortrain.segments.twice import second_order_error
 
 _DTYPES = {
     "FLOAT": torch.float32,
@@ -281,6 +282,8 @@ class SegmentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
         runner: SegmentRunner = ctx.runner
+        if torch.is_grad_enabled():  # create_graph=True: this graph's gradients are first-order
+            raise second_order_error(ctx.module)
         if ctx.home is not None:  # dropped after the forward; the home drops them again
             ctx.home.acquire(ctx.module)
         tensors = ctx.saved_tensors

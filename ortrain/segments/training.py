@@ -90,7 +90,7 @@ class SegmentedTraining:
         recorded = self.recorded
         assert recorded is not None
         if only is not None and call is not None:
-            recorded = Recorded({only: [call]}, {only: [True]}, {}, 0.0)
+            recorded = Recorded({only: [call]}, {only: [True]}, {}, 0.0, twice=recorded.twice)
         module, config, session = self.module, self.config, self.session
         device, tol, blocks = self.device, self.tol, self.blocks or frozenset()
         stateful = self.stateful
