@@ -186,6 +186,7 @@ class ProgramContext:
         unchanged, or keep updating frozen ones, with no error."""
         changed = [(n, now) for n, p, was in self._requires if (now := p.requires_grad) != was]
         if not changed:
+            self.state.adopt_rebound()  # ``p.data = ...`` since the last step
             return
         thawed = [n for n, now in changed if now]
         frozen = [n for n, now in changed if not now]

@@ -159,6 +159,7 @@ class ORTTrainer(TrainerState, TrainerViews):
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:
         """Forward only in eval mode (no dropout), no update: loss and other outputs
         (host tensors)."""
+        self._ctx.state.adopt_rebound()  # ``p.data = ...`` since the last step
         padded = self.bucketing.pad(self._batch(args, kwargs), train=False)
         # back to the batch's own length
         return StepOutputs(padded.cut(self._evaluation.outputs(padded.batch)))

@@ -67,6 +67,7 @@ class TrainerState:
     # Distributed: collectives (every rank calls them). ZeRO-1's state_dict() is the full
     # one on rank 0 and {} elsewhere; its checkpoints are directories of shards.
     def state_dict(self) -> dict[str, Any]:
+        self.state.adopt_rebound()
         if self.reducer is not None:
             return self.reducer.state_dict(self.state)
         return checkpoint.trainer_state_dict(self.state)
@@ -77,6 +78,7 @@ class TrainerState:
         checkpoint.load_trainer_state_dict(self.state, state)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
+        self.state.adopt_rebound()
         if self.reducer is not None:
             return self.reducer.save_checkpoint(self.state, path)
         checkpoint.save(self.state, path)

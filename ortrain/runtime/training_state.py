@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ortrain.core.errors import DeviceError
+from ortrain.core.errors import DeviceError, TrainableChangedError
 from ortrain.core.optimizer_spec import OptimizerSpec
 from ortrain.loss_scaler import LossScaler
 
@@ -114,7 +114,11 @@ class TrainingState:
             if not p.data.is_contiguous():
                 p.data = p.data.contiguous()
             params[n] = p.data
-        buffers = {n: b.data.contiguous() for n, b in module.named_buffers()}
+        buffers: dict[str, torch.Tensor] = {}
+        for n, b in module.named_buffers():
+            if not b.is_contiguous():
+                b.data = b.data.contiguous()
+            buffers[n] = b.data
         return cls(module, spec, device, params, buffers, **kwargs)
 
     # ------------------------------------------------------------------ reading
@@ -152,6 +156,42 @@ class TrainingState:
             modules[name].data = view
             self.params[name] = view
 
+    def adopt_rebound(self) -> list[str]:
+        """Parameters and buffers whose module tensor was replaced since they were bound
+        (``p.data = p.data.clamp(...)`` between steps, MoCo's ``k.data = k.data * m + ...``
+        in its forward, a buffer assigned anew): the module's values go into the state's
+        tensor, which the module then holds again. Eager's optimizer steps the parameter
+        object whatever its data is; without this the graphs and the update went on with
+        the old tensor and the module's change was lost (or overwritten by
+        ``sync_to_module``). Returns their names."""
+        moved = []
+        owners = dict(self.module.named_modules())
+        for kind, own, tensors in (
+            ("parameter", self.module.named_parameters(), self.params),
+            ("buffer", self.module.named_buffers(), self.buffers),
+        ):
+            for name, t in own:
+                held = tensors.get(name)
+                if held is None or t.data_ptr() == held.data_ptr():
+                    continue
+                if t.shape != held.shape or t.dtype != held.dtype:
+                    raise TrainableChangedError(
+                        f"{kind} {name} was replaced by a tensor of another shape or type "
+                        f"({list(held.shape)} {held.dtype} -> {list(t.shape)} {t.dtype}) after "
+                        "the ORTTrainer was made; its graphs and optimizer state are laid out "
+                        "for the old one: call trainer.sync_to_module() before the change and "
+                        "make a new ORTTrainer after it"
+                    )
+                with torch.no_grad():
+                    held.copy_(t)
+                if kind == "parameter":
+                    t.data = held
+                else:
+                    owner, _, attr = name.rpartition(".")
+                    owners[owner]._buffers[attr] = held
+                moved.append(name)
+        return moved
+
     def adopt_grads(self, views: Mapping[str, torch.Tensor]) -> None:
         """Gradients of these parameters live in these tensors (views of a flat buffer)."""
         self.grads.update(views)
@@ -186,6 +226,7 @@ class TrainingState:
 
     def sync_to_module(self) -> torch.nn.Module:
         """Copy the trained weights into the module (a no-op where memory is shared)."""
+        self.adopt_rebound()  # what user code put in the module since the last step is newer
         with torch.no_grad():
             for n, p in self.module.named_parameters():
                 if p.data.data_ptr() != self.params[n].data_ptr():
