@@ -32,6 +32,11 @@ def _constant_token(value: Any, where: str) -> tuple:
     )
 
 
+def _in_functorch_transform() -> bool:
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
 @dataclasses.dataclass
 class Call:
     """``module(*args, **kwargs)``, flattened with torch's pytree."""
@@ -49,6 +54,11 @@ class Call:
                     f"called inside torch.autocast({device!r}, "
                     f"{torch.get_autocast_dtype(device)}), whose casts a graph does not make"
                 )
+        if _in_functorch_transform():
+            raise Uncompilable(
+                "called inside a torch.func transform (vmap, grad, jacrev, ...), whose "
+                "batched or tracked tensors a graph cannot take"
+            )
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at, sig = [], [str(spec)]
         for i, leaf in enumerate(leaves):
