@@ -168,16 +168,54 @@ def generator_draws(module: torch.nn.Module) -> Iterator[dict[str, list[str]]]:
             del found[name]
 
 
+@contextlib.contextmanager
+def buffer_resizes(module: torch.nn.Module) -> Iterator[dict[str, list[str]]]:
+    """Which modules' calls inside changed the shape of a buffer of their own (an
+    observer's ``min_val`` made per channel on its first call, a cache grown in place):
+    {module name: ["min_val ([0] -> [32])", ...]}. A graph would take such a buffer at one
+    shape and hold the branch its first shape took (QAT's "first batch" initialisation)."""
+    found: dict[str, list[str]] = {}
+    names = {id(m): n for n, m in module.named_modules()}
+    shapes: dict[int, list[dict[str, tuple[int, ...]]]] = {}
+
+    def own(m: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(b.shape) for k, b in m._buffers.items() if b is not None}
+
+    def pre(m: torch.nn.Module, *_: Any) -> None:
+        shapes.setdefault(id(m), []).append(own(m))
+
+    def post(m: torch.nn.Module, *_: Any) -> None:
+        before = shapes[id(m)].pop()
+        for k, now in own(m).items():
+            was = before.get(k)
+            if was is not None and was != now:
+                said = f"buffer {k} ({list(was)} -> {list(now)})"
+                if said not in found.setdefault(names.get(id(m), ""), []):
+                    found[names.get(id(m), "")].append(said)
+
+    handles = []
+    for m in module.modules():
+        if m._buffers:
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post))
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def changed_every_call(
     module: torch.nn.Module, first: Callable[[], Any], again: Callable[[], Any]
 ) -> tuple[Any, dict[str, str]]:
     """``first()`` (a forward and backward), then, where it changed scalar attributes,
     ``again()`` (a forward): (``first()``'s result, what both changed by owning module:
-    "attr (a -> b)", and the host generators its own code drew from). The attributes and
-    the generators are put back afterwards."""
+    "attr (a -> b)", the host generators its own code drew from, and its buffers whose
+    shape ``first()`` changed). The attributes and the generators are put back
+    afterwards."""
     with kept(module):
         before = scalars(module)
-        with generator_draws(module) as drawn:
+        with generator_draws(module) as drawn, buffer_resizes(module) as resized:
             result = first()
         after = scalars(module)
         once = _changed(before, after)
@@ -196,6 +234,8 @@ def changed_every_call(
             owners.setdefault(name, []).append(f"{attr} ({old!r} -> {new!r})")
     for name, labels in drawn.items():
         owners.setdefault(name, []).extend(f"draws from {label}" for label in labels)
+    for name, said in resized.items():
+        owners.setdefault(name, []).extend(said)
     return result, {name: ", ".join(attrs) for name, attrs in owners.items()}
 
 

@@ -311,15 +311,17 @@ def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """Put these tensors' values back afterwards (a run that must leave no trace)."""
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    seen: dict[int, tuple[torch.Tensor, torch.Size, torch.Tensor | None]] = {}
     for t in tensors:
         if id(t) not in seen:
-            seen[id(t)] = (t, snapshot(t))
+            seen[id(t)] = (t, t.shape, snapshot(t))
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, saved in seen.values():
+            for t, shape, saved in seen.values():
+                if t.shape != shape:  # resized in place (an observer's first call)
+                    t.resize_(shape)
                 if saved is None:
                     t.zero_()
                 else:

@@ -31,7 +31,7 @@ from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
 from ortrain.python_state import describe
 from ortrain.runtime.binder import bind_training_graph
-from ortrain.runtime.session import CudaGraphCaptureError, register_cpu_arena
+from ortrain.runtime.session import CudaGraphCaptureError, UnbindableError, register_cpu_arena
 from ortrain.speed_trial import SpeedTrial
 from ortrain.step_errors import from_onnxruntime, run_failed
 from ortrain.verify import EagerStep, compare, module_of, report
@@ -263,7 +263,13 @@ class WholeProgram:
                 raise
             # a graph ONNX Runtime refuses (a kernel it lacks for these types): segments
             raise NotOneGraph(f"ONNX Runtime refused the graph: {first_line(exc)}", exc) from exc
-        updates = bind_training_graph(session, built, ctx.state, ctx.engine, ctx.dropout_on)
+        try:
+            updates = bind_training_graph(session, built, ctx.state, ctx.engine, ctx.dropout_on)
+        except UnbindableError as exc:
+            if ctx.options.fallback == "off":
+                raise
+            # a complex buffer (a rotary table of complex64): the modules that read it in eager
+            raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
         static = {} if ctx.options.cuda_graph else None
         compiled = CompiledGraph.of(
             session, built, batch, static_batch=static, buffer_updates=updates, cache_hit=hit
@@ -327,8 +333,8 @@ class WholeProgram:
         ctx = self.ctx
         said = describe(ctx.eager.stateful, type(ctx.module).__name__)
         bad = (
-            f"its forward changes Python state on every call ({said}), which a graph "
-            "would hold at the values its export saw"
+            f"its forward changes Python state or a buffer's shape from call to call ({said}), "
+            "which a graph would hold at the values its export saw"
         )
         if ctx.options.fallback == "off":
             raise VerificationError(

@@ -126,3 +126,57 @@ def test_a_parameter_replaced_by_another_shape_is_refused():
     with pytest.raises(TrainableChangedError, match=r"net\.0\.weight.*\[12, 5\].*\[12, 6\]"):
         trainer.train_step(x, x + 1)
     torch.testing.assert_close(model.net[2].bias.detach(), before, rtol=0, atol=0)
+
+
+class _Quantized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import torch.ao.quantization as tq
+
+        self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+        self.fc1, self.relu, self.fc2 = nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
+
+
+def test_quantization_aware_training_trains_like_eager():
+    """``prepare_qat``'s observers make their ``min_val`` / ``scale`` buffers per channel
+    on their first call (resized in place): the checks' put-back had left them zeros of the
+    new shape (the moving averages started from 0), and a graph would hold the first
+    call's branch. Such modules run in eager; the state follows their new buffers."""
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    model = _Quantized().train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.prepare_qat(model, inplace=True)
+    ref = copy.deepcopy(model)
+
+    def loss_fn(out, batch):
+        return nn.functional.cross_entropy(out, batch["y"])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = ORTTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            TrainerOptions(build_progress=False),
+            loss_fn=loss_fn,
+        )
+        eager_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            loss = trainer.train_step(x, y=y)
+            expected = loss_fn(ref(x), {"y": y})
+            expected.backward()
+            eager_opt.step()
+            eager_opt.zero_grad()
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert any("buffer scale ([1] -> [32])" in str(w.message) for w in caught)
+    trainer.sync_to_module()
+    saved = trainer.state_dict()["model"]
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], t, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(saved[name], t, rtol=1e-5, atol=1e-6, msg=name)

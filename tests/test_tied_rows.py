@@ -106,7 +106,10 @@ def test_a_gradient_replaced_after_the_rows_went_in_raises():
     tied = TiedGradients()
     p = torch.nn.Parameter(torch.ones(3))
     tied.watch(p)
-    tied.added(p, torch.zeros(3))  # rows "added" into a tensor autograd does not hold
+    # rows "added" into a tensor autograd does not hold (kept alive: a freed one's memory
+    # could be the gradient's, whose address would then match)
+    elsewhere = torch.zeros(3)
+    tied.added(p, elsewhere)
     with pytest.raises(RuntimeError, match="rows would be lost"):
         (2 * p).sum().backward()
     assert p.grad is None

@@ -49,6 +49,7 @@ def bind_training_graph(
             inputs[r.name] = state.params[r.name]
         elif r.role is Role.BUFFER:
             inputs[r.name] = state.buffers[r.name]
+            state.graph_buffers.add(r.name)
         elif r.role is Role.LOSS_SCALE:
             inputs[r.name] = state.loss_scale
         elif r.role is Role.DROPOUT_SWITCH:
@@ -62,6 +63,7 @@ def bind_training_graph(
             assert r.of is not None
             new = torch.empty_like(state.buffers[r.of])
             outputs[r.name] = new
+            state.graph_buffers.add(r.of)
             updates.append((new, state.buffers[r.of]))
     session.bind_inputs(inputs)
     session.bind_outputs(outputs)
@@ -78,6 +80,7 @@ def bind_eval_graph(session: BoundSession, built: BuiltGraph, state: TrainingSta
             inputs[r.name] = state.params[r.name]
         elif r.role is Role.BUFFER:
             inputs[r.name] = state.buffers[r.name]
+            state.graph_buffers.add(r.name)
     session.bind_inputs(inputs)
     for name in built.output_names:
         session.bind_output_to_cpu(name)

@@ -506,6 +506,10 @@ def capture_error(exc: Exception) -> CudaGraphCaptureError:
     )
 
 
+class UnbindableError(TypeError):
+    """A tensor ONNX Runtime cannot take (a complex buffer): its graph cannot run."""
+
+
 class BoundSession:
     """A session plus an IOBinding whose persistent inputs/outputs are bound once.
 
@@ -536,7 +540,7 @@ class BoundSession:
         if not t.is_contiguous():
             raise ValueError(f"'{name}': tensors bound to ONNX Runtime must be contiguous")
         if t.dtype not in _TORCH_TO_NP:
-            raise TypeError(f"'{name}': dtype {t.dtype} cannot be bound to ONNX Runtime")
+            raise UnbindableError(f"'{name}': dtype {t.dtype} cannot be bound to ONNX Runtime")
 
     def bind_inputs(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():

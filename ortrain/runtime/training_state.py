@@ -83,6 +83,9 @@ class TrainingState:
     # parameters kept other than whole (ZeRO-3: this rank's stretch of them)
     shard_params: list[torch.Tensor] = dataclasses.field(default_factory=list)
     micro_step: int = 0
+    # buffers a whole-model graph's session is bound to (``binder.py``): one the module
+    # replaces by another shape cannot follow it there
+    graph_buffers: set[str] = dataclasses.field(default_factory=set)
     # device scalars (created in __post_init__ on ``device``)
     step_tensor: torch.Tensor = dataclasses.field(init=False)
     loss: torch.Tensor = dataclasses.field(init=False)
@@ -174,7 +177,14 @@ class TrainingState:
                 held = tensors.get(name)
                 if held is None or t.data_ptr() == held.data_ptr():
                     continue
-                if t.shape != held.shape or t.dtype != held.dtype:
+                reshaped = t.shape != held.shape or t.dtype != held.dtype
+                if reshaped and kind == "buffer" and name not in self.graph_buffers:
+                    # eager code's own buffer (a QAT observer's ``min_val`` made per
+                    # channel): the segments read it from the module, the state follows
+                    tensors[name] = t
+                    moved.append(name)
+                    continue
+                if reshaped:
                     raise TrainableChangedError(
                         f"{kind} {name} was replaced by a tensor of another shape or type "
                         f"({list(held.shape)} {held.dtype} -> {list(t.shape)} {t.dtype}) after "

@@ -401,8 +401,8 @@ def _keeps_no_python_state(name: str, stateful: Mapping[str, str]) -> None:
         if owner == name or owner.startswith(name + "."):
             whose = "its" if owner == name else f"{owner[len(name) + 1 :]}'s"
             raise _Mismatched(
-                f"{whose} forward changes Python state on every call ({attrs}), which "
-                "a graph would hold at one value"
+                f"{whose} forward changes Python state or a buffer's shape from call to "
+                f"call ({attrs}), which a graph would hold at one value"
             )
 
 
