@@ -26,6 +26,13 @@ builds without a cache), and so is an entry (a symlink, another owner, group- or
 other-writable: built again, with a warning): its content hash proves only that it was
 written whole, not who wrote it.
 
+A build that misses the cache holds an exclusive lock (``flock``) on a file beside the entry it
+will write: another process on this machine that misses the same entry (the other ranks
+of a ``torchrun`` job, which build the same graphs at the same moment) waits for it and
+then loads the entry instead of building it too. A lock held longer than the build timeout
+(``ORTRAIN_EXPORT_TIMEOUT``) is waited out with a warning and the graph built regardless;
+a holder that dies releases it with its process.
+
 A training graph is two entries: the exported forward of a batch signature (the label
 sites the labelled-row count is read from) and the graph of that forward, settings and
 labelled-row bucket; a new bucket builds from the cached forward without exporting.
@@ -60,6 +67,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ortrain.build_progress import BuildProgress
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; each process builds its own
+    fcntl = None  # type: ignore[assignment]
 from ortrain.safe_files import (
     UntrustedPathError,
     atomic_write,
@@ -568,6 +580,50 @@ class GraphCache:
             os.utime(path)  # last used: what to delete first when pruning by hand
         return value
 
+    @contextlib.contextmanager
+    def building(self, key: str) -> Iterator[None]:
+        """Held while this process builds what goes under ``key`` (module docstring)."""
+        if fcntl is None:
+            yield
+            return
+        path = self._path(key).with_suffix(".lock")
+        try:
+            private_dir(path.parent)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(path, flags, 0o600)
+        except (OSError, UntrustedPathError):  # no lock: build as if alone
+            yield
+            return
+        try:
+            self._lock(fd, path)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _lock(self, fd: int, path: Path) -> None:
+        assert fcntl is not None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        progress = self.progress or self._progress("training")
+        deadline = time.monotonic() + float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800"))
+        with progress.running():
+            progress.stage("waiting for another process building it")
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    continue
+        warnings.warn(
+            f"ortrain: another process has held {path} past the build timeout; building the "
+            "graph here as well",
+            stacklevel=5,
+        )
+
     def store(self, key: str, value: Any) -> None:
         try:
             write_entry(self._path(key), key, value)
@@ -603,8 +659,7 @@ class GraphCache:
         """``ortrain.build.build_train``'s result, from the cache where it has it;
         ``fresh``: built anew and stored over the entry (a cached graph that failed its
         first-step check against eager, ``ortrain/verify.py``)."""
-        from ortrain.build import build_train, label_rows
-        from ortrain.core.names import UpdateInBackwardError
+        from ortrain.build import build_train
 
         self._progress("training")
         if not self.enabled or fresh:
@@ -620,11 +675,34 @@ class GraphCache:
                 functools.partial(build_train, module, batch, loss_fn, settings, forward, first),
             )
         t = time.perf_counter()
-        fkey = _key("forward", self._base("train", batch), settings.optimize)
         # a build that raised UpdateInBackwardError ("auto" then builds without the update
-        # in the backward): deterministic, so the next run skips straight to that
-        refused_key = _key("refused", fkey, _settings_token(settings))
-        refused = self.load(refused_key)
+        # in the backward) is stored under "refused": deterministic, so the next run skips
+        # straight to that
+        fkey = _key("forward", self._base("train", batch), settings.optimize)
+        found = self._load_train(fkey, batch, settings, forward, t)
+        if isinstance(found, tuple):
+            return found
+        with self.building(fkey):
+            # another process may have built it while this one waited for the lock
+            found = self._load_train(fkey, batch, settings, forward, t)
+            if isinstance(found, tuple):
+                return found
+            return self._build_train(run, module, batch, loss_fn, settings, found, first, fkey)
+
+    def _load_train(
+        self,
+        fkey: str,
+        batch: Mapping[str, Any],
+        settings: BuildConfig,
+        forward: ForwardSource | None,
+        start: float,
+    ) -> tuple[ForwardSource, tuple, BuiltGraph] | ForwardSource | None:
+        """The cached (forward, rows, graph) of ``fkey``; where only the forward is there,
+        that forward; else None. Raises a cached refusal."""
+        from ortrain.build import label_rows
+        from ortrain.core.names import UpdateInBackwardError
+
+        refused = self.load(_key("refused", fkey, _settings_token(settings)))
         if isinstance(refused, str):
             raise UpdateInBackwardError(refused)
         if forward is None:
@@ -633,7 +711,24 @@ class GraphCache:
             rows = label_rows(forward.sites, batch, headroom=True)
             built = self.load(_key("graph", fkey, _settings_token(settings), rows))
             if built is not None:
-                return forward, rows, self._hit(built, "train", t)
+                return forward, rows, self._hit(built, "train", start)
+        return forward
+
+    def _build_train(
+        self,
+        run: Callable[[Callable[[], Any]], Any],
+        module: torch.nn.Module,
+        batch: Mapping[str, Any],
+        loss_fn: LossFn | None,
+        settings: BuildConfig,
+        forward: ForwardSource | None,
+        first: int,
+        fkey: str,
+    ) -> tuple[ForwardSource, tuple, BuiltGraph]:
+        from ortrain.build import build_train
+        from ortrain.core.names import UpdateInBackwardError
+
+        refused_key = _key("refused", fkey, _settings_token(settings))
         exports = forward is None
         job = functools.partial(build_train, module, batch, loss_fn, settings, forward, first)
         try:
@@ -670,8 +765,12 @@ class GraphCache:
         built = None if fresh else self.load(key)
         if built is not None:
             return self._hit(built, "eval", t)
-        built = self._run(run, job)
-        self.store(key, built)
+        with self.building(key):
+            built = None if fresh else self.load(key)
+            if built is not None:
+                return self._hit(built, "eval", t)
+            built = self._run(run, job)
+            self.store(key, built)
         return built
 
     def _hit(self, built: BuiltGraph, graph: str, start: float) -> BuiltGraph:

@@ -126,7 +126,10 @@ class TrainerOptions:
         (``trainer.cache_hits``). True: ``$XDG_CACHE_HOME/ortrain/graphs`` (default
         ``~/.cache/ortrain/graphs``; ``ORTRAIN_GRAPH_CACHE=<dir>`` moves it, ``=0`` turns
         it off); a path: that folder; False: off. Entries are checked by a content hash; a
-        damaged one is rebuilt with a warning. Off with ``save_graphs_dir``.
+        damaged one is rebuilt with a warning. Processes that miss the same entry at
+        once (the ranks of one machine) build it once: the first holds a lock beside
+        the entry, the others wait for it and load what it wrote. Off with
+        ``save_graphs_dir``.
     build_progress: a build that runs over 2 s prints one line per stage (export, passes,
         session) on stderr; False: quiet.
     verify: check every compiled graph's first step against eager PyTorch on the same

@@ -251,6 +251,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # one instead of this hook hiding it under a second kind.
         if not any(item.get_closest_marker(k) for k in KINDS):
             item.add_marker(kind_of(item))
+    # every collected test and its markers, before -m / -k deselect any (this hook runs
+    # before the mark plugin's): tests/test_markers.py checks them without collecting again
+    config.ortrain_collected = {i.nodeid: {m.name for m in i.iter_markers()} for i in items}  # type: ignore[attr-defined]
     groups_file = getattr(config, "workerinput", {}).get("ortrain_groups")
     if groups_file is None:
         return

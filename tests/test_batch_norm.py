@@ -334,6 +334,7 @@ def _launch(out: Path, zero_stage: int) -> None:
             "MASTER_PORT": port,
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
+            "ORTRAIN_GRAPH_CACHE": str(out / "graph-cache"),  # each graph built by one rank
         }
         log = open(out / f"log{rank}", "w")
         cmd = [sys.executable, "-m", "tests.test_batch_norm", str(out), str(zero_stage)]

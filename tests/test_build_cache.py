@@ -67,6 +67,8 @@ def train(cfg: dict) -> dict:
     from ortrain import ORTTrainer, TrainerOptions
     from ortrain.build_cache import library_versions
 
+    if "together" in cfg:  # (builds log, ready folder, world): builds that overlap
+        _overlapping_builds(*cfg["together"])
     model = _model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trainer = ORTTrainer(model, opt, TrainerOptions(**cfg.get("options", {})))
@@ -83,6 +85,29 @@ def train(cfg: dict) -> dict:
         "versions": hashlib.sha256(library_versions().encode()).hexdigest(),
         "trainer": trainer,
     }
+
+
+def _overlapping_builds(log: str, ready: str, world: int) -> None:
+    """Each build (in the build's child too) notes itself in ``log`` and takes 2 s more;
+    the ``world`` processes start training together (all have said they are ready), so
+    their builds overlap unless one waits for the other."""
+    import time
+
+    import ortrain.build as build
+
+    real = build.build_train
+
+    def noted(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    build.build_train = noted
+    Path(ready, str(os.getpid())).touch()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(ready)) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _env(xdg: Path, cache: str = "1") -> dict[str, str]:
@@ -180,6 +205,32 @@ def test_a_second_process_takes_its_graphs_from_disk(xdg: Path):
     assert warm["stages"] == [["train", "cache"], ["eval", "cache"]]
     assert warm["sessions"] == cold["sessions"] == ["train", "eval"]
     assert warm["losses"] == cold["losses"] and warm["eval"] == cold["eval"]  # bit for bit
+
+
+@pytest.mark.slow
+def test_processes_missing_the_same_graph_build_it_once(xdg: Path):
+    """Ranks of one machine start together and miss the same entries: one builds, the
+    others wait for its lock and load what it wrote (bit for bit the same training)."""
+    log, ready = xdg / "builds.log", xdg / "ready"
+    ready.mkdir()
+    cfg = {"together": [str(log), str(ready), 3]}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, __file__, json.dumps(cfg)],
+            env=_env(xdg),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [r.communicate(timeout=600) for r in runs]
+    assert all(r.returncode == 0 for r in runs), [err[-2000:] for _, err in outs]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert len(log.read_text().split()) == 1  # one build in all three processes
+    assert sorted(g["cache_hits"] for g in got) == [0, 1, 1]
+    assert len({tuple(g["losses"]) for g in got}) == 1
+    assert len(_entries(xdg)) == 2  # the forward and the training graph
 
 
 @pytest.mark.slow

@@ -74,7 +74,6 @@ def launch(
         stdout = subprocess.PIPE if rank == piped else log
         env_r = {
             **os.environ,
-            **env,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -82,6 +81,10 @@ def launch(
             "MASTER_PORT": port,
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
+            # the test's own graph cache: the ranks build each graph once (the first to
+            # miss it; the others wait and load it), as they would with the user's cache
+            "ORTRAIN_GRAPH_CACHE": str(out / "graph-cache"),
+            **env,
         }
         cmd = [sys.executable, "-m", "tests.dist_worker", scenario, str(out)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_r, stdout=stdout, stderr=log))

@@ -456,6 +456,7 @@ def test_torchrun_two_processes_match_one_on_the_combined_batch(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={WORLD}", str(Path(__file__)), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["ORTRAIN_GRAPH_CACHE"] = str(tmp_path / "graph-cache")  # each graph built by one rank
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     logs = json.loads((tmp_path / "logs.json").read_text())

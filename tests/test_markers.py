@@ -2,8 +2,10 @@
 (tests/conftest.py sets them), ``slow`` and ``e2e`` mark the same tests, each module keeps a
 quick test in the fast lane (``-m "not slow"``), and a misspelt marker fails collection.
 
-The suite is collected in a subprocess (collection only, nothing runs), with a small plugin
-that writes each test's id and marker names to a JSON file.
+The run's own collection is used where it is the whole suite (tests/conftest.py keeps each
+test's markers from before ``-m`` / ``-k`` deselect any); otherwise the suite is collected
+in a subprocess (collection only, nothing runs), with a small plugin that writes each
+test's id and marker names to a JSON file.
 """
 
 from __future__ import annotations
@@ -43,9 +45,22 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"]
 """
 
 
+def _whole_suite(seen: dict[str, set[str]]) -> bool:
+    """Whether ``seen`` holds a test of every test module (the run collected ``tests``)."""
+    modules = {n.split("::")[0] for n in seen}
+    return all(f"tests/{f.name}" in modules for f in (ROOT / "tests").glob("test_*.py"))
+
+
 @pytest.fixture(scope="module")
-def collected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
-    """Test id -> the names of its markers, for the whole suite."""
+def collected(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, set[str]]:
+    """Test id -> the names of its markers, for the whole suite: what this run collected
+    where it collected the whole suite (conftest.py keeps it), else a collection of its
+    own."""
+    seen = getattr(request.config, "ortrain_collected", {})
+    if _whole_suite(seen):
+        return seen
     out = tmp_path_factory.mktemp("collect") / "items.json"
     done = subprocess.run(
         [sys.executable, "-c", _COLLECT, str(out)],
