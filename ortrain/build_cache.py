@@ -56,7 +56,6 @@ import pickle
 import platform
 import re
 import sys
-import sysconfig
 import time
 import types
 import warnings
@@ -79,6 +78,7 @@ from ortrain.safe_files import (
     untrusted_file,
     untrusted_folder,
 )
+from ortrain.user_code import global_names, is_installed, is_user_code
 
 if TYPE_CHECKING:
     from ortrain.build import BuiltGraph, ForwardSource, StageRecord
@@ -173,18 +173,6 @@ def _tree_token(root: Path, suffixes: tuple[str, ...] = (".py",)) -> str:
     return h.hexdigest()
 
 
-def _installed_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    return tuple(sorted(str(Path(r).resolve()) for r in roots if r))
-
-
-def _is_installed(path: str) -> bool:
-    resolved = str(Path(path).resolve())
-    return any(resolved.startswith(root + os.sep) for root in _installed_roots())
-
-
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -218,7 +206,7 @@ def _module_code_token(name: str) -> str:
     top = name.split(".")[0]
     if top in ("torch", "ortrain"):  # library_versions has them
         return ""
-    if _is_installed(file):
+    if is_installed(file):
         top_mod = sys.modules.get(top)
         version = _version(top) or getattr(top_mod, "__version__", None)
         return f"{name}:{version}:{_file_token(file)}"
@@ -328,7 +316,7 @@ class _Fingerprint:
         cells = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
         extra = self.value((fn.__defaults__, fn.__kwdefaults__, cells), depth + 1, path)
         token = f"{_code_digest(code)}:{extra}"
-        if module and _is_user_code(module):  # a notebook has no file: what the code reads
+        if module and is_user_code(module):  # a notebook has no file: what the code reads
             token += ":" + self._globals(fn, code, depth, path)
         self.seen[id(fn)] = hashlib.sha256(token.encode()).hexdigest()
         return f"{name}:{token}"
@@ -337,7 +325,7 @@ class _Fingerprint:
         """The module-level functions, classes and values that ``code`` names."""
         scope = getattr(fn, "__globals__", {})
         parts = []
-        for n in sorted(_names(code)):
+        for n in sorted(global_names(code)):
             if n not in scope or isinstance(scope[n], types.ModuleType):
                 continue
             parts.append(f"{n}={self.value(scope[n], depth + 1, path)}")
@@ -348,7 +336,7 @@ class _Fingerprint:
             if c is torch.nn.Module or c is object:
                 break
             self.code_modules.add(c.__module__)
-            if _is_user_code(c.__module__) and id(c) not in self.seen:
+            if is_user_code(c.__module__) and id(c) not in self.seen:
                 self.seen[id(c)] = "<class>"
                 for k, v in sorted(vars(c).items()):
                     f = getattr(v, "__func__", getattr(v, "fget", v))
@@ -374,25 +362,6 @@ class _Fingerprint:
             for k, b in m._buffers.items():
                 shape = None if b is None else (tuple(b.shape), b.dtype, b.device.type)
                 self.add("buffer", k, shape, k in m._non_persistent_buffers_set)
-
-
-@functools.lru_cache(maxsize=1024)
-def _is_user_code(name: str) -> bool:
-    """Whether module ``name`` is the user's (not installed: a script, a notebook, a local
-    package), whose functions' code is hashed with what they read."""
-    if name.split(".")[0] in ("torch", "ortrain", "builtins"):
-        return False
-    file = getattr(sys.modules.get(name), "__file__", None)
-    return file is None or not _is_installed(file)
-
-
-def _names(code: types.CodeType) -> set[str]:
-    """The global names ``code`` and its nested functions read."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _names(c)
-    return names
 
 
 def _filled(cell: types.CellType) -> bool:

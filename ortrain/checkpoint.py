@@ -87,6 +87,20 @@ def trainer_state_dict(
     if training.spec.kind == EAGER:  # the optimizer keeps its state: its own state dict
         own = _cloned(training.optimizer.state_dict())
         return {"model": model, "optimizer": own, "ortrain": extra}
+    return {
+        "model": model,
+        "optimizer": optimizer_state_dict(training, opt_state),
+        "ortrain": extra,
+    }
+
+
+def optimizer_state_dict(
+    training: TrainingState, opt_state: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """The optimizer's state in torch's format (what ``optimizer.state_dict()`` gives in
+    eager), from ortrain's state of a compiled update."""
+    st = training
+    opt_state = st.opt_state if opt_state is None else opt_state
     names = index_names(training)
     state: dict[int, dict[str, torch.Tensor]] = {}
     group_of = {n: g for g in training.spec.groups for n in g.params}
@@ -110,11 +124,7 @@ def trainer_state_dict(
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
-    return {
-        "model": model,
-        "optimizer": {"state": state, "param_groups": groups},
-        "ortrain": extra,
-    }
+    return {"state": state, "param_groups": groups}
 
 
 def uneven_steps(state: Mapping[str, Any]) -> str:
@@ -203,7 +213,6 @@ def load_trainer_state_dict(
     _check_model(training, state["model"])
     _check_optimizer(training, state)
     opt = state["optimizer"]
-    names = index_names(training)
     if training.spec.kind != EAGER and (counts := uneven_steps(state)):
         # saved after the update moved to the optimizer's own step: it goes there again
         if training.update_in_eager is None:
@@ -225,25 +234,58 @@ def load_trainer_state_dict(
             if st.scaler is not None and scaler_state is not None:
                 st.scaler.load_state_dict(scaler_state)
             return
-        steps = [0.0]
-        for idx, entry in opt["state"].items():
-            name = names[int(idx)]
-            for s, t in entry.items():
-                if s == "step":
-                    steps.append(float(t))
-                    continue
-                key = state_key(s, name)
-                if key in opt_state:
-                    opt_state[key].copy_(t)
-                else:
-                    opt_state[key] = t.detach().to(torch.float32).clone().contiguous()
-        step = int(state.get("ortrain", {}).get("step", max(steps)))
+        _load_moments(training, opt, opt_state)
+        step = int(state.get("ortrain", {}).get("step", max(_steps(opt))))
         st.set_counters(step, int(state.get("ortrain", {}).get("micro_step", 0)))
         scaler_state = state.get("ortrain", {}).get("loss_scaler")
         if st.scaler is not None and scaler_state is not None:
             st.scaler.load_state_dict(scaler_state)
         for g, saved in zip(training.optimizer.param_groups, opt["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _steps(opt: Mapping[str, Any]) -> list[float]:
+    return [0.0, *(float(e["step"]) for e in opt["state"].values() if "step" in e)]
+
+
+def _load_moments(
+    training: TrainingState, opt: Mapping[str, Any], opt_state: MutableMapping[str, torch.Tensor]
+) -> None:
+    """A torch-format optimizer state's per-parameter tensors into ``opt_state``."""
+    names = index_names(training)
+    for idx, entry in opt["state"].items():
+        name = names[int(idx)]
+        for s, t in entry.items():
+            if s == "step":
+                continue
+            key = state_key(s, name)
+            if key in opt_state:
+                opt_state[key].copy_(t)
+            else:
+                opt_state[key] = t.detach().to(torch.float32).clone().contiguous()
+
+
+def load_optimizer_state_dict(training: TrainingState, opt: Mapping[str, Any]) -> None:
+    """A torch-format optimizer state dict (``optimizer.load_state_dict`` of a compiled
+    update's optimizer) into ortrain's state: the moments, and the step count their bias
+    correction reads. A state without entries clears the moments, as torch's would start
+    from none. Checked first (``ortrain/optim/state_check.py``)."""
+    st = training
+    _check_optimizer(training, {"optimizer": opt})
+    if counts := uneven_steps({"optimizer": opt}):
+        raise CheckpointError(
+            f"its parameters took {counts} optimizer steps; ortrain's compiled update counts "
+            "one step for all (trainer.load_state_dict takes such a state)"
+        )
+    if not opt["state"]:
+        for t in st.opt_state.values():
+            t.zero_()
+    else:
+        _load_moments(training, opt, st.opt_state)
+    steps = _steps(opt)
+    # SGD's state counts no steps: "some update happened" is what its moments say
+    step = max(st.step, 1) if opt["state"] and len(steps) == 1 else int(max(steps))
+    st.set_counters(step, st.micro_step)
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,6 +7,11 @@
    as ReduceL2 / ReduceL1 (whose gradient is 0 at a zero distance, as torch's), p = inf
    as the largest absolute difference, p = 0 as the count of differing coordinates, any
    other p as ``(sum |d|^p)^(1/p)`` with zeros kept out of the powers' gradients.
+2. ``aten::linalg_vector_norm`` (``torch.norm(x, p)``, ``torch.linalg.vector_norm``) for
+   p > 0 other than 1, 2 and inf: ``(sum |x|^p)^(1/p)`` as the exporter's function spells
+   it, with cdist's zeros kept out, so the gradient is 0 at zero elements and where the
+   norm is 0, as torch's ``norm_backward`` masks it (not 0 * inf = NaN). Other p go to
+   the exporter's own function.
 """
 
 from __future__ import annotations
@@ -34,20 +39,49 @@ def _cdist(x1: Any, x2: Any, p: float = 2.0, compute_mode: Any = None) -> Any:
         return op.ReduceMax(op.Abs(diff), last, keepdims=0)
     if p == 0.0:  # through Sign, whose gradient is zeros: torch's (not None) for x1 and x2
         return op.ReduceSum(op.Sign(op.Abs(diff)), last, keepdims=0)
-    # |d|^p and the root kept off zero: their gradients there are 0 (torch's), not inf
-    zero = op.CastLike(op.Constant(value_float=0.0), diff)
-    one = op.CastLike(op.Constant(value_float=1.0), diff)
-    same = op.Equal(diff, zero)
-    powered = op.Pow(
-        op.Where(same, one, op.Abs(diff)), op.CastLike(op.Constant(value_float=p), diff)
-    )
-    total = op.ReduceSum(op.Where(same, zero, powered), last, keepdims=0)
+    return _p_norm(op, diff, p, last, keepdims=0)
+
+
+def _p_norm(op: Any, x: Any, p: float, axes: Any, keepdims: int, magnitude: Any = None) -> Any:
+    """``(sum |x|^p)^(1/p)`` over ``axes`` for p > 0 (``magnitude``: ``|x|`` or, for an
+    even p, ``x`` itself). |x|^p and the root are kept off zero: their gradients there
+    are 0 (torch's), not inf."""
+    zero = op.CastLike(op.Constant(value_float=0.0), x)
+    one = op.CastLike(op.Constant(value_float=1.0), x)
+    same = op.Equal(x, zero)
+    base = op.Abs(x) if magnitude is None else magnitude
+    powered = op.Pow(op.Where(same, one, base), op.CastLike(op.Constant(value_float=p), x))
+    total = op.ReduceSum(op.Where(same, zero, powered), axes, keepdims=keepdims)
     at_zero = op.Equal(total, zero)
-    root = op.Pow(
-        op.Where(at_zero, one, total), op.CastLike(op.Constant(value_float=1.0 / p), diff)
-    )
+    root = op.Pow(op.Where(at_zero, one, total), op.CastLike(op.Constant(value_float=1.0 / p), x))
     return op.Where(at_zero, zero, root)
 
 
+def _vector_norm(
+    self: Any, ord: float = 2.0, dim: Any = None, keepdim: bool = False, dtype: int = -1
+) -> Any:
+    from onnxscript import opset18 as op
+    from onnxscript.function_libs.torch_lib.ops.linalg import aten_linalg_vector_norm
+
+    p = float(ord)
+    if not p > 0 or p in (1.0, 2.0) or math.isinf(p):
+        # ReduceL1 / ReduceL2 / ReduceMax already give torch's 0 at zero; p <= 0 counts
+        # or inverts zeros, a different shape of gradient
+        return aten_linalg_vector_norm(self, ord, dim, keepdim, dtype)
+    if dtype != -1:
+        self = op.Cast(self, to=dtype)
+    if dim is None:
+        self = op.Reshape(self, op.Constant(value_ints=[-1]))
+        axes, keepdim = op.Constant(value_ints=[0]), False
+    else:
+        axes = op.Constant(value_ints=list(dim) if isinstance(dim, (list, tuple)) else [dim])
+    # An even p needs no Abs (the exporter's spelling: the same value and gradient)
+    magnitude = self if p % 2 == 0 else None
+    return _p_norm(op, self, p, axes, keepdims=int(keepdim), magnitude=magnitude)
+
+
 def aten_translations() -> dict[Callable, Callable]:
-    return {torch.ops.aten._cdist_forward.default: _cdist}
+    return {
+        torch.ops.aten._cdist_forward.default: _cdist,
+        torch.ops.aten.linalg_vector_norm.default: _vector_norm,
+    }

@@ -112,6 +112,7 @@ class EagerSide:
                 module,
                 lambda: eager_loss_and_grads(lambda: self.loss_of(batch, module), module, names),
                 again,
+                self.loss_fn,
             )
 
         try:
@@ -129,7 +130,7 @@ class EagerSide:
         ortrain's, no gradient, the buffers and Python attributes put back)."""
         module = self.module
         try:
-            with restoring(list(module.buffers())), kept(module), torch.no_grad():
+            with restoring(list(module.buffers())), kept(module, self.loss_fn), torch.no_grad():
                 self.loss_of(batch, module)
         except Exception as exc:
             return exc
@@ -231,7 +232,7 @@ class EagerSide:
         ``check``: a look to compare a graph with, which advances no Python attribute
         (an evaluation run in eager does, as eager's own)."""
         module = self.module
-        keep = kept(module) if check else contextlib.nullcontext()
+        keep = kept(module, self.loss_fn) if check else contextlib.nullcontext()
         with in_mode(module, False), keep:  # every sub-module's mode as it was after
             args, kwargs = call_arguments(module, self.on_device(batch))
             out = module(*args, **kwargs)

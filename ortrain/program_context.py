@@ -33,7 +33,12 @@ import torch
 from ortrain.build import StageRecord
 from ortrain.build_cache import GraphCache
 from ortrain.core.build_config import BuildConfig
-from ortrain.core.errors import BatchError, NonFiniteLossError, TrainableChangedError
+from ortrain.core.errors import (
+    BatchError,
+    CheckpointError,
+    NonFiniteLossError,
+    TrainableChangedError,
+)
 from ortrain.core.names import UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
 from ortrain.distributed import join_process_group
@@ -41,8 +46,9 @@ from ortrain.export import LossFn, warn_sdpa
 from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
-from ortrain.optim.from_torch import group_values, optimizer_spec
+from ortrain.optim.from_torch import check_groups, group_values, optimizer_spec
 from ortrain.options import TrainerOptions
+from ortrain.python_state import LOSS_FN, READ, ValueWatch
 from ortrain.rank_memory import resident_bytes
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
 from ortrain.runtime.session import BoundSession, check_device, make_session
@@ -65,6 +71,15 @@ if TYPE_CHECKING:
     from ortrain.build import BuiltGraph
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValuesChanged:
+    """``ProgramContext.values_changed``'s finding."""
+
+    said: str  # each value, "(old -> new)"
+    again: bool  # some changed at a second step: their readers run in eager from now on
+    loss_only: bool  # those are read by ``loss_fn`` alone (eager under segments)
 
 
 class ProgramContext:
@@ -131,6 +146,8 @@ class ProgramContext:
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self.graph_cache = GraphCache(options, module, loss_fn)
         self._modes: tuple[str, ...] | None = None  # eval_children at the last step
+        self._values: ValueWatch | None = None  # the Python values at the last step
+        self._value_changes: dict[tuple[str, str], int] = {}  # steps each one changed at
         self.build_log: list[StageRecord] = []
         self.graphs = WholeGraphs(module, loss_fn, self.graph_cache, self.run_build, self.build_log)
         self.graph_dir = Path(options.save_graphs_dir) if options.save_graphs_dir else None
@@ -152,6 +169,7 @@ class ProgramContext:
             exact=mp is None,
             any_rank=bool if comm is None else comm.any,
         )
+        self._optimizer_hooks = self._hook_optimizer()
         self.session_bytes = 0  # resident bytes creating sessions added
         self.segmented = False  # the model runs as segments (the update after torch's backward)
         # What runs the optimizer update (runtime/update_engines.py): an engine the options
@@ -179,11 +197,47 @@ class ProgramContext:
         env = EngineEnv(session=self.session, save=self.save, reducer=self.reducer)
         return make_engine(choose_engine(facts), self.state, env)
 
+    def _hook_optimizer(self) -> list[Any]:
+        """A compiled update keeps the optimizer's state in ortrain's (``optimizer.state``
+        stays empty): ``optimizer.state_dict()`` gives that state in torch's format, and
+        ``optimizer.load_state_dict()`` loads into it, as a training loop written for
+        eager expects (a checkpoint of ``optimizer.state_dict()``, a state loaded or reset
+        mid-run). Under ZeRO the state is sharded across the ranks: both raise, naming
+        ``trainer.state_dict()`` / ``save_checkpoint``, which gather it (on every rank)."""
+        if self.spec.kind == EAGER:  # its own step keeps its own state
+            return []
+        from ortrain import checkpoint
+        from ortrain.distributed.data_parallel import DataParallel
+
+        def sharded(what: str) -> None:
+            if self.reducer is not None and not isinstance(self.reducer, DataParallel):
+                raise CheckpointError(
+                    f"optimizer.{what}() under ZeRO-{self.options.zero_stage}: the optimizer "
+                    "state is sharded across the ranks; use trainer.state_dict() / "
+                    "load_state_dict() or save_checkpoint() / load_checkpoint() (on every rank)"
+                )
+
+        def saved(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+            sharded("state_dict")
+            return checkpoint.optimizer_state_dict(self.state)
+
+        def loading(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+            sharded("load_state_dict")
+            checkpoint.load_optimizer_state_dict(self.state, state)
+            # torch's own load takes the param groups' values (lr, betas...); no state
+            return {**state, "state": {}}
+
+        return [
+            self.optimizer.register_state_dict_post_hook(saved),
+            self.optimizer.register_load_state_dict_pre_hook(loading),
+        ]
+
     def check_trainable(self) -> None:
         """Raises where a parameter's ``requires_grad`` changed since the trainer was made
         (layers frozen or unfrozen): its graphs, gradients and optimizer state are laid out
         for the set it had then, and training on would leave newly trainable parameters
         unchanged, or keep updating frozen ones, with no error."""
+        check_groups(self.optimizer, self.spec)
         changed = [(n, now) for n, p, was in self._requires if (now := p.requires_grad) != was]
         if not changed:
             self.state.adopt_rebound()  # ``p.data = ...`` since the last step
@@ -224,6 +278,38 @@ class ProgramContext:
             self.graphs.clear_train()
             self.graph_cache.forget_model_key()
         return changed
+
+    def values_changed(self) -> ValuesChanged | None:
+        """The Python values the forward reads that changed since the last training step
+        (``ortrain/python_state.py``): set between steps by the training loop (a
+        temperature annealed, a global schedule), where the graphs hold what their export
+        saw. The first change of a value builds the graphs again (and checks them); a
+        value that changes at a second step makes the modules whose code reads it run in
+        eager PyTorch (``eager.stateful``), the rest compiled around them. Values owned by
+        modules that run in eager already are left alone."""
+        if self._values is None:
+            self._values = ValueWatch(self.module, self.loss_fn)
+            return None
+        said: list[str] = []
+        again: dict[str, list[str]] = {}
+        for key, (old, new) in self._values.changes().items():
+            owners = [o for o in self._values.owners_of(key) if o not in self.eager.stateful]
+            if not owners:
+                continue
+            what = f"global {key[1]}" if key[0] == READ else f"{key[0] or '<root>'}.{key[1]}"
+            said.append(f"{what} ({old!r} -> {new!r})")
+            n = self._value_changes[key] = self._value_changes.get(key, 0) + 1
+            if n >= 2:
+                for owner in owners:
+                    again.setdefault(owner, []).append(f"{what} set between steps")
+        if not said:
+            return None
+        for owner, whats in again.items():
+            if owner != LOSS_FN:
+                self.eager.stateful[owner] = ", ".join(whats)
+        self.graphs.clear_train()
+        self.graph_cache.forget_model_key()
+        return ValuesChanged("; ".join(said), bool(again), set(again) == {LOSS_FN})
 
     def blocks_cause(self) -> str:
         """Why the model is cut at its repeated blocks from the first step ("": it is not)."""
@@ -346,6 +432,9 @@ class ProgramContext:
         from ortrain.checkpoint import trainer_state_dict
 
         st = self.state
+        for hook in self._optimizer_hooks:  # the optimizer keeps its own state from now on
+            hook.remove()
+        self._optimizer_hooks = []
         self.optimizer.load_state_dict(trainer_state_dict(st)["optimizer"])
         self.spec = dataclasses.replace(
             self.spec, kind=EAGER, source=type(self.optimizer).__name__, why_eager=why

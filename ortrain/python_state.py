@@ -15,11 +15,20 @@ first call only (a lazily built cache) is not such a schedule. A plain container
 grows on every call (a list the forward appends to) counts too: the graph would not
 append.
 
+The module-level values the model's own code reads (a global step counter, a schedule's
+scalar in the user's script; ``python_reads``: names read by the methods of the model's
+classes defined outside installed packages, by the functions of that code they call, and
+by ``loss_fn`` and its closure) count like attributes, owned by each module whose code
+reads them. What the training loop changes between steps (``model.temperature = t``, a
+global annealed by the loop) is watched too (``ValueWatch``): the graphs hold the values
+their export saw.
+
 ortrain's own eager runs of the model (the first-step check, the segments' recording
-forward) leave the scalar attributes as they found them (``kept``), so a counter advances
-once per training step, as in eager; and the random generators a forward's Python code
-draws from (torch's on the CPU, NumPy's global one, Python's ``random``: a LayerDrop's
-coin, SpecAugment's masks), so the first step draws what an eager step would.
+forward) leave the scalar attributes and those module-level values as they found them
+(``kept``), so a counter advances once per training step, as in eager; and the random
+generators a forward's Python code draws from (torch's on the CPU, NumPy's global one,
+Python's ``random``: a LayerDrop's coin, SpecAugment's masks), so the first step draws
+what an eager step would.
 """
 
 from __future__ import annotations
@@ -27,11 +36,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+from ortrain.user_code import global_names, is_user_code
 
 Key = tuple[str, str]  # (module name, attribute)
 _SCALARS = (bool, int, float, str, type(None))
@@ -39,10 +51,14 @@ _CONTAINERS = (list, dict, set)
 _TORCH = frozenset({"training"})  # module.train() changes it, not a forward
 
 
-def scalars(module: torch.nn.Module) -> dict[Key, Any]:
-    """Every sub-module's scalar instance attributes, and the length of its plain
-    containers (a list the forward appends to)."""
+def scalars(module: torch.nn.Module, buffers: bool = False) -> dict[Key, Any]:
+    """Every sub-module's scalar instance attributes, the length of its plain containers
+    (a list the forward appends to), which tensor its plain tensor attributes hold (a
+    state carried to the next call: ``self.h = hn.detach()``), and the scalars of the
+    plain objects it holds (a config: key "config.tau", under the first module holding
+    it); ``buffers``: which tensor each buffer is too (one a forward assigns anew)."""
     out: dict[Key, Any] = {}
+    objects: set[int] = set()
     for name, m in module.named_modules():
         for attr, value in vars(m).items():
             if attr in _TORCH:
@@ -51,7 +67,29 @@ def scalars(module: torch.nn.Module) -> dict[Key, Any]:
                 out[(name, attr)] = value
             elif type(value) in _CONTAINERS:
                 out[(name, attr)] = _Length(len(value))
+            elif isinstance(value, torch.Tensor):
+                out[(name, attr)] = _Same(value)
+            elif _plain_object(value) and id(value) not in objects:
+                objects.add(id(value))
+                out[(name, attr)] = _Same(value)
+                for k, v in vars(value).items():
+                    if isinstance(v, _SCALARS):
+                        out[(name, f"{attr}.{k}")] = v
+                    elif type(v) in _CONTAINERS:
+                        out[(name, f"{attr}.{k}")] = _Length(len(v))
+        if buffers:
+            for k, b in m._buffers.items():
+                out[(name, f"buffer {k}")] = _Same(b)
     return out
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of plain attributes a forward may read settings from (a config)."""
+    return (
+        hasattr(value, "__dict__")
+        and not callable(value)
+        and not isinstance(value, (torch.Tensor, type, types.ModuleType))
+    )
 
 
 class _Length(int):
@@ -61,8 +99,216 @@ class _Length(int):
         return f"{int(self)} items"
 
 
+class _Same:
+    """An object compared by identity (a tensor attribute assigned anew)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        if isinstance(self.obj, torch.Tensor):
+            return f"a tensor {list(self.obj.shape)}"
+        return f"a {type(self.obj).__name__}"
+
+
 def _changed(before: dict[Key, Any], after: dict[Key, Any]) -> dict[Key, tuple[Any, Any]]:
     return {k: (before.get(k), v) for k, v in after.items() if before.get(k, v) != v}
+
+
+# ------------------------------------------------------------------ module-level values
+READ = "<read>"  # Key[0] of a module-level value: (READ, its label)
+LOSS_FN = "<loss_fn>"  # the owner of what ``loss_fn`` reads
+_MISSING = object()
+_MAX_DEPTH = 8
+
+
+class _Read:
+    """A module-level value (or a closure's cell) the model's code reads, and the modules
+    whose code reads it."""
+
+    def __init__(self, label: str, scope: dict | types.CellType, name: str | None) -> None:
+        self.label, self.scope, self.name = label, scope, name
+        self.owners: set[str] = set()
+
+    def get(self) -> Any:
+        if self.name is None:
+            try:
+                return self.scope.cell_contents  # type: ignore[union-attr]
+            except ValueError:  # an empty cell
+                return _MISSING
+        return self.scope.get(self.name, _MISSING)  # type: ignore[union-attr]
+
+    def put(self, value: Any) -> None:
+        if value is _MISSING:
+            return
+        if self.name is None:
+            self.scope.cell_contents = value  # type: ignore[union-attr]
+        else:
+            self.scope[self.name] = value  # type: ignore[index]
+
+
+def _watched(value: Any) -> bool:
+    return isinstance(value, _SCALARS) or type(value) in _CONTAINERS
+
+
+def _function_reads(
+    fn: types.FunctionType, found: dict[tuple[int, str | None], _Read], seen: set[int], depth: int
+) -> list[_Read]:
+    """What ``fn`` and the user functions it names read (``_Read``s, made once each)."""
+    if id(fn) in seen or depth > _MAX_DEPTH:
+        return []
+    seen.add(id(fn))
+    out: list[_Read] = []
+    scope = fn.__globals__
+    where = scope.get("__name__", "?")
+    for n in sorted(global_names(fn.__code__)):
+        if n not in scope:
+            continue
+        value = scope[n]
+        if isinstance(value, types.FunctionType):
+            if is_user_code(value.__module__ or ""):
+                out += _function_reads(value, found, seen, depth + 1)
+        elif _watched(value):
+            key = (id(scope), n)
+            read = found.get(key) or found.setdefault(key, _Read(f"{where}.{n}", scope, n))
+            out.append(read)
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, types.FunctionType):
+            out += _function_reads(value, found, seen, depth + 1)
+        elif _watched(value):
+            key = (id(cell), None)
+            label = f"{fn.__qualname__}'s {var}"
+            out.append(found.get(key) or found.setdefault(key, _Read(label, cell, None)))
+    return out
+
+
+def python_reads(module: torch.nn.Module, loss_fn: Callable | None = None) -> list[_Read]:
+    """The module-level values (scalars, and plain containers by length) that the
+    methods of ``module``'s own classes (not installed code), the user functions they
+    call, and ``loss_fn`` read, each with the modules whose code reads it."""
+    found: dict[tuple[int, str | None], _Read] = {}
+    per_class: dict[type, list[_Read]] = {}
+    for name, m in module.named_modules():
+        cls = type(m)
+        if cls not in per_class:
+            reads: list[_Read] = []
+            seen: set[int] = set()
+            for c in cls.__mro__:
+                if c is torch.nn.Module or c is object:
+                    break
+                if not is_user_code(c.__module__):
+                    continue
+                for v in vars(c).values():
+                    f = getattr(v, "__func__", getattr(v, "fget", v))
+                    if isinstance(f, types.FunctionType):
+                        reads += _function_reads(f, found, seen, 0)
+            per_class[cls] = reads
+        for read in per_class[cls]:
+            read.owners.add(name)
+    fn = getattr(loss_fn, "__func__", loss_fn)
+    if isinstance(fn, types.FunctionType) and is_user_code(fn.__module__ or ""):
+        for read in _function_reads(fn, found, set(), 0):
+            read.owners.add(LOSS_FN)
+    return [r for r in found.values() if r.owners]
+
+
+def _read_values(reads: list[_Read]) -> dict[Key, Any]:
+    out: dict[Key, Any] = {}
+    for r in reads:
+        v = r.get()
+        if v is _MISSING or _watched(v):
+            out[(READ, r.label)] = _Length(len(v)) if type(v) in _CONTAINERS else v
+    return out
+
+
+@contextlib.contextmanager
+def _reads_kept(reads: list[_Read]) -> Iterator[None]:
+    before = _read_values(reads)
+    held = {r.label: copy.copy(r.get()) for r in reads if type(r.get()) in _CONTAINERS}
+    try:
+        yield
+    finally:
+        by_label = {r.label: r for r in reads}
+        for (_, label), (old, _) in _changed(before, _read_values(reads)).items():
+            r = by_label[label]
+            if label not in held:
+                r.put(old)
+                continue
+            now, was = r.get(), held[label]
+            if type(now) is type(was):
+                now.clear()
+                now.extend(was) if isinstance(now, list) else now.update(was)
+
+
+class ValueWatch:
+    """The Python values a forward reads as they were at the last look: the modules'
+    attributes (``scalars``; not their buffers: ``TrainingState.adopt_rebound`` follows a
+    buffer assigned anew) and ``python_reads``. ``changes()`` says which changed since; a
+    look that finds nothing changed costs a pass over the modules' attributes."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable | None) -> None:
+        self.module = module
+        self.dicts: list[dict[str, Any]] = []
+        self.holders: dict[Key, list[str]] = {}  # (first holder, attr) -> every holder
+        first: dict[int, Key] = {}
+        for name, m in module.named_modules():
+            self.dicts.append(vars(m))
+            for attr, value in vars(m).items():
+                if _plain_object(value):
+                    key = first.setdefault(id(value), (name, attr))
+                    if key == (name, attr):
+                        self.dicts.append(vars(value))
+                    self.holders.setdefault(key, []).append(name)
+        self.reads = python_reads(module, loss_fn)
+        self.owners = {(READ, r.label): sorted(r.owners) for r in self.reads}
+        self.fast = self._fast()
+        self.full = self._full()
+
+    def _fast(self) -> list[Any]:
+        out: list[Any] = []
+        for d in self.dicts:
+            for v in d.values():
+                t = type(v)
+                if t in _CONTAINERS:
+                    out.append(len(v))
+                elif isinstance(v, _SCALARS):
+                    out.append(v)
+                elif isinstance(v, torch.Tensor) or _plain_object(v):
+                    out.append(id(v))
+        for r in self.reads:
+            v = r.get()
+            out.append(len(v) if type(v) in _CONTAINERS else v)
+        return out
+
+    def _full(self) -> dict[Key, Any]:
+        return {**scalars(self.module), **_read_values(self.reads)}
+
+    def changes(self) -> dict[Key, tuple[Any, Any]]:
+        """What changed since the last call (or since the watch was made)."""
+        fast = self._fast()
+        if fast == self.fast:
+            return {}
+        full = self._full()
+        diff = _changed(self.full, full)
+        self.fast, self.full = fast, full
+        return diff
+
+    def owners_of(self, key: Key) -> list[str]:
+        """The modules whose code reads ``key`` (``LOSS_FN``: the loss function)."""
+        if key[0] == READ:
+            return self.owners.get(key, [])
+        head = key[1].split(".", 1)[0]
+        return self.holders.get((key[0], head), [key[0]])
 
 
 @contextlib.contextmanager
@@ -78,37 +324,46 @@ def random_states_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def kept(module: torch.nn.Module) -> Iterator[None]:
+def kept(module: torch.nn.Module, loss_fn: Callable | None = None) -> Iterator[None]:
     """The forwards run inside leave ``module``'s scalar attributes and plain containers
-    as they were (a container's items put back in the same object), and the random
-    generators (``random_states_kept``)."""
-    with random_states_kept(), _attributes_kept(module):
+    as they were (a container's items put back in the same object), the module-level
+    values its code reads (``python_reads``), and the random generators
+    (``random_states_kept``)."""
+    with random_states_kept(), _attributes_kept(module), _reads_kept(python_reads(module, loss_fn)):
         yield
 
 
 @contextlib.contextmanager
 def _attributes_kept(module: torch.nn.Module) -> Iterator[None]:
-    before = scalars(module)
+    before = scalars(module, buffers=True)
     modules = dict(module.named_modules())
     held = {
         (name, attr): copy.copy(getattr(modules[name], attr))
         for (name, attr), v in before.items()
-        if isinstance(v, _Length)
+        if isinstance(v, _Length) and "." not in attr
     }
     try:
         yield
     finally:
-        for (name, attr), (old, _) in _changed(before, scalars(module)).items():
+        for (name, attr), (old, _) in _changed(before, scalars(module, buffers=True)).items():
             m = modules[name]
-            if (name, attr) not in held:
+            if attr.startswith("buffer "):
+                m._buffers[attr[len("buffer ") :]] = old.obj
+            elif "." in attr:  # a plain object's: put back where it was still held
+                head, leaf = attr.split(".", 1)
+                if old is not None and not isinstance(old, _Length):
+                    setattr(getattr(m, head), leaf, old)
+            elif isinstance(old, _Same):
+                setattr(m, attr, old.obj)
+            elif (name, attr) not in held:
                 setattr(m, attr, old)
-                continue
-            now, was = getattr(m, attr), held[(name, attr)]
-            now.clear()
-            if isinstance(now, list):
-                now.extend(was)
             else:
-                now.update(was)
+                now, was = getattr(m, attr), held[(name, attr)]
+                now.clear()
+                if isinstance(now, list):
+                    now.extend(was)
+                else:
+                    now.update(was)
 
 
 # Generators whose draws a graph cannot make: the export runs the Python code once and
@@ -206,32 +461,46 @@ def buffer_resizes(module: torch.nn.Module) -> Iterator[dict[str, list[str]]]:
 
 
 def changed_every_call(
-    module: torch.nn.Module, first: Callable[[], Any], again: Callable[[], Any]
+    module: torch.nn.Module,
+    first: Callable[[], Any],
+    again: Callable[[], Any],
+    loss_fn: Callable | None = None,
 ) -> tuple[Any, dict[str, str]]:
     """``first()`` (a forward and backward), then, where it changed scalar attributes,
     ``again()`` (a forward): (``first()``'s result, what both changed by owning module:
     "attr (a -> b)", the host generators its own code drew from, and its buffers whose
     shape ``first()`` changed). The attributes and the generators are put back
     afterwards."""
-    with kept(module):
-        before = scalars(module)
+    reads = python_reads(module, loss_fn)
+    by_label = {r.label: r for r in reads}
+
+    def values() -> dict[Key, Any]:
+        return {**scalars(module, buffers=True), **_read_values(reads)}
+
+    with random_states_kept(), _attributes_kept(module), _reads_kept(reads):
+        before = values()
         with generator_draws(module) as drawn, buffer_resizes(module) as resized:
             result = first()
-        after = scalars(module)
+        after = values()
         once = _changed(before, after)
         twice = {}
         if once:
             try:
                 again()
-                twice = _changed(after, scalars(module))
+                twice = _changed(after, values())
             except Exception:
                 # the second call fails where the first did not: what the first changed
                 # decides what the next call does
                 twice = once
     owners: dict[str, list[str]] = {}
     for (name, attr), (old, new) in twice.items():
-        if (name, attr) in once:
+        if (name, attr) not in once:
+            continue
+        if name != READ:
             owners.setdefault(name, []).append(f"{attr} ({old!r} -> {new!r})")
+            continue
+        for owner in sorted(by_label[attr].owners - {LOSS_FN}) or [""]:
+            owners.setdefault(owner, []).append(f"global {attr} ({old!r} -> {new!r})")
     for name, labels in drawn.items():
         owners.setdefault(name, []).extend(f"draws from {label}" for label in labels)
     for name, said in resized.items():

@@ -130,6 +130,7 @@ class ORTTrainer(TrainerState, TrainerViews):
         if self._ctx.modes_changed() and isinstance(self._program, SegmentedProgram):
             old = self._program  # planned with the old modes: planned again
             self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
+        self._follow_python_values()
         program = self._program
         try:
             return program.step(self._padded(raw, program))
@@ -148,6 +149,25 @@ class ORTTrainer(TrainerState, TrainerViews):
                     # the model's own forward fails (not ortrain's reading of its output)
                     raise exc.eager_fails_too(own, type(self.module).__name__) from own
                 raise exc.error from eager
+
+    def _follow_python_values(self) -> None:
+        """Python values the forward reads that the training loop changed since the last
+        step (``ProgramContext.values_changed``): graphs built again with them, or, for a
+        value changed at a second step, the modules that read it in eager."""
+        changed = self._ctx.values_changed()
+        if changed is None:
+            return
+        old = self._program
+        if isinstance(old, SegmentedProgram):
+            if not changed.loss_only:  # planned with the old values: planned again
+                self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
+            return
+        if changed.again:
+            cause = (
+                f"the training loop changes Python values its forward reads ({changed.said}), "
+                "which a graph holds at the values its export saw"
+            )
+            self._program = SegmentedProgram(self._ctx, cause)
 
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:
         first = getattr(program, "background", None) is not None  # its proof comes later

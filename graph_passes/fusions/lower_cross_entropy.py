@@ -10,13 +10,17 @@ Two forms:
 1. softmax form, when the log-probabilities are read only by ``Exp`` nodes (the
    gradient rule's; or by nothing, as in evaluation), there are no class weights and the
    scores are fp32/fp64: ``prob = Softmax(scores)`` replaces those ``Exp`` outputs and
-   the loss reads the labelled entries only, ``-Log(max(prob[i, t_i], tiny))``.
-   No [N, C] log-probabilities are made: ONNX Runtime runs Softmax in place over the
-   scores (LogSoftmax too, but its ``Exp`` in the backward is not in place), so the
-   backward starts with one [N, C] buffer fewer alive, and one Softmax ran faster than
-   LogSoftmax + Exp. ``tiny`` (the smallest normal float) caps one row's loss at 87.3
-   (fp32) where its probability underflows, i.e. a logit gap beyond ~87; the gradient
-   (``prob - onehot``) is exact either way.
+   the loss reads the labelled entries only, as log-softmax does:
+   ``logsumexp(x_i) - x[i, t_i] = max_i + log(sum_j exp(x[i, j] - max_i)) - x[i, t_i]``.
+   The sum is read off the probabilities: the row's largest one is ``exp(0) / sum``
+   (at least 1/C, so it never underflows), hence ``log(sum) = -log(max_j prob[i, j])``
+   and the loss is ``max_i - x[i, t_i] - log(max_j prob[i, j])``, exact at any logit
+   gap (``-log(prob[i, t_i])`` would be -log(0) where the picked probability
+   underflows). No [N, C] log-probabilities are made: ONNX Runtime runs Softmax in place
+   over the scores (LogSoftmax too, but its ``Exp`` in the backward is not in place), so
+   the backward starts with one [N, C] buffer fewer alive, and one Softmax ran faster
+   than LogSoftmax + Exp. The gradient (``prob - onehot``) comes from the rule, not from
+   these nodes.
 2. LogSoftmax form otherwise: ``LogSoftmax``, then the labelled entries gathered (class
    weights, ignore_index and reduction kept); its ``log_prob`` output is the LogSoftmax
    output.
@@ -31,7 +35,6 @@ Scores of rank > 2 (class axis not last) are left alone.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from ortrain.graph_passes.infra.emitter import Emitter
@@ -93,9 +96,16 @@ def _lower_to_softmax(graph: ir.Graph, node: ir.Node) -> None:
     e = Emitter(graph, node.name, metadata=_lowered_metadata(node))
     prob = e.op("Softmax", scores, axis=1, shape=list(scores.shape.dims))
     index, ignored = _gather_index(e, node, labels)
-    picked = e.op("GatherElements", prob, e.op("Unsqueeze", index, e.ints([1])), axis=1)
-    tiny = e.const(np.finfo(scores.dtype.numpy()).tiny, scores.dtype)
-    log_picked = e.op("Log", e.op("Max", picked, tiny))
+    at = e.op("Unsqueeze", index, e.ints([1]))
+    # log prob[i, t] = (x[i, t] - max_i) - log(sum_j exp(x[i, j] - max_i)), the largest
+    # probability being 1 / that sum: exact where prob[i, t] underflows, no exp again.
+    gap = e.op(
+        "Sub",
+        e.op("GatherElements", scores, at, axis=1),
+        e.op("ReduceMax", scores, e.ints([1]), keepdims=1),
+    )
+    top_prob = e.op("ReduceMax", prob, e.ints([1]), keepdims=1)
+    log_picked = e.op("Add", gap, e.op("Log", top_prob))
     loss = _weighted_nll(e, node, log_picked, ignored, None, _rows(labels))
     exps = [user for user, _ in node.outputs[1].uses()] if len(node.outputs) > 1 else []
     # An Exp output that is a graph output keeps its own name (through an Identity).

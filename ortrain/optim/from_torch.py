@@ -109,18 +109,51 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> O
 def group_values(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> list[dict[str, float]]:
     """This step's hyperparameters per group (so LR schedulers work unchanged)."""
     out = []
-    for gi, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         values: dict[str, float] = {}
         for h in spec.hyperparameters:
             if h in ("beta1", "beta2"):
                 values[h] = float(group["betas"][0 if h == "beta1" else 1])
             else:
                 values[h] = float(group.get(h, 0.0))
-        gs = spec.groups[gi]
-        if spec.kind == "sgd" and (float(group.get("momentum", 0.0)) != 0.0) != gs.momentum:
-            raise UnsupportedOptimizerError(
-                f"SGD param group {gi}: momentum switched between zero and non-zero after the "
-                "training graph was built"
-            )
         out.append(values)
     return out
+
+
+def check_groups(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
+    """Raises where the optimizer's param groups changed shape since the trainer was made
+    (``add_param_group``; a flag that selects another update: ``nesterov``, momentum
+    switched to or from zero, ``maximize``, ``amsgrad``, Adam's
+    ``decoupled_weight_decay``): the update was laid out for what they were then, and
+    would go on ignoring the change. Learning rates, betas, weight decay and the other
+    numbers may change at any step (schedulers); those are read every step."""
+    made = "after the ORTTrainer was made"
+    fix = "make a new ORTTrainer (trainer.sync_to_module() first): nothing of this step ran"
+    if len(optimizer.param_groups) != len(spec.groups):
+        raise UnsupportedOptimizerError(
+            f"the optimizer has {len(optimizer.param_groups)} param groups, "
+            f"{len(spec.groups)} when the ORTTrainer was made (add_param_group {made}); "
+            f"its gradients and update are laid out for those; {fix}"
+        )
+    if spec.kind == EAGER:  # the optimizer's own step() reads its groups as they are
+        return
+    for gi, (group, gs) in enumerate(zip(optimizer.param_groups, spec.groups, strict=True)):
+        where = f"{type(optimizer).__name__} param group {gi}"
+        try:
+            now = group_spec(spec.kind, group, gs.params)
+        except UnsupportedOptimizerError as exc:
+            raise UnsupportedOptimizerError(f"{where}: {exc} (set {made}); {fix}") from None
+        flags = [
+            f
+            for f in ("nesterov", "momentum", "bias_correction")
+            if getattr(now, f) != getattr(gs, f)
+        ]
+        decoupled = group.get("decoupled_weight_decay")
+        if spec.kind in ("adam", "adamw") and decoupled is not None:
+            if bool(decoupled) != (spec.kind == "adamw"):
+                flags.append("decoupled_weight_decay")
+        if flags:
+            raise UnsupportedOptimizerError(
+                f"{where}: {', '.join(flags)} changed {made}; the compiled update does "
+                f"what they selected then; {fix}"
+            )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import onnx_ir as ir
+
 from ortrain.graph_passes.autodiff.context import GradContext
 from ortrain.graph_passes.autodiff.registry import gradient
+from ortrain.graph_passes.infra.constant_value import constant_tensor
 
 
 def _un(ctx: GradContext, g, i: int):
@@ -71,18 +75,36 @@ def identity(ctx: GradContext):
 
 @gradient("Pow")
 def pow_(ctx: GradContext):
-    # d(x^y)/dx = y x^(y-1) ; d(x^y)/dy = x^y ln x
+    # d(x^y)/dx = y x^(y-1) ; d(x^y)/dy = x^y ln x, each masked to 0 where torch's
+    # pow_backward_self / pow_backward_exponent mask it: at x == 0 the products are
+    # 0 * inf (y == 0) and 0 * -inf (y > 0), NaN, where torch's gradient is 0.
     x, y, g = ctx.I(0), ctx.I(1), ctx.GO(0)
+    zero = ctx.scalar_like(0.0, x)
     out = {}
     if ctx.needs(0):
         yc = ctx.cast_like(y, x)
         ym1 = ctx.op("Sub", yc, ctx.scalar_like(1.0, x))
-        d = ctx.op("Mul", yc, ctx.op("Pow", x, ym1))
-        out[0] = _un(ctx, ctx.op("Mul", g, d), 0)
+        d = ctx.op("Mul", g, ctx.op("Mul", yc, ctx.op("Pow", x, ym1)))
+        if _may_be_zero(y):
+            d = ctx.op("Where", ctx.op("Equal", yc, zero), zero, d, dtype=x.dtype)
+        out[0] = _un(ctx, d, 0)
     if ctx.needs(1):
-        d = ctx.op("Mul", ctx.O(0), ctx.op("Log", x))
-        out[1] = _un(ctx, ctx.op("Mul", g, d), 1)
+        d = ctx.op("Mul", g, ctx.op("Mul", ctx.O(0), ctx.op("Log", x)))
+        y_x = ctx.cast_like(y, x)
+        at_zero = ctx.op(
+            "And",
+            ctx.op("Equal", x, zero),
+            ctx.op("GreaterOrEqual", y_x, zero),
+        )
+        d = ctx.op("Where", at_zero, ctx.scalar_like(0.0, d), d, dtype=d.dtype)
+        out[1] = _un(ctx, d, 1)
     return out
+
+
+def _may_be_zero(v: ir.Value) -> bool:
+    """False only for a constant without zeros (``x ** 2``: no mask needed)."""
+    t = constant_tensor(v)
+    return t is None or bool((np.asarray(t.numpy()) == 0).any())
 
 
 @gradient("Sqrt")

@@ -1,0 +1,355 @@
+"""Python values the forward reads that the training loop changes between steps (a
+temperature annealed through a module attribute, a config object or a module-level
+global; a weight read by ``loss_fn``), and tensors a forward keeps for its next call (a
+truncated-BPTT hidden state in a plain attribute or in a buffer assigned anew), train as
+in eager. The graphs had held the values their export saw: the loss stayed at the first
+step's temperature, the hidden state at zeros, with no warning.
+
+A value changed once builds the graphs again (and they stay compiled); one changed at a
+second step makes the modules whose code reads it run in eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.core.errors import UnsupportedOptimizerError
+
+SCHEDULE = {"tau": 1.0}  # a module-level setting the loop anneals
+BETA = 1.0  # a module-level float read by the loss
+
+
+class _Cfg:
+    def __init__(self) -> None:
+        self.tau = 1.0
+
+
+class _Annealed(nn.Module):
+    """Logits divided by a temperature read from ``where``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+        self.where, self.tau, self.cfg = where, 1.0, _Cfg()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.where == "attribute":
+            tau = self.tau
+        elif self.where == "config":
+            tau = self.cfg.tau
+        else:
+            tau = SCHEDULE["tau"] if self.where == "global dict" else _tau()
+        return F.cross_entropy(self.head(self.body(x)) / tau, y)
+
+
+_TAU = [1.0]
+
+
+def _tau() -> float:
+    return TAU_NOW  # a global float, read through a helper function
+
+
+TAU_NOW = 1.0
+
+
+def _set(model: nn.Module, tau: float) -> None:
+    global TAU_NOW
+    model.tau = tau
+    model.cfg.tau = tau
+    SCHEDULE["tau"] = tau
+    TAU_NOW = tau
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)
+    ]
+
+
+def _train(
+    model: nn.Module, taus: list[float], trainer: bool, **kw
+) -> tuple[list[float], nn.Module]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    tr = (
+        ORTTrainer(model, opt, options=TrainerOptions(build_progress=False), **kw)
+        if trainer
+        else None
+    )
+    losses = []
+    for tau, (x, y) in zip(taus, _batches(len(taus)), strict=True):
+        _set(model, tau)
+        if tr is not None:
+            losses.append(tr.train_step(x=x, y=y).item())
+        else:
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    if tr is not None:
+        tr.sync_to_module()
+    return losses, model
+
+
+def _assert_like_eager(got: tuple[list[float], nn.Module], want: tuple[list[float], nn.Module]):
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), rtol=1e-5, atol=0)
+    for (n, p), q in zip(got[1].named_parameters(), want[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("where", ["attribute", "config", "global dict", "global float"])
+def test_a_temperature_annealed_by_the_loop_trains_like_eager(where):
+    torch.manual_seed(0)
+    model = _Annealed(where)
+    ref = copy.deepcopy(model)
+    taus = [1.0, 0.5, 0.25, 0.125]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _train(model, taus, trainer=True)
+    _assert_like_eager(got, _train(ref, taus, trainer=False))
+    _set(model, 1.0)
+    said = [str(w.message) for w in caught if "changes Python values" in str(w.message)]
+    assert len(said) == 1 and "0.5 -> 0.25" in said[0], said
+
+
+def test_a_value_changed_once_keeps_the_model_compiled():
+    """A setting changed once (at step 3): the graph is built again with it, and the
+    model stays one graph."""
+    torch.manual_seed(0)
+    model, ref = _Annealed("attribute"), None
+    ref = copy.deepcopy(model)
+    taus = [1.0, 1.0, 0.5, 0.5, 0.5]
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    tr = ORTTrainer(model, opt, options=TrainerOptions(build_progress=False))
+    losses = []
+    for tau, (x, y) in zip(taus, _batches(len(taus)), strict=True):
+        _set(model, tau)
+        losses.append(tr.train_step(x=x, y=y).item())
+    tr.sync_to_module()
+    assert tr.segments is None and tr.build_count == 2
+    _assert_like_eager((losses, model), _train(ref, taus, trainer=False))
+    _set(model, 1.0)
+
+
+def _weighted(out: torch.Tensor, batch: dict) -> torch.Tensor:
+    return out * BETA
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).pow(2).mean()
+
+
+def test_a_weight_the_loss_fn_reads_follows_the_loop():
+    global BETA
+    torch.manual_seed(0)
+    model = _Plain()
+    ref = copy.deepcopy(model)
+    tr = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.2),
+        loss_fn=_weighted,
+        options=TrainerOptions(build_progress=False),
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for beta in (1.0, 2.0, 0.5, 3.0):
+            BETA = beta
+            x = torch.randn(4, 6, generator=g)
+            got = tr.train_step(x=x).item()
+            opt.zero_grad()
+            want = _weighted(ref(x), {})
+            want.backward()
+            opt.step()
+            assert got == pytest.approx(want.item(), rel=1e-5), beta
+    finally:
+        BETA = 1.0
+
+
+class _Carried(nn.Module):
+    """Truncated BPTT: the last hidden state is kept for the next call."""
+
+    def __init__(self, as_buffer: bool) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 5, batch_first=True)
+        self.head = nn.Linear(5, 1)
+        if as_buffer:
+            self.register_buffer("h", torch.zeros(1, 2, 5))
+        else:
+            self.h = torch.zeros(1, 2, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, hn = self.rnn(x, self.h)
+        self.h = hn.detach()
+        return self.head(out).pow(2).mean()
+
+
+@pytest.mark.parametrize("as_buffer", [False, True], ids=["attribute", "buffer"])
+def test_a_hidden_state_carried_to_the_next_step_trains_like_eager(as_buffer):
+    torch.manual_seed(0)
+    model = _Carried(as_buffer)
+    ref = copy.deepcopy(model)
+    tr = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        options=TrainerOptions(build_progress=False),
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        x = torch.randn(2, 6, 3, generator=g)
+        got = tr.train_step(x=x).item()
+        opt.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt.step()
+        assert got == pytest.approx(want.item(), rel=1e-5)
+    tr.sync_to_module()
+    torch.testing.assert_close(model.h, ref.h, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert tr.segments is not None  # the module carrying it runs in eager
+
+
+# --------------------------------------------------------------------------- the optimizer
+def _small_trainer(opt: torch.optim.Optimizer, model: nn.Module) -> ORTTrainer:
+    return ORTTrainer(model, opt, options=TrainerOptions(build_progress=False))
+
+
+@pytest.mark.parametrize(
+    "make, change, told",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), ("nesterov", True), "nesterov"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), ("momentum", 0.0), "momentum"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), ("maximize", True), "maximize=True"),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), ("decoupled_weight_decay", True), "decoupled"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), ("amsgrad", True), "amsgrad=True"),
+    ],
+    ids=["nesterov", "momentum-off", "maximize", "decoupled", "amsgrad"],
+)
+def test_an_update_flag_changed_mid_run_is_refused_before_the_step(make, change, told):
+    """The compiled update does what the flags selected when it was laid out: a flag the
+    loop flips later (eager honours it at once) stops the step, nothing of it run."""
+    torch.manual_seed(0)
+    model = _Plain()
+    opt = make(model.parameters())
+    trainer = _small_trainer(opt, model)
+    x = torch.randn(4, 6)
+    for _ in range(2):
+        trainer.train_step(x=x)
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    opt.param_groups[0][change[0]] = change[1]
+    with pytest.raises(UnsupportedOptimizerError, match="param group 0") as info:
+        trainer.train_step(x=x)
+    assert told in str(info.value) and "after the ORTTrainer was made" in str(info.value)
+    for n, p in trainer.params.items():
+        torch.testing.assert_close(p, before[n], rtol=0, atol=0)
+
+
+def test_a_param_group_added_mid_run_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 1))
+    model[1].requires_grad_(True)
+    opt = torch.optim.AdamW(model[0].parameters(), lr=0.1)
+    trainer = ORTTrainer(
+        model,
+        opt,
+        loss_fn=lambda out, batch: out.pow(2).mean(),
+        options=TrainerOptions(build_progress=False),
+    )
+    x = torch.randn(4, 6)
+    trainer.train_step(x)
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.01})
+    with pytest.raises(UnsupportedOptimizerError, match="2 param groups, 1 when"):
+        trainer.train_step(x)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+def _pair(make):
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    return model, opt, _small_trainer(opt, model), ref, ref_opt
+
+
+def _eager_step(model, opt, x, y) -> float:
+    opt.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _assert_states_close(got: dict, want: dict) -> None:
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, entry in want["state"].items():
+        assert sorted(got["state"][i]) == sorted(entry), i
+        for k, t in entry.items():
+            torch.testing.assert_close(
+                torch.as_tensor(got["state"][i][k]).float(), torch.as_tensor(t).float(),
+                rtol=1e-5, atol=1e-7, msg=lambda m, i=i, k=k: f"state {i} {k}: {m}",
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    ],
+    ids=["adamw", "sgd-nesterov"],
+)
+def test_the_optimizer_s_state_dict_is_the_state_ortrain_trains_with(make):
+    """``optimizer.state_dict()`` after ortrain's steps is eager's after the same steps
+    (it was empty: a loop that checkpoints it saved no moments); loading an earlier one
+    mid-run goes on as eager does from it, and so does a fresh optimizer's (no state)."""
+    model, opt, trainer, ref, ref_opt = _pair(make)
+    g = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(7)
+    ]
+    assert opt.state_dict()["state"] == {} == ref_opt.state_dict()["state"]
+    for x, y in batches[:2]:
+        trainer.train_step(x=x, y=y)
+        _eager_step(ref, ref_opt, x, y)
+    early = copy.deepcopy(ref_opt.state_dict())
+    for x, y in batches[2:4]:
+        trainer.train_step(x=x, y=y)
+        _eager_step(ref, ref_opt, x, y)
+    _assert_states_close(opt.state_dict(), ref_opt.state_dict())
+    assert opt.state == {}  # ortrain's state is the one: no second copy
+    fresh = make([torch.nn.Parameter(p.detach().clone()) for p in ref.parameters()])
+    for loaded in (early, fresh.state_dict()):
+        opt.load_state_dict(copy.deepcopy(loaded))
+        ref_opt.load_state_dict(copy.deepcopy(loaded))
+        for x, y in batches[4:6]:
+            got = trainer.train_step(x=x, y=y).item()
+            assert got == pytest.approx(_eager_step(ref, ref_opt, x, y), rel=1e-5)
+        _assert_states_close(opt.state_dict(), ref_opt.state_dict())
+    trainer.sync_to_module()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
