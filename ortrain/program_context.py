@@ -79,7 +79,6 @@ class ValuesChanged:
 
     said: str  # each value, "(old -> new)"
     again: bool  # some changed at a second step: their readers run in eager from now on
-    loss_only: bool  # those are read by ``loss_fn`` alone (eager under segments)
 
 
 class ProgramContext:
@@ -202,30 +201,39 @@ class ProgramContext:
         stays empty): ``optimizer.state_dict()`` gives that state in torch's format, and
         ``optimizer.load_state_dict()`` loads into it, as a training loop written for
         eager expects (a checkpoint of ``optimizer.state_dict()``, a state loaded or reset
-        mid-run). Under ZeRO the state is sharded across the ranks: both raise, naming
-        ``trainer.state_dict()`` / ``save_checkpoint``, which gather it (on every rank)."""
+        mid-run). Under ZeRO the state is sharded across the ranks: a state dict taken
+        after a step warns that it holds none, and loading one with state raises, both
+        naming ``trainer.state_dict()`` / ``save_checkpoint``, which gather it (on every
+        rank); empty ones pass (accelerate's wrapping reads one and loads it back)."""
         if self.spec.kind == EAGER:  # its own step keeps its own state
             return []
         from ortrain import checkpoint
         from ortrain.distributed.data_parallel import DataParallel
 
-        def sharded(what: str) -> None:
-            if self.reducer is not None and not isinstance(self.reducer, DataParallel):
-                raise CheckpointError(
-                    f"optimizer.{what}() under ZeRO-{self.options.zero_stage}: the optimizer "
-                    "state is sharded across the ranks; use trainer.state_dict() / "
-                    "load_state_dict() or save_checkpoint() / load_checkpoint() (on every rank)"
-                )
+        sharded = self.reducer is not None and not isinstance(self.reducer, DataParallel)
+        where = (
+            f"under ZeRO-{self.options.zero_stage} the optimizer state is sharded across the "
+            "ranks: trainer.state_dict() / load_state_dict() or save_checkpoint() / "
+            "load_checkpoint() (on every rank) take it"
+        )
 
         def saved(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-            sharded("state_dict")
-            return checkpoint.optimizer_state_dict(self.state)
+            if not sharded:
+                return checkpoint.optimizer_state_dict(self.state)
+            if self.state.step > 0:  # (accelerate's wrapping reads it before any step)
+                warnings.warn(
+                    f"ortrain: optimizer.state_dict() holds no state: {where}", stacklevel=3
+                )
+            return state
 
         def loading(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-            sharded("load_state_dict")
-            checkpoint.load_optimizer_state_dict(self.state, state)
-            # torch's own load takes the param groups' values (lr, betas...); no state
-            return {**state, "state": {}}
+            if not sharded:
+                checkpoint.load_optimizer_state_dict(self.state, state)
+                # torch's own load takes the param groups' values (lr, betas...); no state
+                return {**state, "state": {}}
+            if state.get("state"):
+                raise CheckpointError(f"optimizer.load_state_dict() of a state: {where}")
+            return state
 
         return [
             self.optimizer.register_state_dict_post_hook(saved),
@@ -279,25 +287,47 @@ class ProgramContext:
             self.graph_cache.forget_model_key()
         return changed
 
-    def values_changed(self) -> ValuesChanged | None:
+    def values_changed(self, compiled: Callable[[str], bool]) -> ValuesChanged | None:
         """The Python values the forward reads that changed since the last training step
         (``ortrain/python_state.py``): set between steps by the training loop (a
         temperature annealed, a global schedule), where the graphs hold what their export
-        saw. The first change of a value builds the graphs again (and checks them); a
-        value that changes at a second step makes the modules whose code reads it run in
-        eager PyTorch (``eager.stateful``), the rest compiled around them. Values owned by
-        modules that run in eager already are left alone."""
+        saw. Evaluation graphs (the whole model's) are built again after any change. For
+        training, values read by a module that ``compiled`` says runs in a graph count:
+        the first change of one builds the graphs again (and checks them); one that
+        changes at a second step makes the modules whose code reads it run in eager
+        PyTorch (``eager.stateful``), the rest compiled around them."""
         if self._values is None:
             self._values = ValueWatch(self.module, self.loss_fn)
             return None
+        seen = {
+            key: (repr(old), repr(new))
+            for key, (old, new) in self._values.changes().items()
+            # an attribute of a config filled in later (save_pretrained sets
+            # config.architectures on the saving rank): nothing a forward read before
+            if not (key[0] != READ and "." in key[1] and old is None)
+        }
+        comm = getattr(self.reducer, "comm", None)
+        if comm is not None:  # every rank decides alike (the checks are collectives)
+            if not comm.any(bool(seen)):
+                return None
+            for theirs in comm.all_gather_object(seen):
+                seen.update(theirs)
+        if not seen:
+            return None
+        self.graphs.eval.clear()
+        self.graph_cache.forget_model_key()
         said: list[str] = []
         again: dict[str, list[str]] = {}
-        for key, (old, new) in self._values.changes().items():
-            owners = [o for o in self._values.owners_of(key) if o not in self.eager.stateful]
+        for key, (old, new) in sorted(seen.items()):
+            owners = [
+                o
+                for o in self._values.owners_of(key)
+                if o not in self.eager.stateful and compiled(o)
+            ]
             if not owners:
                 continue
             what = f"global {key[1]}" if key[0] == READ else f"{key[0] or '<root>'}.{key[1]}"
-            said.append(f"{what} ({old!r} -> {new!r})")
+            said.append(f"{what} ({old} -> {new})")
             n = self._value_changes[key] = self._value_changes.get(key, 0) + 1
             if n >= 2:
                 for owner in owners:
@@ -308,8 +338,7 @@ class ProgramContext:
             if owner != LOSS_FN:
                 self.eager.stateful[owner] = ", ".join(whats)
         self.graphs.clear_train()
-        self.graph_cache.forget_model_key()
-        return ValuesChanged("; ".join(said), bool(again), set(again) == {LOSS_FN})
+        return ValuesChanged("; ".join(said), bool(again))
 
     def blocks_cause(self) -> str:
         """Why the model is cut at its repeated blocks from the first step ("": it is not)."""

@@ -53,8 +53,9 @@ _TORCH = frozenset({"training"})  # module.train() changes it, not a forward
 
 def scalars(module: torch.nn.Module, buffers: bool = False) -> dict[Key, Any]:
     """Every sub-module's scalar instance attributes, the length of its plain containers
-    (a list the forward appends to), which tensor its plain tensor attributes hold (a
-    state carried to the next call: ``self.h = hn.detach()``), and the scalars of the
+    (a list the forward appends to), which tensor its plain tensor attributes hold when
+    it takes no gradient (a state carried to the next call: ``self.h = hn.detach()``), and
+    the scalars of the
     plain objects it holds (a config: key "config.tau", under the first module holding
     it); ``buffers``: which tensor each buffer is too (one a forward assigns anew)."""
     out: dict[Key, Any] = {}
@@ -68,7 +69,10 @@ def scalars(module: torch.nn.Module, buffers: bool = False) -> dict[Key, Any]:
             elif type(value) in _CONTAINERS:
                 out[(name, attr)] = _Length(len(value))
             elif isinstance(value, torch.Tensor):
-                out[(name, attr)] = _Same(value)
+                # one that requires grad is this call's, made from the parameters (a
+                # weight_norm hook's weight): traced with the call, not state
+                if not value.requires_grad:
+                    out[(name, attr)] = _Same(value)
             elif _plain_object(value) and id(value) not in objects:
                 objects.add(id(value))
                 out[(name, attr)] = _Same(value)

@@ -26,7 +26,7 @@ import torch
 from ortrain.batch_input import BatchInput
 from ortrain.bucketing import Bucketing
 from ortrain.build import StageRecord
-from ortrain.core.errors import OrtrainError
+from ortrain.core.errors import BatchError, OrtrainError
 from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
@@ -34,6 +34,7 @@ from ortrain.options import TrainerOptions
 from ortrain.parallel_wrappers import unwrapped
 from ortrain.program import TrainingProgram
 from ortrain.program_context import ProgramContext
+from ortrain.python_state import LOSS_FN
 from ortrain.rank_memory import resident_bytes
 from ortrain.runtime.heap import trim_heap
 from ortrain.segmented_program import SegmentedProgram
@@ -154,13 +155,31 @@ class ORTTrainer(TrainerState, TrainerViews):
         """Python values the forward reads that the training loop changed since the last
         step (``ProgramContext.values_changed``): graphs built again with them, or, for a
         value changed at a second step, the modules that read it in eager."""
-        changed = self._ctx.values_changed()
+        old = self._program
+        if isinstance(old, SegmentedProgram):  # what runs in eager reads them as it goes
+            model = old.training.model
+            inside = [] if model is None else model.compiled
+
+            def compiled(owner: str) -> bool:
+                return owner != LOSS_FN and any(
+                    c == "" or owner == c or owner.startswith(c + ".") for c in inside
+                )
+        else:
+
+            def compiled(owner: str) -> bool:
+                return True
+
+        changed = self._ctx.values_changed(compiled)
         if changed is None:
             return
-        old = self._program
-        if isinstance(old, SegmentedProgram):
-            if not changed.loss_only:  # planned with the old values: planned again
-                self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
+        if isinstance(old, SegmentedProgram):  # planned with the old values: planned again
+            if hasattr(self._ctx.reducer, "acquire"):
+                raise BatchError(
+                    f"the training loop changed Python values that compiled segments read "
+                    f"({changed.said}); under ZeRO-3 the segments are planned on whole "
+                    "parameters at the first step only: set them before it"
+                )
+            self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
             return
         if changed.again:
             cause = (
@@ -180,6 +199,8 @@ class ORTTrainer(TrainerState, TrainerViews):
         """Forward only in eval mode (no dropout), no update: loss and other outputs
         (host tensors)."""
         self._ctx.state.adopt_rebound()  # ``p.data = ...`` since the last step
+        if self._ctx.reducer is None:  # (a collective under torch.distributed: train_step's)
+            self._follow_python_values()  # a value set since the last step: built anew
         padded = self.bucketing.pad(self._batch(args, kwargs), train=False)
         # back to the batch's own length
         return StepOutputs(padded.cut(self._evaluation.outputs(padded.batch)))

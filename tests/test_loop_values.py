@@ -353,3 +353,26 @@ def test_the_optimizer_s_state_dict_is_the_state_ortrain_trains_with(make):
     trainer.sync_to_module()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_an_evaluation_after_a_change_reads_the_new_value():
+    torch.manual_seed(0)
+    model = _Annealed("attribute")
+    trainer = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        options=TrainerOptions(build_progress=False),
+    )
+    (x, y), (ex, ey) = _batches(2)
+    trainer.train_step(x=x, y=y)
+    trainer.eval_step(x=ex, y=ey)  # an evaluation graph at tau 1
+    for tau in (0.5, 0.2):
+        _set(model, tau)
+        got = trainer.eval_step(x=ex, y=ey).loss.item()
+        trainer.sync_to_module()
+        model.eval()
+        with torch.no_grad():
+            want = model(ex, ey).item()
+        model.train()
+        assert got == pytest.approx(want, rel=1e-5), tau
+    _set(model, 1.0)
