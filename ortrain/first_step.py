@@ -189,10 +189,12 @@ class EagerSide:
                     g.zero_()
             session.run()
 
-        # every trainable parameter: one the graph computes no gradient for (read only
-        # where the export saw no_grad) must get none in eager either
+        # every parameter the optimizer trains: one the graph computes no gradient for
+        # (read only where the export saw no_grad) must get none in eager either. One that
+        # requires grad in no param group gets eager's gradient and no update: nothing
+        # that trains reads it
         trained = set(names)
-        others = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        others = state.trainable
         bad, sites, seconds = graph_step_mismatches(
             lambda module: self.loss_of(batch, module),
             self.module,

@@ -217,7 +217,12 @@ class WholeProgram:
         every rank if on one (a collective)."""
         bad = []
         if reference is not None:
-            eager = {n: g for n, g in reference[1].items() if n not in built.grad_params}
+            # (a parameter that requires grad in no param group gets eager's gradient and
+            # no update: nothing that trains reads it)
+            trained = set(self.ctx.state.trainable)
+            eager = {
+                n: g for n, g in reference[1].items() if n not in built.grad_params and n in trained
+            }
             bad = compare({}, eager, self.ctx.eager.tol.grad)
         if self.ctx.eager.any_rank(bool(bad)):
             what = f"{type(self.ctx.module).__name__}'s training graph"

@@ -376,3 +376,32 @@ def test_an_evaluation_after_a_change_reads_the_new_value():
         model.train()
         assert got == pytest.approx(want, rel=1e-5), tau
     _set(model, 1.0)
+
+
+def test_a_parameter_in_no_param_group_stays_and_the_rest_compiles():
+    """A layer that requires grad but is in no param group: eager computes its gradient
+    and never updates it. The model compiles whole (it had fallen back to segments on a
+    first step said to disagree: "only eager has it") and trains like eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(
+        model,
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        loss_fn=lambda out, batch: out.pow(2).mean(),
+        options=TrainerOptions(build_progress=False),
+    )
+    opt = torch.optim.SGD(ref[0].parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=g)
+        got = trainer.train_step(x).item()
+        opt.zero_grad()
+        want = ref(x).pow(2).mean()
+        want.backward()
+        opt.step()
+        assert got == pytest.approx(want.item(), rel=1e-5)
+    assert trainer.segments is None
+    trainer.sync_to_module()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
