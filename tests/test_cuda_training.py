@@ -305,3 +305,38 @@ def test_probe_dropout_masks_change_between_steps_without_cuda_graph():
     batch = lm_batches(1, vocab=128)[0]
     losses = [trainer.train_step(**batch).item() for _ in range(3)]
     assert len(set(losses)) == 3, losses
+
+
+@needs_cuda
+@pytest.mark.parametrize("which", ["mixed", "deep"])
+def test_probe_segments_train_like_eager_on_cuda(which):
+    """A model that cannot be one graph (an op without a gradient rule, a data-dependent
+    shape) trains as compiled segments inside torch autograd on CUDA: the segments' sessions
+    run on CUDAExecutionProvider, the eager glue on torch's CUDA tensors, and the losses and
+    parameters follow eager CUDA training (SGD: reduction-order noise stays noise-sized)."""
+    from tests.test_fallback import _batches, _Deep, _Mixed
+
+    make = {"mixed": _Mixed, "deep": _Deep}[which]
+    model, ref = make().cuda(), make().cuda()
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        TrainerOptions(device="cuda", fallback="auto"),
+    )  # fmt: skip
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for i, (x, y) in enumerate(_batches(4)):
+        want = ref(x.cuda(), y.cuda())
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = trainer.train_step(x, y)
+        torch.testing.assert_close(got.cpu(), want.detach().cpu(), rtol=1e-4, atol=1e-6,
+                                   msg=f"step {i}")  # fmt: skip
+    assert trainer.segments is not None and not trainer.program.whole
+    runners = trainer.segments.model.runners
+    assert runners
+    sessions = [r.fwd.session for t in runners.values() for r in t.values() if r is not None]
+    assert sessions
+    assert {s.get_providers()[0] for s in sessions} == {"CUDAExecutionProvider"}
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.device.type == "cuda", k
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=k)

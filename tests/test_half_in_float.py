@@ -91,6 +91,104 @@ def test_float32_graphs_are_left_alone():
     assert [(n.op_type, [v.name for v in n.inputs]) for n in model.graph] == before
 
 
+def test_graphs_without_bfloat16_never_list_the_kernel_registry(monkeypatch):
+    """Listing ONNX Runtime's kernel registry makes every provider of the build: in
+    onnxruntime-gpu it starts CUDA and crashes without TensorRT's libnvinfer (as an H200
+    run found). A graph without a bfloat16 value must not ask it."""
+    import ortrain.graph_passes.targets.cpu.half_in_float as pass_mod
+
+    def refuse():
+        raise AssertionError("the kernel registry was listed")
+
+    monkeypatch.setattr(pass_mod, "cpu_kernels", refuse)
+    monkeypatch.setattr(pass_mod, "_session_accepts", lambda *a: refuse())
+    for dtypes in ((F32, F32), (F32, FP16)):
+        assert compute_half_in_float(ir.serde.deserialize_model(_graph(*dtypes))) == 0
+
+
+def _ops_graph() -> onnx.ModelProto:
+    """bf16 nodes of many ops (unary, binary, reductions, shapes, normalization, index),
+    each with or without a CPU kernel at bfloat16."""
+    x = "xb"
+    nodes = [oh.make_node("Cast", ["x"], [x], to=BF16)]
+    unary = ["Relu", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Neg", "Abs", "Erf", "Identity",
+             "Softplus", "Reciprocal", "Floor", "Sin", "Cos"]  # fmt: skip
+    binary = ["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Equal", "Less", "Greater"]
+    for op in unary:
+        nodes.append(oh.make_node(op, [x], [f"u_{op}"]))
+    for op in binary:
+        nodes.append(oh.make_node(op, [x, x], [f"b_{op}"]))
+    nodes += [
+        oh.make_node("ReduceSum", [x, "axes"], ["r_sum"], keepdims=1),
+        oh.make_node("ReduceMean", [x, "axes"], ["r_mean"], keepdims=1),
+        oh.make_node("ReduceMax", [x, "axes"], ["r_max"], keepdims=1),
+        oh.make_node("Transpose", [x], ["t"], perm=[1, 0]),
+        oh.make_node("Reshape", [x, "shape"], ["rs"]),
+        oh.make_node("Concat", [x, x], ["cc"], axis=0),
+        oh.make_node("Slice", [x, "starts", "ends"], ["sl"]),
+        oh.make_node("Gather", [x, "idx"], ["g"], axis=0),
+        oh.make_node("Where", ["cond", x, x], ["w"]),
+        oh.make_node("LayerNormalization", [x, "scale", "bias"], ["ln"], axis=-1),
+        oh.make_node("Softmax", [x], ["sm"], axis=-1),
+        oh.make_node("MatMul", [x, x], ["mm"]),
+        oh.make_node("Gemm", [x, x], ["gm"]),
+        oh.make_node("Expand", [x, "shape"], ["ex"]),
+        oh.make_node("Cast", [x], ["c16"], to=FP16),
+    ]
+    nodes += [
+        oh.make_node("Cast", ["x"], ["cond"], to=onnx.TensorProto.BOOL),
+        oh.make_node("Cast", ["w1"], ["scale"], to=BF16),
+        oh.make_node("Cast", ["w1"], ["bias"], to=BF16),
+    ]
+    ints = onnx.TensorProto.INT64
+    graph = oh.make_graph(
+        nodes,
+        "ops",
+        [oh.make_tensor_value_info("x", F32, [4, 4]), oh.make_tensor_value_info("w1", F32, [4])],
+        [],
+        [
+            oh.make_tensor("axes", ints, [1], [1]),
+            oh.make_tensor("shape", ints, [2], [4, 4]),
+            oh.make_tensor("starts", ints, [1], [1]),
+            oh.make_tensor("ends", ints, [1], [3]),
+            oh.make_tensor("idx", ints, [2], [3, 1]),
+        ],
+    )
+    model = onnx.shape_inference.infer_shapes(
+        oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    )
+    inferred = {v.name: v for v in model.graph.value_info}
+    # every op's result an output, with its inferred element type
+    model.graph.output.extend(inferred[n.output[0]] for n in nodes[1:-3])
+    return model
+
+
+@pytest.mark.parametrize("make", [_graph, _ops_graph], ids=["mixed", "ops"])
+def test_one_node_sessions_decide_as_the_kernel_registry(monkeypatch, make):
+    """Builds whose registry is unsafe to list (onnxruntime-gpu) ask one-node sessions on
+    the CPU provider: the same nodes are computed in float32 as the registry decides, and
+    the rewritten graph makes a session."""
+    import ortrain.graph_passes.targets.cpu.half_in_float as pass_mod
+
+    def rewritten(safe: bool) -> tuple[int, list[str]]:
+        monkeypatch.setattr(pass_mod, "registry_is_safe", lambda: safe)
+        model = ir.serde.deserialize_model(make())
+        count = compute_half_in_float(model)
+        _session(ir.serde.serialize_model(model))
+        floats = [
+            n.name or n.outputs[0].name
+            for n in model.graph
+            if n.op_type != "Cast" and any(v.dtype == ir.DataType.FLOAT for v in n.inputs)
+        ]
+        return count, floats
+
+    by_registry, by_sessions = rewritten(True), rewritten(False)
+    assert by_sessions == by_registry
+    assert by_registry[0] >= 5, by_registry  # nodes refused at bfloat16 ...
+    kept = [n for n in ir.serde.deserialize_model(make()).graph if n.op_type != "Cast"]
+    assert by_registry[0] < len(kept)  # ... and nodes with a bfloat16 kernel, kept
+
+
 class AlibiBf16(torch.nn.Module):
     """Attention with ALiBi slopes computed in bfloat16, as Falcon computes them."""
 

@@ -15,7 +15,11 @@ measured with that).
 Which nodes: those whose op, at the model's opset, ONNX Runtime's own CPU kernel registry
 (``get_all_opkernel_def``) lists without their bfloat16 types but with float32 in their
 place; a node's inputs and outputs are matched to the kernel's type parameters through
-the op's ONNX schema. A kernel choice, so made late, on CPU builds (training and
+the op's ONNX schema. That registry call makes every execution provider the build has:
+in onnxruntime-gpu it starts CUDA (an error in a forked build process) and crashes the
+process when the TensorRT provider cannot load (no libnvinfer). Those builds ask a
+one-node session on the CPU provider instead, once per op and types. Graphs without a
+bfloat16 value ask neither. A kernel choice, so made late, on CPU builds (training and
 evaluation graphs, not ``mixed_precision="bf16"``'s, which are CUDA's) after autodiff,
 whose gradient nodes share their forward's types.
 """
@@ -80,12 +84,88 @@ def _has_kernel(kernels: Sequence[Kernel], opset: int, types: dict[str, str]) ->
     return False
 
 
+# providers whose presence leaves ``get_all_opkernel_def`` safe to call in this process
+_REGISTRY_SAFE = frozenset({"CPUExecutionProvider", "AzureExecutionProvider"})
+
+
+@functools.cache
+def registry_is_safe() -> bool:
+    """Whether this onnxruntime build makes no provider but the CPU's (and Azure's, which
+    has no kernels) when its kernel registry is listed (the module docstring)."""
+    import onnxruntime
+
+    return set(onnxruntime.get_available_providers()) <= _REGISTRY_SAFE
+
+
+def _session_accepts(node: ir.Node, opset: int, dtypes: Sequence[ir.DataType | None]) -> bool:
+    """Whether ONNX Runtime's CPU provider makes a session of ``node`` alone with its
+    inputs and outputs at ``dtypes`` (in that order; None: an absent optional input)."""
+    import onnxruntime as ort
+
+    inputs: list[ir.Value | None] = []
+    for i, (v, dt) in enumerate(zip(node.inputs, dtypes, strict=False)):
+        inputs.append(None if v is None else ir.Value(name=f"in{i}", type=ir.TensorType(dt)))
+    probe = ir.Node(
+        node.domain,
+        node.op_type,
+        inputs,
+        [a for a in node.attributes.values() if a.type is not ir.AttributeType.GRAPH],
+        num_outputs=len(node.outputs),
+    )
+    for i, (out, dt) in enumerate(zip(probe.outputs, dtypes[len(node.inputs) :], strict=True)):
+        out.name, out.type = f"out{i}", ir.TensorType(dt)
+    imports = {"": opset} if not node.domain else {"": 17, node.domain: opset}
+    graph = ir.Graph(
+        [v for v in inputs if v is not None], list(probe.outputs), nodes=[probe],
+        opset_imports=imports,
+    )  # fmt: skip
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    data = ir.to_proto(ir.Model(graph, ir_version=10)).SerializeToString()
+    try:
+        ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except Exception:  # ONNX Runtime raises its own classes; any refusal counts
+        return False
+    return True
+
+
+# (domain, op, opset, dtypes) -> whether the CPU provider made the one-node session
+_ACCEPTED: dict[tuple, bool] = {}
+
+
+def _probe(node: ir.Node, opset: int, dtypes: tuple[ir.DataType | None, ...]) -> bool:
+    key = (node.domain or "", node.op_type, opset, dtypes)
+    if key not in _ACCEPTED:
+        _ACCEPTED[key] = _session_accepts(node, opset, dtypes)
+    return _ACCEPTED[key]
+
+
+def _half_types(node: ir.Node) -> bool:
+    return any(v is not None and v.dtype in HALF for v in (*node.inputs, *node.outputs))
+
+
 def _needs_float(node: ir.Node, opsets: dict[str, int]) -> bool:
     """Whether ONNX Runtime's CPU provider has no kernel for ``node`` at its 16-bit types
     and one with float32 in their place."""
-    kernels = cpu_kernels().get((node.domain or "", node.op_type))
+    if not _half_types(node):
+        return False
     opset = opsets.get(node.domain or "", opsets.get("ai.onnx"))
-    if not kernels or opset is None:
+    if opset is None:
+        return False
+    if not registry_is_safe():
+        if any(a.type is ir.AttributeType.GRAPH for a in node.attributes.values()):
+            return False  # a control-flow body: not asked for alone
+        values = (*node.inputs, *node.outputs)
+        if any(v is not None and v.dtype is None for v in values):
+            return False
+        dtypes = tuple(None if v is None else v.dtype for v in values)
+        if _probe(node, opset, dtypes):
+            return False
+        as_float = tuple(ir.DataType.FLOAT if d in HALF else d for d in dtypes)
+        return _probe(node, opset, as_float)
+    kernels = cpu_kernels().get((node.domain or "", node.op_type))
+    if not kernels:
         return False
     params = _type_params(node, opset)
     if params is None:
