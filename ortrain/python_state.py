@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import random
 import types
 from collections.abc import Callable, Iterator
@@ -277,6 +278,7 @@ class ValueWatch:
         self.owners = {(READ, r.label): sorted(r.owners) for r in self.reads}
         self.fast = self._fast()
         self.full = self._full()
+        self._seen = self._objects()
 
     def _fast(self) -> list[Any]:
         out: list[Any] = []
@@ -297,8 +299,30 @@ class ValueWatch:
     def _full(self) -> dict[Key, Any]:
         return {**scalars(self.module), **_read_values(self.reads)}
 
+    def _objects(self) -> tuple[list[list[Any]], list[tuple[Any, int]], list[Any]]:
+        """Every watched attribute's object, each container with its length, and each
+        module-level value: held, so that no id is reused while they are compared."""
+        values = [list(d.values()) for d in self.dicts]
+        sized = [(v, len(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
+        return values, sized, [r.get() for r in self.reads]
+
+    def _same_objects(self) -> bool:
+        """Whether every watched attribute still holds the very object it held at the last
+        look (and no container changed its length): nothing can have changed. A value
+        assigned anew, even an equal one, takes ``_fast``'s comparison."""
+        values, sized, reads = self._seen
+        for d, vs in zip(self.dicts, values, strict=True):
+            if len(d) != len(vs) or not all(map(operator.is_, d.values(), vs)):
+                return False
+        return all(len(c) == n for c, n in sized) and all(
+            map(operator.is_, (r.get() for r in self.reads), reads)
+        )
+
     def changes(self) -> dict[Key, tuple[Any, Any]]:
         """What changed since the last call (or since the watch was made)."""
+        if self._same_objects():
+            return {}
+        self._seen = self._objects()
         fast = self._fast()
         if fast == self.fast:
             return {}

@@ -405,3 +405,42 @@ def test_a_parameter_in_no_param_group_stays_and_the_rest_compiles():
     trainer.sync_to_module()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class _Watched(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.tau = 1.0
+        self.seen: list[int] = []
+        self.cfg = type("Cfg", (), {})()
+        self.cfg.scale = 2
+        self.lin.state = torch.zeros(2)
+
+
+def test_the_value_watch_sees_each_kind_of_change_and_no_false_one():
+    """``ValueWatch`` answers from object identity when nothing was assigned: each kind of
+    change is still seen (a scalar, a list grown in place, a config's field, a tensor
+    attribute assigned anew, a module-level value), and an equal value assigned anew is no
+    change."""
+    from ortrain.python_state import ValueWatch
+
+    model = _Watched()
+    watch = ValueWatch(model, None)
+    assert watch.changes() == {}
+    model.tau = float("1.0")  # an equal value, another object
+    assert watch.changes() == {}
+    model.tau = 0.5
+    assert set(watch.changes()) == {("", "tau")}
+    assert watch.changes() == {}
+    model.seen.append(1)
+    assert set(watch.changes()) == {("", "seen")}
+    model.cfg.scale = 3
+    assert set(watch.changes()) == {("", "cfg.scale")}
+    model.lin.state = torch.zeros(2)
+    assert set(watch.changes()) == {("lin", "state")}
+    model.lin.extra = 1  # a new attribute: no value the graphs read changed
+    assert watch.changes() == {}
+    model.lin.extra = 2
+    assert set(watch.changes()) == {("lin", "extra")}
+    assert watch.changes() == {}
