@@ -2,9 +2,11 @@
 
 Positional and keyword arguments become one name -> value mapping
 (``export.normalize_batch``); what eager would take but a graph cannot is refused here
-with the input's name: floating inputs other than float32, and a ``forward(*args)`` given
-another count of positional inputs than on the first step (a different model call, most
-likely a collate bug).
+with the input's name: a ``forward(*args)`` given another count of positional inputs than
+on the first step (a different model call, most likely a collate bug). Floating inputs of
+any dtype go on to the export: a float64 target (numpy's default) promotes the loss as in
+eager, and an input eager would refuse (a float64 batch into a float32 ``Linear``) fails
+the export, which says that eager fails too.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ class BatchInput:
 
     def __call__(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         batch = normalize_batch(self.module, args, kwargs, allow_extra=self.allow_extra)
-        for k, v in batch.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
-                raise BatchError(f"batch input '{k}' is {v.dtype}; expected float32")
         keys = var_positional_keys(self.module, batch)
         if keys is not None:
             if self.var_positional is None:

@@ -265,9 +265,7 @@ class _Fingerprint:
             return f"<{type(v).__qualname__}>"
         path = path | {id(v)}
         if isinstance(v, torch.Tensor):  # an attribute, not a parameter: a graph constant
-            data = v.detach().cpu().contiguous()
-            digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
-            return f"tensor{tuple(v.shape)}:{v.dtype}:{digest}"
+            return f"tensor{tuple(v.shape)}:{v.dtype}:{_tensor_digest(v)}"
         if isinstance(v, torch.nn.Module):  # hashed where it sits in the module tree
             return f"<module {type(v).__qualname__}>"
         if isinstance(v, (list, tuple)):
@@ -379,6 +377,16 @@ def _code_digest(code: types.CodeType) -> str:
     for c in code.co_consts:
         h.update((_code_digest(c) if isinstance(c, types.CodeType) else repr(c)).encode())
     return h.hexdigest()
+
+
+def _tensor_digest(v: torch.Tensor) -> str:
+    """Its bytes' SHA-256 (a 0-d tensor, bfloat16 and bool included); a tensor without
+    plain bytes (sparse, meta) gets its identity: no other process's key matches it."""
+    try:
+        data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return f"object {id(v)}"
 
 
 def model_fingerprint(module: torch.nn.Module, loss_fn: LossFn | None) -> str:

@@ -276,6 +276,10 @@ class _Functional(torch.nn.Module):
             self.module, state, args, model_kwargs, tie_weights=True
         )
         loss = self.loss_fn(outputs, kwargs) if self.loss_fn is not None else find_loss(outputs)
+        if isinstance(loss, torch.Tensor) and loss.dtype == torch.float64:
+            # float64 targets (numpy's default) promote the loss: the graph reports it in
+            # float32, as the step's loss buffer is; its gradient flows back through the cast
+            loss = loss.float()
         # Mutate in place: the exporter may not keep attribute assignments on the module.
         self.output_keys.clear()
         self.output_keys.append("loss")

@@ -125,12 +125,17 @@ class EagerSide:
         except Exception:
             return None
 
-    def fails(self, batch: Mapping[str, Any]) -> Exception | None:
+    def fails(self, batch: Mapping[str, Any], grad: bool = False) -> Exception | None:
         """What eager PyTorch's own forward of ``batch`` raises, if anything (no hooks of
-        ortrain's, no gradient, the buffers and Python attributes put back)."""
+        ortrain's, the buffers and Python attributes put back); without autograd unless
+        ``grad`` (a forward that differentiates inside needs it)."""
         module = self.module
         try:
-            with restoring(list(module.buffers())), kept(module, self.loss_fn), torch.no_grad():
+            with (
+                restoring(list(module.buffers())),
+                kept(module, self.loss_fn),
+                torch.set_grad_enabled(grad),
+            ):
                 self.loss_of(batch, module)
         except Exception as exc:
             return exc

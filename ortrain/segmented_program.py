@@ -118,7 +118,8 @@ class SegmentedProgram:
             if st.unreached:
                 ctx.update_in_eager(f"this step does not reach {_some(st.unreached)}")
         try:
-            return ctx.end_micro_step(loss.clone())
+            # in the dtype a graph reports it in (a float64 target promotes eager's loss)
+            return ctx.end_micro_step(loss.to(st.loss.dtype, copy=True))
         finally:
             st.unreached = frozenset()
 

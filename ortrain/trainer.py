@@ -133,9 +133,16 @@ class ORTTrainer(TrainerState, TrainerViews):
             self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
         self._follow_python_values()
         program = self._program
+        micro_step = self._ctx.state.micro_step
         try:
             return program.step(self._padded(raw, program))
         except NotOneGraph as exc:
+            own = self._ctx.eager.fails(raw, grad=True)
+            if own is not None and not isinstance(own, OrtrainError):
+                # the model's own forward fails on this batch (an input eager refuses):
+                # said before anything changes, the graphs built so far and the window kept
+                hint = _odd_dtypes(raw, self.module)
+                raise exc.eager_fails_too(own, type(self.module).__name__, hint) from own
             self._program = SegmentedProgram(self._ctx, exc.cause)
             try:
                 return self._program.step(self._padded(raw, self._program))
@@ -143,8 +150,10 @@ class ORTTrainer(TrainerState, TrainerViews):
                 if self._program.training.model is not None:
                     raise
                 # eager cannot run this batch either (its recording forward failed):
-                # the model's own error, as the build named it, not a fallback's
+                # the model's own error, as the build named it, not a fallback's. Nothing
+                # ran that adds to the window's sums: its earlier micro-batches stay.
                 failed, self._program, self._ctx.segmented = self._program, program, False
+                self._ctx.state.micro_step = micro_step
                 own = self._ctx.eager.fails(raw) if failed.training.recorded is None else None
                 if own is not None and not isinstance(own, OrtrainError):
                     # the model's own forward fails (not ortrain's reading of its output)
@@ -214,3 +223,17 @@ class ORTTrainer(TrainerState, TrainerViews):
         self.micro_step = 0  # the in-backward update needs accumulation 1: never open here
         with self._ctx.on_stream():
             self._ctx.apply_update()
+
+
+def _odd_dtypes(batch: dict[str, Any], module: torch.nn.Module) -> str:
+    """The batch's floating inputs of another dtype than the module's parameters (a
+    float64 batch from numpy, token ids made float), as a clause of an error."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    odd = [
+        f"'{k}' is {v.dtype}"
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype
+    ]
+    if not odd or dtype is None:
+        return ""
+    return f" (batch input {', '.join(odd)}; the parameters are {dtype})"

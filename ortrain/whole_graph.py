@@ -63,12 +63,14 @@ class NotOneGraph(Exception):
         self.cause = cause
         self.error = error
 
-    def eager_fails_too(self, eager: BaseException, model: str) -> Exception:
+    def eager_fails_too(self, eager: BaseException, model: str, hint: str = "") -> Exception:
         """``error`` saying that the model's own forward fails on the batch in eager
-        PyTorch (a bug or a bad batch of the user's, not the compiler's)."""
+        PyTorch (a bug or a bad batch of the user's, not the compiler's); ``hint``: what
+        about the batch may be why."""
         said = (
             f"; {model}'s forward fails on this batch in eager PyTorch too "
             f"({type(eager).__name__}: {first_line(eager)}): fix the model or the batch"
+            f"{hint}"
         )
         try:
             return type(self.error)(f"{self.error}{said}")

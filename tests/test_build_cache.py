@@ -406,6 +406,17 @@ def test_model_fingerprint_follows_structure_not_weights():
     with_two = fp(Net(), loss)
     factor = 3.0
     assert fp(Net(), loss) != with_two  # the closure's value
+    # tensors of any dtype and rank hash by value (a 0-d float32 scale crashed the key)
+    keys = set()
+    for value in (torch.tensor(2.0), torch.tensor(3.0), torch.tensor(2.0, dtype=torch.bfloat16),
+                  torch.tensor([True, False]), torch.tensor(1.0, dtype=torch.float64)):  # fmt: skip
+
+        def scaled(out, batch, value=value):
+            return out * value
+
+        keys.add(fp(Net(), scaled))
+        assert fp(Net(), scaled) == fp(Net(), scaled)
+    assert len(keys) == 5
 
 
 _NOTEBOOK = """
