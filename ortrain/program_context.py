@@ -265,6 +265,17 @@ class ProgramContext:
             "of this step ran)"
         )
 
+    def grad_hooked(self) -> list[str]:
+        """The optimizer's parameters that carry gradient hooks of the user's
+        (``p.register_hook``, ``p.register_post_accumulate_grad_hook``: a clip by value, an
+        update in the backward): a graph's gradients never pass through torch's autograd,
+        so it could not run them."""
+        return [
+            n
+            for n, p, _ in self._requires
+            if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks)
+        ]
+
     def modes_changed(self) -> bool:
         """Whether a sub-module went into or out of evaluation mode since the last training
         step (a BatchNorm frozen or thawed): the graphs were exported with the old modes,

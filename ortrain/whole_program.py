@@ -100,6 +100,8 @@ class WholeProgram:
         """A micro-step of ``batch`` on its training graph (built or loaded here unless
         it is; its first step checked against eager)."""
         ctx, st = self.ctx, self.ctx.state
+        if hooked := ctx.grad_hooked():
+            self._runs_grad_hooks(hooked)
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
         # before the first graph: every rank takes the same path (a collective)
         if ctx.options.verify and st.grad_params is None:
@@ -331,6 +333,21 @@ class WholeProgram:
         if compiled.cache_hit:
             return False
         self._disagrees(bad)
+
+    def _runs_grad_hooks(self, hooked: list[str]) -> NoReturn:
+        """Parameters with gradient hooks: their gradients must come through torch's
+        autograd, where the hooks run (compiled segments inside it)."""
+        some = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
+        bad = (
+            f"parameter(s) {some} carry gradient hooks (register_hook or "
+            "register_post_accumulate_grad_hook), which a graph's gradients would bypass"
+        )
+        if self.ctx.options.fallback == "off":
+            raise VerificationError(
+                f"{bad}; fallback='auto' trains the model as compiled segments inside torch's "
+                "autograd, where the hooks run"
+            )
+        raise NotOneGraph(bad, VerificationError(bad))
 
     def _keeps_python_state(self) -> NoReturn:
         """The forward changes Python attributes on every call: a graph would keep the

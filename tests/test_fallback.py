@@ -487,3 +487,53 @@ def test_a_torchscript_sub_module_runs_in_eager():
     hooks: that failure was taken for the model's own, "fails in eager too")."""
     trainer = train_like_eager(_Scripted, _batches(3))
     assert trainer.segments is not None and trainer.segments.model.compiled == ["head"]
+
+
+class _Hooked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 3),
+        )
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.c(torch.tanh(self.b(torch.relu(self.a(x))))), y)
+
+
+def _clip_by_value(model: torch.nn.Module) -> torch.nn.Module:
+    for p in model.parameters():
+        p.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    return model
+
+
+def _scaled_after_accumulation(model: torch.nn.Module) -> torch.nn.Module:
+    def scale(p: torch.Tensor) -> None:
+        p.grad.mul_(0.1)
+
+    for p in model.b.parameters():
+        p.register_post_accumulate_grad_hook(scale)
+    return model
+
+
+@pytest.mark.parametrize("hooks", [_clip_by_value, _scaled_after_accumulation])
+def test_gradient_hooks_on_parameters_run_as_in_eager(hooks):
+    """``p.register_hook`` (a clip by value) and ``register_post_accumulate_grad_hook``
+    change what the update reads; a graph's gradients would bypass them (they trained as
+    if there were none, silently): the model trains as segments inside torch's autograd,
+    where they run, and says why."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train_like_eager(lambda: hooks(_Hooked()), _batches(4))
+    assert trainer.segments is not None
+    said = [str(w.message) for w in caught if "does not compile as one graph" in str(w.message)]
+    assert len(said) == 1 and "gradient hooks" in said[0] and "register_hook" in said[0]
+
+
+def test_gradient_hooks_with_fallback_off_are_refused():
+    model = _clip_by_value(_Hooked())
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
+    with pytest.raises(VerificationError, match=r"a\.weight.*gradient hooks.*fallback='auto'"):
+        trainer.train_step(*_batches(1)[0])
