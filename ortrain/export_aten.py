@@ -12,6 +12,13 @@
    it, with cdist's zeros kept out, so the gradient is 0 at zero elements and where the
    norm is 0, as torch's ``norm_backward`` masks it (not 0 * inf = NaN). Other p go to
    the exporter's own function.
+3. ``aten::scatter_reduce`` with ``reduce="mean"`` on floating tensors: the exporter's
+   function writes it as ``ScatterElements(reduction="none")``, the last update winning,
+   which is the mean only where no index repeats (a first batch without duplicates
+   passes the first-step check, later ones trained another loss). Here it is a sum over
+   a count, both scattered with ``reduction="add"``: torch's mean, including ``self``'s
+   value (``include_self``) or not, and the untouched positions keeping theirs. Other
+   reductions go to the exporter's function.
 """
 
 from __future__ import annotations
@@ -80,8 +87,33 @@ def _vector_norm(
     return _p_norm(op, self, p, axes, keepdims=int(keepdim), magnitude=magnitude)
 
 
+def _scatter_reduce(
+    self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True
+) -> Any:
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+    from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_reduce
+
+    floats = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    if reduce != "mean" or self.dtype not in floats or len(self.shape) == 0:
+        return aten_scatter_reduce(self, dim, index, src, reduce, include_self)
+    # constants of their shapes and types (no gradient flows through them)
+    zeros = op.Expand(op.CastLike(op.Constant(value_float=0.0), self), op.Shape(self))
+    ones = op.Expand(op.CastLike(op.Constant(value_float=1.0), src), op.Shape(src))
+    count = op.ScatterElements(zeros, index, ones, axis=dim, reduction="add")
+    base = self
+    if not include_self:  # the written positions start from 0, the others keep self
+        base = op.Where(op.Greater(count, zeros), zeros, self)
+    else:
+        count = op.Add(count, op.CastLike(op.Constant(value_float=1.0), count))
+    total = op.ScatterElements(base, index, src, axis=dim, reduction="add")
+    one = op.CastLike(op.Constant(value_float=1.0), count)
+    return op.Div(total, op.Max(count, one))
+
+
 def aten_translations() -> dict[Callable, Callable]:
     return {
         torch.ops.aten._cdist_forward.default: _cdist,
         torch.ops.aten.linalg_vector_norm.default: _vector_norm,
+        torch.ops.aten.scatter_reduce.two: _scatter_reduce,
     }

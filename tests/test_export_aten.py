@@ -47,3 +47,57 @@ def test_cdist_trains_like_autograd(p):
     ops = {n.op_type for n in trainer.train_graphs[0].graph}
     if p == 2.0:
         assert "ReduceL2" in ops or "Sqrt" in ops, ops
+
+
+class _MeanAggregate(torch.nn.Module):
+    """Mean message aggregation (a GNN's): node rows scattered into their targets."""
+
+    def __init__(self, include_self: bool, dim: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.msg = torch.nn.Linear(6, 8)
+        self.base = torch.nn.Parameter(torch.randn(4, 8))
+        self.include_self, self.dim = include_self, dim
+
+    def forward(self, x, idx, t):
+        m = self.msg(x)  # [rows, 8]
+        if self.dim == 0:
+            index, src, base = idx.unsqueeze(-1).expand(-1, 8), m, self.base
+        else:  # targets along the last axis
+            index, src, base = idx.unsqueeze(0).expand(8, -1), m.T, self.base.T
+        out = base.scatter_reduce(
+            self.dim, index, src, reduce="mean", include_self=self.include_self
+        )
+        return ((out if self.dim == 0 else out.T) - t).pow(2).mean()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_mean_trains_like_eager_when_indices_repeat(include_self, dim):
+    """The exporter's function took ``reduce="mean"`` as the last write: right only where
+    no index repeats, so a first batch without duplicates passed the first-step check and
+    later ones trained another loss. Batches without, with all-same and with some repeated
+    indices (a target left untouched keeps ``self``): SGD losses and parameters against
+    eager, one graph."""
+    g = torch.Generator().manual_seed(2)
+    indices = ([2, 0, 3, 1], [1, 1, 1, 1], [2, 2, 0, 0], [3, 0, 3, 3])
+    batches = [
+        (torch.randn(4, 6, generator=g), torch.tensor(i), torch.randn(4, 8, generator=g))
+        for i in indices
+    ]
+    model, ref = _MeanAggregate(include_self, dim), _MeanAggregate(include_self, dim)
+    options = TrainerOptions(fallback="off", graph_cache=False, build_progress=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, b in enumerate(batches):
+        want = ref(*b)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(trainer.train_step(*b), want.detach(), rtol=1e-5, atol=0,
+                                   msg=f"step {i}")  # fmt: skip
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    ops = [n.op_type for n in trainer.train_graphs[0].graph]
+    # the sum and the count (ScatterElements, or the CPU kernels it is lowered to)
+    assert sum("Scatter" in op for op in ops) >= 2, ops
