@@ -46,7 +46,12 @@ from ortrain.export import LossFn, warn_sdpa
 from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
-from ortrain.optim.from_torch import check_groups, group_values, optimizer_spec
+from ortrain.optim.from_torch import (
+    check_groups,
+    check_sparse_gradients,
+    group_values,
+    optimizer_spec,
+)
 from ortrain.options import TrainerOptions
 from ortrain.python_state import LOSS_FN, READ, ValueWatch
 from ortrain.rank_memory import resident_bytes
@@ -114,6 +119,7 @@ class ProgramContext:
             module.to(self.device)
         named = dict(module.named_parameters())
         self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
+        check_sparse_gradients(optimizer, module)
         if self.spec.kind == EAGER:  # (ortrain/runtime/update_engines.py: EagerUpdate)
             warnings.warn(
                 f"ortrain: {self.spec.source}'s update runs as its own step() in eager PyTorch "

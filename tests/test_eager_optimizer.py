@@ -211,6 +211,26 @@ def test_what_cannot_run_it_says_so():
             )
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
+def test_sparse_gradients_an_eager_step_refuses_are_refused(cls):
+    """An ``Embedding(sparse=True)``: eager's Adam, AdamW, RMSprop... raise on its sparse
+    gradient at their first step; ortrain's gradients are dense, so it trained on where
+    eager stops. Refused at construction, naming the module; SGD and Adagrad (whose eager
+    steps take sparse gradients, to the same update as dense ones) train."""
+    model = _Tagger()
+    model.emb.sparse = True
+    x = torch.randint(0, 10, (2, 5))
+    with pytest.raises(RuntimeError, match="sparse"):  # eager's own refusal
+        eager = copy.deepcopy(model)
+        opt = cls(eager.parameters())
+        eager.emb(x).sum().backward()
+        opt.step()
+    with pytest.raises(UnsupportedOptimizerError, match=rf"{cls.__name__} .*emb \(sparse=True\)"):
+        ORTTrainer(model, cls(model.parameters()))
+    for ok in (torch.optim.SGD, torch.optim.Adagrad):
+        ORTTrainer(model, ok(model.parameters(), lr=0.1))
+
+
 def test_loss_scaling_skips_an_overflowing_update_before_the_optimizer_sees_it():
     """fp16 with a loss scale that overflows at first: those windows change nothing (the
     optimizer's step is not called, its state stays empty) and are not counted; once the

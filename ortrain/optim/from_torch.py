@@ -30,8 +30,34 @@ _CANNOT = {
     torch.optim.LBFGS: "it re-evaluates the model inside its step (a closure), which a "
     "training step of compiled graphs cannot do",
     torch.optim.SparseAdam: "it takes sparse gradients and ortrain computes dense ones "
-    "(torch.optim.Adam takes them)",
+    "(an Embedding with sparse=False and Adam or AdamW train the same model)",
 }
+
+# torch's optimizers whose step takes sparse gradients (made by ``Embedding(sparse=True)``);
+# the others raise in eager, and so does ortrain, before a step
+_TAKE_SPARSE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+def check_sparse_gradients(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+    """Raises where ``module`` makes sparse gradients (an ``Embedding`` or ``EmbeddingBag``
+    with ``sparse=True`` that trains) and ``optimizer``'s eager step would refuse them:
+    ortrain's gradients are dense, so it would train a run eager stops."""
+    if isinstance(optimizer, _TAKE_SPARSE):
+        return
+    sparse = [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        and m.sparse
+        and m.weight.requires_grad
+    ]
+    if sparse:
+        cls = type(optimizer).__name__
+        raise UnsupportedOptimizerError(
+            f"{cls} does not take sparse gradients, which {', '.join(sparse[:4])} "
+            f"(sparse=True) make: eager's {cls}.step() raises on them. Set sparse=False "
+            "(ortrain computes dense gradients anyway), or use SGD or Adagrad"
+        )
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
