@@ -19,6 +19,8 @@ left out with ``optimize=False``):
                        first step runs without dropout, ``ortrain/verify.py``)
     masked_attention_rows  fully masked attention rows give 0, as torch's SDPA (export fix)
     stable_log_sigmoid Log(Sigmoid(x)) as -Softplus(-x): finite where Sigmoid rounds to 0
+    exact_sigmoid_under_log  a Sigmoid a Log reads among others (``log p``, ``log(1 - p)``:
+                       BCELoss) written out exactly in both tails
     inline_control_flow  Loops with a constant trip count unrolled, constant Ifs inlined
     unroll_rnn         LSTM / GRU / RNN nodes as standard ops (autodiff differentiates those)
 2.  clean_forward*     constant folding, dropout-safe CSE, dead code (forward_cleanup.py)
@@ -116,6 +118,7 @@ from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
 from ortrain.graph_passes.cleanup.pad_as_concat import pad_as_concat
 from ortrain.graph_passes.cleanup.pow_as_mul import pow_as_mul
 from ortrain.graph_passes.fusions import FUSIONS, training_fusions
+from ortrain.graph_passes.fusions.exact_sigmoid import exact_sigmoid_under_log
 from ortrain.graph_passes.fusions.gelu import fuse_gelu
 from ortrain.graph_passes.fusions.log_sigmoid import stable_log_sigmoid
 from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
@@ -332,6 +335,11 @@ def pipeline_entries(
         Entry(
             Pass("stable_log_sigmoid", stable_log_sigmoid, stage="fusions",
                  test="tests/test_rules_activation.py", on_eval=True),
+            _always,
+        ),
+        Entry(
+            Pass("exact_sigmoid_under_log", exact_sigmoid_under_log, stage="fusions",
+                 test="tests/test_export_losses.py", on_eval=True),
             _always,
         ),
         Entry(

@@ -143,7 +143,8 @@ def test_the_target_stage_alone_is_the_pipelines_target_passes():
 
 
 _FORWARD = [
-    "seed_dropout", "masked_attention_rows", "stable_log_sigmoid", "clean_forward",
+    "seed_dropout", "masked_attention_rows", "stable_log_sigmoid", "exact_sigmoid_under_log",
+    "clean_forward",
     "pad_as_concat", "fuse_gelu", "fuse_layer_norm", "fuse_rms_norm", "fuse_matmul_transpose",
     "fuse_matmul_add", "fuse_bias_gelu", "pow_as_mul",
 ]  # fmt: skip
@@ -166,7 +167,8 @@ _FORWARD = [
         (
             BuildConfig(optimize=False),
             ["seed_dropout", "masked_attention_rows", "stable_log_sigmoid",
-             "drop_stop_gradients", "half_in_float", "ort_order", "kernel_threads"],
+             "exact_sigmoid_under_log", "drop_stop_gradients", "half_in_float", "ort_order",
+             "kernel_threads"],
         ),
     ],
     ids=["cpu-kernels", "cuda-fp16", "no-optimize"],
