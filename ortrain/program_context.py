@@ -41,6 +41,7 @@ from ortrain.core.errors import (
 )
 from ortrain.core.names import UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
+from ortrain.core.own_hooks import users_hooks
 from ortrain.distributed import join_process_group
 from ortrain.export import LossFn, warn_sdpa
 from ortrain.first_step import EagerSide
@@ -276,11 +277,7 @@ class ProgramContext:
         (``p.register_hook``, ``p.register_post_accumulate_grad_hook``: a clip by value, an
         update in the backward): a graph's gradients never pass through torch's autograd,
         so it could not run them."""
-        return [
-            n
-            for n, p, _ in self._requires
-            if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks)
-        ]
+        return [n for n, p, _ in self._requires if p.requires_grad and users_hooks(p)]
 
     def modes_changed(self) -> bool:
         """Whether a sub-module went into or out of evaluation mode since the last training

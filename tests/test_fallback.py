@@ -537,3 +537,17 @@ def test_gradient_hooks_with_fallback_off_are_refused():
     trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
     with pytest.raises(VerificationError, match=r"a\.weight.*gradient hooks.*fallback='auto'"):
         trainer.train_step(*_batches(1)[0])
+
+
+def test_ortrains_own_hooks_are_not_taken_for_the_users():
+    """Segments and ZeRO hook parameters themselves (a tied gradient's check, the reached
+    set); a trainer that tried segments once (a batch without labels) and went back to its
+    graph must not take those for the user's and leave the graph for segments."""
+    from ortrain.core.own_hooks import own_hook, users_hooks
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.register_hook(own_hook(lambda g: None))
+    p.register_post_accumulate_grad_hook(own_hook(lambda q: None))
+    assert not users_hooks(p)
+    p.register_post_accumulate_grad_hook(lambda q: None)
+    assert users_hooks(p)

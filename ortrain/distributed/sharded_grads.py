@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ortrain.core.own_hooks import own_hook
 from ortrain.distributed.comm import Comm, InFlight
 from ortrain.distributed.shard_config import IN_FLIGHT
 from ortrain.distributed.sharded_state import ShardedState
@@ -100,7 +101,8 @@ class ShardedGradients(ShardedState):
         self.reduce_seconds = 0.0  # waited on bucket reduces so far (a benchmark's figure)
         params = dict(training.module.named_parameters())
         self._hooks = [
-            params[n].register_post_accumulate_grad_hook(self._arrival(n)) for n in layout.names
+            params[n].register_post_accumulate_grad_hook(own_hook(self._arrival(n)))
+            for n in layout.names
         ]
 
     # ------------------------------------------------------------------ layout

@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from ortrain.core.errors import BatchError
+from ortrain.core.own_hooks import own_hook
 from ortrain.runtime.training_state import TrainingState
 
 LayOut = Callable[[list[str]], None]  # the first step's reached parameters, in order
@@ -37,7 +38,8 @@ class Reached:
     def __init__(self, named: dict[str, torch.nn.Parameter], trainable: list[str]):
         self.names: set[str] = set()
         self._handles = [
-            named[n].register_post_accumulate_grad_hook(self._marker(n)) for n in trainable
+            named[n].register_post_accumulate_grad_hook(own_hook(self._marker(n)))
+            for n in trainable
         ]
 
     def _marker(self, name: str) -> Callable[[torch.Tensor], None]:

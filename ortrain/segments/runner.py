@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ortrain.core.names import DROPOUT_SWITCH_INPUT
+from ortrain.core.own_hooks import own_hook
 from ortrain.core.roles import Role
 from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.buffer_pool import ReusePool
@@ -334,7 +335,7 @@ class TiedGradients:
         self.eligible.add(id(param))
         if id(param) not in self._hooked:
             self._hooked.add(id(param))
-            param.register_hook(self._checker(id(param)))
+            param.register_hook(own_hook(self._checker(id(param))))
 
     def _checker(self, key: int) -> Callable[[torch.Tensor], None]:
         def check(grad: torch.Tensor) -> None:
