@@ -19,6 +19,13 @@
    a count, both scattered with ``reduction="add"``: torch's mean, including ``self``'s
    value (``include_self``) or not, and the untouched positions keeping theirs. Other
    reductions go to the exporter's function.
+4. ``aten::logcumsumexp``: the exporter's function is ``log(cumsum(exp(x - max))) + max``
+   in the input's precision with the whole row's maximum, so a prefix more than about 88
+   below the row's maximum (float32) underflows to ``log(0) = -inf``, and a row of -inf
+   is ``-inf - -inf = NaN`` (a wrong loss, NaN parameters). Here it is summed in float64
+   (prefixes to about 745 below the maximum stay exact), a row's maximum of -inf is
+   shifted by 0, and an empty prefix is -inf with a zero gradient (eager's values; its
+   gradient ``sum_i g_i exp(x_j - out_i)`` is what autodiff takes of it).
 """
 
 from __future__ import annotations
@@ -111,9 +118,30 @@ def _scatter_reduce(
     return op.Div(total, op.Max(count, one))
 
 
+def _logcumsumexp(self: Any, dim: int) -> Any:
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+    from onnxscript.function_libs.torch_lib.ops.core import aten_logcumsumexp
+
+    if len(self.shape) == 0:
+        return aten_logcumsumexp(self, dim)
+    axis = op.Constant(value_ints=[dim])
+    x = op.Cast(self, to=ir.DataType.DOUBLE)
+    zero = op.CastLike(op.Constant(value_float=0.0), x)
+    top = op.ReduceMax(x, axis, keepdims=1)
+    top = op.Where(op.IsInf(top), zero, top)  # a row of -inf (or one +inf): no shift
+    total = op.CumSum(op.Exp(op.Sub(x, top)), op.Constant(value_int=dim))
+    empty = op.Equal(total, zero)  # every element so far -inf (or 745 below the maximum)
+    one = op.CastLike(op.Constant(value_float=1.0), x)
+    value = op.Add(op.Log(op.Where(empty, one, total)), top)
+    minus_inf = op.CastLike(op.Constant(value_float=-math.inf), x)
+    return op.CastLike(op.Where(empty, minus_inf, value), self)
+
+
 def aten_translations() -> dict[Callable, Callable]:
     return {
         torch.ops.aten._cdist_forward.default: _cdist,
         torch.ops.aten.linalg_vector_norm.default: _vector_norm,
         torch.ops.aten.scatter_reduce.two: _scatter_reduce,
+        torch.ops.aten.logcumsumexp.default: _logcumsumexp,
     }

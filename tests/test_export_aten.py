@@ -101,3 +101,52 @@ def test_scatter_reduce_mean_trains_like_eager_when_indices_repeat(include_self,
     ops = [n.op_type for n in trainer.train_graphs[0].graph]
     # the sum and the count (ScatterElements, or the CPU kernels it is lowered to)
     assert sum("Scatter" in op for op in ops) >= 2, ops
+
+
+class _CumulativeScores(torch.nn.Module):
+    """Log-cumulative scores along an axis (a CRF's or a survival model's), some rows
+    shifted far up at their end or masked to -inf (a padded row)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(6, 8)
+        self.dim = dim
+
+    def forward(self, x, shift, mask, t):
+        h = (self.pre(x) + shift).masked_fill(mask, -math.inf)  # [4, 8]
+        h = h if self.dim == 1 else h.T.contiguous()  # the same rows, along axis 0
+        out = torch.logcumsumexp(h, self.dim)
+        out = out if self.dim == 1 else out.T
+        return (out.clamp(min=-5) - t).pow(2).mean()  # a masked row's -inf: clamped
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_logcumsumexp_trains_like_eager_past_float32s_range(dim):
+    """The exporter's function subtracts the row's maximum in float32: a prefix more than
+    ~88 below it became -inf (a wrong loss, then NaN parameters) and a row of -inf NaN.
+    Batches: plain, a last element 120 above the rest, a row masked to -inf, a masked
+    prefix under a gap; SGD against eager, one graph."""
+    g = torch.Generator().manual_seed(2)
+    plain, gap = torch.zeros(4, 8), torch.zeros(4, 8)
+    gap[:, -1] = 120.0
+    none, row, prefix = (torch.zeros(4, 8, dtype=torch.bool) for _ in range(3))
+    row[1], prefix[:, :3] = True, True
+    batches = [
+        (torch.randn(4, 6, generator=g), shift, mask, torch.randn(4, 8, generator=g))
+        for shift, mask in ((plain, none), (gap, none), (plain, row), (gap, prefix))
+    ]
+    model, ref = _CumulativeScores(dim), _CumulativeScores(dim)
+    options = TrainerOptions(fallback="off", graph_cache=False, build_progress=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, b in enumerate(batches):
+        want = ref(*b)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(trainer.train_step(*b), want.detach(), rtol=1e-5, atol=0,
+                                   msg=f"step {i}")  # fmt: skip
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.isfinite(p).all(), name
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
