@@ -77,15 +77,29 @@ def scalars(module: torch.nn.Module, buffers: bool = False) -> dict[Key, Any]:
             elif _plain_object(value) and id(value) not in objects:
                 objects.add(id(value))
                 out[(name, attr)] = _Same(value)
-                for k, v in vars(value).items():
-                    if isinstance(v, _SCALARS):
-                        out[(name, f"{attr}.{k}")] = v
-                    elif type(v) in _CONTAINERS:
-                        out[(name, f"{attr}.{k}")] = _Length(len(v))
+                _object_scalars(value, f"{attr}.", name, objects, out, 1)
         if buffers:
             for k, b in m._buffers.items():
                 out[(name, f"buffer {k}")] = _Same(b)
     return out
+
+
+_OBJECT_DEPTH = 3  # config.text_config.rope.theta: a nested config's values too
+
+
+def _object_scalars(
+    obj: Any, prefix: str, name: str, seen: set[int], out: dict[Key, Any], depth: int
+) -> None:
+    """``obj``'s scalars and container lengths under keys ``prefix + attr``, and those of
+    the plain objects it holds, ``_OBJECT_DEPTH`` deep."""
+    for k, v in vars(obj).items():
+        if isinstance(v, _SCALARS):
+            out[(name, f"{prefix}{k}")] = v
+        elif type(v) in _CONTAINERS:
+            out[(name, f"{prefix}{k}")] = _Length(len(v))
+        elif depth < _OBJECT_DEPTH and _plain_object(v) and id(v) not in seen:
+            seen.add(id(v))
+            _object_scalars(v, f"{prefix}{k}.", name, seen, out, depth + 1)
 
 
 def _plain_object(value: Any) -> bool:
@@ -265,6 +279,7 @@ class ValueWatch:
         self.module = module
         self.dicts: list[dict[str, Any]] = []
         self.holders: dict[Key, list[str]] = {}  # (first holder, attr) -> every holder
+        watched: set[int] = set()
         first: dict[int, Key] = {}
         for name, m in module.named_modules():
             self.dicts.append(vars(m))
@@ -272,13 +287,24 @@ class ValueWatch:
                 if _plain_object(value):
                     key = first.setdefault(id(value), (name, attr))
                     if key == (name, attr):
-                        self.dicts.append(vars(value))
+                        self._watch_object(value, watched, 1)
                     self.holders.setdefault(key, []).append(name)
         self.reads = python_reads(module, loss_fn)
         self.owners = {(READ, r.label): sorted(r.owners) for r in self.reads}
         self.fast = self._fast()
         self.full = self._full()
         self._seen = self._objects()
+
+    def _watch_object(self, obj: Any, seen: set[int], depth: int) -> None:
+        """``obj``'s attributes, and those of the plain objects it holds (as ``scalars``)."""
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        self.dicts.append(vars(obj))
+        if depth < _OBJECT_DEPTH:
+            for v in vars(obj).values():
+                if _plain_object(v):
+                    self._watch_object(v, seen, depth + 1)
 
     def _fast(self) -> list[Any]:
         out: list[Any] = []
@@ -378,9 +404,12 @@ def _attributes_kept(module: torch.nn.Module) -> Iterator[None]:
             if attr.startswith("buffer "):
                 m._buffers[attr[len("buffer ") :]] = old.obj
             elif "." in attr:  # a plain object's: put back where it was still held
-                head, leaf = attr.split(".", 1)
+                *path, leaf = attr.split(".")
                 if old is not None and not isinstance(old, _Length):
-                    setattr(getattr(m, head), leaf, old)
+                    owner = m
+                    for part in path:
+                        owner = getattr(owner, part)
+                    setattr(owner, leaf, old)
             elif isinstance(old, _Same):
                 setattr(m, attr, old.obj)
             elif (name, attr) not in held:

@@ -26,8 +26,10 @@ BETA = 1.0  # a module-level float read by the loss
 
 
 class _Cfg:
-    def __init__(self) -> None:
+    def __init__(self, nested: bool = True) -> None:
         self.tau = 1.0
+        if nested:  # a sub-config (a multimodal model's text_config)
+            self.sub = _Cfg(nested=False)
 
 
 class _Annealed(nn.Module):
@@ -44,6 +46,8 @@ class _Annealed(nn.Module):
             tau = self.tau
         elif self.where == "config":
             tau = self.cfg.tau
+        elif self.where == "nested config":
+            tau = self.cfg.sub.tau
         else:
             tau = SCHEDULE["tau"] if self.where == "global dict" else _tau()
         return F.cross_entropy(self.head(self.body(x)) / tau, y)
@@ -63,6 +67,7 @@ def _set(model: nn.Module, tau: float) -> None:
     global TAU_NOW
     model.tau = tau
     model.cfg.tau = tau
+    model.cfg.sub.tau = tau
     SCHEDULE["tau"] = tau
     TAU_NOW = tau
 
@@ -105,7 +110,9 @@ def _assert_like_eager(got: tuple[list[float], nn.Module], want: tuple[list[floa
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("where", ["attribute", "config", "global dict", "global float"])
+@pytest.mark.parametrize(
+    "where", ["attribute", "config", "nested config", "global dict", "global float"]
+)
 def test_a_temperature_annealed_by_the_loop_trains_like_eager(where):
     torch.manual_seed(0)
     model = _Annealed(where)
