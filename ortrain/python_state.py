@@ -173,7 +173,44 @@ class _Read:
 
 
 def _watched(value: Any) -> bool:
-    return isinstance(value, _SCALARS) or type(value) in _CONTAINERS
+    return (
+        isinstance(value, _SCALARS)
+        or type(value) in _CONTAINERS
+        or isinstance(value, (torch.Tensor, torch.nn.Module))
+    )
+
+
+class _Versions(tuple):
+    """A tensor's, or a module's tensors', identities and in-place versions: what says
+    that a tensor or a module the model does not own (a GAN's discriminator in
+    ``loss_fn``'s closure, a global table) changed, in place or anew, since the graphs
+    took it as constants."""
+
+    def __repr__(self) -> str:
+        return f"{len(self)} tensor(s) at versions {[v for _, v in self][:4]}"
+
+
+def _read_value(v: Any) -> Any:
+    """What a module-level value is compared by: a container by length, a tensor or a
+    module by its tensors' versions, a scalar by itself."""
+    if type(v) in _CONTAINERS:
+        return _Length(len(v))
+    if isinstance(v, torch.Tensor):
+        return _Versions(((id(v), v._version),))
+    if isinstance(v, torch.nn.Module):
+        tensors = (*v.parameters(), *v.buffers())
+        return _Versions(tuple((id(t), t._version) for t in tensors))
+    return v
+
+
+def _foreign(value: Any, own: set[int]) -> bool:
+    """A tensor or module holding a tensor that ``own`` (the trained module's parameters
+    and buffers) does not: those are constants of the graphs."""
+    if isinstance(value, torch.Tensor):
+        return id(value) not in own
+    if isinstance(value, torch.nn.Module):
+        return any(id(t) not in own for t in (*value.parameters(), *value.buffers()))
+    return True
 
 
 def _function_reads(
@@ -238,7 +275,10 @@ def python_reads(module: torch.nn.Module, loss_fn: Callable | None = None) -> li
     if isinstance(fn, types.FunctionType) and is_user_code(fn.__module__ or ""):
         for read in _function_reads(fn, found, set(), 0):
             read.owners.add(LOSS_FN)
-    return [r for r in found.values() if r.owners]
+    # the trained module's own tensors (the model itself in a closure) change every step
+    # through the update: they are graph inputs, not constants
+    own = {id(t) for t in (*module.parameters(), *module.buffers())}
+    return [r for r in found.values() if r.owners and _foreign(r.get(), own)]
 
 
 def _read_values(reads: list[_Read]) -> dict[Key, Any]:
@@ -246,7 +286,7 @@ def _read_values(reads: list[_Read]) -> dict[Key, Any]:
     for r in reads:
         v = r.get()
         if v is _MISSING or _watched(v):
-            out[(READ, r.label)] = _Length(len(v)) if type(v) in _CONTAINERS else v
+            out[(READ, r.label)] = _read_value(v)
     return out
 
 
@@ -260,6 +300,8 @@ def _reads_kept(reads: list[_Read]) -> Iterator[None]:
         by_label = {r.label: r for r in reads}
         for (_, label), (old, _) in _changed(before, _read_values(reads)).items():
             r = by_label[label]
+            if isinstance(old, _Versions):  # changed in place: nothing to put back
+                continue
             if label not in held:
                 r.put(old)
                 continue
@@ -317,9 +359,7 @@ class ValueWatch:
                     out.append(v)
                 elif isinstance(v, torch.Tensor) or _plain_object(v):
                     out.append(id(v))
-        for r in self.reads:
-            v = r.get()
-            out.append(len(v) if type(v) in _CONTAINERS else v)
+        out.extend(_read_value(r.get()) for r in self.reads)
         return out
 
     def _full(self) -> dict[Key, Any]:
@@ -330,7 +370,7 @@ class ValueWatch:
         module-level value: held, so that no id is reused while they are compared."""
         values = [list(d.values()) for d in self.dicts]
         sized = [(v, len(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
-        return values, sized, [r.get() for r in self.reads]
+        return values, sized, [_read_value(r.get()) for r in self.reads]
 
     def _same_objects(self) -> bool:
         """Whether every watched attribute still holds the very object it held at the last
@@ -340,8 +380,9 @@ class ValueWatch:
         for d, vs in zip(self.dicts, values, strict=True):
             if len(d) != len(vs) or not all(map(operator.is_, d.values(), vs)):
                 return False
+        # module-level values by what they are compared by (a tensor by its version)
         return all(len(c) == n for c, n in sized) and all(
-            map(operator.is_, (r.get() for r in self.reads), reads)
+            a is b or a == b for a, b in zip((_read_value(r.get()) for r in self.reads), reads)
         )
 
     def changes(self) -> dict[Key, tuple[Any, Any]]:

@@ -451,3 +451,75 @@ def test_the_value_watch_sees_each_kind_of_change_and_no_false_one():
     model.lin.extra = 2
     assert set(watch.changes()) == {("lin", "extra")}
     assert watch.changes() == {}
+
+
+_TABLE = torch.linspace(-1.0, 1.0, 4)  # a module-level tensor the loop updates in place
+
+
+class _ReadsTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)) * _TABLE)
+
+
+@pytest.mark.parametrize("where", ["discriminator in loss_fn", "global tensor"])
+def test_a_tensor_the_model_does_not_own_changed_in_place_is_followed(where):
+    """A GAN's generator trained with ``loss_fn`` reading the discriminator, which its own
+    optimizer steps in place between the generator's steps; a module-level tensor the loop
+    updates in place. Their values are constants of the graphs: they stayed at their first
+    values (the generator trained against a frozen discriminator, silently). Their
+    in-place versions are watched: the graphs are built again, then what reads them runs
+    in eager, and the losses and parameters follow eager's."""
+    table = _TABLE.clone()
+    torch.manual_seed(1)
+    disc = nn.Linear(4, 1)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(4)]
+
+    def loss_fn(out: torch.Tensor, batch: dict) -> torch.Tensor:
+        if where == "discriminator in loss_fn":
+            return F.softplus(-disc(out)).mean()
+        return F.mse_loss(out, batch["y"])
+
+    def run(trainer: bool) -> tuple[list[float], nn.Module]:
+        _TABLE.copy_(table)
+        torch.manual_seed(1)
+        disc.load_state_dict(nn.Linear(4, 1).state_dict())
+        d_opt = torch.optim.SGD(disc.parameters(), lr=0.5)
+        model = _ReadsTable()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tr = ORTTrainer(model, opt, TrainerOptions(build_progress=False), loss_fn=loss_fn)
+        losses = []
+        for x, y in batches:
+            if trainer:
+                losses.append(tr.train_step(x=x, y=y).item())
+            else:
+                opt.zero_grad()
+                loss = loss_fn(model(x), {"y": y})
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            # the loop's other updates: the discriminator's step, the table's drift
+            d_opt.zero_grad()
+            F.softplus(disc(torch.randn(6, 4, generator=g)) - 1).mean().backward()
+            d_opt.step()
+            with torch.no_grad():
+                _TABLE.mul_(0.5).add_(0.25)
+        if trainer:
+            tr.sync_to_module()
+        return losses, model
+
+    state = g.get_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(trainer=True)
+    g.set_state(state)
+    want = run(trainer=False)
+    _assert_like_eager(got, want)
+    said = [str(w.message) for w in caught if "changes Python values" in str(w.message)]
+    assert said and "versions" in said[0], said
