@@ -72,8 +72,8 @@ def scalars(module: torch.nn.Module, buffers: bool = False) -> dict[Key, Any]:
             elif isinstance(value, torch.Tensor):
                 # one that requires grad is this call's, made from the parameters (a
                 # weight_norm hook's weight): traced with the call, not state
-                if not value.requires_grad:
-                    out[(name, attr)] = _Same(value)
+                if not value.requires_grad:  # (a constant of the graphs: by version too)
+                    out[(name, attr)] = _Same(value, value._version)
             elif _plain_object(value) and id(value) not in objects:
                 objects.add(id(value))
                 out[(name, attr)] = _Same(value)
@@ -111,6 +111,11 @@ def _plain_object(value: Any) -> bool:
     )
 
 
+def _size(v: Any) -> int:
+    """A container's length, a tensor attribute's in-place version."""
+    return v._version if isinstance(v, torch.Tensor) else len(v)
+
+
 class _Length(int):
     """A container's length (what says that a forward appended to it)."""
 
@@ -121,11 +126,12 @@ class _Length(int):
 class _Same:
     """An object compared by identity (a tensor attribute assigned anew)."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, version: int | None = None) -> None:
         self.obj = obj
+        self.version = version  # a tensor's in-place version, where it is a constant
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
+        return isinstance(other, _Same) and other.obj is self.obj and other.version == self.version
 
     def __hash__(self) -> int:
         return id(self.obj)
@@ -357,7 +363,9 @@ class ValueWatch:
                     out.append(len(v))
                 elif isinstance(v, _SCALARS):
                     out.append(v)
-                elif isinstance(v, torch.Tensor) or _plain_object(v):
+                elif isinstance(v, torch.Tensor):
+                    out.append((id(v), v._version))
+                elif _plain_object(v):
                     out.append(id(v))
         out.extend(_read_value(r.get()) for r in self.reads)
         return out
@@ -370,6 +378,7 @@ class ValueWatch:
         module-level value: held, so that no id is reused while they are compared."""
         values = [list(d.values()) for d in self.dicts]
         sized = [(v, len(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
+        sized += [(v, v._version) for vs in values for v in vs if isinstance(v, torch.Tensor)]
         return values, sized, [_read_value(r.get()) for r in self.reads]
 
     def _same_objects(self) -> bool:
@@ -381,7 +390,7 @@ class ValueWatch:
             if len(d) != len(vs) or not all(map(operator.is_, d.values(), vs)):
                 return False
         # module-level values by what they are compared by (a tensor by its version)
-        return all(len(c) == n for c, n in sized) and all(
+        return all(_size(c) == n for c, n in sized) and all(
             a is b or a == b for a, b in zip((_read_value(r.get()) for r in self.reads), reads)
         )
 

@@ -446,6 +446,9 @@ def test_the_value_watch_sees_each_kind_of_change_and_no_false_one():
     assert set(watch.changes()) == {("", "cfg.scale")}
     model.lin.state = torch.zeros(2)
     assert set(watch.changes()) == {("lin", "state")}
+    model.lin.state.add_(1.0)  # in place: a constant of the graphs changed all the same
+    assert set(watch.changes()) == {("lin", "state")}
+    assert watch.changes() == {}
     model.lin.extra = 1  # a new attribute: no value the graphs read changed
     assert watch.changes() == {}
     model.lin.extra = 2
