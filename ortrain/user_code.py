@@ -5,6 +5,7 @@ reads (``build_cache.py``); the Python-state checks watch the values it reads
 
 from __future__ import annotations
 
+import dis
 import functools
 import os
 import sys
@@ -35,9 +36,14 @@ def is_user_code(name: str) -> bool:
     return file is None or not is_installed(file)
 
 
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
 def global_names(code: types.CodeType) -> set[str]:
-    """The global names ``code`` and its nested functions read."""
-    names = set(code.co_names)
+    """The global names ``code`` and its nested functions read: loaded as globals, not
+    every name of ``co_names`` (which holds attribute names too: ``self.l`` would take a
+    script's loss ``l`` for a value the forward reads)."""
+    names = {str(i.argval) for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS}
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names |= global_names(c)

@@ -526,3 +526,34 @@ def test_a_tensor_the_model_does_not_own_changed_in_place_is_followed(where):
     _assert_like_eager(got, want)
     said = [str(w.message) for w in caught if "changes Python values" in str(w.message)]
     assert said and "versions" in said[0], said
+
+
+l = torch.zeros(())  # a script's loss variable, named as an attribute the forward reads
+
+
+class _ReadsAttributeL(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.l(x), y)
+
+
+def test_an_attribute_named_like_a_global_is_no_global_read():
+    """``self.l`` is an attribute, not the global ``l`` a script reassigns every step (its
+    loss): the names read as globals are those loaded as globals, so the model stays one
+    graph (it fell back to eager, for a value it never read)."""
+    global l
+    from ortrain.user_code import global_names
+
+    assert global_names(_ReadsAttributeL.forward.__code__) == {"F"}
+    model = _ReadsAttributeL()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _batches(3):
+            l = trainer.train_step(x, y)
+    assert not [w for w in caught if "changes Python values" in str(w.message)]
+    assert trainer.segments is None
