@@ -175,7 +175,14 @@ class ProgramContext:
             exact=mp is None,
             any_rank=bool if comm is None else comm.any,
         )
+        # a state the optimizer already has (eager steps before the trainer, a checkpoint
+        # loaded into it) is the state the compiled update starts from, as eager's would
+        prior = self.optimizer.state_dict() if self.optimizer.state else None
+        self._to_torch = False  # ``hand_state_to_torch``: a load that goes to torch's state
+        self._handed: int | None = None  # the step the state was handed to torch at
         self._optimizer_hooks = self._hook_optimizer()
+        if prior is not None and self._optimizer_hooks:
+            self.optimizer.load_state_dict(prior)
         self.session_bytes = 0  # resident bytes creating sessions added
         self.segmented = False  # the model runs as segments (the update after torch's backward)
         # What runs the optimizer update (runtime/update_engines.py): an engine the options
@@ -225,6 +232,8 @@ class ProgramContext:
         )
 
         def saved(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+            if self._to_torch:
+                return state
             if not sharded:
                 return checkpoint.optimizer_state_dict(self.state)
             if self.state.step > 0:  # (accelerate's wrapping reads it before any step)
@@ -234,6 +243,8 @@ class ProgramContext:
             return state
 
         def loading(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+            if self._to_torch:
+                return state
             if not sharded:
                 checkpoint.load_optimizer_state_dict(self.state, state)
                 # torch's own load takes the param groups' values (lr, betas...); no state
@@ -246,6 +257,41 @@ class ProgramContext:
             self.optimizer.register_state_dict_post_hook(saved),
             self.optimizer.register_load_state_dict_pre_hook(loading),
         ]
+
+    def hand_state_to_torch(self) -> None:
+        """The compiled update's state into the torch optimizer's own ``state`` (after
+        ``sync_to_module``: eager steps that follow go on from it, as they would after
+        eager steps). Nothing where the optimizer's own step keeps its state, or under ZeRO
+        (sharded: ``trainer.state_dict()`` gathers it)."""
+        if not self._optimizer_hooks or self.state.step in (0, self._handed):
+            return  # (handed since the last compiled step: torch's may have gone on)
+        from ortrain import checkpoint
+        from ortrain.distributed.data_parallel import DataParallel
+
+        if self.reducer is not None and not isinstance(self.reducer, DataParallel):
+            return
+        self._to_torch = True
+        try:
+            self.optimizer.load_state_dict(checkpoint.optimizer_state_dict(self.state))
+        finally:
+            self._to_torch = False
+        self._handed = self.state.step
+
+    def take_state_from_torch(self) -> None:
+        """Before a compiled step after ``hand_state_to_torch``: the torch optimizer's
+        state as eager steps left it becomes the compiled update's again (and torch's own
+        is emptied, as while the trainer steps)."""
+        if self._handed is None:
+            return
+        self._handed = None
+        if not self.optimizer.state:
+            return
+        self._to_torch = True
+        try:
+            state = self.optimizer.state_dict()
+        finally:
+            self._to_torch = False
+        self.optimizer.load_state_dict(state)
 
     def check_trainable(self) -> None:
         """Raises where a parameter's ``requires_grad`` changed since the trainer was made

@@ -128,6 +128,7 @@ class ORTTrainer(TrainerState, TrainerViews):
     def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         raw = self._batch(args, kwargs)
         self._ctx.check_trainable()
+        self._ctx.take_state_from_torch()  # eager steps after sync_to_module()
         if self._ctx.modes_changed() and isinstance(self._program, SegmentedProgram):
             old = self._program  # planned with the old modes: planned again
             self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)

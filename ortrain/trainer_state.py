@@ -61,8 +61,12 @@ class TrainerState:
             yield self.module
 
     def sync_to_module(self) -> torch.nn.Module:
-        """Copy trained weights into the module (a no-op where memory is shared)."""
-        return self.state.sync_to_module()
+        """Copy trained weights into the module (a no-op where memory is shared), and a
+        compiled update's state (moments, step count) into the torch optimizer's own
+        ``state``, so that eager steps can go on from both."""
+        module = self.state.sync_to_module()
+        self._ctx.hand_state_to_torch()
+        return module
 
     # Distributed: collectives (every rank calls them). ZeRO-1's state_dict() is the full
     # one on rank 0 and {} elsewhere; its checkpoints are directories of shards.

@@ -557,3 +557,50 @@ def test_an_attribute_named_like_a_global_is_no_global_read():
             l = trainer.train_step(x, y)
     assert not [w for w in caught if "changes Python values" in str(w.message)]
     assert trainer.segments is None
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.l2(torch.tanh(self.l1(x))).squeeze(-1), y)
+
+
+@pytest.mark.parametrize("plan", ["OOEE", "EEOO", "OEOE"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.Adam(p, lr=0.05)],
+    ids=["sgd-momentum", "adam"],
+)
+def test_a_run_handed_between_eager_and_ortrain_keeps_the_optimizer_state(make, plan):
+    """Steps of ortrain (O) and of eager PyTorch (E) on one torch optimizer, handed over
+    with ``sync_to_module()`` (as a loop that evaluates or saves in eager does): the
+    moments and step count go with the run. Before, eager steps after ortrain's started
+    from the moments as they were before ortrain (2 steps behind), and a trainer made over
+    an optimizer eager had stepped started from none."""
+    g = torch.Generator().manual_seed(17)
+    batches = [(torch.randn(4, 6, generator=g), torch.randn(4, generator=g)) for _ in range(4)]
+
+    def run(plan: str) -> tuple[list[float], nn.Module]:
+        model = _TwoLayers()
+        opt, trainer, losses = make(model.parameters()), None, []
+        for who, b in zip(plan, batches, strict=True):
+            if who == "O":
+                trainer = trainer or ORTTrainer(model, opt, TrainerOptions(build_progress=False))
+                losses.append(trainer.train_step(*b).item())
+                continue
+            if trainer is not None:
+                trainer.sync_to_module()
+            opt.zero_grad()
+            loss = model(*b)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if trainer is not None:
+            trainer.sync_to_module()
+        return losses, model
+
+    _assert_like_eager(run(plan), run("EEEE"))
