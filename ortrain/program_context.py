@@ -180,6 +180,7 @@ class ProgramContext:
         prior = self.optimizer.state_dict() if self.optimizer.state else None
         self._to_torch = False  # ``hand_state_to_torch``: a load that goes to torch's state
         self._handed: int | None = None  # the step the state was handed to torch at
+        self._handed_versions: list[tuple[torch.Tensor, int]] = []
         self._optimizer_hooks = self._hook_optimizer()
         if prior is not None and self._optimizer_hooks:
             self.optimizer.load_state_dict(prior)
@@ -276,6 +277,13 @@ class ProgramContext:
         finally:
             self._to_torch = False
         self._handed = self.state.step
+        # what says that eager steps followed: torch's step() changes its state in place
+        self._handed_versions = [
+            (t, t._version)
+            for per_param in self.optimizer.state.values()
+            for t in per_param.values()
+            if isinstance(t, torch.Tensor)
+        ]
 
     def take_state_from_torch(self) -> None:
         """Before a compiled step after ``hand_state_to_torch``: the torch optimizer's
@@ -284,8 +292,10 @@ class ProgramContext:
         if self._handed is None:
             return
         self._handed = None
-        if not self.optimizer.state:
-            return
+        stepped = any(t._version != v for t, v in self._handed_versions)
+        self._handed_versions = []
+        if not self.optimizer.state or not stepped:
+            return  # no eager step since: the compiled update's state is current
         self._to_torch = True
         try:
             state = self.optimizer.state_dict()

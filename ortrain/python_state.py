@@ -446,11 +446,24 @@ def _attributes_kept(module: torch.nn.Module) -> Iterator[None]:
         for (name, attr), v in before.items()
         if isinstance(v, _Length) and "." not in attr
     }
+    # plain tensor attributes' values: a forward may change them in place (a center)
+    values = {
+        key: v.obj.detach().clone()
+        for key, v in before.items()
+        if isinstance(v, _Same) and v.version is not None
+    }
     try:
         yield
     finally:
         for (name, attr), (old, _) in _changed(before, scalars(module, buffers=True)).items():
             m = modules[name]
+            if isinstance(old, _Same) and (name, attr) in values:
+                if getattr(m, attr) is not old.obj:
+                    setattr(m, attr, old.obj)
+                if old.obj._version != old.version:  # changed in place: its values back
+                    with torch.no_grad():
+                        old.obj.copy_(values[(name, attr)])
+                continue
             if attr.startswith("buffer "):
                 m._buffers[attr[len("buffer ") :]] = old.obj
             elif "." in attr:  # a plain object's: put back where it was still held

@@ -604,3 +604,49 @@ def test_a_run_handed_between_eager_and_ortrain_keeps_the_optimizer_state(make, 
         return losses, model
 
     _assert_like_eager(run(plan), run("EEEE"))
+
+
+class _Centered(nn.Module):
+    """DINO's centering: a plain tensor attribute (not a buffer) the forward moves in
+    place toward the batch's mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = nn.Linear(8, 4)
+        self.center = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.l(x)
+        with torch.no_grad():
+            self.center.mul_(0.9).add_(out.mean(0), alpha=0.1)
+        return F.cross_entropy(out - self.center, y)
+
+
+def test_a_tensor_attribute_the_forward_moves_in_place_trains_like_eager():
+    """The module runs in eager (a graph cannot move it); ortrain's own eager runs (the
+    recording forward, the first step's check) moved it too, so even step 0 differed:
+    their in-place changes are put back."""
+    model, ref = _Centered(), _Centered()
+    got = _train_plain(model, trainer=True)
+    want = _train_plain(ref, trainer=False)
+    _assert_like_eager(got, want)
+    torch.testing.assert_close(model.center, ref.center, rtol=1e-5, atol=1e-7)
+
+
+def _train_plain(model: nn.Module, trainer: bool) -> tuple[list[float], nn.Module]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    tr = ORTTrainer(model, opt, TrainerOptions(build_progress=False)) if trainer else None
+    losses = []
+    for x, y in _batches(4):
+        if tr is not None:
+            losses.append(tr.train_step(x, y).item())
+            continue
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if tr is not None:
+        tr.sync_to_module()
+    return losses, model
