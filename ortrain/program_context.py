@@ -47,6 +47,7 @@ from ortrain.export import LossFn, warn_sdpa
 from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
+from ortrain.module_structure import StructureWatch
 from ortrain.optim.from_torch import (
     check_groups,
     check_sparse_gradients,
@@ -152,6 +153,7 @@ class ProgramContext:
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self.graph_cache = GraphCache(options, module, loss_fn)
         self._modes: tuple[str, ...] | None = None  # eval_children at the last step
+        self._structure: StructureWatch | None = None  # sub-modules and hooks, last step
         self._values: ValueWatch | None = None  # the Python values at the last step
         self._value_changes: dict[tuple[str, str], int] = {}  # steps each one changed at
         self.build_log: list[StageRecord] = []
@@ -267,9 +269,8 @@ class ProgramContext:
         if not self._optimizer_hooks or self.state.step in (0, self._handed):
             return  # (handed since the last compiled step: torch's may have gone on)
         from ortrain import checkpoint
-        from ortrain.distributed.data_parallel import DataParallel
 
-        if self.reducer is not None and not isinstance(self.reducer, DataParallel):
+        if self._sharded():
             return
         self._to_torch = True
         try:
@@ -285,17 +286,28 @@ class ProgramContext:
             if isinstance(t, torch.Tensor)
         ]
 
+    def _sharded(self) -> bool:
+        """Whether the optimizer state is sharded across ranks (ZeRO)."""
+        from ortrain.distributed.data_parallel import DataParallel
+
+        return self.reducer is not None and not isinstance(self.reducer, DataParallel)
+
     def take_state_from_torch(self) -> None:
         """Before a compiled step after ``hand_state_to_torch``: the torch optimizer's
         state as eager steps left it becomes the compiled update's again (and torch's own
-        is emptied, as while the trainer steps)."""
+        is emptied, as while the trainer steps). Also where eager steps came without a
+        handing (a trainer made, then eager steps before its first): torch's state is empty
+        while the trainer steps, so any it has is theirs."""
         if self._handed is None:
-            return
-        self._handed = None
-        stepped = any(t._version != v for t, v in self._handed_versions)
-        self._handed_versions = []
-        if not self.optimizer.state or not stepped:
-            return  # no eager step since: the compiled update's state is current
+            if not self.optimizer.state or not self._optimizer_hooks or self._sharded():
+                return
+        else:
+            self._handed = None
+            stepped = any(t._version != v for t, v in self._handed_versions)
+            self._handed_versions = []
+            if not stepped:  # no eager step since: the compiled update's state is current
+                self.optimizer.state.clear()  # (torch's copy: not taken for theirs later)
+                return
         self._to_torch = True
         try:
             state = self.optimizer.state_dict()
@@ -309,6 +321,7 @@ class ProgramContext:
         for the set it had then, and training on would leave newly trainable parameters
         unchanged, or keep updating frozen ones, with no error."""
         check_groups(self.optimizer, self.spec)
+        self._check_same_parameters()
         changed = [(n, now) for n, p, was in self._requires if (now := p.requires_grad) != was]
         if not changed:
             self.state.adopt_rebound()  # ``p.data = ...`` since the last step
@@ -326,6 +339,31 @@ class ProgramContext:
             "grad then. Set requires_grad before making the trainer; to freeze or unfreeze "
             "layers later, call trainer.sync_to_module() and make a new ORTTrainer (nothing "
             "of this step ran)"
+        )
+
+    def _check_same_parameters(self) -> None:
+        """Raises where the module no longer holds the optimizer's parameter objects under
+        their names (a sub-module assigned anew, ``load_state_dict(assign=True)``), or holds
+        parameters the trainer never saw: the optimizer steps the old objects, so eager would
+        leave the module's new ones untrained, while the state would adopt their values and
+        train them."""
+        now = dict(self.module.named_parameters())
+        replaced = [n for n, p, _ in self._requires if now.get(n) is not p]
+        new = [n for n in now if n not in self.state.params]
+        if not replaced and not new:
+            return
+        said = "; ".join(
+            f"{what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+            for what, names in (("replaced or removed", replaced), ("new", new))
+            if names
+        )
+        raise TrainableChangedError(
+            f"the module's parameters changed after the ORTTrainer was made ({said}): a "
+            "sub-module assigned anew or load_state_dict(assign=True) puts new Parameter "
+            "objects in the module, and the optimizer still holds the old ones. Load values "
+            "in place (load_state_dict without assign), or call trainer.sync_to_module() "
+            "before the change and make a new optimizer and ORTTrainer after it (nothing of "
+            "this step ran)"
         )
 
     def grad_hooked(self) -> list[str]:
@@ -356,6 +394,32 @@ class ProgramContext:
             self.graphs.clear_train()
             self.graph_cache.forget_model_key()
         return changed
+
+    def structure_changed(self) -> bool:
+        """Whether a sub-module was assigned anew, or a module hook (a module's or torch's
+        global ones) added or removed, since the last step (``ortrain/module_structure.py``):
+        the graphs hold the forward their export saw, so they are dropped (built again, and
+        checked), the graph cache keys the model again, and the Python values are watched
+        on the modules it has now."""
+        if self._structure is None:
+            self._structure = StructureWatch(self.module)
+        said = self._structure.changes()
+        comm = getattr(self.reducer, "comm", None)
+        if comm is not None and not comm.any(bool(said)):
+            return False  # (every rank decides alike: what follows builds collectively)
+        if not said and comm is None:
+            return False
+        warnings.warn(
+            f"ortrain: {type(self.module).__name__}'s modules or hooks changed since the last "
+            f"step ({'; '.join(said[:4]) or 'on another rank'}{' ...' if len(said) > 4 else ''}); "
+            "its graphs are built again, and checked against eager",
+            stacklevel=4,
+        )
+        self.graphs.clear_train()
+        self.graphs.eval.clear()
+        self.graph_cache.forget_model_key()
+        self._values = None
+        return True
 
     def values_changed(self, compiled: Callable[[str], bool]) -> ValuesChanged | None:
         """The Python values the forward reads that changed since the last training step

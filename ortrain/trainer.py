@@ -129,8 +129,9 @@ class ORTTrainer(TrainerState, TrainerViews):
         raw = self._batch(args, kwargs)
         self._ctx.check_trainable()
         self._ctx.take_state_from_torch()  # eager steps after sync_to_module()
-        if self._ctx.modes_changed() and isinstance(self._program, SegmentedProgram):
-            old = self._program  # planned with the old modes: planned again
+        modes = self._ctx.modes_changed()
+        if (self._ctx.structure_changed() or modes) and isinstance(self._program, SegmentedProgram):
+            old = self._program  # planned with the old modes or modules: planned again
             self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
         self._follow_python_values()
         program = self._program
@@ -209,7 +210,8 @@ class ORTTrainer(TrainerState, TrainerViews):
         """Forward only in eval mode (no dropout), no update: loss and other outputs
         (host tensors)."""
         self._ctx.state.adopt_rebound()  # ``p.data = ...`` since the last step
-        if self._ctx.reducer is None:  # (a collective under torch.distributed: train_step's)
+        if self._ctx.reducer is None:  # (collectives under torch.distributed: train_step's)
+            self._ctx.structure_changed()
             self._follow_python_values()  # a value set since the last step: built anew
         padded = self.bucketing.pad(self._batch(args, kwargs), train=False)
         # back to the batch's own length

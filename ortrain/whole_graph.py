@@ -267,13 +267,25 @@ def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
     if count < SHAPES_WARNING_AT or count & (count - 1):
         return
     shapes = ", ".join(
-        f"{k}: {list(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor)
+        f"{k}: {list(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r:.40}"
+        for k, v in batch.items()
+        if v is not None
+    )
+    # a Python number passed to the forward is a constant of its graph: each value is a
+    # graph of its own, whatever the shapes
+    values = [k for k, v in batch.items() if isinstance(v, bool | int | float)]
+    advice = (
+        f" Python values passed to the forward ({', '.join(values)}) are constants of "
+        "each graph, so each new value is a graph too: pass them as tensors "
+        "(torch.tensor(value)) to keep one."
+        if values
+        else ""
     )
     warnings.warn(
-        f"ortrain has built training graphs for {count} batch shapes (latest: {shapes}); "
+        f"ortrain has built training graphs for {count} batch signatures (latest: {shapes}); "
         "each new shape is exported and compiled again and keeps its own session. "
         "bucketing='auto' pads right-padded batches with an attention_mask and -100 labels "
         "to a few lengths by itself; other batches: pad them to a few lengths, e.g. "
-        "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).",
+        f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).{advice}",
         stacklevel=7,
     )

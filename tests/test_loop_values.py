@@ -569,7 +569,7 @@ class _TwoLayers(nn.Module):
         return F.mse_loss(self.l2(torch.tanh(self.l1(x))).squeeze(-1), y)
 
 
-@pytest.mark.parametrize("plan", ["OOEE", "EEOO", "OEOE"])
+@pytest.mark.parametrize("plan", ["OOEE", "EEOO", "OEOE", "*EEOO", "*OOOO"])
 @pytest.mark.parametrize(
     "make",
     [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.Adam(p, lr=0.05)],
@@ -580,14 +580,17 @@ def test_a_run_handed_between_eager_and_ortrain_keeps_the_optimizer_state(make, 
     with ``sync_to_module()`` (as a loop that evaluates or saves in eager does): the
     moments and step count go with the run. Before, eager steps after ortrain's started
     from the moments as they were before ortrain (2 steps behind), and a trainer made over
-    an optimizer eager had stepped started from none."""
+    an optimizer eager had stepped started from none; ``*``: the trainer is made before
+    the first step, so eager's steps come between it and its first (they were lost)."""
     g = torch.Generator().manual_seed(17)
     batches = [(torch.randn(4, 6, generator=g), torch.randn(4, generator=g)) for _ in range(4)]
 
     def run(plan: str) -> tuple[list[float], nn.Module]:
         model = _TwoLayers()
         opt, trainer, losses = make(model.parameters()), None, []
-        for who, b in zip(plan, batches, strict=True):
+        if plan.startswith("*"):
+            trainer = ORTTrainer(model, opt, TrainerOptions(build_progress=False))
+        for who, b in zip(plan.lstrip("*"), batches, strict=True):
             if who == "O":
                 trainer = trainer or ORTTrainer(model, opt, TrainerOptions(build_progress=False))
                 losses.append(trainer.train_step(*b).item())

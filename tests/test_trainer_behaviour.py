@@ -7,6 +7,7 @@ import copy
 import onnx_ir as ir
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ortrain import (
     BatchError,
@@ -422,10 +423,38 @@ def test_many_batch_shapes_warn_once_per_doubling():
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             trainer.train_step(input_ids=ids, labels=ids)
-        warned.append([str(x.message) for x in w if "batch shapes" in str(x.message)])
+        warned.append([str(x.message) for x in w if "batch signatures" in str(x.message)])
     assert [len(w) for w in warned] == [0, 0, 0, 1, 0, 0, 0]
-    assert "4 batch shapes" in warned[3][0] and "input_ids: [2, 11]" in warned[3][0]
-    assert "pad_to_multiple_of" in warned[3][0]
+    assert "4 batch signatures" in warned[3][0] and "input_ids: [2, 11]" in warned[3][0]
+    assert "pad_to_multiple_of" in warned[3][0] and "Python values" not in warned[3][0]
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, tau: float) -> torch.Tensor:
+        return F.cross_entropy(self.lin(x) / tau, y)
+
+
+def test_a_python_number_argument_that_changes_is_named_in_the_warning():
+    """Its shapes are all equal: the warning names the value and says to pass a tensor."""
+    import warnings
+
+    model = _Tempered()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for tau in (1.0, 1.5, 2.0, 2.5):
+            trainer.train_step(x, y, tau)
+    said = [str(m.message) for m in w if "batch signatures" in str(m.message)]
+    assert (
+        len(said) == 1
+        and "tau=2.5" in said[0]
+        and "Python values passed to the forward (tau)" in said[0]
+    )
 
 
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])
