@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ortrain import nested_batch
 from ortrain.build_progress import BuildProgress
 
 try:
@@ -402,7 +403,7 @@ def batch_token(batch: Mapping[str, Any]) -> str:
     """Names, shapes and dtypes of the batch tensors; other values by value."""
     fp = _Fingerprint()
     parts = []
-    for k, v in batch.items():
+    for k, v in nested_batch.flat(batch).items():
         if isinstance(v, torch.Tensor):
             parts.append(f"{k}:{tuple(v.shape)}:{v.dtype}:{v.device.type}")
         else:

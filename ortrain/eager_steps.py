@@ -63,7 +63,7 @@ class EagerSteps:
         for p in held:
             p.grad = None
         try:
-            loss = ctx.eager.loss_of(batch, module)
+            loss = ctx.eager.loss_of(batch, module, look=False)
             if ctx.options.check_finite and not math.isfinite(float(loss.detach())):
                 raise NonFiniteLossError(
                     f"loss is {float(loss)} at optimizer step {st.step}; the update was not "
@@ -139,3 +139,6 @@ class EagerSteps:
             elif held is not new:
                 held.copy_(new)
                 optimizer.state[p][s] = held
+        if st.spec.kind != EAGER:  # torch's own is empty while the trainer steps (lent
+            for p in params:  # anew at each eager step), or it would be taken for eager's
+                optimizer.state.pop(p, None)

@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
+from ortrain import nested_batch
 from ortrain.buffer_updates import (
     WithBuffers,
     batch_norm_translations,
@@ -253,6 +255,13 @@ class _SharedList(list):
         return self
 
 
+def _containers(value: Any) -> Any:
+    """What says that a forward changed a Python container it was given: the nesting and
+    which object each item is (``bank.append(h)``, ``cfg["k"] = v``)."""
+    leaves, spec = pytree.tree_flatten(value)
+    return spec, [id(v) for v in leaves]
+
+
 class _Functional(torch.nn.Module):
     """forward(*params, *buffers, *batch) -> (loss, *others) through functional_call."""
 
@@ -270,11 +279,27 @@ class _Functional(torch.nn.Module):
         state = dict(zip(self.pnames, flat[:n]))
         state.update(zip(self.bnames, flat[n : n + nb]))
         batch = dict(zip(self.batch_keys, flat[n + nb :]))
-        kwargs = {**self.const_kwargs, **batch}
+        # the batch's Python containers as copies (a list the forward appends to), their
+        # tensors the graph's inputs (ortrain/nested_batch.py)
+        const = {k: nested_batch.filled(v, batch) for k, v in self.const_kwargs.items()}
+        before = {k: _containers(v) for k, v in const.items()}
+        leaves = {
+            leaf.name
+            for v in self.const_kwargs.values()
+            for leaf in pytree.tree_leaves(v)
+            if isinstance(leaf, nested_batch.Slot)
+        }
+        kwargs = {**const, **{k: v for k, v in batch.items() if k not in leaves}}
         args, model_kwargs = call_arguments(self.module, kwargs)
         outputs = torch.func.functional_call(
             self.module, state, args, model_kwargs, tie_weights=True
         )
+        if changed := [k for k, v in const.items() if _containers(v) != before[k]]:
+            raise ExportError(
+                f"{type(self.module).__name__}'s forward changes its argument "
+                f"{', '.join(changed)} in place (a Python container: eager changes the "
+                "caller's, a graph cannot)"
+            )
         loss = self.loss_fn(outputs, kwargs) if self.loss_fn is not None else find_loss(outputs)
         if isinstance(loss, torch.Tensor) and loss.dtype == torch.float64:
             # float64 targets (numpy's default) promote the loss: the graph reports it in
@@ -420,8 +445,7 @@ def export_here(
     """The export itself, in this process."""
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    consts = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+    tensors, consts = nested_batch.split(batch)
     clash = set(tensors) & (set(params) | set(buffers))
     if clash:
         raise ExportError(f"batch input names clash with parameter names: {sorted(clash)}")
@@ -499,6 +523,25 @@ def _quiet_torch_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def _refuse_input_mutations(module: torch.nn.Module, signature: Any, names: list[str]) -> None:
+    """The forward changes a tensor it was given in place (``x.mul_(0.5)`` on a batch
+    input, ``p.clamp_()`` on a parameter under ``no_grad``): eager changes the caller's
+    tensor, which a graph's outputs do not; refused, so that the module runs in eager
+    (fallback) instead of training on with the caller's tensor unchanged."""
+    mutated = set(signature.user_inputs_to_mutate.values())
+    if not mutated:
+        return
+    which = [
+        f"its input {n[3:]}" if n.startswith("in:") else n  # (a segment's inputs: in:0, ...)
+        for n, arg in zip(names, signature.user_inputs, strict=False)
+        if arg in mutated
+    ]
+    raise ExportError(
+        f"{type(module).__name__}'s forward changes {', '.join(which) or 'an input'} in "
+        "place, which a graph cannot do to the caller's tensor"
+    )
+
+
 def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProgram:
     """``traced`` exported as the ONNX exporter would first try it (non-strict), with its
     detached and no-grad values marked (``ortrain/stop_gradient.py``).
@@ -562,6 +605,7 @@ def trace_to_onnx(
                 },
             )
             signature = program.exported_program.graph_signature
+            _refuse_input_mutations(module, signature, pnames + input_names)
             first_batch = next(
                 (i for i, v in enumerate(program.model.graph.inputs) if v.name not in params),
                 len(program.model.graph.inputs),
@@ -574,6 +618,8 @@ def trace_to_onnx(
                 returned=returned,
             )
             program.optimize()
+    except ExportError:
+        raise  # ours, after the trace (an input changed in place)
     except Exception as exc:
         root = _root_cause(exc)
         if isinstance(root, ExportError):  # ours, raised inside the trace (e.g. no loss)

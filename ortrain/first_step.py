@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ortrain.core.names import IN_BACKWARD_STATES, state_key
 from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
@@ -84,10 +85,14 @@ class EagerSide:
             for k, v in batch.items()
         }
 
-    def loss_of(self, batch: Mapping[str, Any], module: torch.nn.Module) -> torch.Tensor:
+    def loss_of(
+        self, batch: Mapping[str, Any], module: torch.nn.Module, look: bool = True
+    ) -> torch.Tensor:
         """Eager PyTorch's loss of ``batch`` through ``module`` (the trainer's, or a float64
-        copy of it: the batch's floating tensors follow its dtype)."""
-        batch = self.on_device(batch)
+        copy of it: the batch's floating tensors follow its dtype); ``look``: one of
+        ortrain's own runs, on copies of the batch's tensors (a forward that changes its
+        input in place changes the caller's only in the step eager would take)."""
+        batch = self.on_device(copied(batch) if look else batch)
         if any(p.dtype == torch.float64 for p in module.parameters()):
             batch = as_float64(batch)
         args, kwargs = call_arguments(module, batch)
@@ -241,8 +246,13 @@ class EagerSide:
         module = self.module
         keep = kept(module, self.loss_fn) if check else contextlib.nullcontext()
         with in_mode(module, False), keep:  # every sub-module's mode as it was after
-            args, kwargs = call_arguments(module, self.on_device(batch))
+            args, kwargs = call_arguments(module, self.on_device(copied(batch) if check else batch))
             out = module(*args, **kwargs)
             loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
         found = {"loss": loss, **dict(other_outputs(out))}
         return {k: v.detach().to("cpu", copy=True) for k, v in found.items()}
+
+
+def copied(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` with its tensors (nested ones too) copied, for a run of ortrain's own."""
+    return pytree.tree_map_only(torch.Tensor, torch.clone, dict(batch))

@@ -37,6 +37,7 @@ from ortrain.program_context import ProgramContext
 from ortrain.python_state import LOSS_FN
 from ortrain.rank_memory import resident_bytes
 from ortrain.runtime.heap import trim_heap
+from ortrain.runtime.training_state import refuse_lazy
 from ortrain.segmented_program import SegmentedProgram
 from ortrain.segments.training import SegmentedTraining
 from ortrain.trainer_state import TrainerState
@@ -69,6 +70,7 @@ class ORTTrainer(TrainerState, TrainerViews):
         # would count twice
         trim_heap()
         model = unwrapped(model)  # torch's own data-parallel wrappers: ortrain reduces itself
+        refuse_lazy(model)
         self._runtime_bytes = resident_bytes() - storage_bytes(
             t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"
         )

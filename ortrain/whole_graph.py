@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ortrain import nested_batch
 from ortrain.build import BuiltGraph, ForwardSource, StageRecord, graph_for, label_rows
 from ortrain.core.errors import first_line
 from ortrain.core.roles import Role
@@ -44,9 +45,10 @@ RunBuild = Callable[[Callable[[], Any], Mapping[str, Any]], Any]
 
 
 def signature(batch: Mapping[str, Any]) -> tuple:
-    """What a graph is built for: each tensor's shape and dtype, each other value's repr."""
+    """What a graph is built for: each tensor's shape and dtype (those in the batch's
+    containers too), each other value's repr."""
     sig = []
-    for k, v in batch.items():
+    for k, v in nested_batch.flat(batch).items():
         if isinstance(v, torch.Tensor):
             sig.append((k, tuple(v.shape), v.dtype))
         else:
@@ -103,7 +105,8 @@ class CompiledGraph:
         cls, session: BoundSession, built: BuiltGraph, batch: Mapping[str, Any], **kwargs: Any
     ) -> CompiledGraph:
         names = [r.name for r in built.io if r.role is Role.BATCH]
-        dtypes = {k: batch[k].dtype for k in names}
+        flat = nested_batch.flat(batch)
+        dtypes = {k: flat[k].dtype for k in names}
         return cls(session, built, names, dtypes, built.output_keys, **kwargs)
 
     @functools.cached_property
@@ -113,6 +116,7 @@ class CompiledGraph:
     def bind_batch(self, batch: Mapping[str, Any], device: torch.device) -> list[torch.Tensor]:
         """Check ``batch``'s indices as eager would (ids and labels in range, and indices
         computed from them) and bind its tensors; returns what must live until the run."""
+        batch = nested_batch.flat(batch)  # (a container's tensors: inputs of their own)
         check_batch(self.graph.index_checks, batch)
         if self.graph.computed_indices is not None:
             self.graph.computed_indices.check(batch)

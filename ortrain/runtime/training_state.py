@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ortrain.core.errors import DeviceError, TrainableChangedError
 from ortrain.core.optimizer_spec import OptimizerSpec
@@ -49,6 +50,22 @@ def _refuse_meta(module: torch.nn.Module) -> None:
             "made under torch.device('meta') or init_empty_weights); give it real tensors "
             "first, e.g. module.to_empty(device='cpu') then load_state_dict(...), or "
             "from_pretrained without a meta device_map"
+        )
+
+
+def refuse_lazy(module: torch.nn.Module) -> None:
+    """Lazy modules (``nn.LazyLinear``) have no shapes until their first call, and the
+    state, the graphs and the optimizer's layout are made from the shapes. Eager makes
+    them in the first step; here one forward before the trainer does (a dry run)."""
+    lazy = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if lazy:
+        owners = sorted({n.rpartition(".")[0] or "<root>" for n in lazy})
+        raise TypeError(
+            f"{type(module).__name__}: {', '.join(owners[:4])} "
+            f"{'is a lazy module' if len(owners) == 1 else 'are lazy modules'} whose "
+            f"parameters have no shape yet ({', '.join(lazy[:4])}); run the model once on a "
+            "batch (model(**batch), under torch.no_grad()) before making the ORTTrainer: "
+            "the optimizer may be made before, its parameters are filled in place"
         )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ortrain.core.build_config import BuildConfig
 from ortrain.export import LossFn, call_arguments, find_loss
+from ortrain.first_step import copied
 from ortrain.segments.blocks import repeated_blocks
 from ortrain.segments.calls import Call
 from ortrain.segments.param_reads import ParamReads
@@ -116,7 +117,9 @@ class SegmentedTraining:
         # ZeRO-3: which parameters eager code reads (they cannot be sharded)
         reads = ParamReads(self.module) if self.home is not None else None
         with reads if reads is not None else contextlib.nullcontext():
-            self.recorded = record_calls(self.module, lambda: self.loss(batch))
+            # a look on copies: a forward changing its input in place changes the caller's
+            # tensor only in the step itself
+            self.recorded = record_calls(self.module, lambda: self.loss(copied(batch)))
         plan = self.run_build(self._plan_job(), batch)
         self.verify_seconds += plan.verify_seconds
 
