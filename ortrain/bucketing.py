@@ -42,6 +42,12 @@ sees:
    builds (padding further is as exact).
 5. ``eval_step``'s outputs are cut back to the batch's length on the axes that the check
    saw grow with the padding (``logits``' sequence axis; attention maps' two).
+6. A forward that branches in Python on the length (BigBird's block-sparse attention
+   past a few blocks, ``if T > k``) computes another function at the bucket length than
+   at the batch's when a threshold lies between them, which 3. samples once per layout
+   and cannot see. The forward is traced once with the length symbolic
+   (``ortrain/padding/length_branches.py``): a batch is padded only within the range of
+   lengths that take the bucket length's branches (a trace that fails leaves 3. alone).
 """
 
 from __future__ import annotations
@@ -269,6 +275,8 @@ class Bucketing:
         self.proofs: dict[tuple, tuple[str, str]] = {}  # per layout: the graph's (verdict, why)
         self._graphs: dict[tuple, set[int]] = {}  # per layout: the lengths given to the trainer
         self._borrowed: collections.Counter[tuple] = collections.Counter()
+        # per layout: ranges of lengths that take the same Python branches (6.)
+        self.regions: dict[tuple, list[tuple[int, int]]] = {}
 
     def pad(
         self,
@@ -310,7 +318,7 @@ class Bucketing:
                     f"{verdict.reason}; each length builds its own graph",
                     stacklevel=4,
                 )
-        if not verdict.exact:
+        if not verdict.exact or not self._same_branches(key, batch, plan, to, train):
             return Padded(batch)
         padded = plan.apply(batch, to)
         if prove is not None and key not in self.proofs:
@@ -322,6 +330,34 @@ class Bucketing:
                 return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)
         return Padded(padded, plan.length, verdict.seq_axes)
+
+    def _same_branches(
+        self, key: tuple, batch: Mapping[str, Any], plan: Layout, to: int, train: bool
+    ) -> bool:
+        """Whether the batch's length and ``to`` take the same Python branches of the
+        forward (``ortrain/padding/length_branches.py``), traced once per range."""
+        from ortrain.padding.length_branches import LOWEST, branch_free_lengths
+
+        regions = self.regions.setdefault(key, [])
+        for lo, hi in regions:
+            if lo <= to <= hi:
+                return lo <= plan.length <= hi
+        upper = self._max if self._max is not None else 1 << 20
+        padded = _on(plan.apply(batch, to), next(self.module.parameters()).device)
+        found = branch_free_lengths(
+            self.module, self.loss_fn, padded, list(plan.pads), upper, train
+        )
+        region = found if found is not None else (1, 1 << 62)  # unknown: as before (3.)
+        regions.append(region)
+        if found is not None and found != (LOWEST, upper):
+            warnings.warn(
+                f"ortrain: {type(self.module).__name__}'s forward branches in Python on the "
+                f"sequence length: lengths {found[0]} to {found[1]} take the path length "
+                f"{to} takes; batches are padded to a bucket only within such a range "
+                f"(others build a graph of their own length)",
+                stacklevel=5,
+            )
+        return region[0] <= plan.length <= region[1]
 
     def _proven(
         self, key: tuple, proof: tuple[str, str] | None, plan: Layout, train: bool
@@ -366,6 +402,7 @@ class Bucketing:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and train]
         params = [p for _, p in named]
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        from ortrain.python_state import kept
         from ortrain.verify import in_mode, no_dropout, restoring
 
         try:
@@ -378,6 +415,7 @@ class Bucketing:
                 torch.set_grad_enabled(train),
                 no_dropout(),
                 restoring(list(module.buffers())),
+                kept(module, self.loss_fn),  # a buffer assigned anew, Python attributes
             ):
                 real = self._run(batch, params)
                 padded = self._run(plan.apply(batch, to), params)
@@ -389,7 +427,8 @@ class Bucketing:
     def _run(
         self, batch: Mapping[str, Any], params: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], list[torch.Tensor | None]]:
-        args, kwargs = call_arguments(self.module, batch)
+        batch = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        args, kwargs = call_arguments(self.module, batch)  # (copies: a look, not a step)
         outputs = self.module(*args, **kwargs)
         loss = self.loss_fn(outputs, batch) if self.loss_fn is not None else find_loss(outputs)
         others = [(k, v.detach()) for k, v in other_outputs(outputs)]

@@ -523,6 +523,20 @@ def _quiet_torch_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def _refuse_full_dropout(model: ir.Model) -> None:
+    """A Dropout of probability 1 (eager: zeros, and zero gradients) is outside ONNX's
+    range [0, 1), which ONNX Runtime's kernels refuse at the first run: refused here,
+    so that its module runs in eager (fallback) instead of failing mid-step."""
+    for node in model.graph:
+        if node.op_type != "Dropout" or len(node.inputs) < 2 or node.inputs[1] is None:
+            continue
+        ratio = node.inputs[1].const_value
+        if ratio is not None and float(ratio.numpy().reshape(-1)[0]) >= 1.0:
+            raise ExportError(
+                f"a dropout of probability 1 ({node.name}), outside the range ONNX's Dropout takes"
+            )
+
+
 def _refuse_input_mutations(module: torch.nn.Module, signature: Any, names: list[str]) -> None:
     """The forward changes a tensor it was given in place (``x.mul_(0.5)`` on a batch
     input, ``p.clamp_()`` on a parameter under ``no_grad``): eager changes the caller's
@@ -618,6 +632,7 @@ def trace_to_onnx(
                 returned=returned,
             )
             program.optimize()
+            _refuse_full_dropout(program.model)
     except ExportError:
         raise  # ours, after the trace (an input changed in place)
     except Exception as exc:

@@ -26,6 +26,10 @@
    (prefixes to about 745 below the maximum stay exact), a row's maximum of -inf is
    shifted by 0, and an empty prefix is -inf with a zero gradient (eager's values; its
    gradient ``sum_i g_i exp(x_j - out_i)`` is what autodiff takes of it).
+5. ``aten::baddbmm`` / ``addbmm`` / ``addmv`` / ``addr``: ``beta * self + alpha *
+   product``. With ``beta=0`` torch ignores ``self`` (its NaN and inf do not propagate:
+   a buffer from ``torch.empty``); the exporter's functions multiply it by 0 (NaN). Here
+   ``self`` is left out where beta is 0, and a factor of 1 is no op.
 """
 
 from __future__ import annotations
@@ -138,8 +142,52 @@ def _logcumsumexp(self: Any, dim: int) -> Any:
     return op.CastLike(op.Where(empty, minus_inf, value), self)
 
 
+def _scaled_sum(op: Any, self: Any, product: Any, beta: float, alpha: float) -> Any:
+    """``beta * self + alpha * product``, ``self`` ignored where ``beta`` is 0 (torch's)."""
+    if alpha != 1:
+        product = op.Mul(product, op.CastLike(op.Constant(value_float=float(alpha)), product))
+    if beta == 0:
+        return product
+    if beta != 1:
+        self = op.Mul(self, op.CastLike(op.Constant(value_float=float(beta)), self))
+    return op.Add(self, product)
+
+
+def _baddbmm(self: Any, batch1: Any, batch2: Any, beta: float = 1.0, alpha: float = 1.0) -> Any:
+    from onnxscript import opset18 as op
+
+    return _scaled_sum(op, self, op.MatMul(batch1, batch2), beta, alpha)
+
+
+def _addbmm(self: Any, batch1: Any, batch2: Any, beta: float = 1.0, alpha: float = 1.0) -> Any:
+    from onnxscript import opset18 as op
+
+    summed = op.ReduceSum(op.MatMul(batch1, batch2), op.Constant(value_ints=[0]), keepdims=0)
+    return _scaled_sum(op, self, summed, beta, alpha)
+
+
+def _addmv(self: Any, mat: Any, vec: Any, beta: float = 1.0, alpha: float = 1.0) -> Any:
+    from onnxscript import opset18 as op
+
+    return _scaled_sum(op, self, op.MatMul(mat, vec), beta, alpha)
+
+
+def _addr(self: Any, vec1: Any, vec2: Any, beta: float = 1.0, alpha: float = 1.0) -> Any:
+    from onnxscript import opset18 as op
+
+    outer = op.Mul(
+        op.Unsqueeze(vec1, op.Constant(value_ints=[-1])),
+        op.Unsqueeze(vec2, op.Constant(value_ints=[0])),
+    )
+    return _scaled_sum(op, self, outer, beta, alpha)
+
+
 def aten_translations() -> dict[Callable, Callable]:
     return {
+        torch.ops.aten.baddbmm.default: _baddbmm,
+        torch.ops.aten.addbmm.default: _addbmm,
+        torch.ops.aten.addmv.default: _addmv,
+        torch.ops.aten.addr.default: _addr,
         torch.ops.aten._cdist_forward.default: _cdist,
         torch.ops.aten.linalg_vector_norm.default: _vector_norm,
         torch.ops.aten.scatter_reduce.two: _scatter_reduce,

@@ -160,6 +160,13 @@ class _Read:
     def __init__(self, label: str, scope: dict | types.CellType, name: str | None) -> None:
         self.label, self.scope, self.name = label, scope, name
         self.owners: set[str] = set()
+        # the trained module's tensors (a module read here may hold some: a base model
+        # whose layers the model took): the update and the forward change them, not the loop
+        self.own: frozenset[int] = frozenset()
+
+    def value(self) -> Any:
+        """What it is compared by (``_read_value``)."""
+        return _read_value(self.get(), self.own)
 
     def get(self) -> Any:
         if self.name is None:
@@ -196,15 +203,15 @@ class _Versions(tuple):
         return f"{len(self)} tensor(s) at versions {[v for _, v in self][:4]}"
 
 
-def _read_value(v: Any) -> Any:
+def _read_value(v: Any, own: frozenset[int] = frozenset()) -> Any:
     """What a module-level value is compared by: a container by length, a tensor or a
-    module by its tensors' versions, a scalar by itself."""
+    module by its tensors' versions (not ``own``'s), a scalar by itself."""
     if type(v) in _CONTAINERS:
         return _Length(len(v))
     if isinstance(v, torch.Tensor):
         return _Versions(((id(v), v._version),))
     if isinstance(v, torch.nn.Module):
-        tensors = (*v.parameters(), *v.buffers())
+        tensors = (t for t in (*v.parameters(), *v.buffers()) if id(t) not in own)
         return _Versions(tuple((id(t), t._version) for t in tensors))
     return v
 
@@ -283,8 +290,11 @@ def python_reads(module: torch.nn.Module, loss_fn: Callable | None = None) -> li
             read.owners.add(LOSS_FN)
     # the trained module's own tensors (the model itself in a closure) change every step
     # through the update: they are graph inputs, not constants
-    own = {id(t) for t in (*module.parameters(), *module.buffers())}
-    return [r for r in found.values() if r.owners and _foreign(r.get(), own)]
+    own = frozenset(id(t) for t in (*module.parameters(), *module.buffers()))
+    reads = [r for r in found.values() if r.owners and _foreign(r.get(), own)]
+    for r in reads:
+        r.own = own
+    return reads
 
 
 def _read_values(reads: list[_Read]) -> dict[Key, Any]:
@@ -292,7 +302,7 @@ def _read_values(reads: list[_Read]) -> dict[Key, Any]:
     for r in reads:
         v = r.get()
         if v is _MISSING or _watched(v):
-            out[(READ, r.label)] = _read_value(v)
+            out[(READ, r.label)] = r.value()
     return out
 
 
@@ -367,7 +377,7 @@ class ValueWatch:
                     out.append((id(v), v._version))
                 elif _plain_object(v):
                     out.append(id(v))
-        out.extend(_read_value(r.get()) for r in self.reads)
+        out.extend(r.value() for r in self.reads)
         return out
 
     def _full(self) -> dict[Key, Any]:
@@ -379,7 +389,7 @@ class ValueWatch:
         values = [list(d.values()) for d in self.dicts]
         sized = [(v, len(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
         sized += [(v, v._version) for vs in values for v in vs if isinstance(v, torch.Tensor)]
-        return values, sized, [_read_value(r.get()) for r in self.reads]
+        return values, sized, [r.value() for r in self.reads]
 
     def _same_objects(self) -> bool:
         """Whether every watched attribute still holds the very object it held at the last
@@ -391,7 +401,7 @@ class ValueWatch:
                 return False
         # module-level values by what they are compared by (a tensor by its version)
         return all(_size(c) == n for c, n in sized) and all(
-            a is b or a == b for a, b in zip((_read_value(r.get()) for r in self.reads), reads)
+            a is b or a == b for a, b in zip((r.value() for r in self.reads), reads)
         )
 
     def changes(self) -> dict[Key, tuple[Any, Any]]:

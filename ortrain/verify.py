@@ -294,6 +294,22 @@ def eval_children(module: torch.nn.Module) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
+def no_kv_cache(module: torch.nn.Module) -> Iterator[None]:
+    """A Hugging Face model's key/value cache off while it trains as segments: its layers
+    would otherwise take and fill a cache object (for generation, not for the loss), which
+    no compiled graph can take."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+@contextlib.contextmanager
 def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
     """``module`` in training or evaluation mode inside, as it was after. A training graph
     is the training-mode forward whatever mode the module is in; a module in training

@@ -271,7 +271,9 @@ def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
     if count < SHAPES_WARNING_AT or count & (count - 1):
         return
     shapes = ", ".join(
-        f"{k}: {list(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r:.40}"
+        f"{k}: {list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+        if isinstance(v, torch.Tensor)
+        else f"{k}={v!r:.40}"
         for k, v in batch.items()
         if v is not None
     )

@@ -289,6 +289,11 @@ class WholeProgram:
         gradients and the update (every rank the same set); later graphs reach it too."""
         st, reducer = self.ctx.state, self.ctx.reducer
         grad_params = sorted(built.grad_params, key=st.trainable.index)
+        if not grad_params:  # eager's backward() raises on such a loss too
+            raise BatchError(
+                "the loss of this batch depends on no parameter that requires grad (it has "
+                "no grad_fn: eager's loss.backward() raises on it); nothing was applied"
+            )
         if st.grad_params is None and reducer is not None:  # before any gradient moves
             from ortrain.distributed.fingerprint import agree_on_graph
 
@@ -296,10 +301,16 @@ class WholeProgram:
         if st.grad_params is None:
             self.ctx.lay_out(grad_params)
         elif grad_params != st.grad_params:
-            raise BatchError(
+            error = BatchError(
                 "this batch reaches a different set of parameters than the first one "
-                f"({sorted(set(grad_params) ^ set(st.grad_params))}); ortrain needs one set"
+                f"({sorted(set(grad_params) ^ set(st.grad_params))}); one training graph "
+                "lays out one set"
             )
+            if self.ctx.options.fallback == "off":
+                raise error
+            # segments: torch's autograd gives the parameters a step does not reach no
+            # gradient, as eager does (a loop over a batch's values, a branch on its shape)
+            raise NotOneGraph(str(error), error)
 
     def _early_reference(self, batch: dict[str, Any]) -> EagerStep | None:
         """Eager's step on ``batch`` for the first-step check where this signature's first

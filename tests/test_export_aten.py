@@ -150,3 +150,51 @@ def test_logcumsumexp_trains_like_eager_past_float32s_range(dim):
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.isfinite(p).all(), name
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _ScaledProducts(torch.nn.Module):
+    """``beta * c + alpha * product`` in each of its four forms, ``c`` a batch input."""
+
+    def __init__(self, form: str, beta: float, alpha: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(6, 6)
+        self.form, self.beta, self.alpha = form, beta, alpha
+
+    def forward(self, x, c):
+        h = self.lin(x)  # [2, 6]
+        kw = {"beta": self.beta, "alpha": self.alpha}
+        if self.form == "baddbmm":
+            out = torch.baddbmm(c.view(2, 3, 3), h.view(2, 3, 2), h.view(2, 2, 3), **kw)
+        elif self.form == "addbmm":
+            out = torch.addbmm(c[:9].view(3, 3), h.view(2, 3, 2), h.view(2, 2, 3), **kw)
+        elif self.form == "addmv":
+            out = torch.addmv(c[:6], h.view(6, 2), h[0, :2], **kw)
+        else:
+            out = torch.addr(c[:6].view(2, 3), h[0, :2], h[1, :3], **kw)
+        return (out - 0.3).pow(2).mean()
+
+
+@pytest.mark.parametrize("form", ["baddbmm", "addbmm", "addmv", "addr"])
+@pytest.mark.parametrize("beta,alpha", [(0.0, 1.0), (0.0, 2.0), (0.5, 1.5)])
+def test_beta_zero_ignores_the_added_tensor_like_torch(form, beta, alpha):
+    """With beta=0 torch ignores ``c``, NaN included (a buffer from torch.empty); the
+    exporter's functions multiplied it by 0: a NaN loss from the first such batch."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 6, generator=g), torch.randn(18, generator=g)) for _ in range(3)]
+    if beta == 0:
+        batches[1] = (batches[1][0], torch.full((18,), float("nan")))
+    model, ref = _ScaledProducts(form, beta, alpha), _ScaledProducts(form, beta, alpha)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
+    )
+    for x, c in batches:
+        want = ref(x, c)
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        torch.testing.assert_close(trainer.train_step(x, c), want.detach(), rtol=1e-5, atol=0)
+    trainer.sync_to_module()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.core.errors import VerificationError
+from ortrain.core.errors import BatchError, VerificationError
 from ortrain.core.names import GradientError
 
 
@@ -551,3 +551,103 @@ def test_ortrains_own_hooks_are_not_taken_for_the_users():
     assert not users_hooks(p)
     p.register_post_accumulate_grad_hook(lambda q: None)
     assert users_hooks(p)
+
+
+class _FullDropout(torch.nn.Module):
+    """A branch switched off with Dropout(p=1.0) (eager: zeros, zero gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 16)
+        self.branch = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(1.0))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.body(x))
+        return F.cross_entropy(self.head(h + self.branch(h)), y)
+
+
+def test_a_dropout_of_probability_one_runs_in_eager():
+    """ONNX's Dropout takes [0, 1): ONNX Runtime's kernel failed the first step."""
+    trainer = train_like_eager(_FullDropout, _batches(3))
+    seg = trainer.segments
+    assert seg is not None and "probability 1" in seg.cause
+    assert seg.model is not None and {"body", "head"} <= set(seg.model.compiled)
+
+
+class _Repeats(torch.nn.Module):
+    """A refinement applied once per value of a batch input (none: ``w`` is not read)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(6, 8)
+        self.w = torch.nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, x, reps):
+        out = self.lin(x)
+        for r in reps.tolist():
+            out = out + r * torch.tanh(out * self.w)
+        return (out - 0.3).pow(2).mean()
+
+
+def test_a_batch_that_reaches_other_parameters_moves_to_segments():
+    """The third batch's graph does not reach ``w``: one graph lays out one set of
+    gradients, so the model trains as segments from there (before: a BatchError)."""
+    g = torch.Generator().manual_seed(5)
+    reps = [
+        torch.tensor([1.0]),
+        torch.tensor([0.5, 2.0, -1.0]),
+        torch.tensor([]),
+        torch.tensor([1.5]),
+    ]
+    batches = [(torch.randn(4, 6, generator=g), r) for r in reps]
+    model, ref = _Repeats(), _Repeats()
+    opt, opt_ref = _sgd(model.parameters()), _sgd(ref.parameters())
+    trainer = ORTTrainer(model, opt, TrainerOptions())
+    for i, (x, r) in enumerate(batches):
+        want = ref(x, r)
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = trainer.train_step(x, r)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    assert trainer.segments is not None and "different set of parameters" in trainer.segments.cause
+
+
+class _Detached(torch.nn.Module):
+    """A loss that, for ``detach=True`` batches, depends on no parameter (eager's
+    ``backward()`` raises); ``det``: a part without a gradient rule (segments)."""
+
+    def __init__(self, det: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.det = det
+
+    def forward(self, x, y, detach):
+        h = self.lin(x)
+        if self.det:
+            h = h * torch.linalg.det(h[:2, :2].reshape(1, 2, 2))
+        if detach:
+            h = h.detach()
+        return ((h.sum(-1) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["whole graph", "segments"])
+def test_a_loss_that_reaches_no_parameter_is_refused_as_eager_refuses_it(det):
+    model = _Detached(det)
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions())
+    x, y = torch.randn(3, 4), torch.randn(3)
+    trainer.train_step(x, y, False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        model(x, y, True).backward()  # eager
+    with pytest.raises(BatchError, match="depends on no parameter that requires grad"):
+        trainer.train_step(x, y, True)
+    trainer.sync_to_module()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert (trainer.segments is not None) == det

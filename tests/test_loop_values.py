@@ -653,3 +653,42 @@ def _train_plain(model: nn.Module, trainer: bool) -> tuple[list[float], nn.Modul
     if tr is not None:
         tr.sync_to_module()
     return losses, model
+
+
+def _taken_from_a_base() -> nn.Module:
+    """A model made of some of a base model's layers, the base in its class's closure
+    (one unused layer left in it): the base's BatchNorm statistics move with every step,
+    as the model's own."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+
+    class Taken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(base[0], base[1])
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.head(self.body(x)), y)
+
+    return Taken()
+
+
+def test_a_base_model_in_a_closure_is_no_value_the_loop_changes():
+    """Its tensors that the model owns change through the model's own steps; only the
+    others (the unused layer) are watched. Before, the statistics' updates counted as the
+    base changing between calls: the model ran in eager (fallback "off": an error)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(3)
+    ]
+    model, ref = _taken_from_a_base(), _taken_from_a_base()
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    trainer = ORTTrainer(model, opt, TrainerOptions(fallback="off"))
+    for x, y in batches:
+        want = ref(x, y)
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
+    assert trainer.segments is None and trainer.build_count == 1

@@ -18,6 +18,9 @@ CPU_DOMAIN = "ortrain.cpu"  # fused CPU backward kernels (ortrain/runtime/grad_k
 # identity autodiff does not differentiate through, dropped after autodiff
 GRAD_DOMAIN = "ortrain.grad"
 STOP_GRADIENT = "StopGradient"
+# metadata of an inference-mode BatchNormalization fed its batch's statistics: its gradient
+# is training mode's (graph_passes/targets/cpu/batch_norm_training.py)
+BATCH_STATISTICS = "ortrain.batch_statistics"
 
 
 class GradientError(RuntimeError):

@@ -13,12 +13,13 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ortrain.core.build_config import BuildConfig
+from ortrain.core.errors import BatchError
 from ortrain.export import LossFn, call_arguments, find_loss
 from ortrain.first_step import copied
 from ortrain.segments.blocks import repeated_blocks
@@ -34,7 +35,7 @@ from ortrain.segments.partition import (
     record_calls,
 )
 from ortrain.segments.runner import ParamHome
-from ortrain.verify import Tolerance, in_mode
+from ortrain.verify import Tolerance, in_mode, no_kv_cache
 
 Runner = Callable[[Callable[[], Any], Mapping[str, Any]], Any]  # the trainer's _run_build
 
@@ -200,11 +201,16 @@ class SegmentedTraining:
                 raise ValueError(
                     f"the loss must be a scalar (0-dim) tensor, got {list(loss.shape)}"
                 )
-            if loss.requires_grad:
-                try:
-                    (loss * scale if scale is not None else loss).backward()
-                finally:
-                    self.model.tied.clear()
+            if not loss.requires_grad:  # eager's backward() raises on it too
+                raise BatchError(
+                    "the loss of this batch depends on no parameter that requires grad (it "
+                    "has no grad_fn: eager's loss.backward() raises on it); no gradient was "
+                    "taken and no update applied"
+                )
+            try:
+                (loss * scale if scale is not None else loss).backward()
+            finally:
+                self.model.tied.clear()
         self.step_seconds += time.perf_counter() - start
         self.steps += 1
         return loss.detach()
@@ -228,22 +234,6 @@ class SegmentedTraining:
             f"planning {self.plan_seconds:.2f} s (checks against eager {self.verify_seconds:.2f} s)"
         )
         return "\n".join(rows)
-
-
-@contextlib.contextmanager
-def no_kv_cache(module: torch.nn.Module) -> Iterator[None]:
-    """A Hugging Face model's key/value cache off while it trains as segments: its layers
-    would otherwise take and fill a cache object (for generation, not for the loss), which
-    no compiled graph can take."""
-    config = getattr(module, "config", None)
-    if not getattr(config, "use_cache", False):
-        yield
-        return
-    config.use_cache = False
-    try:
-        yield
-    finally:
-        config.use_cache = True
 
 
 def name_or_root(name: str) -> str:

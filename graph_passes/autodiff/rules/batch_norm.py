@@ -10,7 +10,9 @@ axis is 1 and the statistics run over every other axis.
 2. Training mode (``training_mode=1``, opset 14 on): the node normalizes with the batch
    mean and biased variance, and outputs 1/2 are the updated running statistics. Y does
    not depend on input_mean/input_var (their gradient is zero); a gradient flowing into
-   the running statistics is refused (they feed buffer updates, not the loss).
+   the running statistics is refused (they feed buffer updates, not the loss). An
+   inference-mode node marked ``BATCH_STATISTICS`` (fed its own batch's statistics
+   through StopGradient: ``targets/cpu/batch_norm_training.py``) takes this gradient too.
 
 On a CPU build with ortrain's kernels (``GradContext.cpu_kernels``) case 2 is one fused
 ``ortrain.cpu.BatchNormGrad`` (``ortrain/runtime/grad_kernels.c``) instead of a dozen
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ortrain.core.names import CPU_DOMAIN
+from ortrain.core.names import BATCH_STATISTICS, CPU_DOMAIN
 from ortrain.graph_passes.autodiff.context import GradContext
 from ortrain.graph_passes.autodiff.registry import gradient
 
@@ -41,7 +43,7 @@ def batch_norm_9(ctx: GradContext) -> dict[int, ir.Value]:
 
 @gradient("BatchNormalization", opsets=(14, None))
 def batch_norm_14(ctx: GradContext) -> dict[int, ir.Value]:
-    if int(ctx.attr("training_mode", 0)):
+    if int(ctx.attr("training_mode", 0)) or ctx.node.metadata_props.get(BATCH_STATISTICS):
         return _training(ctx)
     return _inference(ctx)
 

@@ -1,4 +1,4 @@
-"""Batch statistics computed beside a BatchNorm -> one training-mode BatchNormalization.
+"""A BatchNorm fed its batch statistics -> its backward one BatchNormGrad.
 
 The exporter spells a training BatchNorm as an inference-mode ``BatchNormalization``
 fed the batch's statistics, computed beside it:
@@ -9,12 +9,13 @@ fed the batch's statistics, computed beside it:
 
 so the backward differentiates the normalization and, through mean and var, the
 statistics' own ops: about twenty full-size element-wise ops and reductions per
-BatchNorm. A training-mode ``BatchNormalization`` (opset 14 on) computes the same
-statistics itself, and its gradient is one ``ortrain.cpu.BatchNormGrad``
-(``autodiff/rules/batch_norm.py``), which recomputes them per channel in cache. The
-statistics' ops stay for the running-statistic updates that read them; the new node
-takes constants in place of its running inputs (its running outputs go unread) and
-nothing differentiates through them.
+BatchNorm. Here the statistics reach the node through ``StopGradient`` and the node is
+marked (``BATCH_STATISTICS``): its gradient is one ``ortrain.cpu.BatchNormGrad``
+(``autodiff/rules/batch_norm.py``), which recomputes them per channel in cache, two-pass
+in double. The forward stays the exporter's: its two-pass statistics are torch's to float
+rounding, where ONNX Runtime's training-mode kernel (used here before) loses digits to
+cancellation in a channel whose mean is large against its spread (MobileNet's late
+depthwise layers: gradients 4% off).
 
 On CPU builds with ortrain's kernel library, before autodiff; rewritten: float32
 BatchNorms of rank >= 2 with static shapes whose mean and variance are exactly the
@@ -23,23 +24,24 @@ pattern above over every axis but the channel's (axis 1), biased.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
+
+from ortrain.core.names import BATCH_STATISTICS, GRAD_DOMAIN, STOP_GRADIENT
 
 _STD = ("", "ai.onnx")
 _F32 = ir.DataType.FLOAT
 
 
 def train_batch_norms(model: ir.Model) -> int:
-    """Returns the number of BatchNormalization nodes rewritten."""
+    """Returns the number of BatchNormalization nodes marked."""
     graph = model.graph
-    if model.opset_imports.get("", 0) < 14:  # no training mode before opset 14
-        return 0
     count = 0
     for node in list(graph):
         if node.op_type != "BatchNormalization" or node.domain not in _STD:
             continue
         if _attr(node, "training_mode", 0) or len(node.inputs) != 5:
+            continue
+        if node.metadata_props.get(BATCH_STATISTICS):
             continue
         x = node.inputs[0]
         shape = _shape(x)
@@ -48,31 +50,14 @@ def train_batch_norms(model: ir.Model) -> int:
         axes = [0, *range(2, len(shape))]
         if not (_is_mean(node.inputs[3], x, axes, keep=False) and _is_variance(node, x, axes)):
             continue
-        c = shape[1]
-        zeros = _constant(graph, f"batch_norm_training_{count}_mean", np.zeros(c, np.float32))
-        ones = _constant(graph, f"batch_norm_training_{count}_var", np.ones(c, np.float32))
-        new = ir.Node(
-            "",
-            "BatchNormalization",
-            [x, node.inputs[1], node.inputs[2], zeros, ones],
-            attributes=[
-                ir.AttrFloat32("epsilon", float(_attr(node, "epsilon", 1e-5))),
-                ir.AttrInt64("training_mode", 1),
-            ],
-            num_outputs=3,  # ONNX's shape inference wants the running ones: unread
-            name=f"{node.name or 'BatchNormalization'}_training_{count}",
-            metadata_props=dict(node.metadata_props),
-        )
-        y = new.outputs[0]
-        y.dtype, y.shape = _F32, node.outputs[0].shape
-        for out, what in zip(new.outputs[1:], ("mean", "var"), strict=True):
-            out.name = f"batch_norm_training_{count}_running_{what}"
-            out.dtype, out.shape = _F32, ir.Shape([c])
-        graph.insert_before(node, new)
-        old = node.outputs[0]
-        old.replace_all_uses_with(y, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        y.name = old.name  # what reads it by name (a graph output) still finds it
+        for k in (3, 4):
+            stat = node.inputs[k]
+            stop = ir.Node(GRAD_DOMAIN, STOP_GRADIENT, [stat], name=f"{stat.name}_stop_gradient")
+            stop.outputs[0].name = f"{stat.name}_stopped"
+            stop.outputs[0].dtype, stop.outputs[0].shape = stat.dtype, stat.shape
+            graph.insert_before(node, stop)
+            node.replace_input_with(k, stop.outputs[0])
+        node.metadata_props[BATCH_STATISTICS] = "1"
         count += 1
     return count
 
@@ -127,10 +112,3 @@ def _is_variance(bn: ir.Node, x: ir.Value, axes: list[int]) -> bool:
     if diff is None or diff.op_type != "Sub" or diff.inputs[0] is not x:
         return False
     return _is_mean(diff.inputs[1], x, axes, keep=True)
-
-
-def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
-    value.dtype, value.shape = _F32, ir.Shape(list(array.shape))
-    graph.register_initializer(value)
-    return value
