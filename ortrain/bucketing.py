@@ -46,7 +46,7 @@ sees:
    past a few blocks, ``if T > k``) computes another function at the bucket length than
    at the batch's when a threshold lies between them, which 3. samples once per layout
    and cannot see. The forward is traced once with the length symbolic
-   (``ortrain/padding/length_branches.py``): a batch is padded only within the range of
+   (``ortrain/length_branches.py``): a batch is padded only within the range of
    lengths that take the bucket length's branches (a trace that fails leaves 3. alone).
 """
 
@@ -335,8 +335,8 @@ class Bucketing:
         self, key: tuple, batch: Mapping[str, Any], plan: Layout, to: int, train: bool
     ) -> bool:
         """Whether the batch's length and ``to`` take the same Python branches of the
-        forward (``ortrain/padding/length_branches.py``), traced once per range."""
-        from ortrain.padding.length_branches import LOWEST, branch_free_lengths
+        forward (``ortrain/length_branches.py``), traced once per range."""
+        from ortrain.length_branches import LOWEST, branch_free_lengths
 
         regions = self.regions.setdefault(key, [])
         for lo, hi in regions:

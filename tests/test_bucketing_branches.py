@@ -1,5 +1,5 @@
 """Bucketing and what a forward does in Python. A forward that branches in Python on the
-sequence length trains like eager under bucketing (``ortrain/padding/length_branches.py``):
+sequence length trains like eager under bucketing (``ortrain/length_branches.py``):
 before, a batch padded across the threshold ran the other branch's graph, silently (the
 layout's check had sampled a first batch on the bucket length's side of it). A buffer the
 forward assigns anew is put back after the padding check's eager runs."""
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.padding.length_branches import branch_free_lengths
+from ortrain.length_branches import branch_free_lengths
 from tests.test_bucketing import graph_lengths, varlen_batch
 
 THRESHOLD = 20
