@@ -582,6 +582,8 @@ def trace_to_onnx(
     """Export ``wrapper`` (a functional view of ``module`` that takes ``module``'s
     parameters, then ``tensors``) with dynamo; ``module``'s buffers become graph inputs
     and, in training mode, the ones the forward writes also outputs."""
+    from ortrain.graph_passes.cleanup.export_cleanup import clean_export
+
     params = dict(module.named_parameters())
     bnames = [n for n, _ in module.named_buffers()]
     pnames = list(params)
@@ -631,7 +633,9 @@ def trace_to_onnx(
                 after=first_batch,
                 returned=returned,
             )
-            program.optimize()
+            # not program.optimize(): its no-op rules drop an epsilon below 1e-8 and its
+            # CSE merges Dropouts of one input (graph_passes/cleanup/export_cleanup.py)
+            clean_export(program.model)
             _refuse_full_dropout(program.model)
     except ExportError:
         raise  # ours, after the trace (an input changed in place)

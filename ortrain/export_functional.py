@@ -24,6 +24,16 @@ model exports (``functional_for_export``; eager PyTorch is untouched):
    the bags in one step (a row per bag for 2-D input; for offsets, a bag-membership
    matrix times the rows), the padding's rows masked out of the sums, the means' counts
    and the maxima; an empty bag is zeros, as torch's.
+5. ``nn.RNN`` (tanh or relu) with ``dropout`` between its layers: torch's decomposition of
+   ``rnn_tanh`` / ``rnn_relu``, which the trace runs, never applies that dropout (its
+   test of the layer index is always false), so the graph trained without it. Here the
+   call is made one layer at a time with ``torch.dropout`` between, as eager's kernel
+   draws it (``nn.LSTM`` / ``nn.GRU`` export their dropout already).
+6. ``F.scaled_dot_product_attention`` with ``dropout_p > 0``: the exporter's translation
+   has no dropout, so the graph attended without it. The version here spells the
+   attention out (scaled products, the causal and given masks, softmax, ``torch.dropout``
+   of the probabilities, the product with the values; a row masked whole gives zeros),
+   as eager's math kernel computes it; with ``dropout_p == 0`` the call is torch's own.
 """
 
 from __future__ import annotations
@@ -164,22 +174,104 @@ def _embedding_bag(
     return total if mode == "sum" else total / (member.t() @ counted[:, None]).clamp(min=1)
 
 
+_SDPA = F.scaled_dot_product_attention
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if not dropout_p:
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                     enable_gqa=enable_gqa)  # fmt: skip
+    if enable_gqa:  # key/value heads shared by groups of query heads
+        groups = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(groups, -3)
+        value = value.repeat_interleave(groups, -3)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * scale
+    lq, lk = query.shape[-2], key.shape[-2]
+    if is_causal:
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, -1)
+    if is_causal or attn_mask is not None:  # a row masked whole attends to nothing (torch's)
+        probs = probs.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+    return torch.dropout(probs, dropout_p, True) @ value
+
+
+class _LayeredRNN:
+    """``torch._VF`` as ``nn.RNN`` reads it, with ``rnn_tanh`` / ``rnn_relu`` in training
+    with inter-layer dropout called layer by layer (item 5); everything else is torch's."""
+
+    def __init__(self, vf: object):
+        self._vf = vf
+        self.rnn_tanh = self._layered(vf.rnn_tanh)  # type: ignore[attr-defined]
+        self.rnn_relu = self._layered(vf.rnn_relu)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._vf, name)
+
+    @staticmethod
+    def _layered(original):
+        def call(*args, **kwargs):
+            # the padded-input form: (input, hx, weights, bias, layers, p, train, bidir,
+            # batch_first); a packed sequence passes integer batch sizes second
+            if kwargs or len(args) != 9 or not args[1].is_floating_point():
+                return original(*args, **kwargs)
+            x, hx, weights, bias, layers, p, train, bidirectional, batch_first = args
+            if not (train and p > 0 and layers > 1):
+                return original(*args)
+            dirs = 2 if bidirectional else 1
+            per = (4 if bias else 2) * dirs  # weights layer by layer, direction by direction
+            finals = []
+            for i in range(layers):
+                x, h = original(
+                    x, hx[i * dirs : (i + 1) * dirs], weights[i * per : (i + 1) * per],
+                    bias, 1, 0.0, train, bidirectional, batch_first,
+                )  # fmt: skip
+                finals.append(h)
+                if i < layers - 1:
+                    x = torch.dropout(x, p, True)
+            return x, torch.cat(finals, 0)
+
+        return call
+
+
 SWAPS = {
     "gaussian_nll_loss": _gaussian_nll_loss,
     "cosine_similarity": _cosine_similarity,
     "embedding": _embedding,
     "embedding_bag": _embedding_bag,
+    "scaled_dot_product_attention": _sdpa,
 }
 
 
 @contextlib.contextmanager
 def functional_for_export() -> Iterator[None]:
-    """``SWAPS`` in ``torch.nn.functional`` for the duration (module docstring)."""
+    """``SWAPS`` in ``torch.nn.functional`` and ``nn.RNN``'s layered call (item 5) for the
+    duration (module docstring)."""
+    from torch.nn.modules import rnn
+
     originals = {name: getattr(F, name) for name in SWAPS}
+    vf = rnn._VF
     for name, fn in SWAPS.items():
         setattr(F, name, fn)
+    rnn._VF = _LayeredRNN(vf)
     try:
         yield
     finally:
+        rnn._VF = vf
         for name, fn in originals.items():
             setattr(F, name, fn)

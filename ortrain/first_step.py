@@ -234,8 +234,9 @@ class EagerSide:
         if drawn < eager_sites:
             warnings.warn(
                 f"ortrain: {type(self.module).__name__} draws dropout at {eager_sites} place(s) "
-                f"in eager and its training graph at {drawn}: the export dropped some (the "
-                "first step was checked without dropout, so only the randomness differs)",
+                f"in eager and its training graph at {drawn}: the export dropped some, and "
+                "the graph trains without them (the first step was checked with dropout "
+                "off, where the two agree)",
                 stacklevel=7,
             )
 

@@ -229,3 +229,68 @@ def test_embedding_bag_with_padding_trains_compiled_like_eager(mode, layout, wei
     assert trainer.segments is None
     for (name, w), v in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "bool mask", "float mask", "gqa", "scale", "row masked whole"]
+)
+def test_attention_spelled_out_is_torchs_attention(case: str, monkeypatch) -> None:
+    """The exported form of ``F.scaled_dot_product_attention(dropout_p > 0)`` with its
+    dropout the identity: torch's attention without dropout, element by element."""
+    from ortrain import export_functional
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    kw: dict = {}
+    if case == "causal":
+        kw["is_causal"] = True
+    if case in ("bool mask", "row masked whole"):
+        mask = torch.rand(5, 5, generator=g) > 0.3
+        mask[:, 0] = True
+        if case == "row masked whole":
+            mask[2] = False
+        kw["attn_mask"] = mask
+    if case == "float mask":
+        kw["attn_mask"] = torch.randn(2, 1, 5, 5, generator=g)
+    if case == "gqa":
+        k, v, kw["enable_gqa"] = k[:, :2], v[:, :2], True
+    if case == "scale":
+        kw["scale"] = 0.7
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    if case == "row masked whole":
+        assert (want[:, :, 2] == 0).all()  # torch's: nothing to attend to, zeros
+    monkeypatch.setattr(torch, "dropout", lambda x, p, train: x)
+    got = export_functional._sdpa(q, k, v, dropout_p=0.3, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _Attends(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+        return out.pow(2).sum(-1).mean()
+
+
+def test_attention_dropout_is_drawn_in_the_graph() -> None:
+    """``F.scaled_dot_product_attention(dropout_p=0.5)`` called by the model: the graph
+    drops the probabilities (its translation had no dropout: a constant loss at lr 0),
+    its first step agrees with eager's with dropout off (``fallback="off"`` raises
+    otherwise), and its mean loss over 40 draws is eager's mean over 40 draws."""
+    torch.manual_seed(0)
+    model = _Attends()
+    x = torch.randn(6, 7, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = torch.tensor([model(x).item() for _ in range(40)])
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                         TrainerOptions(fallback="off"))  # fmt: skip
+    compiled = torch.tensor([trainer.train_step(x).item() for _ in range(40)])
+    assert trainer.program.whole
+    drops = [n for n in trainer.train_graphs[0].graph if n.op_type == "Dropout"]
+    assert len(drops) == 1
+    assert compiled.std() > 0.2 * eager.std()
+    spread = (eager.var() / 40 + compiled.var() / 40).sqrt()
+    assert abs(compiled.mean() - eager.mean()) < 4 * spread, (eager.mean(), compiled.mean())

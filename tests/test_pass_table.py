@@ -37,6 +37,7 @@ STAGE_FOLDERS = (
 # dotted name under ortrain.graph_passes).
 HELPERS = (
     "autodiff.context",  # the rules' emission context
+    "cleanup.export_cleanup",  # run by the export (ortrain/export.py), before the pipeline
     "autodiff.registry",  # the rule table
     "autodiff.rules.",  # the gradient rules (autodiff's table entries)
     "fusions._common",  # pattern helpers shared by the fusions

@@ -575,3 +575,39 @@ def test_dropout_between_layers() -> None:
         want = model(**batches[-1]).logits
     got = trainer.eval_step(**batches[-1])["output_1"]  # Out's second item
     assert_close(got.numpy(), want.numpy(), "eval logits")
+
+
+class _StackedRnn(torch.nn.Module):
+    def __init__(self, nonlinearity: str, bidirectional: bool):
+        super().__init__()
+        self.rnn = torch.nn.RNN(
+            4, 24, num_layers=3, dropout=0.5, nonlinearity=nonlinearity,
+            bidirectional=bidirectional, batch_first=True,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0].pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    "nonlinearity, bidirectional", [("tanh", False), ("relu", False), ("tanh", True)]
+)
+def test_rnn_draws_its_dropout_between_layers(nonlinearity: str, bidirectional: bool) -> None:
+    """``nn.RNN``'s inter-layer dropout: torch's decomposition, which the export traces,
+    drops it (the graph trained with none); ortrain exports the call layer by layer with
+    a Dropout between (``ortrain/export_functional.py``). The graph holds num_layers - 1
+    Dropouts of the module's ratio, and its mean loss over 24 draws (lr 0) is eager's
+    mean over 24 draws, not the loss without dropout."""
+    torch.manual_seed(0)
+    model = _StackedRnn(nonlinearity, bidirectional)
+    x = torch.randn(16, 5, 4, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = model.eval()(x).item()
+        model.train()
+        eager = np.mean([model(x).item() for _ in range(24)])
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    compiled = np.mean([trainer.train_step(x).item() for _ in range(24)])
+    drops = [n for n in trainer.train_graphs[0].graph if n.op_type == "Dropout"]
+    assert len(drops) == 2
+    assert {float(constant_tensor(n.inputs[1]).numpy()) for n in drops} == {0.5}
+    assert abs(compiled - eager) < 0.25 * abs(eager - plain), (plain, eager, compiled)

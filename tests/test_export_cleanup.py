@@ -1,0 +1,119 @@
+"""The exporter's own cleanup keeps the math: a tiny epsilon stays (an RMSNorm over a row
+of zeros divided by zero, NaN losses: Helium's default ``rms_norm_eps`` is 1e-8), and two
+Dropouts of one input keep two masks (its CSE merged them before they were seeded)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+
+from ortrain import ORTTrainer, TrainerOptions
+from ortrain.graph_passes.cleanup.export_cleanup import clean_export
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _model(nodes, inputs, outputs) -> ir.Model:
+    g = helper.make_graph(nodes, "g", inputs, outputs)
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.mark.parametrize("eps", [1e-8, 1e-9, 1e-12])
+def test_clean_export_keeps_a_tiny_epsilon_and_two_dropouts(eps):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "d")]
+    nodes = [
+        helper.make_node("Constant", [], ["eps"],
+                         value=helper.make_tensor("eps", TensorProto.FLOAT, [], [eps])),
+        helper.make_node("Constant", [], ["zero"],
+                         value=helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])),
+        helper.make_node("Constant", [], ["ratio"],
+                         value=helper.make_tensor("ratio", TensorProto.FLOAT, [], [0.5])),
+        helper.make_node("Constant", [], ["train"],
+                         value=helper.make_tensor("train", TensorProto.BOOL, [], [True])),
+        helper.make_node("Mul", ["x", "x"], ["sq"]),
+        helper.make_node("Add", ["sq", "eps"], ["v"]),
+        helper.make_node("Add", ["v", "zero"], ["v0"]),  # an exact no-op still goes
+        helper.make_node("Reciprocal", ["v0"], ["y"]),
+        helper.make_node("Dropout", ["x", "ratio", "train"], ["d1"]),
+        helper.make_node("Dropout", ["x", "ratio", "train"], ["d2"]),
+        helper.make_node("Mul", ["d1", "d2"], ["d"]),
+    ]  # fmt: skip
+    model = _model(nodes, [x], outs)
+    clean_export(model)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops["Add"] == 1 and ops["Dropout"] == 2, ops
+    proto = ir.serde.serialize_model(model)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = session.run(["y"], {"x": np.zeros((2, 3), np.float32)})[0]
+    np.testing.assert_array_equal(y, np.full((2, 3), np.float32(1) / np.float32(eps)))
+
+
+class _ZeroRows(torch.nn.Module):
+    """An RMSNorm (eps 1e-8) over embeddings whose padding row is zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16, padding_idx=0)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-8)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_an_rmsnorm_over_zero_rows_trains_like_eager_as_one_graph():
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(1, 32, (4, 7), generator=g)
+        ids[:, 5:] = 0  # padding tokens: rows of zeros into the norm
+        labels = torch.randint(0, 5, (4, 7), generator=g).masked_fill(ids == 0, -100)
+        batches.append((ids, labels))
+    torch.manual_seed(0)
+    eager = _ZeroRows()
+    compiled = _ZeroRows()
+    compiled.load_state_dict(eager.state_dict())
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.5)
+    trainer = ORTTrainer(compiled, torch.optim.SGD(compiled.parameters(), lr=0.5),
+                         TrainerOptions(fallback="off"))  # fmt: skip
+    for ids, labels in batches:
+        loss_e = eager(ids, labels)
+        loss_e.backward()
+        opt_e.step()
+        opt_e.zero_grad()
+        loss_o = trainer.train_step(ids, labels)
+        assert torch.isfinite(torch.as_tensor(loss_o))
+        torch.testing.assert_close(float(loss_o), float(loss_e), rtol=1e-5, atol=1e-6)
+    assert trainer.program.whole and trainer.segments is None
+    trainer.sync_to_module()
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _TwoDropouts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale
+        return (F.dropout(h, 0.5, self.training) * F.dropout(h, 0.5, self.training)).mean()
+
+
+def test_two_dropouts_of_one_input_draw_two_masks():
+    # E[d1 * d2] = mean(x²) for independent masks, twice that for one mask drawn twice
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    model = _TwoDropouts()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), TrainerOptions())
+    ratio = float(trainer.train_step(x)) / float(x.pow(2).mean())
+    assert 0.85 < ratio < 1.15, ratio
