@@ -30,6 +30,11 @@
    product``. With ``beta=0`` torch ignores ``self`` (its NaN and inf do not propagate:
    a buffer from ``torch.empty``); the exporter's functions multiply it by 0 (NaN). Here
    ``self`` is left out where beta is 0, and a factor of 1 is no op.
+6. ``aten::bernoulli`` (``torch.bernoulli(p)``, a tensor of probabilities): the
+   exporter's function is ONNX's ``Bernoulli``, whose ONNX Runtime CPU kernel draws 1 with
+   probability ``1 - p`` (measured: p = 0.1 gave 0.9 ones), so a stochastic mask or
+   binarization trained on the complement. Here it is ``RandomUniformLike(p) < p``, as
+   the exporter already spells ``bernoulli.p`` (a scalar probability).
 """
 
 from __future__ import annotations
@@ -182,8 +187,18 @@ def _addr(self: Any, vec1: Any, vec2: Any, beta: float = 1.0, alpha: float = 1.0
     return _scaled_sum(op, self, outer, beta, alpha)
 
 
+def _bernoulli(self: Any) -> Any:
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    p = op.Cast(self, to=ir.DataType.FLOAT)
+    drawn = op.Less(op.RandomUniformLike(p, low=0.0, high=1.0), p)
+    return op.CastLike(drawn, self)
+
+
 def aten_translations() -> dict[Callable, Callable]:
     return {
+        torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.baddbmm.default: _baddbmm,
         torch.ops.aten.addbmm.default: _addbmm,
         torch.ops.aten.addmv.default: _addmv,

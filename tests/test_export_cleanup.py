@@ -117,3 +117,49 @@ def test_two_dropouts_of_one_input_draw_two_masks():
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), TrainerOptions())
     ratio = float(trainer.train_step(x)) / float(x.pow(2).mean())
     assert 0.85 < ratio < 1.15, ratio
+
+
+@pytest.mark.parametrize("cleanup", ["export", "forward"])
+def test_a_dropout_of_a_constant_is_not_folded(cleanup):
+    from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
+
+    c = helper.make_tensor("c", TensorProto.FLOAT, [64], np.linspace(1, 2, 64).tolist())
+    nodes = [
+        helper.make_node("Constant", [], ["ratio"],
+                         value=helper.make_tensor("ratio", TensorProto.FLOAT, [], [0.5])),
+        helper.make_node("Constant", [], ["train"],
+                         value=helper.make_tensor("train", TensorProto.BOOL, [], [True])),
+        helper.make_node("Constant", [], ["const"], value=c),
+        helper.make_node("Dropout", ["const", "ratio", "train"], ["d"], seed=3),
+        helper.make_node("Mul", ["x", "d"], ["y"]),
+    ]  # fmt: skip
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])
+    model = _model(nodes, [x], [y])
+    (clean_export if cleanup == "export" else clean_forward)(model)
+    assert [n.op_type for n in model.graph].count("Dropout") == 1
+
+
+class _DropsAConstant(torch.nn.Module):
+    """Funnel's pattern: dropout of sinusoid position embeddings, built from constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.sin(torch.arange(x.shape[1] * 16, dtype=torch.float32) / 7.0)
+        return (self.proj(x) + self.drop(pos.view(x.shape[1], 16))).pow(2).mean()
+
+
+def test_a_dropout_of_a_constant_draws_a_mask_every_step():
+    """Folded, the mask was drawn once at build time: every step the same loss, and the
+    first step (checked with dropout off) disagreed with eager."""
+    torch.manual_seed(0)
+    model = _DropsAConstant()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                         TrainerOptions(fallback="off"))  # fmt: skip
+    x = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(0))
+    losses = [trainer.train_step(x).item() for _ in range(4)]
+    assert trainer.program.whole and len(set(losses)) == 4, losses

@@ -33,14 +33,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
+from ortrain.core.names import RANDOM_OPS
 from ortrain.graph_passes.cleanup.fold_transpose_gemm import fold_transposes, replace_node
 from ortrain.graph_passes.infra.tags import is_backward
 
 FOLD_OUTPUT_LIMIT = 1024  # elements: larger constants stay computed (zeros, ones)
-RANDOM_OPS = frozenset(
-    {"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-     "Bernoulli", "Multinomial"}
-)  # fmt: skip
 _STD = ("", "ai.onnx")
 
 

@@ -1,7 +1,7 @@
-"""The exporter's cleanup of its own output, without its two ways of changing the math.
+"""The exporter's cleanup of its own output, without its ways of changing the math.
 
 ``torch.onnx``'s ``ONNXProgram.optimize()`` runs onnxscript's ``optimize_ir``: constant
-folding, the default rewrite rules, dead code, CSE. Two of those change what a training
+folding, the default rewrite rules, dead code, CSE. Three of those change what a training
 graph computes:
 
 - its no-op rules match ``x + 0`` within an absolute tolerance of 1e-8, so an RMSNorm's
@@ -9,10 +9,13 @@ graph computes:
   a padding embedding) divided by zero: NaN losses (Helium's default ``rms_norm_eps``);
 - its CSE merges two Dropouts of one input (ONNX Runtime's Dropout is random, but onnx_ir
   treats only the Random* ops as such), so ``dropout(h) * dropout(h)`` drew one mask
-  where eager draws two.
+  where eager draws two;
+- its folder evaluates a training Dropout of a constant (Funnel drops out its sinusoid
+  position embeddings): one mask drawn at build time, the same at every step.
 
-Here: the same folding and dead-code removal with ``forward_cleanup``'s exact no-op rules,
-and no CSE (``clean_forward`` runs it once every Dropout carries its own seed).
+Here: the same folding with nothing that draws folded, dead-code removal, and
+``forward_cleanup``'s exact no-op rules; no CSE (``clean_forward`` runs it once every
+Dropout carries its own seed).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import onnx_ir.passes.common as common_passes
 from onnxscript import rewriter
 from onnxscript.optimizer import _constant_folding
 
-from ortrain.graph_passes.cleanup.forward_cleanup import CLEANUP_RULES
+from ortrain.graph_passes.cleanup.forward_cleanup import CLEANUP_RULES, not_random
 
 
 def clean_export(model: ir.Model) -> bool:
@@ -35,6 +38,7 @@ def clean_export(model: ir.Model) -> bool:
                     shape_inference=True,
                     input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
                     output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                    should_fold=not_random,
                 ),
                 rewriter.RewritePass(CLEANUP_RULES),
                 common_passes.RemoveUnusedNodesPass(),

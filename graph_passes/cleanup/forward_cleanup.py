@@ -11,7 +11,8 @@ megabytes to the model.
 Run it after ``seed_dropouts``: every Dropout then carries its own seed, so CSE cannot
 merge two independent Dropouts that read one input.
 
-The pass list is onnxscript's ``optimize_ir`` with one change: its no-op rules match the
+The pass list is onnxscript's ``optimize_ir`` with two changes: nothing that draws random
+numbers is folded (``not_random``), and its no-op rules match the
 constant with a tolerance (``x + 0`` also matches ``x + 1e-12``, which deleted a
 LayerNorm's epsilon and divided by a zero variance); here ``x + c``, ``x - c``, ``x * c``
 and ``x / c`` are dropped only for a one-element ``c`` exactly 0 or 1 that does not
@@ -28,6 +29,7 @@ from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.rules.common import _no_op
 
+from ortrain.core.names import RANDOM_OPS
 from ortrain.graph_passes.infra.constant_value import constant_tensor
 
 FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
@@ -52,6 +54,7 @@ def clean_forward(model: ir.Model) -> bool:
                     shape_inference=True,
                     input_size_limit=FOLD_INPUT_LIMIT,
                     output_size_limit=FOLD_OUTPUT_LIMIT,
+                    should_fold=not_random,
                 ),
                 rewriter.RewritePass(CLEANUP_RULES),
                 common_passes.RemoveUnusedNodesPass(),
@@ -70,6 +73,14 @@ def clean_forward(model: ir.Model) -> bool:
         common_passes.NameFixPass(),
     )
     return cleanup(model).modified
+
+
+def not_random(node: ir.Node) -> bool | None:
+    """Never fold an op that draws (None: the folder's own rules decide). onnxscript's
+    folder skips its Random* ops but evaluates a training Dropout or a Bernoulli whose
+    inputs are constants: one mask drawn at build time, the same at every step (Funnel's
+    dropout of its sinusoid position embeddings)."""
+    return False if node.op_type in RANDOM_OPS else None
 
 
 class ExactNoOp(pattern.RewriteRuleClassBase):

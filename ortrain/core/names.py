@@ -21,6 +21,12 @@ STOP_GRADIENT = "StopGradient"
 # metadata of an inference-mode BatchNormalization fed its batch's statistics: its gradient
 # is training mode's (graph_passes/targets/cpu/batch_norm_training.py)
 BATCH_STATISTICS = "ortrain.batch_statistics"
+# ops that draw random numbers when run: never folded into a constant (a mask drawn once
+# at build time), merged, or moved
+RANDOM_OPS = frozenset(
+    {"Dropout", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout", "RandomNormal",
+     "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
+)  # fmt: skip
 
 
 class GradientError(RuntimeError):

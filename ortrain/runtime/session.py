@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 
 from ortrain.core.errors import DeviceError
-from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
+from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN, RANDOM_OPS
 from ortrain.runtime import cpu_ops
 
 if TYPE_CHECKING:
@@ -360,23 +360,9 @@ def make_session(
 
 _RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 
-# Ops that draw random numbers. ONNX Runtime's CUDA kernels take their Philox seed and
+# RANDOM_OPS (ortrain.core.names): ONNX Runtime's CUDA kernels take their Philox seed and
 # offset from a generator on the host as kernel arguments: a captured CUDA graph replays
 # the first step's arguments, so every replay draws the same numbers.
-RANDOM_OPS = frozenset(
-    {
-        "Dropout",
-        "BiasDropout",
-        "BitmaskDropout",
-        "BitmaskBiasDropout",
-        "RandomNormal",
-        "RandomNormalLike",
-        "RandomUniform",
-        "RandomUniformLike",
-        "Bernoulli",
-        "Multinomial",
-    }
-)
 
 
 def random_nodes(model: ir.Model) -> list[tuple[str, str]]:
