@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain.eager_steps import EagerSteps
-from ortrain.export import warn_sdpa
 from ortrain.forked import IN_PROCESS_ENV, ForkedJob, can_fork
 
 if TYPE_CHECKING:
@@ -69,7 +68,6 @@ class BackgroundBuild:
 
     def start(self, batch: dict[str, Any]) -> None:
         ctx = self.ctx
-        warn_sdpa(ctx.module)
         job = ctx.graphs.train_job(batch, ctx.settings())
         cache, parent = ctx.graph_cache, os.getpid()
 

@@ -326,19 +326,6 @@ def _attention_dropout(module: torch.nn.Module) -> float:
     )
 
 
-def warn_sdpa(module: torch.nn.Module) -> None:
-    """Warn when the attention dropout of an sdpa model would be lost in the export: the
-    exporter drops SDPA's dropout, and the model cannot switch to eager attention."""
-    p = _attention_dropout(module)
-    if p > 0 and not hasattr(module, "set_attn_implementation"):
-        warnings.warn(
-            f"{type(module).__name__} uses attn_implementation='sdpa': its attention-probability "
-            f"dropout (p={p}) is lost in ONNX export. Build the model with "
-            "attn_implementation='eager' to keep it.",
-            stacklevel=3,
-        )
-
-
 @contextlib.contextmanager
 def _eager_attention_for_dropout(module: torch.nn.Module, train: bool):
     """Export a training graph of an sdpa model with attention dropout through HF's eager
@@ -347,13 +334,8 @@ def _eager_attention_for_dropout(module: torch.nn.Module, train: bool):
     if switch:
         try:
             module.set_attn_implementation("eager")
-        except (ValueError, ImportError) as exc:  # a model without eager attention
-            switch = False
-            warnings.warn(
-                f"{type(module).__name__}: attention-probability dropout is lost in ONNX "
-                f"export (sdpa, and no eager attention: {first_line(exc)})",
-                stacklevel=4,
-            )
+        except (ValueError, ImportError):  # no eager attention: sdpa's dropout is kept
+            switch = False  # by the export's own attention (export_functional.py, 6.)
     try:
         yield
     finally:
@@ -375,7 +357,6 @@ def export_forward(
     (``ortrain/forked.py``): what dynamo and the exporter leave behind (never returned to
     the OS) stays out of this process.
     """
-    warn_sdpa(module)
     export = functools.partial(export_here, module, batch, train, loss_fn, with_outputs)
     if not can_fork(_tensors(module, batch)):
         return export()

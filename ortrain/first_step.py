@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ortrain.core.names import IN_BACKWARD_STATES, state_key
+from ortrain.core.names import DROPOUT_OPS, IN_BACKWARD_STATES, state_key
 from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
 from ortrain.forked import call_forked, can_fork
 from ortrain.python_state import changed_every_call, kept
@@ -37,6 +37,7 @@ from ortrain.verify import (
     eager_loss_and_grads,
     graph_step_mismatches,
     in_mode,
+    lost_dropout,
     module_of,
     no_dropout,
     report,
@@ -219,26 +220,15 @@ class EagerSide:
             reference=reference,
         )
         self.seconds += seconds
-        if not self.any_rank(bool(bad)):
-            self._warn_lost_dropout(graph, sites)
+        drawn = sum(op in DROPOUT_OPS for op, _ in graph.random_ops)
+        lost = lost_dropout(sites, drawn)
+        if not self.any_rank(bool(bad) or lost is not None):
             return ""
-        if not bad:
+        if not bad and lost is None:
             return "another rank's first step disagrees with eager"
         what = f"{type(self.module).__name__}'s training graph"
+        bad = [*bad, lost] if lost is not None else bad
         return report(what, bad, {m.name: module_of(m.name) for m in bad}, limit=3)
-
-    def _warn_lost_dropout(self, graph: BuiltGraph, eager_sites: int) -> None:
-        if not eager_sites:
-            return
-        drawn = len([n for n in graph.random_ops if n[0] == "Dropout"])
-        if drawn < eager_sites:
-            warnings.warn(
-                f"ortrain: {type(self.module).__name__} draws dropout at {eager_sites} place(s) "
-                f"in eager and its training graph at {drawn}: the export dropped some, and "
-                "the graph trains without them (the first step was checked with dropout "
-                "off, where the two agree)",
-                stacklevel=7,
-            )
 
     def outputs(self, batch: Mapping[str, Any], check: bool = False) -> dict[str, torch.Tensor]:
         """What an evaluation graph returns, from eager PyTorch in eval mode (case 3);

@@ -43,7 +43,7 @@ from ortrain.core.names import UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
 from ortrain.core.own_hooks import users_hooks
 from ortrain.distributed import join_process_group
-from ortrain.export import LossFn, warn_sdpa
+from ortrain.export import LossFn
 from ortrain.first_step import EagerSide
 from ortrain.forked import call_forked, can_fork
 from ortrain.loss_scaler import LossScaler
@@ -548,7 +548,6 @@ class ProgramContext:
 
     def run_build(self, job: Callable[[], T], batch: Mapping[str, Any]) -> T:
         """``job`` in a forked child where possible (``ortrain/build.py``)."""
-        warn_sdpa(self.module)
         tensors = [*self.state.params.values(), *self.state.buffers.values()]
         tensors += [v for v in batch.values() if isinstance(v, torch.Tensor)]
         if can_fork(tensors):

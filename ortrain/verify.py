@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -407,6 +408,19 @@ def eager_loss_and_grads(
     by_name = dict(zip(params, written, strict=True))
     found = dict(zip(names, with_written(grads, [by_name[n] for n in names])))
     return loss.detach(), found, mode.sites, time.perf_counter() - start
+
+
+def lost_dropout(eager_sites: int, drawn: int) -> Mismatch | None:
+    """Where the graph draws dropout at fewer places than eager: the export lost some (the
+    check runs with dropout off, where the two agree), and the graph would train without
+    them. Named as a mismatch, so the module trains in eager (or the build stops)."""
+    if drawn >= eager_sites:
+        return None
+    why = (
+        f"dropout: eager draws it at {eager_sites} place(s), the graph at {drawn} (the "
+        "export lost some)"
+    )
+    return Mismatch(why, math.inf, 0.0, 0.0)
 
 
 def report(

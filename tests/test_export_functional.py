@@ -294,3 +294,33 @@ def test_attention_dropout_is_drawn_in_the_graph() -> None:
     assert compiled.std() > 0.2 * eager.std()
     spread = (eager.var() / 40 + compiled.var() / 40).sqrt()
     assert abs(compiled.mean() - eager.mean()) < 4 * spread, (eager.mean(), compiled.mean())
+
+
+def test_an_export_that_loses_a_dropout_is_caught_at_the_first_step(monkeypatch) -> None:
+    """The check runs with dropout off, where a graph without a dropout agrees with eager;
+    it also counts the places each draws. An export that loses one (here the exporter's
+    own attention, which has no dropout) raises with ``fallback="off"`` and trains the
+    module in eager with ``fallback="auto"``, as eager draws."""
+    from ortrain import export_functional
+    from ortrain.core.errors import VerificationError
+
+    monkeypatch.setitem(export_functional.SWAPS, "scaled_dot_product_attention",
+                        F.scaled_dot_product_attention)  # fmt: skip
+    x = torch.randn(6, 7, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _Attends()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                         TrainerOptions(fallback="off"))  # fmt: skip
+    with pytest.raises(VerificationError, match=r"dropout: eager draws it at 1 place\(s\), "
+                       r"the graph at 0"):  # fmt: skip
+        trainer.train_step(x)
+    with torch.no_grad():
+        eager = torch.tensor([model(x).item() for _ in range(40)])
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    with pytest.warns(UserWarning, match="dropout: eager draws it at 1"):
+        compiled = torch.tensor([trainer.train_step(x).item() for _ in range(40)])
+    kinds = {s.module: s.kind for s in trainer.program.segments}
+    assert not trainer.program.whole and kinds.get("proj") == "compiled", kinds
+    spread = (eager.var() / 40 + compiled.var() / 40).sqrt()
+    assert compiled.std() > 0.2 * eager.std()
+    assert abs(compiled.mean() - eager.mean()) < 4 * spread, (eager.mean(), compiled.mean())

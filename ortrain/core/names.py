@@ -27,6 +27,7 @@ RANDOM_OPS = frozenset(
     {"Dropout", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout", "RandomNormal",
      "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
 )  # fmt: skip
+DROPOUT_OPS = frozenset({"Dropout", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 
 
 class GradientError(RuntimeError):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ortrain.core.build_config import BuildConfig, BuildInputs
-from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN, DROPOUT_SWITCH_INPUT
+from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN, DROPOUT_OPS, DROPOUT_SWITCH_INPUT
 from ortrain.core.roles import GraphIO, Role
 from ortrain.segments.calls import Call, Result
 
@@ -41,6 +41,7 @@ class GraphBytes:
     planned_peak_bytes: int = 0  # what ``make_session`` sizes the CPU arena by
     # random ops besides the switchable Dropouts: no check against eager can compare them
     draws: tuple[str, ...] = ()
+    dropouts: int = 0  # the Dropouts it draws (the check compares eager's count)
     wrong_optimizers: tuple[str, ...] = ()  # ``session.optimizers_to_disable``
 
     @property
@@ -77,7 +78,8 @@ def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
     from ortrain.graph_passes.infra.serialize import serialize_for_ort
     from ortrain.runtime.session import optimizers_to_disable, random_nodes
 
-    draws = tuple(sorted({op for op, _ in random_nodes(model) if op != "Dropout"}))
+    drawn = [op for op, _ in random_nodes(model)]
+    draws = tuple(sorted({op for op in drawn if op != "Dropout"}))
     data, recomputes = serialize_for_ort(model)
     inputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.inputs]
     outputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.outputs]
@@ -96,6 +98,7 @@ def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
         CPU_DOMAIN in model.opset_imports,
         types,
         draws=draws,
+        dropouts=sum(op in DROPOUT_OPS for op in drawn),
         wrong_optimizers=optimizers_to_disable(model),
     )
 

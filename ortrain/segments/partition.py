@@ -56,6 +56,7 @@ from ortrain.verify import (
     in_float64,
     in_float64_run,
     in_mode,
+    lost_dropout,
     no_dropout,
     restoring,
     with_written,
@@ -140,10 +141,11 @@ def _structure(module: torch.nn.Module, key: Key) -> tuple:
 
 def _eager_call(
     module: torch.nn.Module, call: Call, runner: SegmentRunner, seeds: list | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor], list]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor], list, int]:
     """Eager ``module(*call)`` without dropout, in the module's dtype: (its tensors with
     grad as they require it, the gradients of those and of ``runner.grad_params`` for
-    output gradients ``seeds`` (drawn when None), the outputs, the seeds)."""
+    output gradients ``seeds`` (drawn when None), the outputs, the seeds, the places it
+    would have drawn dropout)."""
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     tensors = [
         (t.detach().to(dtype) if t.is_floating_point() else t.detach())
@@ -161,7 +163,7 @@ def _eager_call(
         written_grads(list(params.values())) as written,
         kept(module),
         restoring(list(module.buffers())),
-        no_dropout(),
+        no_dropout() as skipped,
         torch.enable_grad(),
     ):
         out = _original_forward(module)(*args, **kwargs)
@@ -189,7 +191,7 @@ def _eager_call(
         *grads[: len(inputs)],
         *with_written(grads[len(inputs) :], [by_name[n] for n in trainable(module)]),
     ]
-    return tensors, grads, [o.detach() for o in outs], seeds
+    return tensors, grads, [o.detach() for o in outs], seeds, skipped.sites
 
 
 def trainable(module: torch.nn.Module) -> list[str]:
@@ -228,7 +230,7 @@ def verify_call(
 def _verify_call(
     module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
 ) -> list[Mismatch]:
-    tensors, grads, outs, seeds = _eager_call(module, call, runner, None)
+    tensors, grads, outs, seeds, sites = _eager_call(module, call, runner, None)
     with restoring(list(module.buffers())), runner.dropout(False), torch.no_grad():
         couts, saved = runner.forward(module, tensors)
         zeros = [torch.zeros_like(o) if s is None else s for o, s in zip(couts, seeds)]
@@ -244,11 +246,12 @@ def _verify_call(
         module64 = in_float64(module)  # a copy: the modes it runs in, each sub-module's
         exact_call = in_float64_run(lambda: _eager_call(module64, call, runner, seeds))
         if exact_call is not None:
-            t64, g64, o64, _ = exact_call
+            t64, g64, o64, _, _ = exact_call
             exact_out, exact = _named(module64, t64, g64, o64)
             bad_out = confirm(bad_out, got_out, want_out, exact_out, tol.loss)
             bad = confirm(bad, got, want, exact, tol.grad)
-    return bad_out + bad
+    lost = lost_dropout(sites, runner.graphs.forward.dropouts)
+    return bad_out + bad + ([lost] if lost is not None else [])
 
 
 @dataclasses.dataclass
