@@ -37,6 +37,7 @@ from ortrain.buffer_updates import (
 from ortrain.core.errors import ExportError, first_line
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export_aten import aten_translations
+from ortrain.export_attention import draw_attention_dropout
 from ortrain.export_decompositions import exporter_decompositions
 from ortrain.export_functional import functional_for_export
 from ortrain.export_hints import without_value_hints
@@ -614,6 +615,7 @@ def trace_to_onnx(
                 after=first_batch,
                 returned=returned,
             )
+            draw_attention_dropout(program.model)  # before the cleanup removes it
             # not program.optimize(): its no-op rules drop an epsilon below 1e-8 and its
             # CSE merges Dropouts of one input (graph_passes/cleanup/export_cleanup.py)
             clean_export(program.model)

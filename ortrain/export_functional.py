@@ -29,11 +29,6 @@ model exports (``functional_for_export``; eager PyTorch is untouched):
    test of the layer index is always false), so the graph trained without it. Here the
    call is made one layer at a time with ``torch.dropout`` between, as eager's kernel
    draws it (``nn.LSTM`` / ``nn.GRU`` export their dropout already).
-6. ``F.scaled_dot_product_attention`` with ``dropout_p > 0``: the exporter's translation
-   has no dropout, so the graph attended without it. The version here spells the
-   attention out (scaled products, the causal and given masks, softmax, ``torch.dropout``
-   of the probabilities, the product with the values; a row masked whole gives zeros),
-   as eager's math kernel computes it; with ``dropout_p == 0`` the call is torch's own.
 """
 
 from __future__ import annotations
@@ -174,43 +169,6 @@ def _embedding_bag(
     return total if mode == "sum" else total / (member.t() @ counted[:, None]).clamp(min=1)
 
 
-_SDPA = F.scaled_dot_product_attention
-
-
-def _sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    if not dropout_p:
-        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                     enable_gqa=enable_gqa)  # fmt: skip
-    if enable_gqa:  # key/value heads shared by groups of query heads
-        groups = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(groups, -3)
-        value = value.repeat_interleave(groups, -3)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = query @ key.transpose(-2, -1) * scale
-    lq, lk = query.shape[-2], key.shape[-2]
-    if is_causal:
-        keep = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
-    probs = torch.softmax(scores, -1)
-    if is_causal or attn_mask is not None:  # a row masked whole attends to nothing (torch's)
-        probs = probs.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
-    return torch.dropout(probs, dropout_p, True) @ value
-
-
 class _LayeredRNN:
     """``torch._VF`` as ``nn.RNN`` reads it, with ``rnn_tanh`` / ``rnn_relu`` in training
     with inter-layer dropout called layer by layer (item 5); everything else is torch's."""
@@ -254,7 +212,6 @@ SWAPS = {
     "cosine_similarity": _cosine_similarity,
     "embedding": _embedding,
     "embedding_bag": _embedding_bag,
-    "scaled_dot_product_attention": _sdpa,
 }
 
 

@@ -231,57 +231,37 @@ def test_embedding_bag_with_padding_trains_compiled_like_eager(mode, layout, wei
         torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize(
-    "case", ["plain", "causal", "bool mask", "float mask", "gqa", "scale", "row masked whole"]
-)
-def test_attention_spelled_out_is_torchs_attention(case: str, monkeypatch) -> None:
-    """The exported form of ``F.scaled_dot_product_attention(dropout_p > 0)`` with its
-    dropout the identity: torch's attention without dropout, element by element."""
-    from ortrain import export_functional
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
-    kw: dict = {}
-    if case == "causal":
-        kw["is_causal"] = True
-    if case in ("bool mask", "row masked whole"):
-        mask = torch.rand(5, 5, generator=g) > 0.3
-        mask[:, 0] = True
-        if case == "row masked whole":
-            mask[2] = False
-        kw["attn_mask"] = mask
-    if case == "float mask":
-        kw["attn_mask"] = torch.randn(2, 1, 5, 5, generator=g)
-    if case == "gqa":
-        k, v, kw["enable_gqa"] = k[:, :2], v[:, :2], True
-    if case == "scale":
-        kw["scale"] = 0.7
-    want = F.scaled_dot_product_attention(q, k, v, **kw)
-    if case == "row masked whole":
-        assert (want[:, :, 2] == 0).all()  # torch's: nothing to attend to, zeros
-    monkeypatch.setattr(torch, "dropout", lambda x, p, train: x)
-    got = export_functional._sdpa(q, k, v, dropout_p=0.3, **kw)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+_SDPA = F.scaled_dot_product_attention  # a reference taken at import, as user code does
 
 
 class _Attends(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, form: str = "F") -> None:
         super().__init__()
+        self.form = form
         self.proj = torch.nn.Linear(8, 24)
+        self.mha = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "MultiheadAttention":
+            out = self.mha(x, x, x, need_weights=False)[0]
+            return out.pow(2).sum(-1).mean()
         q, k, v = self.proj(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+        if self.form == "captured, bool mask, grouped heads":
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+            out = _SDPA(q, k[:, :1], v[:, :1], attn_mask=mask, dropout_p=0.5, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
         return out.pow(2).sum(-1).mean()
 
 
-def test_attention_dropout_is_drawn_in_the_graph() -> None:
-    """``F.scaled_dot_product_attention(dropout_p=0.5)`` called by the model: the graph
-    drops the probabilities (its translation had no dropout: a constant loss at lr 0),
-    its first step agrees with eager's with dropout off (``fallback="off"`` raises
-    otherwise), and its mean loss over 40 draws is eager's mean over 40 draws."""
+@pytest.mark.parametrize("form", ["F", "captured, bool mask, grouped heads", "MultiheadAttention"])
+def test_attention_dropout_is_drawn_in_the_graph(form: str) -> None:
+    """``F.scaled_dot_product_attention(dropout_p=0.5)`` however the model reaches it: the
+    graph drops the probabilities (the exporter's translation wrote an inference-mode
+    Dropout: a constant loss at lr 0), its first step agrees with eager's with dropout off
+    (``fallback="off"`` raises otherwise), and its mean loss over 40 draws is eager's."""
     torch.manual_seed(0)
-    model = _Attends()
+    model = _Attends(form)
     x = torch.randn(6, 7, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         eager = torch.tensor([model(x).item() for _ in range(40)])
@@ -299,13 +279,13 @@ def test_attention_dropout_is_drawn_in_the_graph() -> None:
 def test_an_export_that_loses_a_dropout_is_caught_at_the_first_step(monkeypatch) -> None:
     """The check runs with dropout off, where a graph without a dropout agrees with eager;
     it also counts the places each draws. An export that loses one (here the exporter's
-    own attention, which has no dropout) raises with ``fallback="off"`` and trains the
-    module in eager with ``fallback="auto"``, as eager draws."""
-    from ortrain import export_functional
+    attention as it comes, whose Dropout is in inference mode) raises with
+    ``fallback="off"`` and trains the module in eager with ``fallback="auto"``, as eager
+    draws."""
+    from ortrain import export
     from ortrain.core.errors import VerificationError
 
-    monkeypatch.setitem(export_functional.SWAPS, "scaled_dot_product_attention",
-                        F.scaled_dot_product_attention)  # fmt: skip
+    monkeypatch.setattr(export, "draw_attention_dropout", lambda model: 0)
     x = torch.randn(6, 7, 8, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     model = _Attends()
