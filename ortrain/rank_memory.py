@@ -20,7 +20,10 @@ the process's own bytes, and the measured resident peak they should add up to:
     sessions         resident bytes that creating the ONNX Runtime sessions added
 
 ``total`` is their sum, except that the first step's whole parameters and a later step's
-buckets and gathers never coexist: the larger of the two is counted. A class the trainer
+buckets and gathers never coexist: the larger of the two is counted. On CPU a ZeRO rank's
+optimizer-state and gradient shards take memory only when first written (the first
+update, the first backward: ``runtime/zero_pages.py``), so the first step's whole
+parameters are counted without them. A class the trainer
 cannot see (eager code's own activations, a caller's tensors) is the difference between
 ``total`` and ``measured_peak``, shown as ``unaccounted``.
 """
@@ -91,6 +94,7 @@ class RankMemory:
     measured_peak: int
     measured_now: int
     graph: MemoryReport | None  # the whole-model gradient graph's plan, where there is one
+    lazy_state: bool = False  # gradient and optimizer-state shards untaken at the first step
 
     @classmethod
     def measure(
@@ -110,6 +114,7 @@ class RankMemory:
             buckets=4 * getattr(reducer, "peak_open_numel", 0),
             gathered=4 * getattr(reducer, "peak_gathered_numel", 0),
             first_step=4 * getattr(reducer, "first_step_numel", 0),
+            lazy_state=getattr(reducer, "lazy_state", False),
             activations=activations,
             sessions=sessions,
             measured_peak=peak_resident_bytes(),
@@ -122,16 +127,11 @@ class RankMemory:
         # the states' in-flight bytes are ``buckets + gathered``, listed on their own; the
         # first step's whole parameters are gone before any bucket or gather exists (the
         # plan is made on them, then they are sharded), so the larger of the two counts
+        # (on CPU with the shards of gradients and state not yet taken)
         s = self.states
-        return (
-            self.runtime
-            + s.parameters
-            + s.gradients
-            + s.optimizer_state
-            + max(self.buckets + self.gathered, self.first_step)
-            + self.activations
-            + self.sessions
-        )
+        steps = s.gradients + s.optimizer_state + self.buckets + self.gathered
+        first = self.first_step + (0 if self.lazy_state else s.gradients + s.optimizer_state)
+        return self.runtime + s.parameters + max(steps, first) + self.activations + self.sessions
 
     @property
     def unaccounted(self) -> int:

@@ -340,7 +340,9 @@ def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
                 if t.shape != shape:  # resized in place (an observer's first call)
                     t.resize_(shape)
                 if saved is None:
-                    t.zero_()
+                    # written? (reading leaves untaken zero pages untaken: zero_pages.py)
+                    if t.numel() and bool(t.any()):
+                        t.zero_()
                 else:
                     t.copy_(saved)
 

@@ -291,7 +291,29 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
     opt = trainer.optimizer
     estimate = estimate_memory(trainer.module, world, stage, opt, reduce_bucket_mb=ZERO2_BUCKET_MB)
     mid = RESUME_AT * ACCUM
+    # ZeRO-3: per acquire inside a backward, by a module other than the tied head, whether
+    # the tied table was whole then (its last reader is the head's backward: dropped there)
+    table_held: list[bool] = []
+    table_gathers = [0]  # gathers that brought the tied table (read twice in a forward)
+    if stage == 3:
+        home = trainer.reducer
+        acquire, start = home.acquire, home._start  # type: ignore[union-attr]
+        assert trainer.module.lm_head.weight is trainer.module.transformer.wte.weight
+
+        def watched(module: torch.nn.Module, only: Any = None) -> None:
+            acquire(module, only)
+            in_backward = torch._C._current_autograd_node() is not None
+            if in_backward and module is not trainer.module.lm_head:
+                table_held.append("transformer.wte.weight" in home.gathered)  # type: ignore[union-attr]
+
+        def counted(names: list[str]) -> Any:
+            table_gathers[0] += "transformer.wte.weight" in names
+            return start(names)
+
+        home.acquire = watched  # type: ignore[union-attr]
+        home._start = counted  # type: ignore[union-attr]
     losses = run(trainer, sched, batches, 0, mid)
+    table_gathers_mid = table_gathers[0]  # before the checkpoint's and evaluation's gathers
     reducer = trainer.reducer
     training_gathered = getattr(reducer, "peak_gathered_numel", 0)
     between = [p.numel() for p in trainer.module.parameters()]
@@ -328,6 +350,9 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "gathers_reused": getattr(getattr(reducer, "gather_pool", None), "reused", 0),
         "outputs_reused": segments.model.outputs.reused if segments.model.outputs else 0,
         "tied_rows_added": segments.model.tied.added_count,
+        "table_held_in_backward": table_held,
+        "table_gathers": table_gathers_mid,
+        "micro_steps_mid": mid,
         "numel_between_steps": sum(between),
         "param_shard": getattr(reducer, "param_shard", torch.empty(0)).numel(),
         "eval_loss": eval_loss,
@@ -399,7 +424,7 @@ def scenario_reorder(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {
         "losses": losses,
         "prefetched": reducer.prefetched_numel,  # type: ignore[union-attr]
-        "trace": [names[id(m)] for m in reducer._trace],  # type: ignore[union-attr]
+        "trace": [names[id(a.module)] for a in reducer._trace],  # type: ignore[union-attr]
     }
 
 

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from ortrain.runtime.buffer_pool import BufferPool, ReusePool
+from ortrain.runtime.buffer_pool import BufferPool, ReusePool, release_kept
 
 
 def test_a_buffer_given_back_is_handed_out_again_for_its_size():
@@ -139,3 +139,22 @@ def test_outputs_let_go_on_other_threads_come_back_counted():
         assert not held and pool.out_bytes == 0
         assert pool.free_bytes + pool.out_bytes <= pool.peak_bytes == 8 * 256 * 4
     assert pool.reused == 19 * 8
+
+
+def test_release_kept_lets_every_pools_kept_buffers_go():
+    """Before a ZeRO rank's first update takes its optimizer state's pages, the buffers
+    both kinds of pool keep for the next step go (their memory and that state's would
+    otherwise add up); what is handed out stays counted, and the pools fill again."""
+    flat, outputs = BufferPool(torch.device("cpu")), ReusePool()
+    a, b = flat.take(1000), flat.take(400)
+    flat.give(a)
+    out = outputs.empty((10, 10), torch.float32)
+    del out
+    assert flat.free_numel == 1000 and outputs.free_bytes == 400
+    release_kept()
+    assert flat.free_numel == 0 and outputs.free_bytes == 0
+    assert flat.out_numel == 400 and outputs.out_bytes == 0
+    again = flat.take(1000)  # made afresh: nothing kept to reuse
+    assert flat.reused == 0 and again.numel() == 1000
+    flat.give(b)
+    assert flat.free_numel == 400

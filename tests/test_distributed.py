@@ -239,6 +239,15 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
         # the tied embedding's rows went into the head's gradient of it on every micro-step
         assert r["tied_rows_added"] == END
         assert (r["gathers_reused"] > 0) == (stage == 3)
+        # ZeRO-3: the tied table is dropped after the head's backward, its last reader (the
+        # embedding's backward adds rows and reads no parameter): never whole while the
+        # blocks' backwards and the embedding's run
+        held = r["table_held_in_backward"]
+        assert (len(held) > 0) == (stage == 3) and not any(held)
+        # and gathered once per micro-step: kept from the embedding's forward to the head's,
+        # never again for the embedding's backward
+        if stage == 3:
+            assert r["table_gathers"] == r["micro_steps_mid"]
 
     # what each rank holds, measured from its tensors' storages, is what
     # ortrain.estimate_memory predicted before the run (up to the layout's alignment)

@@ -124,3 +124,8 @@ def test_the_first_steps_whole_parameters_and_later_gathers_count_once():
     assert bigger.total == base.total - 70 + 100
     smaller = dataclasses.replace(base, first_step=60)
     assert smaller.total == base.total
+    # on CPU the shards of gradients and state are not taken before the first backward and
+    # update: the first step's whole parameters are counted without them
+    lazy = dataclasses.replace(base, first_step=500, lazy_state=True)
+    assert lazy.total == 50 + 100 + 500 + 20 + 10  # not 100 + 200 more
+    assert dataclasses.replace(lazy, first_step=300).total == base.total  # 300 < 370

@@ -44,6 +44,7 @@ from ortrain.distributed.sharded_state import ShardedState
 from ortrain.runtime.buffer_pool import BufferPool
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
+from ortrain.runtime.zero_pages import lazy_zeros
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -115,8 +116,9 @@ class ShardedGradients(ShardedState):
 
     def _make_grads(self, state: TrainingState) -> torch.Tensor:
         self.flat_grads = None  # no whole gradients: only this rank's shard of their sums
-        shard = torch.zeros(self.config.layout.shard_numel, device=self.comm.device)
+        shard = lazy_zeros(self.config.layout.shard_numel, self.comm.device)
         state.shard_grads.append(shard)  # zeroed where an accumulation window starts
+        state.pristine_grads.add(id(shard))  # but not before the first: zeros already
         return shard
 
     def _adopt_grads(self, state: TrainingState) -> None:
@@ -235,6 +237,7 @@ class ShardedGradients(ShardedState):
 
     # ------------------------------------------------------------------ the update
     def update(self, run_update: Callable[[], None]) -> None:
+        self._make_room()
         if self._norm is not None:  # the shard holds the reduced sums already
             self._norm.run()
             self.comm.all_reduce(self.sq_norm)

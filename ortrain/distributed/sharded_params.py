@@ -8,9 +8,14 @@ becomes an empty placeholder, before that step's own forward. From then on:
 
     segment forward   its module's parameters are gathered (``acquire``: each owner
                       broadcasts its stretch of their range of the flat layout), the
-                      forward graph runs, they are dropped again (``release``)
-    segment backward  gathered again before the backward graph runs; each one is dropped
-                      when autograd has accumulated its gradient (the ZeRO-2 hook)
+                      forward graph runs, they are dropped again (``release``), except
+                      those a later forward call reads (a tied table: the embedding's,
+                      then the head's)
+    segment backward  gathered again before the backward graph runs, if it reads any
+                      (an embedding's backward adds rows and reads none); dropped after
+                      it where no later acquire reads them (``after_backward``: the tied
+                      table, whose gradient arrives only after the embedding's rows),
+                      else when autograd has accumulated their gradient (the ZeRO-2 hook)
     update            the shard's update graph writes ``param_shard`` in place: no
                       all-gather after it
 
@@ -20,7 +25,10 @@ parameters; from the next one on, acquiring a segment starts the gather of the o
 recorded after it, which travels while this one computes (ONNX Runtime releases the
 GIL during a run), and a segment whose backward comes right after its forward keeps its
 parameters between them. A micro-step that departs from the record stops prefetching
-and records afresh; every rank departs alike, so the collectives still match.
+and records afresh; every rank departs alike, so the collectives still match. A gather
+buffer goes back to the pool only if an acquire left in the micro-step takes one of its
+size; else it is freed (kept, it would sit idle at the end of the backward, where the
+step's memory peaks).
 
 Parameters that eager code reads (the root's forward, a module that fell back to eager,
 a weight tied by hand as ``h @ self.embed.weight.T``: ``segments/param_reads.py``) stay
@@ -36,6 +44,7 @@ for their duration (``materialized``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import time
@@ -74,6 +83,15 @@ class _Gather:
         self.pooled = pooled  # from the pool, and back to it when done
 
 
+@dataclasses.dataclass(frozen=True)
+class _Acquire:
+    """One acquire of a micro-step: whose parameters, which of them, for which pass."""
+
+    module: torch.nn.Module
+    names: frozenset[str]
+    backward: bool
+
+
 class ShardedParams(ShardedGradients):
     """ZeRO-3 (a ``Reducer`` and the segments' ``ParamHome``)."""
 
@@ -95,14 +113,24 @@ class ShardedParams(ShardedGradients):
         # buffer id -> [the buffer, its parameters still gathered]
         self._buffers: dict[int, list[Any]] = {}
         self.gather_pool = BufferPool(comm.device)  # gather buffers, reused step to step
-        # the segments' acquire order in a micro-step: recorded, then prefetched along
-        self._trace: list[torch.nn.Module] | None = None
-        self._recording: list[torch.nn.Module] = []
+        # the segments' acquires in a micro-step: recorded, then prefetched along; each
+        # name's last acquire in it (``after_backward``); per position, the buffer sizes
+        # the acquires from there on gather (``_give_back``)
+        self._trace: list[_Acquire] | None = None
+        self._last_use: dict[str, int] = {}
+        self._sizes_from: list[set[int]] = []
+        self._recording: list[_Acquire] = []
         self._pos = 0  # acquires so far in this micro-step
         self._following = False  # this micro-step has kept to the trace so far
         self._ahead: _Gather | None = None  # the prefetched gather, on its way
         self.prefetched_numel = 0  # parameter elements that arrived by prefetch so far
         self.whole: set[str] = set()  # read by eager code: whole on every rank (keep_whole)
+        # dropped inside a micro-step, where autograd may yet accumulate a gradient into
+        # them (a backward that reads no parameter does not gather them: an embedding's
+        # rows; ``after_backward``): stand-ins of their shape over no memory, NaN to
+        # anything that reads them, the empty placeholder again when the micro-step ends
+        self._standing: set[str] = set()
+        self._nan = torch.full((1,), float("nan"), device=comm.device)
 
     @property
     def sharded(self) -> bool:
@@ -121,48 +149,101 @@ class ShardedParams(ShardedGradients):
             self._names_of[id(module)] = names
         return names
 
-    def acquire(self, module: torch.nn.Module) -> None:
-        """``module``'s parameters whole (a collective: every rank calls it alike)."""
+    def _names_in(self, module: torch.nn.Module, params: Sequence[torch.Tensor]) -> frozenset[str]:
+        """The names of ``module``'s laid-out parameters among ``params``."""
+        read = {id(p) for p in params}
+        return frozenset(n for n in self._module_names(module) if id(self._params[n]) in read)
+
+    def acquire(self, module: torch.nn.Module, only: Sequence[torch.Tensor] | None = None) -> None:
+        """``module``'s parameters whole (``only``: those of them a graph reads; a
+        collective: every rank calls it alike)."""
         if not self.sharded:
             return
-        following = self._step_to(module)
+        names = self._module_names(module)
+        if only is not None and not self._names_in(module, only):
+            # a graph that reads none of them (an embedding's backward: rows of the
+            # gradient); one that reads some gathers them all, as the forward did (the
+            # same range: one buffer size, reused step to step)
+            names = []
+        following = self._step_to(_Acquire(module, frozenset(names), only is not None))
         if self._ahead is not None:  # on its way since the previous acquire
             ahead, self._ahead = self._ahead, None
             self._finish(ahead)
             if following:
                 self.prefetched_numel += ahead.buf.numel()
-        self._gather([n for n in self._module_names(module) if n not in self.gathered])
+        self._gather([n for n in names if n not in self.gathered])
         nxt = self._upcoming()
-        if following and nxt is not None and nxt is not module:
-            names = [n for n in self._module_names(nxt) if n not in self.gathered]
-            if names:
-                self._ahead = self._start(names)
+        if following and nxt is not None and nxt.module is not module:
+            ahead_names = [n for n in nxt.names if n not in self.gathered]
+            if ahead_names:
+                self._ahead = self._start(ahead_names)
 
     def release(self, module: torch.nn.Module) -> None:
         """Drop ``module``'s gathered parameters (after its forward), unless its own
-        backward is the next to acquire them."""
-        if self._following and self._upcoming() is module:
+        backward is the next to acquire them; those a later forward call of this
+        micro-step reads stay (a tied table, read by the embedding and again by the head:
+        gathered once per step)."""
+        nxt = self._upcoming()
+        if nxt is not None and nxt.module is module:
             return
-        self._drop(self._module_names(module))
+        again: set[str] = set()
+        for later in (self._trace or [])[self._pos :] if self._following else []:
+            if later.backward:
+                break
+            again |= later.names
+        self._drop([n for n in self._module_names(module) if n not in again])
 
-    def _step_to(self, module: torch.nn.Module) -> bool:
+    def after_backward(self, module: torch.nn.Module) -> None:
+        """Drop what ``module``'s backward read that no later acquire of the trace reads,
+        before autograd accumulates its gradient (a tied embedding's table is read by
+        the head's backward, and its gradient arrives only after the embedding's rows
+        at the end of the backward). Off the trace nothing goes early: a later graph
+        might read it."""
+        if not self._following:
+            return
+        k = self._pos - 1  # this backward's own acquire
+        done = [
+            n
+            for n in self._module_names(module)
+            if n in self.gathered and self._last_use.get(n, -1) <= k
+        ]
+        self._drop(done)
+
+    def _step_to(self, step: _Acquire) -> bool:
         """Advance along this micro-step's acquires; True while it keeps to the trace."""
         if not self._armed:  # evaluation, checkpoints: not part of a micro-step's order
             return False
         k = self._pos
         self._pos += 1
-        self._recording.append(module)
+        self._recording.append(step)
         trace = self._trace
         self._following = (
-            self._following and trace is not None and k < len(trace) and trace[k] is module
+            self._following
+            and trace is not None
+            and k < len(trace)
+            and trace[k].module is step.module
         )
         return self._following
 
-    def _upcoming(self) -> torch.nn.Module | None:
+    def _upcoming(self) -> _Acquire | None:
         trace = self._trace
         if not self._following or trace is None or self._pos >= len(trace):
             return None
         return trace[self._pos]
+
+    def _set_trace(self, trace: list[_Acquire]) -> None:
+        self._trace = trace
+        self._last_use = {n: k for k, a in enumerate(trace) for n in a.names}
+        sizes: list[set[int]] = [set() for _ in range(len(trace) + 1)]
+        for k in range(len(trace) - 1, -1, -1):
+            sizes[k] = sizes[k + 1] | ({self._span(trace[k].names)} if trace[k].names else set())
+        self._sizes_from = sizes
+
+    def _span(self, names: frozenset[str] | list[str]) -> int:
+        """Elements of the buffer gathering ``names`` (their range of the layout)."""
+        return max(self._entries[n].stop for n in names) - min(
+            self._entries[n].offset for n in names
+        )
 
     def hold(self, module: torch.nn.Module) -> None:
         """After a call of ``module`` that ran in eager: autograd keeps what it read, so
@@ -180,7 +261,11 @@ class ShardedParams(ShardedGradients):
         e, (lo, hi) = self._entries[name], self.config.layout.shard(self.config.rank)
         return (e.stop - e.offset) - max(0, min(e.stop, hi) - max(e.offset, lo))
 
-    def planned(self, order: Sequence[torch.nn.Module] = ()) -> None:
+    def planned(
+        self,
+        order: Sequence[torch.nn.Module] = (),
+        backward_reads: Sequence[Sequence[torch.Tensor]] = (),
+    ) -> None:
         if self.sharded:
             return
         self._shard_params()
@@ -188,7 +273,16 @@ class ShardedParams(ShardedGradients):
             # the first sharded micro-step's acquires as the recording saw the forward's
             # calls, then the backward's in reverse: its gathers are prefetched too (a
             # backward that goes otherwise departs from it, as any micro-step may)
-            self._trace = [*order, *reversed(order)]
+            fwd = [_Acquire(m, frozenset(self._module_names(m)), False) for m in order]
+            bwd = [_Acquire(a.module, a.names, True) for a in fwd]
+            if len(backward_reads) == len(order):  # as ``acquire`` will take them
+                bwd = [
+                    _Acquire(
+                        a.module, a.names if self._names_in(a.module, ps) else frozenset(), True
+                    )
+                    for a, ps in zip(fwd, backward_reads)
+                ]
+            self._set_trace([*fwd, *reversed(bwd)])
             self._following = True
 
     def _gather(self, names: list[str]) -> None:
@@ -248,8 +342,12 @@ class ShardedParams(ShardedGradients):
         for name in names:
             if name in self.gathered:
                 self.gathered.discard(name)
-                self._params[name].data = self._placeholder
-                self._state.params[name] = self._placeholder
+                stand_in = self._placeholder
+                if self._armed:  # autograd may yet accumulate into its shape
+                    stand_in = self._nan.expand(self._entries[name].shape)
+                    self._standing.add(name)
+                self._params[name].data = stand_in
+                self._state.params[name] = stand_in
                 key = self._buffer_of.pop(name)
                 held = self._buffers[key]
                 held[1] -= 1
@@ -259,8 +357,15 @@ class ShardedParams(ShardedGradients):
                     self._give_back(held[0], held[2])
 
     def _give_back(self, buf: torch.Tensor, pooled: bool) -> None:
-        if pooled:
-            self.gather_pool.give(buf)
+        if not pooled:
+            return
+        if self._following and buf.numel() not in self._sizes_from[self._pos]:
+            # no acquire left in this micro-step takes a buffer of its size (the tied
+            # table after the head's backward): kept, it would sit idle through the rest
+            # of the backward, where the step's memory peaks; made afresh next step
+            self.gather_pool.forget(buf)
+            return
+        self.gather_pool.give(buf)
 
     def _flat_buffer(self, numel: int) -> torch.Tensor:
         """On CPU the flat parameters live in an anonymous mapping of their own, so that
@@ -355,9 +460,8 @@ class ShardedParams(ShardedGradients):
                 yield
             if self._ahead is not None:  # the trace ran past this micro-step's acquires
                 self._finish(self._ahead)
-            kept = self._following and self._pos == len(self._trace or ())
-            if self.sharded and not kept:
-                self._trace = self._recording  # this micro-step's order, for the next
+            if self.sharded:  # this micro-step's order and reads, for the next
+                self._set_trace(self._recording)
         finally:  # frozen or unreached ones a backward gathered, or a failed step's
             if self._ahead is not None:  # a failed step's: its buffer goes with it
                 self._held -= self._ahead.buf.numel()
@@ -366,6 +470,11 @@ class ShardedParams(ShardedGradients):
                 self._ahead = None
             self._following = False
             self._drop(list(self.gathered))
+            for name in self._standing:  # between micro-steps: empty, as documented
+                if name not in self.gathered:
+                    self._params[name].data = self._placeholder
+                    self._state.params[name] = self._placeholder
+            self._standing.clear()
         if not self.sharded:
             self._shard_params()
 
@@ -387,6 +496,7 @@ class ShardedParams(ShardedGradients):
         return shard[start - lo : stop - lo]
 
     def update(self, run_update: Callable[[], None]) -> None:
+        self._make_room()
         if self._norm is not None:
             self._norm.run()
             self.comm.all_reduce(self.sq_norm)

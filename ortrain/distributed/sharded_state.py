@@ -37,8 +37,11 @@ from ortrain.graph_passes.training.zero import (
     build_shard_update_graph,
     check_shardable,
 )
+from ortrain.runtime.buffer_pool import release_kept
 from ortrain.runtime.flat_layout import UPDATE_CHAIN_NUMEL, Piece
+from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.session import BoundSession
+from ortrain.runtime.zero_pages import is_lazy, lazy_zeros
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -76,7 +79,11 @@ class ShardedState:
         )
         n = layout.shard_numel
         self.grad_shard = self._make_grads(training)  # this rank's gradients, reduced
-        self.state = {s: torch.zeros(n, device=comm.device) for s in self.config.state_names}
+        # first written by the first update: not resident before it (ZeRO-3's planning
+        # step holds whole parameters)
+        self.state = {s: lazy_zeros(n, comm.device) for s in self.config.state_names}
+        self.lazy_state = is_lazy(comm.device)  # state and gradient shards (``memory_report``)
+        self._state_untaken = self.lazy_state  # until the first update writes the state
         self.sq_norm = torch.zeros((), device=comm.device)
         self._norm: BoundSession | None = None
         # Parameters whose optimizer state is live: those with gradients, and those a
@@ -185,7 +192,16 @@ class ShardedState:
         return True
 
     # ------------------------------------------------------------------ running
+    def _make_room(self) -> None:
+        """Before the first update, which takes the optimizer state's pages: the buffers
+        kept for the next step go back, so that the two do not add up at one moment."""
+        if self._state_untaken:
+            self._state_untaken = False
+            release_kept()
+            trim_heap()
+
     def update(self, run_update: Callable[[], None]) -> None:
+        self._make_room()
         self.comm.reduce_scatter(self.flat_grads)  # other ranks' shards: left undefined
         if self._norm is not None:  # clipping/overflow check: every rank needs the global norm
             self._norm.run()

@@ -32,6 +32,16 @@ def _storage_users() -> Callable[[torch.Tensor], int] | None:
 
 _USERS = _storage_users()
 
+# every pool alive, for ``release_kept``
+_POOLS: weakref.WeakSet[BufferPool | ReusePool] = weakref.WeakSet()
+
+
+def release_kept() -> None:
+    """Let every pool's kept buffers go (once, before a ZeRO rank's first update takes its
+    optimizer state's pages: ``zero_pages.py``); the pools fill again from the next step."""
+    for pool in list(_POOLS):
+        pool.clear()
+
 
 class BufferPool:
     """1-D buffers of one dtype on one device, reused by size."""
@@ -43,6 +53,7 @@ class BufferPool:
         self.out_numel = 0  # elements handed out and not given back
         self.peak_numel = 0  # most elements handed out at once so far
         self.reused = 0  # buffers handed out again (a benchmark's and a test's figure)
+        _POOLS.add(self)
 
     def take(self, numel: int, zero: bool = False) -> torch.Tensor:
         """A buffer of ``numel`` elements (zeros with ``zero``, else whatever it held)."""
@@ -122,6 +133,12 @@ class ReusePool:
         # an output's last user may let go on another thread (a collective's worker holds
         # a gradient it reduces), and its finalizer may run inside ``empty`` (reentrant)
         self._lock = threading.RLock()
+        _POOLS.add(self)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.free_bytes = 0
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         with self._lock:

@@ -97,6 +97,9 @@ class TrainingState:
     update_in_eager: Callable[[str], None] | None = None
     # gradient sums kept other than per parameter (ZeRO-2: this rank's shard of them)
     shard_grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # ids of gradient tensors still zero as made (``zero_pages.lazy_zeros``): the first
+    # window's zeroing leaves them alone, so their pages are not taken before the backward
+    pristine_grads: set[int] = dataclasses.field(default_factory=set)
     # parameters kept other than whole (ZeRO-3: this rank's stretch of them)
     shard_params: list[torch.Tensor] = dataclasses.field(default_factory=list)
     micro_step: int = 0
@@ -233,7 +236,9 @@ class TrainingState:
 
     def zero_grads(self) -> None:
         for g in [*self.grads.values(), *self.shard_grads]:
-            g.zero_()
+            if id(g) not in self.pristine_grads:
+                g.zero_()
+        self.pristine_grads.clear()
 
     # ------------------------------------------------------------------ updates
     def record_grad_norm(self, norm: torch.Tensor) -> None:

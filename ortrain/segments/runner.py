@@ -70,6 +70,12 @@ class SegmentRunner:
         # the call's tensors the backward graph reads (only those are kept for it)
         bwd_inputs = {r.name for r in graphs.backward.inputs if r.role is Role.SEGMENT_INPUT}
         self.backward_reads = sorted(int(n[3:]) for n in bwd_inputs)
+        # the module's parameters the backward that runs reads (``backward``): ZeRO-3
+        # gathers only those for it (an embedding's rows need none)
+        run_bwd = graphs.backward_acc or graphs.backward
+        self.backward_params = frozenset(
+            r.name for r in run_bwd.inputs if r.role in (Role.PARAMETER, Role.FROZEN_PARAMETER)
+        )
         self.runs = 0  # forward runs (a test's and ``explain``'s count)
         self.tally = MemoryTally()  # the model's, shared by its runners (``memory_report``)
         self.seconds = 0.0  # in both graphs' runs (``explain``'s share of the step)
@@ -98,7 +104,11 @@ class SegmentRunner:
         out = {}
         for r in graph.inputs:
             if r.role in (Role.PARAMETER, Role.FROZEN_PARAMETER):
-                out[r.name] = params[r.name].detach()
+                p = params[r.name]
+                if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+                    # ZeRO-3's stand-in for a parameter it has not gathered: never bound
+                    raise RuntimeError(f"segment graph reads {r.name}, which is not gathered")
+                out[r.name] = p.detach()
             elif r.role is Role.BUFFER:
                 out[r.name] = buffers[r.name]
         return out
@@ -230,9 +240,16 @@ class ParamHome(Protocol):
     """Where a module's parameters live when they are not whole (ZeRO-3's shards):
     ``acquire`` makes them whole before a graph reads them, ``release`` drops them."""
 
-    def acquire(self, module: torch.nn.Module) -> None: ...
+    def acquire(self, module: torch.nn.Module, only: Sequence[torch.Tensor] | None = None) -> None:
+        """``module``'s parameters whole (``only``: those of them a graph reads)."""
+        ...
 
     def release(self, module: torch.nn.Module) -> None: ...
+
+    def after_backward(self, module: torch.nn.Module) -> None:
+        """``module``'s backward graph has run: its parameters may be dropped before
+        autograd accumulates their gradients."""
+        ...
 
     def hold(self, module: torch.nn.Module) -> None:
         """After a call of ``module`` that ran in eager instead of ``release``: autograd
@@ -243,10 +260,14 @@ class ParamHome(Protocol):
         """``names`` are read by eager code: never dropped."""
         ...
 
-    def planned(self, order: Sequence[torch.nn.Module] = ()) -> None:
+    def planned(
+        self,
+        order: Sequence[torch.nn.Module] = (),
+        backward_reads: Sequence[Sequence[torch.Tensor]] = (),
+    ) -> None:
         """The segments are planned (on whole parameters): from now on they may be
         sharded and gathered per call; ``order``: the compiled modules' calls in the
-        recorded forward."""
+        recorded forward; ``backward_reads``: per call, the parameters its backward reads."""
         ...
 
 
@@ -285,8 +306,10 @@ class SegmentFunction(torch.autograd.Function):
         runner: SegmentRunner = ctx.runner
         if torch.is_grad_enabled():  # create_graph=True: this graph's gradients are first-order
             raise second_order_error(ctx.module)
-        if ctx.home is not None:  # dropped after the forward; the home drops them again
-            ctx.home.acquire(ctx.module)
+        home: ParamHome | None = ctx.home
+        if home is not None:  # dropped after the forward; gathered again if read here
+            named_all = dict(ctx.module.named_parameters())
+            home.acquire(ctx.module, [named_all[p] for p in runner.backward_params])
         tensors = ctx.saved_tensors
         n = len(runner.backward_reads)
         read = dict(zip(runner.backward_reads, tensors[:n]))
@@ -303,6 +326,8 @@ class SegmentFunction(torch.autograd.Function):
             ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into
         )
         runner.tally.drop(ctx.saved_bytes)
+        if home is not None:  # what no later graph of this micro-step reads goes now
+            home.after_backward(ctx.module)
         params: list[torch.Tensor | None] = []
         for p in runner.grad_params:
             grad = param_grads.get(p)

@@ -139,10 +139,22 @@ class SegmentedTraining:
             # the first step's own forward and backward run sharded, their gathers
             # prefetched along the recorded forward's calls (and the backward's, reversed)
             modules, compiled = dict(self.module.named_modules()), set(self.model.compiled)
-            self.home.planned([modules[n] for n in self.recorded.order if n in compiled])
+            order = [n for n in self.recorded.order if n in compiled]
+            self.home.planned([modules[n] for n in order], [self._backward_reads(n) for n in order])
         self.plan_seconds = time.perf_counter() - start
         if self.blocks is None or self.model.fallbacks:  # a fallback, or one in the cut
             warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
+
+    def _backward_reads(self, name: str) -> list[torch.Tensor]:
+        """The parameters of module ``name`` its compiled backwards read (any signature)."""
+        assert self.model is not None
+        module = self.module.get_submodule(name)
+        params = dict(module.named_parameters())
+        read = set()
+        for runner in self.model.runners.get(name, {}).values():
+            if runner is not None:
+                read |= runner.backward_params
+        return [params[p] for p in sorted(read)]
 
     def _keep_whole(self, model: SegmentedModel, reads: ParamReads) -> None:
         """ZeRO-3: the parameters eager code reads stay whole on every rank (said once)."""
