@@ -132,6 +132,7 @@ from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
 from ortrain.graph_passes.prepare.dropout_switch import switch_dropouts
 from ortrain.graph_passes.prepare.inline_control_flow import inline_control_flow
 from ortrain.graph_passes.prepare.masked_attention_rows import fix_masked_attention_rows
+from ortrain.graph_passes.prepare.random_switch import switch_random_draws
 from ortrain.graph_passes.prepare.unroll_rnn import unroll_rnns
 from ortrain.graph_passes.targets.cpu.batch_norm_training import train_batch_norms
 from ortrain.graph_passes.targets.cpu.blas_batch_matmul import lower_batch_matmul
@@ -258,6 +259,12 @@ def pipeline_entries(
             products.io.append(GraphIO(DROPOUT_SWITCH_INPUT, Role.DROPOUT_SWITCH))
         return count
 
+    def switch_draws(m: ir.Model) -> int:
+        count = switch_random_draws(m)
+        if count and not any(io.name == DROPOUT_SWITCH_INPUT for io in products.io):
+            products.io.append(GraphIO(DROPOUT_SWITCH_INPUT, Role.DROPOUT_SWITCH))
+        return count
+
     def autodiff(m: ir.Model) -> bool:
         products.gradient = build_gradient_graph(
             m, diff_loss(), list(inputs.wrt), cpu_kernels=c.cpu_kernels, seeds=inputs.seeds
@@ -325,6 +332,11 @@ def pipeline_entries(
         Entry(
             Pass("dropout_switch", switch, stage="prepare", gate="verify",
                  test="tests/test_verify.py", impl=switch_dropouts),
+            lambda c, i: c.dropout_switch,
+        ),
+        Entry(
+            Pass("random_switch", switch_draws, stage="prepare", gate="verify",
+                 test="tests/test_random_switch.py", impl=switch_random_draws),
             lambda c, i: c.dropout_switch,
         ),
         Entry(

@@ -82,6 +82,9 @@ class BuiltGraph:
     # (op type, node name) of the nodes that draw random numbers (``random_nodes``): the
     # training process reads them without loading the graph libraries
     random_ops: tuple[tuple[str, str], ...] = ()
+    # op types of the draws no switch fixes (``prepare/random_switch.uncentred_draws``): a
+    # first step with any is not compared with eager
+    unfixed_draws: tuple[str, ...] = ()
     # ONNX Runtime optimizers that would compute this graph wrongly (``optimizers_to_disable``)
     wrong_optimizers: tuple[str, ...] = ()
     # whether padding the batch's sequence axis changes the loss (``padding_proof``)
@@ -211,6 +214,7 @@ def _built(
     from ortrain.core.names import BLAS_DOMAIN, CPU_DOMAIN
     from ortrain.graph_passes.infra.tags import RECOMPUTE_OF
     from ortrain.graph_passes.memory.memory_plan import planned_peak_bytes
+    from ortrain.graph_passes.prepare.random_switch import uncentred_draws
     from ortrain.runtime.session import optimizers_to_disable, random_nodes
 
     ort_data = serialized.ort_data(model)
@@ -227,6 +231,7 @@ def _built(
         cpu_kernels=CPU_DOMAIN in model.opset_imports,
         signature=_graph_signature(model),
         random_ops=tuple(random_nodes(model)),
+        unfixed_draws=tuple(uncentred_draws(model)),
         wrong_optimizers=optimizers_to_disable(model),
         **extra,
     )

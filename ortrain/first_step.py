@@ -72,6 +72,7 @@ class EagerSide:
         self.exact = exact  # float32 graphs: mismatches get a float64 second look
         self.any_rank = any_rank
         self.seconds = 0.0  # first-step checks so far
+        self.trusted = ""  # why the last check compared nothing (eager's unfixed draws)
         # the scalar attributes the forward changes on every call, by owning module
         # (``ortrain/python_state.py``): found by the first early reference
         self.stateful: dict[str, str] = {}
@@ -149,16 +150,18 @@ class EagerSide:
 
     def unchecked(self, graph: BuiltGraph) -> str:
         """Why ``graph`` cannot be compared with eager ("" where it can): it draws random
-        numbers besides its switchable Dropouts (RReLU's slopes, a noise layer), which
-        eager draws otherwise. It is trusted, with a warning."""
-        drawn = sorted({op for op, _ in graph.random_ops if op != "Dropout"})
+        numbers no switch fixes (a Multinomial), which eager draws otherwise. It is
+        trusted, with a warning."""
+        drawn = sorted(set(graph.unfixed_draws))
         if not drawn:
             return ""
-        why = f"it draws random numbers ({', '.join(drawn)})"
+        return self._trust(f"it draws random numbers ({', '.join(drawn)})")
+
+    def _trust(self, why: str) -> str:
         warnings.warn(
             f"ortrain: {type(self.module).__name__}'s training graph is not checked against "
             f"eager: {why}, which eager draws otherwise",
-            stacklevel=6,
+            stacklevel=7,
         )
         return why
 
@@ -174,6 +177,7 @@ class EagerSide:
     ) -> str:
         """The first step of ``graph`` (run by ``session``, its batch bound) against eager
         (case 2): "" where it agrees on every rank, else what disagrees."""
+        self.trusted = ""
         names = list(state.grad_params or [])
         # at loss scale 1: a dynamic scale's first steps may overflow, which is no mismatch
         written = [state.loss_scale, *session.written_in_place().values()]
@@ -206,7 +210,7 @@ class EagerSide:
         # that trains reads it
         trained = set(names)
         others = state.trainable
-        bad, sites, seconds = graph_step_mismatches(
+        bad, draws, seconds = graph_step_mismatches(
             lambda module: self.loss_of(batch, module),
             self.module,
             run,
@@ -220,8 +224,11 @@ class EagerSide:
             reference=reference,
         )
         self.seconds += seconds
+        if draws.unverified:  # eager drew what no check can fix: trusted, as said
+            self.trusted = self._trust(f"it draws random numbers ({', '.join(draws.unverified)})")
+            return ""
         drawn = sum(op in DROPOUT_OPS for op, _ in graph.random_ops)
-        lost = lost_dropout(sites, drawn)
+        lost = lost_dropout(draws.dropouts, drawn)
         if not self.any_rank(bool(bad) or lost is not None):
             return ""
         if not bad and lost is None:

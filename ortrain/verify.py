@@ -6,17 +6,22 @@ training step, the graph runs on the step's batch with the step's weights and ea
 one forward and backward on the same; the loss (or a segment's outputs) and every
 gradient must agree within the tolerance of the compute dtype. Randomness is taken out
 of both sides: the graph's Dropouts read a switch (``prepare/dropout_switch.py``) that is
-off for that run, and eager runs under ``no_dropout()``. The check leaves no trace: the
-tensors the run writes are put back and eager's buffers (BatchNorm statistics) restored.
+off for that run, its other draws take fixed values while it is off
+(``prepare/random_switch.py``), and eager runs under ``no_dropout()``, its draws at the
+same values (``fixed_draws.py``; a draw with no fixed value leaves the step uncompared).
+The check leaves no trace: the tensors the run writes are put back and eager's buffers
+(BatchNorm statistics) restored.
 
 1. ``Tolerance``: per compute dtype, a relative bound on the loss and on each gradient,
    the gradient's measured against its own largest element plus a small part of the
    largest gradient element of all (a gradient that is float noise around zero, such as
    an attention key bias's, then compares at the noise level of the others);
 2. ``compare``: the mismatches, worst first, each naming the tensor and its module;
-3. ``no_dropout()``: eager's dropout functions (``F.dropout`` and its variants, SDPA's
-   ``dropout_p``) become the identity; it counts the dropout sites eager has, so a graph
-   with fewer (an exporter that dropped one) is reported;
+3. ``no_dropout()``: eager's dropouts that the export makes an ONNX Dropout (``F.dropout``
+   out of place, SDPA's ``dropout_p``, a recurrent layer's) become the identity, and its
+   other draws (the other dropouts' masks included) take fixed values; it counts
+   the dropout sites eager has, so a graph with fewer (an exporter that dropped one) is
+   reported, and names the draws with no fixed value (``Draws``);
 4. ``eager_loss_and_grads``: the reference, without touching ``.grad`` or buffers (what a
    custom autograd.Function's backward writes into ``.grad`` itself included).
 """
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ortrain.core.errors import VerificationError
+from ortrain.fixed_draws import FixedDraws
 from ortrain.python_state import kept
 
 __all__ = [
@@ -220,12 +226,27 @@ def _rnn_without_dropout(args: tuple) -> tuple[tuple, int]:
     return (*args[:at], 0.0, *args[at + 1 :]), int(layers) - 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Draws:
+    """What eager drew in a check's run: the dropout sites it skipped, and the random ops
+    it drew that have no fixed value (the step cannot be compared)."""
+
+    dropouts: int = 0
+    unverified: tuple[str, ...] = ()
+
+
 class _NoDropout(TorchFunctionMode):
-    """Eager dropout as the identity; counts the sites that would have drawn."""
+    """Eager dropout as the identity; counts the sites that would have drawn. Its
+    ``fixed`` mode gives eager's other draws their fixed values."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sites = 0
+        self.fixed = FixedDraws()
+
+    @property
+    def draws(self) -> Draws:
+        return Draws(self.sites, tuple(sorted(self.fixed.unverified)))
 
     def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` without its dropout."""
@@ -233,7 +254,13 @@ class _NoDropout(TorchFunctionMode):
             args, sites = _rnn_without_dropout(tuple(args))
             self.sites += sites
             return func(*args)
-        if func in _DROPOUTS or getattr(func, "__name__", "") in _F_DROPOUTS:
+        name = getattr(func, "__name__", "")
+        if func in _DROPOUTS or name in _F_DROPOUTS:
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if name != "dropout" or inplace:
+                # exported as draws and arithmetic, not as an ONNX Dropout the switch
+                # turns off: it runs, its draws at the fixed values the graph's take
+                return func(*args, **kwargs)
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training and float(p) > 0:
@@ -278,7 +305,7 @@ def no_dropout() -> Iterator[_NoDropout]:
     for name, func in originals.items():
         setattr(F, name, replaced(func))
     try:
-        with mode:
+        with mode, mode.fixed:
             yield mode
     finally:
         for name, func in originals.items():
@@ -356,8 +383,8 @@ def snapshot(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-# eager's loss, its gradients by parameter name, the dropout sites skipped, seconds
-EagerStep = tuple[torch.Tensor, dict[str, torch.Tensor | None], int, float]
+# eager's loss, its gradients by parameter name, what it drew, seconds
+EagerStep = tuple[torch.Tensor, dict[str, torch.Tensor | None], Draws, float]
 
 
 @contextlib.contextmanager
@@ -395,7 +422,7 @@ def eager_loss_and_grads(
 ) -> EagerStep:
     """One eager forward (``loss_of()``) and backward without dropout, leaving ``.grad``
     and the module's buffers as they were: (loss, the gradients of the parameters
-    ``names``, the dropout sites skipped, seconds)."""
+    ``names``, what it drew, seconds)."""
     start = time.perf_counter()
     params = dict(module.named_parameters())
     wrt = [params[n] for n in names]
@@ -409,7 +436,7 @@ def eager_loss_and_grads(
             )
     by_name = dict(zip(params, written, strict=True))
     found = dict(zip(names, with_written(grads, [by_name[n] for n in names])))
-    return loss.detach(), found, mode.sites, time.perf_counter() - start
+    return loss.detach(), found, mode.draws, time.perf_counter() - start
 
 
 def lost_dropout(eager_sites: int, drawn: int) -> Mismatch | None:
@@ -492,21 +519,23 @@ def graph_step_mismatches(
     loss: torch.Tensor,
     exact: bool = True,
     reference: EagerStep | None = None,
-) -> tuple[list[Mismatch], int, float]:
+) -> tuple[list[Mismatch], Draws, float]:
     """A whole training graph's first step against eager: ``run()`` runs the graph once
     (its batch bound), after which ``loss`` holds its loss and ``read_grads()`` its
     gradients of the parameters ``names``; every tensor in ``written`` is put back
     afterwards. ``loss_of(module)`` is eager's loss of the step's batch (in the module's
     dtype); ``exact``: a float32 graph's mismatches get a float64 second look
     (``confirm``). ``reference``: eager's step taken already (before the graph was built,
-    ``eager_loss_and_grads`` over at least ``names``). Returns (mismatches, eager's
-    dropout sites, seconds)."""
+    ``eager_loss_and_grads`` over at least ``names``). Returns (mismatches, what eager
+    drew, seconds): where eager drew what has no fixed value, no comparison (none)."""
     start = time.perf_counter()
     earlier = 0.0 if reference is None else reference[3]  # its seconds, counted here too
     if reference is None:
         with kept(module):  # a look, not a step: no Python attribute advanced
             reference = eager_loss_and_grads(lambda: loss_of(module), module, names)
-    want_loss, every, sites, _ = reference
+    want_loss, every, draws, _ = reference
+    if draws.unverified:
+        return [], draws, time.perf_counter() - start + earlier
     want = {n: every[n] for n in names}
     with restoring([*written, loss]):
         if dropout_on is not None:
@@ -531,4 +560,4 @@ def graph_step_mismatches(
                 bad_loss, {"loss": got_loss}, {"loss": want_loss}, {"loss": loss64}, tol.loss
             )
             bad = confirm(bad, got, want, exact_grads, tol.grad)
-    return bad_loss + bad, sites, time.perf_counter() - start + earlier
+    return bad_loss + bad, draws, time.perf_counter() - start + earlier

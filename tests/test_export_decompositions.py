@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -211,18 +212,21 @@ def test_fractional_pool_trains_compiled_like_eager_given_its_samples() -> None:
         torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_fractional_pool_drawing_its_samples_compiles_and_says_it_is_unchecked() -> None:
-    """Its samples drawn in the graph (as eager draws its own): not comparable step by
-    step, so its first step is trusted with a warning naming the draw; losses finite."""
+def test_fractional_pool_drawing_its_samples_compiles_and_is_checked() -> None:
+    """Its samples drawn in the graph (as eager draws its own, ``torch.rand``): both take
+    fixed values in the first step's check (prepare/random_switch.py), which compares them
+    (it was trusted unchecked, with a warning, before); losses finite, and it draws."""
     torch.manual_seed(0)
     model = _Fractional(None)
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    options = TrainerOptions(fallback="off")
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     g = torch.Generator().manual_seed(5)
     batch = {"x": torch.randn(3, 2, 9, 7, generator=g), "y": torch.randint(0, 2, (3,), generator=g)}
-    with pytest.warns(UserWarning, match="not checked against eager: it draws random numbers"):
-        first = float(trainer.train_step(**batch))
-    losses = [first] + [float(trainer.train_step(**batch)) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = [float(trainer.train_step(**batch)) for _ in range(3)]
     assert trainer.segments is None and all(math.isfinite(v) for v in losses)
+    assert trainer.program.segments[0].checked == 1
 
 
 class _Leaky(torch.nn.Module):

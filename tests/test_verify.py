@@ -495,13 +495,16 @@ class _Noisy(torch.nn.Module):
         return F.cross_entropy(h + 0.1 * torch.randn_like(h), y)
 
 
-def test_a_graph_that_draws_random_numbers_is_trusted_with_a_warning():
+def test_a_graph_that_draws_noise_is_checked_with_its_draws_fixed():
+    """Its draws take fixed values on both sides of the check (tests/test_random_switch.py
+    has the rest); it was trusted unchecked, with a warning, before."""
     model = _Noisy()
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.warns(UserWarning, match=r"not checked against eager: it draws random numbers"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         trainer.train_step(*_batches(1)[0])
     assert trainer.segments is None
-    assert trainer.program.whole and trainer.program.segments[0].checked == 0
+    assert trainer.program.whole and trainer.program.segments[0].checked == 1
 
 
 def test_recurrent_inter_layer_dropout_is_off_in_the_check():

@@ -39,7 +39,7 @@ class GraphBytes:
     # output name -> (shape, dtype name): outputs are allocated by the runner
     output_types: dict[str, tuple[tuple[int, ...] | None, str]]
     planned_peak_bytes: int = 0  # what ``make_session`` sizes the CPU arena by
-    # random ops besides the switchable Dropouts: no check against eager can compare them
+    # random ops no switch fixes (``prepare/random_switch.py``): no check can compare them
     draws: tuple[str, ...] = ()
     dropouts: int = 0  # the Dropouts it draws (the check compares eager's count)
     wrong_optimizers: tuple[str, ...] = ()  # ``session.optimizers_to_disable``
@@ -76,10 +76,11 @@ def _dtype_name(dtype: Any) -> str:
 
 def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
     from ortrain.graph_passes.infra.serialize import serialize_for_ort
+    from ortrain.graph_passes.prepare.random_switch import uncentred_draws
     from ortrain.runtime.session import optimizers_to_disable, random_nodes
 
     drawn = [op for op, _ in random_nodes(model)]
-    draws = tuple(sorted({op for op in drawn if op != "Dropout"}))
+    draws = tuple(sorted(set(uncentred_draws(model))))
     data, recomputes = serialize_for_ort(model)
     inputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.inputs]
     outputs = [roles.get(v.name, GraphIO(v.name, Role.SAVED)) for v in model.graph.outputs]

@@ -191,7 +191,7 @@ def _eager_call(
         *grads[: len(inputs)],
         *with_written(grads[len(inputs) :], [by_name[n] for n in trainable(module)]),
     ]
-    return tensors, grads, [o.detach() for o in outs], seeds, skipped.sites
+    return tensors, grads, [o.detach() for o in outs], seeds, skipped.draws
 
 
 def trainable(module: torch.nn.Module) -> list[str]:
@@ -219,8 +219,9 @@ def verify_call(
     """The compiled call against eager on the same inputs and weights, without dropout:
     outputs, and the gradients of the inputs and parameters for random output gradients;
     a mismatch stands only if a float64 eager run confirms it (``verify.confirm``). A
-    graph that draws random numbers besides its Dropouts is not compared (eager draws
-    others): it passes, and ``ModulePlan.unchecked`` says so."""
+    graph that draws random numbers no switch fixes is not compared (eager draws others),
+    nor one whose eager call draws what has no fixed value (``fixed_draws.py``): it
+    passes, and ``ModulePlan.unchecked`` says so (``runner.unchecked``)."""
     if runner.graphs.forward.draws:
         return []
     with in_mode(module, training):  # the mode the call was made (and compiled) in
@@ -230,7 +231,10 @@ def verify_call(
 def _verify_call(
     module: torch.nn.Module, call: Call, runner: SegmentRunner, tol: Tolerance
 ) -> list[Mismatch]:
-    tensors, grads, outs, seeds, sites = _eager_call(module, call, runner, None)
+    tensors, grads, outs, seeds, draws = _eager_call(module, call, runner, None)
+    if draws.unverified:
+        runner.unchecked = f"it draws random numbers ({', '.join(draws.unverified)})"
+        return []
     with restoring(list(module.buffers())), runner.dropout(False), torch.no_grad():
         couts, saved = runner.forward(module, tensors)
         zeros = [torch.zeros_like(o) if s is None else s for o, s in zip(couts, seeds)]
@@ -250,7 +254,7 @@ def _verify_call(
             exact_out, exact = _named(module64, t64, g64, o64)
             bad_out = confirm(bad_out, got_out, want_out, exact_out, tol.loss)
             bad = confirm(bad, got, want, exact, tol.grad)
-    lost = lost_dropout(sites, runner.graphs.forward.dropouts)
+    lost = lost_dropout(draws.dropouts, runner.graphs.forward.dropouts)
     return bad_out + bad + ([lost] if lost is not None else [])
 
 
@@ -350,6 +354,8 @@ def plan_segments(
             draws = graphs[index].forward.draws
             if draws:
                 mp.unchecked = f"it draws random numbers ({', '.join(draws)})"
+            elif runner(index).unchecked:
+                mp.unchecked = runner(index).unchecked
         return mp
 
     def visit(name: str, m: torch.nn.Module) -> None:

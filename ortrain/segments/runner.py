@@ -77,6 +77,7 @@ class SegmentRunner:
             r.name for r in run_bwd.inputs if r.role in (Role.PARAMETER, Role.FROZEN_PARAMETER)
         )
         self.runs = 0  # forward runs (a test's and ``explain``'s count)
+        self.unchecked = ""  # why its check could not compare it (eager drew unfixed draws)
         self.tally = MemoryTally()  # the model's, shared by its runners (``memory_report``)
         self.seconds = 0.0  # in both graphs' runs (``explain``'s share of the step)
         # the model's outputs, reused step to step (a fresh large tensor faults in every
