@@ -17,7 +17,9 @@ of each op computes from the draw it makes, so the two sides compare:
 
 A draw with no such value here (``exponential_``, ``randperm``, ``multinomial``, RReLU's
 slopes, ...) runs as drawn and is named in ``unverified``: the check cannot compare that
-step, and trusts the graph, saying so.
+step, and trusts the graph, saying so. The mode is entered only for a run that draws
+(``verify.eager_run``): a dispatch mode is not free, and torch.cond's dense kernel cannot
+run under one.
 """
 
 from __future__ import annotations

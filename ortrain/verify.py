@@ -290,8 +290,9 @@ _F_REPLACED = (*_F_DROPOUTS, "scaled_dot_product_attention")
 
 
 @contextlib.contextmanager
-def no_dropout() -> Iterator[_NoDropout]:
-    """Eager PyTorch without dropout inside; ``.sites`` counts the dropouts skipped."""
+def no_dropout(fixed: bool = False) -> Iterator[_NoDropout]:
+    """Eager PyTorch without dropout inside; ``.sites`` counts the dropouts skipped;
+    ``fixed``: its other draws at their fixed values (``eager_run``)."""
     mode = _NoDropout()
     originals = {name: getattr(F, name) for name in _F_REPLACED}
 
@@ -305,7 +306,7 @@ def no_dropout() -> Iterator[_NoDropout]:
     for name, func in originals.items():
         setattr(F, name, replaced(func))
     try:
-        with mode, mode.fixed:
+        with mode, mode.fixed if fixed else contextlib.nullcontext():
             yield mode
     finally:
         for name, func in originals.items():
@@ -366,12 +367,18 @@ def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
             for t, shape, saved in seen.values():
                 if t.shape != shape:  # resized in place (an observer's first call)
                     t.resize_(shape)
-                if saved is None:
-                    # written? (reading leaves untaken zero pages untaken: zero_pages.py)
-                    if t.numel() and bool(t.any()):
-                        t.zero_()
-                else:
+                if saved is not None:
                     t.copy_(saved)
+                elif _written(t):
+                    t.zero_()
+
+
+def _written(t: torch.Tensor) -> bool:
+    """Whether ``t``, all zeros before, holds anything else now: read in pieces, so that
+    an untaken zero buffer stays untaken (``runtime/zero_pages.py``) and no temporary of
+    its size is made."""
+    flat = t.detach().reshape(-1)
+    return any(bool(piece.any()) for piece in flat.split(1 << 20))
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor | None:
@@ -415,6 +422,40 @@ def with_written(
     ]
 
 
+def _rng_states() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+R = TypeVar("R")
+
+
+def eager_run(run: Callable[[bool], R], draws: Callable[[R], Draws]) -> R:
+    """``run(fixed)`` (an eager run of a check, under ``no_dropout(fixed)``) without the
+    fixed draws; where it drew from torch's generators, again with them (the first run's
+    draws were eager's own). ``draws(result)``: what a run drew. A run the fixed draws'
+    mode cannot make (``torch.cond``'s kernel refuses a dispatch mode) keeps the first,
+    its draws unverified."""
+    before = _rng_states()
+    out = run(False)
+    after = _rng_states()
+    if len(after) == len(before) and all(map(torch.equal, before, after)):
+        return out
+    try:
+        return run(True)
+    except Exception as exc:
+        first = draws(out)
+        why = f"draws under {type(exc).__name__}"
+        return _with_draws(out, Draws(first.dropouts, (*first.unverified, why)))
+
+
+def _with_draws(out: Any, draws: Draws) -> Any:
+    """``out`` (a tuple holding one ``Draws``) with that one replaced."""
+    return tuple(draws if isinstance(x, Draws) else x for x in out)
+
+
 def eager_loss_and_grads(
     loss_of: Any,
     module: torch.nn.Module,
@@ -422,12 +463,20 @@ def eager_loss_and_grads(
 ) -> EagerStep:
     """One eager forward (``loss_of()``) and backward without dropout, leaving ``.grad``
     and the module's buffers as they were: (loss, the gradients of the parameters
-    ``names``, what it drew, seconds)."""
+    ``names``, what it drew, seconds); its draws at their fixed values (``eager_run``)."""
+    return eager_run(
+        lambda fixed: _eager_loss_and_grads(loss_of, module, names, fixed), lambda s: s[2]
+    )
+
+
+def _eager_loss_and_grads(
+    loss_of: Any, module: torch.nn.Module, names: Sequence[str], fixed: bool
+) -> EagerStep:
     start = time.perf_counter()
     params = dict(module.named_parameters())
     wrt = [params[n] for n in names]
     with written_grads(list(params.values())) as written:
-        with restoring(list(module.buffers())), no_dropout() as mode, torch.enable_grad():
+        with restoring(list(module.buffers())), no_dropout(fixed) as mode, torch.enable_grad():
             loss = loss_of()
             grads = (
                 torch.autograd.grad(loss, wrt, allow_unused=True)

@@ -49,10 +49,12 @@ from ortrain.segments.calls import Call, Uncompilable
 from ortrain.segments.runner import ParamHome, SegmentFunction, SegmentRunner, TiedGradients
 from ortrain.segments.twice import TwiceWatch, refuse_twice
 from ortrain.verify import (
+    Draws,
     Mismatch,
     Tolerance,
     compare,
     confirm,
+    eager_run,
     in_float64,
     in_float64_run,
     in_mode,
@@ -139,13 +141,24 @@ def _structure(module: torch.nn.Module, key: Key) -> tuple:
     return (type(module).__module__, type(module).__qualname__, repr(module), params, buffers, key)
 
 
+_EagerCall = tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor], list, Draws]
+
+
 def _eager_call(
     module: torch.nn.Module, call: Call, runner: SegmentRunner, seeds: list | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor], list, int]:
+) -> _EagerCall:
     """Eager ``module(*call)`` without dropout, in the module's dtype: (its tensors with
     grad as they require it, the gradients of those and of ``runner.grad_params`` for
-    output gradients ``seeds`` (drawn when None), the outputs, the seeds, the places it
-    would have drawn dropout)."""
+    output gradients ``seeds`` (drawn when None), the outputs, the seeds, what it drew);
+    its draws at their fixed values (``verify.eager_run``)."""
+    return eager_run(
+        lambda fixed: _eager_call_once(module, call, runner, seeds, fixed), lambda r: r[4]
+    )
+
+
+def _eager_call_once(
+    module: torch.nn.Module, call: Call, runner: SegmentRunner, seeds: list | None, fixed: bool
+) -> _EagerCall:
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     tensors = [
         (t.detach().to(dtype) if t.is_floating_point() else t.detach())
@@ -163,7 +176,7 @@ def _eager_call(
         written_grads(list(params.values())) as written,
         kept(module),
         restoring(list(module.buffers())),
-        no_dropout() as skipped,
+        no_dropout(fixed) as skipped,
         torch.enable_grad(),
     ):
         out = _original_forward(module)(*args, **kwargs)
