@@ -47,6 +47,7 @@ class SegmentedProgram:
             # process the peak is at the forward's end, where it would (+300 MB at GPT-2
             # small's shape, measured)
             reuse_outputs=getattr(ctx.reducer, "takes_grads", False),
+            sink=ctx.reducer if hasattr(ctx.reducer, "add_rows") else None,  # type: ignore[arg-type]
         )
         ctx.segmented = True
         self._reached: Reached | None = None  # made at the first step (one process)

@@ -60,10 +60,16 @@ def make_trainer(
     timeout: float = 120.0,
     group=None,
     layers: int = 2,
+    vocab: int = 128,
+    sgd: bool = False,
+    hidden: int = 64,
     **options: Any,
 ):
-    model = gpt2(layers=layers, hidden=64, vocab=128, seed=seed)
-    opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
+    model = gpt2(layers=layers, hidden=hidden, vocab=vocab, seed=seed)
+    if sgd:
+        opt = torch.optim.SGD(decay_groups(model, 0.01), lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     options = TrainerOptions(
         zero_stage=zero_stage,
@@ -350,6 +356,7 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "gathers_reused": getattr(getattr(reducer, "gather_pool", None), "reused", 0),
         "outputs_reused": segments.model.outputs.reused if segments.model.outputs else 0,
         "tied_rows_added": segments.model.tied.added_count,
+        "routed": list(reducer.routed),  # type: ignore[union-attr]
         "table_held_in_backward": table_held,
         "table_gathers": table_gathers_mid,
         "micro_steps_mid": mid,
@@ -363,6 +370,58 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
     if rank == 0:
         torch.save(whole, out / f"{tag}_params.pt")
         torch.save(final, out / f"{tag}_state.pt")
+    return result
+
+
+# few tokens against a large tied table: one 16-token sequence per rank (16 is a bucket
+# length: no padding); a rank holds (world + 1) x 16 x (4096 + width) elements of
+# factors at once, less than the 4096 x width table (width 64 up to 2 ranks, 128 to 3)
+FACTORED_VOCAB, FACTORED_SEQ = 4096, 16
+
+
+def factored_width(world: int) -> int:
+    return 64 if world <= 2 else 128
+
+
+def make_factored(stage: int = 2, seed: int = 0, world: int = 2):
+    """SGD: the table's gradient is summed in another order than one process sums it, and
+    AdamW's normalisation would make that float noise lr-sized in near-zero elements."""
+    return make_trainer(
+        stage,
+        seed=seed,
+        vocab=FACTORED_VOCAB,
+        hidden=factored_width(world),
+        sgd=True,
+        reduce_bucket_mb=ZERO2_BUCKET_MB,
+    )
+
+
+def factored_batches(rank: int, world: int, total: int) -> list[dict[str, torch.Tensor]]:
+    combined = lm_batches(
+        STEPS * ACCUM, batch=total, seq=FACTORED_SEQ, vocab=FACTORED_VOCAB, seed=12
+    )
+    per = total // world
+    return [{k: v[rank * per : (rank + 1) * per] for k, v in b.items()} for b in combined]
+
+
+def scenario_factored(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """ZeRO-``ORTRAIN_TEST_STAGE`` where the tied head's gradient goes as factors."""
+    stage = _stage()
+    trainer, sched = make_factored(stage, seed=rank, world=world)
+    losses = run(trainer, sched, factored_batches(rank, world, world), 0, STEPS * ACCUM)
+    reducer = trainer.reducer
+    result = {
+        "losses": losses,
+        "grad_norm": trainer.last_grad_norm,
+        "routed": list(reducer.routed),  # type: ignore[union-attr]
+        "rows_gathered": reducer.rows_gathered,  # type: ignore[union-attr]
+        "factors_gathered": reducer.factors_gathered,  # type: ignore[union-attr]
+        "peak_open": reducer.peak_open_numel,  # type: ignore[union-attr]
+        "table_numel": FACTORED_VOCAB * factored_width(world),
+    }
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / f"factored{stage}_{world}_params.pt")
     return result
 
 
@@ -624,6 +683,7 @@ def main() -> None:
         "overflow": scenario_overflow,
         "segmented": scenario_segmented,
         "zero2": scenario_zero2,
+        "factored": scenario_factored,
         "zero2_resume": scenario_zero2_resume,
         "reorder": scenario_reorder,
         "eager_reads": scenario_eager_reads,

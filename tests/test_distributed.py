@@ -35,7 +35,9 @@ from tests.dist_worker import (
     STEPS,
     ZERO2_TOTAL,
     eager_reads_batches,
+    factored_batches,
     layer_drop_batches,
+    make_factored,
     make_segmented,
     make_trainer,
     make_zero2,
@@ -237,7 +239,9 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
         # the buckets (and ZeRO-3's gathers) of a step are the memory of the step before's
         assert r["buckets_reused"] > 0 and r["outputs_reused"] > 0
         # the tied embedding's rows went into the head's gradient of it on every micro-step
-        assert r["tied_rows_added"] == END
+        # (96 tokens a rank against a 128 x 64 table: its product's factors are larger,
+        # so the table is not routed to the reducer in pieces; the test below routes it)
+        assert r["tied_rows_added"] == END and r["routed"] == []
         assert (r["gathers_reused"] > 0) == (stage == 3)
         # ZeRO-3: the tied table is dropped after the head's backward, its last reader (the
         # embedding's backward adds rows and reads no parameter): never whole while the
@@ -308,6 +312,30 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
     single.load_checkpoint(tmp_path / tag)
     mid_state = single.state_dict()
     assert mid_state["ortrain"] == {"step": RESUME_AT, "micro_step": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,world", [(2, 2), (3, 3)], ids=["zero2-2", "zero3-3"])
+def test_a_tied_head_with_few_tokens_goes_as_factors(tmp_path, stage, world):
+    """A 4096-token tied table against 16 tokens per rank: the head's gradient of it goes
+    to the reducer as its product's factors (every rank's, far smaller than the table),
+    the embedding's as rows, and each rank multiplies out only its shard's rows: no
+    bucket ever holds the table's gradient, and training equals one process on the
+    combined batches (SGD with momentum, clipping, accumulation; at 3 ranks the shards'
+    edges fall inside the table). AdamW with whole gradients: the test above."""
+    env = {"ORTRAIN_TEST_STAGE": str(stage)}
+    results = finish(launch("factored", tmp_path, world=world, **env), tmp_path, "factored")
+    ref, sched = make_factored(0, world=world)
+    losses = run(ref, sched, factored_batches(0, 1, world), 0, END)
+    assert_losses(rank_mean(results, "losses"), losses)
+    norms = [r["grad_norm"] for r in results]
+    assert norms == pytest.approx([ref.last_grad_norm] * world, rel=TOL), ref.last_grad_norm
+    assert_params(torch.load(tmp_path / f"factored{stage}_{world}_params.pt"), ref.module)
+    table = "transformer.wte.weight"
+    for r in results:
+        assert r["routed"] == [table]
+        assert r["factors_gathered"] == r["rows_gathered"] == END
+        assert 0 < r["peak_open"] < r["table_numel"]
 
 
 @pytest.mark.slow

@@ -30,6 +30,12 @@ class Role(str, enum.Enum):
     OUTPUT_GRADIENT = "output_gradient"  # the gradient torch hands a segment's backward, ``of``
     SAVED = "saved"  # a forward value a segment's backward reads (forward output, backward input)
     INPUT_GRADIENT = "input_gradient"  # a segment's gradient of one of its inputs, ``of`` it
+    # an embedding's gradient left as rows (``segments/accumulate.py``), ``of`` its table:
+    ROW_INDICES = "row_indices"  # which rows (int64 [N, 1])
+    ROW_UPDATES = "row_updates"  # what is added to them ([N, *row shape])
+    # a weight's gradient left as a product ``left^T @ right`` (``segments/factored.py``):
+    FACTOR_LEFT = "factor_left"  # [T, M], ``of`` the [M, N] weight
+    FACTOR_RIGHT = "factor_right"  # [T, N]
 
 
 @dataclasses.dataclass(frozen=True)

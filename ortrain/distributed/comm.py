@@ -238,6 +238,29 @@ class Comm:
             for w in works:
                 w.wait()
 
+    def all_gather_rows(
+        self, rows: torch.Tensor, updates: torch.Tensor, what: str
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's ``(rows, updates)`` (as many on each rank as it has: the counts go
+        first), in group rank order; ``what`` names them in an error."""
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64)
+        counts = [torch.empty_like(count) for _ in range(self.world_size)]
+        with self._guard(f"all_gather of the counts of {what}"):
+            dist.all_gather(counts, count, group=self.group)
+        n = [int(c) for c in counts]
+        most = max(n)
+        out = []
+        for t in (rows, updates):
+            padded = t.contiguous()
+            if t.shape[0] != most:  # (not where every rank has as many: no copy)
+                padded = t.new_zeros((most, *t.shape[1:]))
+                padded[: t.shape[0]] = t
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            with self._guard(f"all_gather of {what}"):
+                dist.all_gather(parts, padded, group=self.group_for(padded))
+            out.append([p[:k] for p, k in zip(parts, n, strict=True)])
+        return list(zip(out[0], out[1], strict=True))
+
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``t`` on group rank 0 (None elsewhere)."""
         out = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None

@@ -22,6 +22,15 @@ in. A bucket completed out of that order waits for the ones before it. Per optim
 steps without its reduce-scatter (partial norm and all-reduce for clipping, the shard's
 update graph, all-gather of the parameters).
 
+A tied table (GPT-2's embedding and LM head, each its own segment) whose head's
+gradient is smaller as its product's factors (few tokens: ``runner.SegmentRunner
+.parts_of``) is ``route``d: its gradient never goes through autograd (which would hold
+the head's table-sized part until the embedding's rows are added, at the very end of
+the backward) and is never made whole. The embedding's backward hands over its rows as
+rows, the head's its product's two factors; at the micro-step's end every rank's are
+gathered (``Comm.all_gather_rows``) and each rank adds only the rows of its own shard
+(``add_rows_in_range``, ``add_product_in_range``).
+
 Beside the whole parameters a rank holds 1/N of the optimizer state, 1/N of the
 gradients and the buckets in flight (``peak_open_numel``): no whole gradient buffer.
 """
@@ -32,7 +41,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,18 +71,88 @@ class Bucket:
         return self.stop - self.start
 
 
-def make_buckets(layout: FlatLayout, numel: int) -> list[Bucket]:
+def make_buckets(layout: FlatLayout, numel: int, alone: Collection[str] = ()) -> list[Bucket]:
     """Contiguous ranges covering the whole layout, each closed at the first parameter
-    boundary at or past ``numel`` elements (a parameter larger than that is a bucket)."""
+    boundary at or past ``numel`` elements (a parameter larger than that is a bucket);
+    each parameter of ``alone`` is a bucket of its own."""
     out: list[Bucket] = []
     start, names = 0, []
     for e in layout.entries:
-        if names and e.offset - start >= numel:
+        if names and (e.offset - start >= numel or e.name in alone or names[-1] in alone):
             out.append(Bucket(start, e.offset, tuple(names)))
             start, names = e.offset, []
         names.append(e.name)
     out.append(Bucket(start, layout.numel, tuple(names)))
     return out
+
+
+def add_rows_in_range(
+    dst: torch.Tensor, first: int, width: int, rows: torch.Tensor, updates: torch.Tensor
+) -> None:
+    """Of a table of rows ``width`` elements wide, flattened, ``dst`` holds the elements
+    from ``first`` on: add ``updates[i]`` to row ``rows[i]`` where ``dst`` holds it (in
+    place; rows already in [0, number of rows))."""
+    end = first + dst.numel()
+    r0, r1 = -(-first // width), end // width  # the rows ``dst`` holds whole
+    if r0 < r1:
+        keep = (rows >= r0) & (rows < r1)
+        whole = dst[r0 * width - first : r1 * width - first].view(r1 - r0, width)
+        whole.index_add_(0, rows[keep] - r0, updates[keep])
+    for r in sorted({first // width, (end - 1) // width}):
+        if r0 <= r < r1:
+            continue
+        hit = rows == r
+        if bool(hit.any()):  # the shard's edge cuts this row
+            a, b = max(first, r * width), min(end, (r + 1) * width)
+            dst[a - first : b - first] += updates[hit].sum(0)[a - r * width : b - r * width]
+
+
+def add_product_in_range(
+    dst: torch.Tensor, first: int, width: int, left: torch.Tensor, right: torch.Tensor
+) -> None:
+    """As ``add_rows_in_range`` for the table ``left^T @ right`` (``left [T, rows]``,
+    ``right [T, width]``): only the rows ``dst`` holds are multiplied out."""
+    end = first + dst.numel()
+    r0, r1 = -(-first // width), end // width
+    if r0 < r1:
+        whole = dst[r0 * width - first : r1 * width - first].view(r1 - r0, width)
+        whole.addmm_(left[:, r0:r1].t(), right)
+    for r in sorted({first // width, (end - 1) // width}):
+        if not r0 <= r < r1:  # the shard's edge cuts this row
+            a, b = max(first, r * width), min(end, (r + 1) * width)
+            dst[a - first : b - first] += (left[:, r] @ right)[a - r * width : b - r * width]
+
+
+def _stacked(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    widths: int | tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    rows: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-step's pieces of one gradient, stacked: rows [N] int64 and updates
+    [N, width] (``rows``), or factors [T, n] and [T, width] (``widths`` = (n, width))."""
+    if rows:
+        assert isinstance(widths, int)
+        if not parts:  # this rank's batch did not reach it: the others' still count
+            return (
+                torch.empty(0, dtype=torch.int64, device=device),
+                torch.empty((0, widths), dtype=dtype, device=device),
+            )
+        return (
+            torch.cat([r.reshape(-1) for r, _ in parts]),
+            torch.cat([u.reshape(r.numel(), widths).to(dtype) for r, u in parts]),
+        )
+    assert isinstance(widths, tuple)
+    if not parts:
+        return (
+            torch.empty((0, widths[0]), dtype=dtype, device=device),
+            torch.empty((0, widths[1]), dtype=dtype, device=device),
+        )
+    return (
+        torch.cat([f.to(dtype) for f, _ in parts]),
+        torch.cat([g.to(dtype) for _, g in parts]),
+    )
 
 
 class ShardedGradients(ShardedState):
@@ -84,18 +163,23 @@ class ShardedGradients(ShardedState):
     def __init__(self, training: TrainingState, comm: Comm, bucket_numel: int):
         super().__init__(training, comm)
         layout = self.config.layout
-        self.buckets = make_buckets(layout, bucket_numel)
-        self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
         self._entries = {e.name: e for e in layout.entries}
-        # per bucket, the gradients that close it: all its parameters until the first
-        # step says which ones the loss reaches
-        self._expected = [len(b.names) for b in self.buckets]
-        self._waiting = list(self._expected)
+        self._bucket_numel = bucket_numel
+        # parameters whose gradient comes outside autograd (``route``), in pieces
+        self.routed: tuple[str, ...] = ()
+        self._row_params: frozenset[str] = frozenset()  # routed ones with rows
+        self._factor_params: frozenset[str] = frozenset()  # routed ones with factors
+        self._rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._factors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.rows_gathered = 0  # routed parameters' rows gathered so far (a test's figure)
+        self.factors_gathered = 0  # and their product factors
+        self._reaching: set[str] | None = None  # what the first step reached (``_expected``)
+        self._lay_out_buckets()
         self._open: dict[int, torch.Tensor] = {}
         self._flying: collections.deque[tuple[int, torch.Tensor, InFlight]] = collections.deque()
         self.bucket_pool = BufferPool(comm.device)  # the buckets, reused step to step
         self._pooled: set[int] = set()  # ids of the open or flying buckets taken from it
-        self._next = len(self.buckets) - 1  # the next bucket to go out
+        self._next = 0  # the position in ``_order`` of the next bucket to go out
         self._armed = False
         self.reached: set[str] = set()  # parameters with a gradient in this micro-step
         self.peak_open_numel = 0  # most bucket elements held at once so far
@@ -107,6 +191,41 @@ class ShardedGradients(ShardedState):
         ]
 
     # ------------------------------------------------------------------ layout
+    def _lay_out_buckets(self) -> None:
+        self.buckets = make_buckets(self.config.layout, self._bucket_numel, self.routed)
+        self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
+        # per bucket, the gradients that close it: all its parameters until the first
+        # step says which ones the loss reaches
+        self._expected = [self._closing(b) for b in self.buckets]
+        self._waiting = list(self._expected)
+        # the order they go out in, the same on every rank: from the last (a backward
+        # reaches the last layers first); a routed parameter's bucket never goes (its
+        # gradient comes in pieces, ``_land_pieces``)
+        self._order = [
+            k
+            for k in reversed(range(len(self.buckets)))
+            if self.buckets[k].names[0] not in self.routed
+        ]
+        self._position = {k: i for i, k in enumerate(self._order)}
+
+    def _closing(self, bucket: Bucket) -> int:
+        """How many gradients close ``bucket`` in a micro-step: one per parameter the
+        loss reaches (all until the first step says)."""
+        reaching = self._reaching
+        return sum(reaching is None or n in reaching for n in bucket.names)
+
+    def route(self, rows: Collection[str], factors: Collection[str]) -> None:
+        """The gradients of parameters ``rows`` and ``factors`` name come from now on only
+        in pieces, outside autograd: rows (``add_rows``) of those in ``rows``, product
+        factors (``take_factors``) of those in ``factors``; every rank's are added into
+        the shard at the end of the micro-step. Each is a bucket of its own that never
+        goes out."""
+        if self._open or self._flying:
+            raise RuntimeError("ZeRO-2: parameters routed while gradients are on their way")
+        self._row_params, self._factor_params = frozenset(rows), frozenset(factors)
+        self.routed = tuple(sorted(self._row_params | self._factor_params))
+        self._lay_out_buckets()
+
     def _layout_order(self, state: TrainingState) -> list[str]:
         """The module's own order (parameter groups would mix every layer's biases into
         one bucket): modules are declared in about the order the forward calls them, so
@@ -126,8 +245,8 @@ class ShardedGradients(ShardedState):
 
     def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
         bound = super().prepare_update(state, engine)
-        reached = set(state.grad_params or ())
-        self._expected = [sum(n in reached for n in b.names) for b in self.buckets]
+        self._reaching = set(state.grad_params or ())
+        self._expected = [self._closing(b) for b in self.buckets]
         return bound
 
     # ------------------------------------------------------------------ the backward
@@ -138,14 +257,19 @@ class ShardedGradients(ShardedState):
         parameters that got one."""
         self.reached = set()
         self._waiting = list(self._expected)
-        self._next = len(self.buckets) - 1
+        self._next = 0
+        self._rows.clear()
+        self._factors.clear()
         self._armed = True
         try:
             yield
             self._send(every=True)
             while self._flying:
                 self._land()
+            self._land_rows()
         finally:
+            self._rows.clear()
+            self._factors.clear()
             self._armed = False
             # a failed backward's buckets: its window starts over (those in flight may
             # still be written by their reduce: not reused)
@@ -160,36 +284,61 @@ class ShardedGradients(ShardedState):
         def arrived(p: torch.Tensor) -> None:
             if not self._armed or p.grad is None:
                 return
-            k = self._bucket_of[name]
-            if k > self._next:
-                raise RuntimeError(
-                    f"ZeRO-2: a second gradient of {name} arrived after its bucket was "
-                    "reduced (the loss was differentiated twice in one micro-step)"
-                )
-            bucket = self.buckets[k]
-            grad = p.grad.detach().reshape(-1)
-            buf = self._open.get(k)
-            if buf is None:
-                if bucket.names == (name,) and grad.numel() == bucket.numel:
-                    # a parameter that is its bucket (an embedding): its gradient is the
-                    # bucket, no copy of it is made (autograd's reference dies below)
-                    buf = self._open[k] = grad if grad.is_contiguous() else grad.clone()
-                else:
-                    buf = self._open[k] = self._take_bucket(bucket.numel)
-                self._count_held()
-            e = self._entries[name]
-            view = buf[e.offset - bucket.start : e.stop - bucket.start]
-            if name in self.reached:  # accumulated twice in one backward: both count
-                view.add_(grad)
-            else:
-                if view.data_ptr() != grad.data_ptr():
-                    view.copy_(grad)
-                self.reached.add(name)
-                self._waiting[k] -= 1
-            p.grad = None  # the whole gradient dies here
-            self._send()
+            grad, p.grad = p.grad, None  # the whole gradient dies in ``_arrive``
+            self._arrive(name, grad)
 
         return arrived
+
+    def add_rows(self, name: str, rows: torch.Tensor, updates: torch.Tensor) -> None:
+        """Rows of a routed parameter's gradient, kept until the micro-step's end."""
+        if not self._armed:
+            raise RuntimeError(f"ZeRO-2: rows of {name}'s gradient came outside a training step")
+        self._rows.setdefault(name, []).append((rows, updates))
+        self.reached.add(name)
+
+    def take_factors(self, name: str, left: torch.Tensor, right: torch.Tensor) -> None:
+        """A routed parameter's gradient as a product's factors (``left^T @ right``),
+        kept until the micro-step's end."""
+        if not self._armed:
+            raise RuntimeError(f"ZeRO-2: factors of {name}'s gradient came outside a training step")
+        self._factors.setdefault(name, []).append((left, right))
+        self.reached.add(name)
+
+    def _arrive(self, name: str, whole: torch.Tensor) -> None:
+        k = self._bucket_of[name]
+        if k not in self._position:
+            raise RuntimeError(
+                f"ZeRO-2: a whole gradient of {name} arrived, which comes only in pieces "
+                "(rows, factors): eager code read it where the plan saw none"
+            )
+        if self._position[k] < self._next:
+            raise RuntimeError(
+                f"ZeRO-2: a second gradient of {name} arrived after its bucket was "
+                "reduced (the loss was differentiated twice in one micro-step)"
+            )
+        bucket = self.buckets[k]
+        grad = whole.detach().reshape(-1)
+        del whole
+        buf = self._open.get(k)
+        if buf is None:
+            if bucket.names == (name,) and grad.numel() == bucket.numel:
+                # a parameter that is its bucket (an embedding): its gradient is the
+                # bucket, no copy of it is made
+                buf = self._open[k] = grad if grad.is_contiguous() else grad.clone()
+            else:
+                buf = self._open[k] = self._take_bucket(bucket.numel)
+            self._count_held()
+        e = self._entries[name]
+        view = buf[e.offset - bucket.start : e.stop - bucket.start]
+        if name in self.reached:  # accumulated twice in one backward: both count
+            view.add_(grad)
+        else:
+            if view.data_ptr() != grad.data_ptr():
+                view.copy_(grad)
+            self.reached.add(name)
+            self._waiting[k] -= 1
+        del grad
+        self._send()
 
     def _count_held(self) -> None:
         held = sum(t.numel() for t in self._open.values())
@@ -200,8 +349,10 @@ class ShardedGradients(ShardedState):
         """Start the reduces of the buckets that are complete, in the fixed order
         (``every``: all left)."""
         n = self.config.layout.shard_numel
-        while self._next >= 0 and (every or self._waiting[self._next] <= 0):
-            k = self._next
+        while self._next < len(self._order):
+            k = self._order[self._next]
+            if not every and self._waiting[k] > 0:
+                break
             bucket = self.buckets[k]
             buf = self._open.pop(k, None)
             if buf is None:  # no gradient here on this rank: the others may have some
@@ -213,7 +364,7 @@ class ShardedGradients(ShardedState):
             self._flying.append((k, buf, flight))
             self._count_held()
             self.reduce_seconds += time.perf_counter() - started
-            self._next -= 1
+            self._next += 1
 
     def _land(self) -> None:
         """Wait for the oldest bucket in flight and add this rank's stretch of its sums."""
@@ -229,6 +380,36 @@ class ShardedGradients(ShardedState):
         if id(buf) in self._pooled:
             self._pooled.discard(id(buf))
             self.bucket_pool.give(buf)
+
+    def _land_rows(self) -> None:
+        """Every rank's rows and factors of each routed parameter, added where this rank's
+        shard holds them (the same collectives on every rank, in ``routed``'s order)."""
+        lo, hi = self.config.layout.shard(self.config.rank)
+        dtype, device = self.grad_shard.dtype, self.grad_shard.device
+        for name in self.routed:
+            e = self._entries[name]
+            n_rows = e.shape[0] if e.shape else 1
+            width = max(1, e.numel // max(1, n_rows))
+            a, b = max(lo, e.offset), min(hi, e.stop)
+            dst = self.grad_shard[a - lo : b - lo] if a < b else None
+            started = time.perf_counter()
+            every: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if name in self._row_params:
+                rows, updates = _stacked(self._rows.pop(name, []), width, dtype, device, True)
+                every = self.comm.all_gather_rows(rows, updates, f"rows of {name}'s gradient")
+                del rows, updates
+                self.rows_gathered += 1
+                for r, u in every if dst is not None else ():  # in rank order
+                    add_rows_in_range(dst, a - e.offset, width, r.remainder(n_rows), u)
+            if name in self._factor_params:
+                left, right = _stacked(self._factors.pop(name, []), (n_rows, width), dtype, device)
+                every = self.comm.all_gather_rows(left, right, f"factors of {name}'s gradient")
+                del left, right
+                self.factors_gathered += 1
+                for f, g in every if dst is not None else ():
+                    add_product_in_range(dst, a - e.offset, width, f, g)
+            del every
+            self.reduce_seconds += time.perf_counter() - started
 
     def _take_bucket(self, numel: int) -> torch.Tensor:
         buf = self.bucket_pool.take(numel, zero=True)

@@ -478,15 +478,9 @@ class ShardedParams(ShardedGradients):
         if not self.sharded:
             self._shard_params()
 
-    def _arrival(self, name: str) -> Callable[[torch.Tensor], None]:
-        reduce = super()._arrival(name)
-
-        def arrived(p: torch.Tensor) -> None:
-            reduce(p)
-            if self._armed:
-                self._drop([name])  # its last use in this backward is behind it
-
-        return arrived
+    def _arrive(self, name: str, whole: torch.Tensor) -> None:
+        super()._arrive(name, whole)
+        self._drop([name])  # its last use in this backward is behind it
 
     # ------------------------------------------------------------------ the update
     def _param_piece(self, start: int, stop: int) -> torch.Tensor:

@@ -9,6 +9,12 @@ made here takes the zeros as an input instead (``acc:<parameter>``, role ACCUMUL
 the runner binds it and the gradient output to the gradient already made, and the rows
 are added there in place (the kernel skips its copy when ``out`` is ``base``).
 
+Under ZeRO-2/3 the rows need not become a table at all: ``rows_variant`` outputs them
+as they are (which rows, role ROW_INDICES; what is added to them, role ROW_UPDATES), and
+the reducer adds every rank's rows into its own shard of the gradient
+(``distributed/sharded_grads.py``), so a tied table's dense gradient from the LM head can
+be reduced as soon as the head's backward makes it.
+
 Rewritten: a parameter's gradient output made by ``ScatterAddRows`` whose base is zeros
 (a constant, an ``Expand`` or ``ConstantOfShape`` of zero) that nothing else reads.
 """
@@ -24,6 +30,8 @@ import onnx_ir.passes.common
 from ortrain.core.names import CPU_DOMAIN
 
 ACC_PREFIX = "acc:"
+ROWS_PREFIX = "rows:"
+UPDATES_PREFIX = "updates:"
 
 
 def accumulating_variant(
@@ -42,6 +50,34 @@ def accumulating_variant(
         graph.inputs.append(acc)
         node.replace_input_with(0, acc)
         made[param] = str(acc.name)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(variant)
+    return variant, made
+
+
+def rows_variant(
+    model: ir.Model, grad_outputs: Mapping[str, str]
+) -> tuple[ir.Model, dict[str, tuple[str, str]]] | None:
+    """(a copy of ``model`` whose rows-into-zeros gradients are output as their rows and
+    updates instead, {parameter: (rows output, updates output)}); None where no gradient
+    of ``grad_outputs`` is made that way. Rows are int64 [N, 1] (negative ones count from
+    the end, as ``Gather``'s), updates [N, *table.shape[1:]]."""
+    if not _sites(model.graph, grad_outputs):
+        return None
+    variant = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    graph = variant.graph
+    made: dict[str, tuple[str, str]] = {}
+    for param, (node, out) in _sites(graph, grad_outputs).items():
+        names = []
+        for prefix, value in ((ROWS_PREFIX, node.inputs[1]), (UPDATES_PREFIX, node.inputs[2])):
+            assert value is not None
+            # an Identity: the value may be a graph input or another output already
+            made_value = ir.Value(name=prefix + param, shape=value.shape, type=value.type)
+            copy = ir.Node("", "Identity", [value], outputs=[made_value], name=prefix + param)
+            graph.append(copy)
+            graph.outputs.append(made_value)
+            names.append(prefix + param)
+        graph.outputs.remove(out)
+        made[param] = (names[0], names[1])
     onnx_ir.passes.common.RemoveUnusedNodesPass()(variant)
     return variant, made
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -64,6 +65,14 @@ class SegmentGraphs:
     # and its inputs for them: parameter -> ``acc:`` input name (bound to that gradient)
     backward_acc: GraphBytes | None = None
     accumulators: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the backward whose embedding rows are outputs, not a table (ZeRO-2/3 add them into
+    # their shard): parameter -> (rows output, updates output)
+    backward_rows: GraphBytes | None = None
+    row_outputs: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # the backward whose weight gradients of parameters another module shares (a tied LM
+    # head's) are output as their product's two factors: parameter -> (left, right)
+    backward_factored: GraphBytes | None = None
+    factor_outputs: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
 
 def _is_float(dtype: Any) -> bool:
@@ -105,14 +114,20 @@ def _graph_bytes(model: Any, roles: dict[str, GraphIO]) -> GraphBytes:
 
 
 def build_segment(
-    module: torch.nn.Module, call: Call, train: bool, config: BuildConfig
+    module: torch.nn.Module,
+    call: Call,
+    train: bool,
+    config: BuildConfig,
+    shared: Collection[str] = (),
 ) -> SegmentGraphs:
     """The compiled graphs of ``module(*call)`` (raises ``ExportError`` / ``GradientError``
-    where it cannot be compiled)."""
+    where it cannot be compiled); ``shared``: its parameters another module holds too
+    (their gradients get a factored variant)."""
     from ortrain.graph_passes.infra.pipeline import SerializedPass, run_pipeline
     from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
-    from ortrain.segments.accumulate import accumulating_variant
+    from ortrain.segments.accumulate import accumulating_variant, rows_variant
     from ortrain.segments.export import export_segment
+    from ortrain.segments.factored import factored_variant
     from ortrain.segments.split import split_forward_backward
 
     seconds = {}
@@ -168,4 +183,18 @@ def build_segment(
         for p, name in graphs.accumulators.items():
             roles[name] = GraphIO(name, Role.ACCUMULATOR, of=p)
         graphs.backward_acc = _graph_bytes(model_acc, roles)
+    as_rows = rows_variant(split.backward, grads)
+    if as_rows is not None:
+        model_rows, graphs.row_outputs = as_rows
+        for p, (rows, updates) in graphs.row_outputs.items():
+            roles[rows] = GraphIO(rows, Role.ROW_INDICES, of=p)
+            roles[updates] = GraphIO(updates, Role.ROW_UPDATES, of=p)
+        graphs.backward_rows = _graph_bytes(model_rows, roles)
+    as_factors = factored_variant(split.backward, grads, shared) if shared else None
+    if as_factors is not None:
+        model_factored, graphs.factor_outputs = as_factors
+        for p, (left, right) in graphs.factor_outputs.items():
+            roles[left] = GraphIO(left, Role.FACTOR_LEFT, of=p)
+            roles[right] = GraphIO(right, Role.FACTOR_RIGHT, of=p)
+        graphs.backward_factored = _graph_bytes(model_factored, roles)
     return graphs

@@ -32,7 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,7 +46,13 @@ from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs, build_segment
 from ortrain.segments.calls import Call, Uncompilable
-from ortrain.segments.runner import ParamHome, SegmentFunction, SegmentRunner, TiedGradients
+from ortrain.segments.runner import (
+    ParamHome,
+    RowsSink,
+    SegmentFunction,
+    SegmentRunner,
+    TiedGradients,
+)
 from ortrain.segments.twice import TwiceWatch, refuse_twice
 from ortrain.verify import (
     Draws,
@@ -324,6 +330,10 @@ def plan_segments(
     plans: list[ModulePlan] = []
     graphs: list[SegmentGraphs] = []
     shared: dict[tuple, int] = {}  # structure -> graph index
+    # parameters held by more than one module (a tied table): their gradients' pieces
+    owners = collections.Counter(
+        id(p) for _, sub in module.named_modules() for p in sub.parameters(recurse=False)
+    )
     runners: dict[int, SegmentRunner] = {}
     spent = [0.0]
 
@@ -352,7 +362,8 @@ def plan_segments(
                     index = None  # another module's graph does not fit this one: its own
             if index is None:
                 with in_mode(m, training):
-                    built = build_segment(m, call, training, config)
+                    tied = [n for n, p in m.named_parameters() if owners[id(p)] > 1]
+                    built = build_segment(m, call, training, config, tied)
                 graphs.append(built)
                 index = len(graphs) - 1
                 shared.setdefault(struct, index)
@@ -454,6 +465,7 @@ class SegmentedModel:
         # torch's allocator caches them)
         self.outputs = ReusePool() if reuse_outputs and device.type == "cpu" else None
         self.tied = TiedGradients()
+        self._read_in_eager: frozenset[str] = frozenset()
         self.adopt(plan)
 
     def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:
@@ -483,6 +495,48 @@ class SegmentedModel:
         for key, param in adders.items():
             if len(makers.get(key, ())) >= 2:
                 self.tied.watch(param)
+        if self.tied.sink is None:
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        routed = {
+            key: names[key]
+            for key in self.tied.eligible
+            if key in names and names[key] not in self._read_in_eager
+        }
+        # routed: those whose every gradient a micro-step makes comes in pieces (the
+        # embedding's rows, the head's factors where smaller than the table)
+        rows: set[str] = set()
+        factors: set[str] = set()
+        whole: set[str] = set()
+        world = self.tied.world_size
+        for name, table in self.runners.items():
+            m = modules[name]
+            for runner in {id(r): r for r in table.values() if r is not None}.values():
+                ids = {p: id(m.get_parameter(p)) for p in runner.grad_params}
+                mine = {p: routed[k] for p, k in ids.items() if k in routed}
+                pieces = runner.parts_of(mine, world)
+                for p, full in mine.items():
+                    if p not in pieces:
+                        whole.add(full)
+                    elif p in runner.graphs.row_outputs:
+                        rows.add(full)
+                    else:
+                        factors.add(full)
+        routed = {k: n for k, n in routed.items() if n not in whole}
+        if routed == self.tied.routed:
+            return
+        self.tied.routed = routed
+        self.tied.sink.route(rows - whole, factors - whole)
+
+    def route_rows(self, sink: RowsSink, read_in_eager: Collection[str]) -> None:
+        """ZeRO-2/3: tied parameters that only compiled segments read take their gradient
+        to ``sink`` outside autograd (``TiedGradients``); ``read_in_eager``: the
+        parameters eager code reads (autograd would make a gradient of them the sink
+        does not see)."""
+        self._read_in_eager = frozenset(read_in_eager)
+        self.tied.sink = sink
+        self.tied.world_size = sink.world_size
+        self._watch_tied()
 
     def adopt(self, plan: Plan) -> None:
         made: dict[int, SegmentRunner] = {}

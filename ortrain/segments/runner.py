@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +29,10 @@ from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
 from ortrain.segments.build import GraphBytes, SegmentGraphs
 from ortrain.segments.twice import second_order_error
+
+# a gradient in two pieces: an embedding's rows [N, 1] and their updates, or a weight's
+# product factors (the gradient is ``left^T @ right``)
+Parts = tuple[torch.Tensor, torch.Tensor]
 
 _DTYPES = {
     "FLOAT": torch.float32,
@@ -60,6 +64,8 @@ class SegmentRunner:
         # runs only the accumulating one (``backward``)
         self._bwd: BoundSession | None = None
         self.bwd_acc: BoundSession | None = None
+        # ZeRO-2/3 take a tied table's gradient in pieces (``parts_of``): those sessions
+        self._parts_sessions: dict[str, BoundSession] = {}
         self.trainable = [
             r.name
             for r in graphs.forward.inputs + graphs.backward.inputs
@@ -180,12 +186,21 @@ class SegmentRunner:
         saved: list[torch.Tensor],
         grad_outputs: list[torch.Tensor],
         into: dict[str, torch.Tensor] | None = None,
+        parts_out: dict[str, Parts | None] | None = None,
     ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
         """(gradients of the call's ``n_inputs`` tensors, gradients of the trainable
         parameters) for the output gradients ``grad_outputs``; ``read``: the call's tensors
         the backward graph reads (``backward_reads``), by position. ``into``: gradients
         already made of parameters in ``graphs.accumulators``, which this backward adds
-        its rows to in place (and returns as theirs)."""
+        its rows to in place (and returns as theirs). ``parts_out``: the parameters (its
+        keys) whose gradient is wanted in pieces (``parts_of``); the pieces are set there
+        and those parameters get no entry in the parameter gradients."""
+        if parts_out:
+            kind = self._parts_kind(parts_out)
+            if kind is not None:
+                return self._backward_parts(
+                    kind, module, n_inputs, read, saved, grad_outputs, into, parts_out
+                )
         given: dict[str, torch.Tensor] = {}
         if self.graphs.backward_acc is None:
             g, session = self.graphs.backward, self.bwd
@@ -204,6 +219,24 @@ class SegmentRunner:
                 if t is None:
                     t = self._zeros(*g.output_types[out])
                 given[out] = given[name] = t
+        outs = self._run_backward(module, g, session, read, saved, grad_outputs, given)
+        grads = self.graphs.grads
+        in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
+        param_grads = {p: outs[grads[p]] for p in self.grad_params}
+        return in_grads, param_grads
+
+    def _run_backward(
+        self,
+        module: torch.nn.Module,
+        g: GraphBytes,
+        session: BoundSession,
+        read: dict[int, torch.Tensor],
+        saved: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor],
+        given: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """Bind and run one of the backward graphs; its outputs by name (``given``: tensors
+        bound as inputs and outputs both, an accumulator and the gradient it becomes)."""
         feed = {**self._state(module, g), **{f"in:{k}": t.detach() for k, t in read.items()}}
         feed.update(zip(self.graphs.saved, saved))
         seeds = {r.of: r.name for r in g.inputs if r.role is Role.OUTPUT_GRADIENT}
@@ -220,10 +253,79 @@ class SegmentRunner:
         self.seconds += time.perf_counter() - start
         # made by this run: not the gradients it added rows into (made before, held already)
         self.tally.passing(sum(t.nbytes for n, t in outs.items() if n not in given))
-        del keep, given
+        del keep
+        return outs
+
+    def _parts_kind(self, wanted: Iterable[str]) -> str | None:
+        """Which variant gives pieces of some of ``wanted``: "rows" or "factors"."""
+        wanted = set(wanted)
+        if wanted & set(self.graphs.row_outputs) and self.graphs.backward_rows is not None:
+            return "rows"
+        if wanted & set(self.graphs.factor_outputs) and self.graphs.backward_factored is not None:
+            return "factors"
+        return None
+
+    def parts_of(self, wanted: Iterable[str], world_size: int) -> set[str]:
+        """Of parameters ``wanted`` (whose gradient this segment makes), those whose
+        gradient the backward gives in pieces: an embedding's rows; a weight's product
+        factors where what a rank holds of them at once (its own and every rank's,
+        gathered: ``world_size + 1`` sets) is less than the weight (few tokens against a
+        large table)."""
+        wanted = set(wanted)
+        kind = self._parts_kind(wanted)
+        if kind == "rows":
+            return wanted & set(self.graphs.row_outputs)
+        if kind != "factors":
+            return set()
+        g = self.graphs.backward_factored
+        assert g is not None
+        out = set()
+        for p, (left, right) in self.graphs.factor_outputs.items():
+            (shape_l, _), (shape_r, _) = g.output_types[left], g.output_types[right]
+            if p in wanted and shape_l is not None and shape_r is not None:
+                tokens, m = shape_l
+                n = shape_r[1]
+                if (world_size + 1) * tokens * (m + n) < m * n:
+                    out.add(p)
+        return out
+
+    def _backward_parts(
+        self,
+        kind: str,
+        module: torch.nn.Module,
+        n_inputs: int,
+        read: dict[int, torch.Tensor],
+        saved: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor],
+        into: dict[str, torch.Tensor] | None,
+        parts_out: dict[str, Parts | None],
+    ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+        """``backward`` with the graph giving gradients in pieces (``kind``): those of
+        ``parts_out`` go there; the others are made whole here (rows added into ``into``
+        or zeros, factors multiplied out)."""
+        if kind == "rows":
+            g, pieces = self.graphs.backward_rows, self.graphs.row_outputs
+        else:
+            g, pieces = self.graphs.backward_factored, self.graphs.factor_outputs
+        assert g is not None
+        session = self._parts_sessions.get(kind)
+        if session is None:
+            session = self._parts_sessions[kind] = self._made(g)
+        outs = self._run_backward(module, g, session, read, saved, grad_outputs, {})
         grads = self.graphs.grads
         in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
-        param_grads = {p: outs[grads[p]] for p in self.grad_params}
+        param_grads = {p: outs[grads[p]] for p in self.grad_params if p not in pieces}
+        for p, (first, second) in pieces.items():
+            a, b = outs[first], outs[second]
+            if p in parts_out:
+                parts_out[p] = (a, b)
+            elif kind == "factors":
+                param_grads[p] = a.t() @ b
+            else:
+                made = (into or {}).get(p)
+                if made is None:
+                    made = self._zeros(*self.graphs.backward.output_types[grads[p]])
+                param_grads[p] = add_rows(made, a, b)
         return in_grads, param_grads
 
     @contextlib.contextmanager
@@ -272,6 +374,15 @@ class ParamHome(Protocol):
         ...
 
 
+def add_rows(table: torch.Tensor, rows: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+    """``table`` with ``updates[i]`` added to its row ``rows[i, 0]`` (negative rows count
+    from the end), in place."""
+    n = table.shape[0]
+    flat = table.view(n, -1)
+    flat.index_add_(0, rows.view(-1).remainder(n), updates.reshape(rows.numel(), -1))
+    return table
+
+
 class SegmentFunction(torch.autograd.Function):
     """``apply(runner, module, home, n_inputs, *inputs, *params)``: the call's outputs,
     differentiable with respect to its tensors and ``module``'s trainable parameters
@@ -316,30 +427,73 @@ class SegmentFunction(torch.autograd.Function):
         read = dict(zip(runner.backward_reads, tensors[:n]))
         grads = [g.contiguous() for g in grad_outputs]  # torch gives zeros for unused ones
         tied, named, into = runner.tied, {}, {}
-        if tied is not None and runner.graphs.accumulators:
+        # ZeRO-2/3: a routed tied table's gradient goes to the reducer in pieces, outside
+        # autograd (which would hold the head's until the embedding's rows came): the
+        # embedding's rows, the head's product factors
+        routed: dict[str, str] = {}
+        if tied is not None and tied.routed:
             named = dict(ctx.module.named_parameters())
+            ids = {p: id(named[p]) for p in runner.grad_params}
+            routed = {p: tied.routed[k] for p, k in ids.items() if k in tied.routed}
+        parts_out: dict[str, Parts | None] = dict.fromkeys(
+            runner.parts_of(routed, tied.world_size) if tied is not None and routed else (), None
+        )
+        if tied is not None and runner.graphs.accumulators:
+            named = named or dict(ctx.module.named_parameters())
             for p in runner.graphs.accumulators:
+                if p in parts_out:
+                    continue
                 out_type = runner.graphs.backward.output_types[runner.graphs.grads[p]]
                 made = tied.take(named[p], out_type)
                 if made is not None:
                     into[p] = made
         in_grads, param_grads = runner.backward(
-            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into
+            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into, parts_out
         )
         runner.tally.drop(ctx.saved_bytes)
         if home is not None:  # what no later graph of this micro-step reads goes now
             home.after_backward(ctx.module)
         params: list[torch.Tensor | None] = []
+        parts: Parts | None = None
         for p in runner.grad_params:
             grad = param_grads.get(p)
-            if p in into:  # added in place to the gradient autograd holds for it already
+            parts = parts_out.get(p)
+            if parts is not None:
+                if p in runner.graphs.row_outputs:
+                    tied.sink.add_rows(routed[p], *parts)  # type: ignore[union-attr]
+                else:
+                    tied.sink.take_factors(routed[p], *parts)  # type: ignore[union-attr]
+                grad = None
+            elif p in routed and grad is not None:  # its pieces' variant could not run
+                raise RuntimeError(f"ortrain: the gradient of {routed[p]} came whole")
+            elif p in into:  # added in place to the gradient autograd holds for it already
                 tied.added(named[p], grad)  # type: ignore[union-attr]
                 grad = None
             elif tied is not None and tied.eligible and grad is not None:
                 tied.offer(named[p] if p in named else ctx.module.get_parameter(p), grad)
             params.append(grad)
-        del into, param_grads
+        del into, param_grads, parts_out, parts
         return (None, None, None, None, *in_grads, *params)
+
+
+class RowsSink(Protocol):
+    """Takes a parameter's gradient outside autograd (ZeRO-2/3's reducer): ``routed``
+    parameters' gradients come here in pieces, each once per backward that makes one."""
+
+    def add_rows(self, name: str, rows: torch.Tensor, updates: torch.Tensor) -> None:
+        """Rows of ``name``'s gradient: ``updates[i]`` adds to row ``rows[i, 0]``."""
+        ...
+
+    def take_factors(self, name: str, left: torch.Tensor, right: torch.Tensor) -> None:
+        """A product's factors of ``name``'s gradient: it adds ``left^T @ right``."""
+        ...
+
+    world_size: int
+
+    def route(self, rows: Collection[str], factors: Collection[str]) -> None:
+        """From now on the gradients of the parameters named come only through the two
+        above: rows (of those in ``rows``) and product factors (``factors``)."""
+        ...
 
 
 class TiedGradients:
@@ -348,10 +502,19 @@ class TiedGradients:
     backward is remembered (weakly: autograd holds it until the last one is added), and the
     rows segment adds into it in place (``accumulate.py``) instead of making a table-sized
     tensor of its own for autograd to add. A parameter's pre-hook checks that the tensor
-    autograd accumulates is the one the rows went into."""
+    autograd accumulates is the one the rows went into.
+
+    With a ``sink`` (ZeRO-2/3's reducer) a tied parameter that no eager code reads and
+    whose every gradient comes in pieces (the embedding's rows, the head's product factors
+    where they are smaller than the table: ``parts_of``) is ``routed`` instead: both
+    segments hand the sink their pieces and autograd gets none, so no table-sized
+    gradient is made."""
 
     def __init__(self) -> None:
         self.eligible: set[int] = set()  # id of each parameter it handles
+        self.sink: RowsSink | None = None
+        self.world_size = 1  # the sink's (whether factors are smaller than the product)
+        self.routed: dict[int, str] = {}  # id -> the model's name, for the sink
         self._made: dict[int, weakref.ref[torch.Tensor]] = {}
         self._into: dict[int, int] = {}  # id -> data_ptr of the tensor the rows went into
         self._hooked: set[int] = set()

@@ -34,7 +34,7 @@ from ortrain.segments.partition import (
     plan_segments,
     record_calls,
 )
-from ortrain.segments.runner import ParamHome
+from ortrain.segments.runner import ParamHome, RowsSink
 from ortrain.verify import Tolerance, in_mode, no_kv_cache
 
 Runner = Callable[[Callable[[], Any], Mapping[str, Any]], Any]  # the trainer's _run_build
@@ -57,6 +57,7 @@ class SegmentedTraining:
         home: ParamHome | None = None,
         stateful: Mapping[str, str] | None = None,
         reuse_outputs: bool = False,
+        sink: RowsSink | None = None,
     ):
         self.module = module
         self.loss_fn = loss_fn
@@ -69,6 +70,7 @@ class SegmentedTraining:
         # cut at the repeated blocks by choice (segments="blocks", ZeRO-2), not a fallback
         self.blocks = repeated_blocks(module) if blocks else None
         self.home = home  # ZeRO-3's sharded parameters (``runner.ParamHome``)
+        self.sink = sink  # ZeRO-2/3's reducer: takes a tied table's gradient in pieces
         # the graphs' outputs made over memory earlier ones gave back (``ReusePool``)
         self.reuse_outputs = reuse_outputs
         # modules whose forward changes their Python attributes on every call: eager
@@ -115,8 +117,10 @@ class SegmentedTraining:
 
     def plan(self, batch: Mapping[str, Any]) -> None:
         start = time.perf_counter()
-        # ZeRO-3: which parameters eager code reads (they cannot be sharded)
-        reads = ParamReads(self.module) if self.home is not None else None
+        # ZeRO-2/3: which parameters eager code reads (ZeRO-3 cannot shard them; autograd
+        # makes their gradient, so the reducer takes it from there)
+        watch = self.home is not None or self.sink is not None
+        reads = ParamReads(self.module) if watch else None
         with reads if reads is not None else contextlib.nullcontext():
             # a look on copies: a forward changing its input in place changes the caller's
             # tensor only in the step itself
@@ -134,6 +138,10 @@ class SegmentedTraining:
         )
         # the planned calls' tensors (every sub-module's inputs) are not needed again
         self.recorded = dataclasses.replace(self.recorded, calls={})
+        if self.sink is not None and reads is not None:
+            eager = set(self.model.uncompiled_parameters())
+            eager |= set(reads.outside(self.model.compiled))
+            self.model.route_rows(self.sink, eager)
         if self.home is not None and reads is not None:
             self._keep_whole(self.model, reads)
             # the first step's own forward and backward run sharded, their gathers
