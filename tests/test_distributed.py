@@ -236,8 +236,14 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
         block = sum(p.numel() for p in blocks.module.transformer.h[0].parameters())
         assert r["peak_open"] <= block + 2 * max(r["buckets"])
         assert r["peak_open"] < r["numel"] - max(r["buckets"])
-        # the buckets (and ZeRO-3's gathers) of a step are the memory of the step before's
-        assert r["buckets_reused"] > 0 and r["outputs_reused"] > 0
+        # ZeRO-2's buckets (and ZeRO-3's gathers) of a step are the memory of the step
+        # before's; ZeRO-3 keeps no bucket from one backward to the next (they would sit
+        # idle through the forward's gathers, its peak)
+        assert r["outputs_reused"] > 0
+        if stage == 2:
+            assert r["buckets_reused"] > 0 and r["buckets_kept"] > 0
+        else:
+            assert r["buckets_kept"] == 0
         # the tied embedding's rows went into the head's gradient of it on every micro-step
         # (96 tokens a rank against a 128 x 64 table: its product's factors are larger,
         # so the table is not routed to the reducer in pieces; the test below routes it)
@@ -315,14 +321,17 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,world", [(2, 2), (3, 3)], ids=["zero2-2", "zero3-3"])
+@pytest.mark.parametrize("stage,world", [(3, 3)], ids=["zero3-3"])
 def test_a_tied_head_with_few_tokens_goes_as_factors(tmp_path, stage, world):
     """A 4096-token tied table against 16 tokens per rank: the head's gradient of it goes
     to the reducer as its product's factors (every rank's, far smaller than the table),
     the embedding's as rows, and each rank multiplies out only its shard's rows: no
     bucket ever holds the table's gradient, and training equals one process on the
     combined batches (SGD with momentum, clipping, accumulation; at 3 ranks the shards'
-    edges fall inside the table). AdamW with whole gradients: the test above."""
+    edges fall inside the table). ZeRO-3, which gathers the table for the head and
+    reduces the rest as ZeRO-2 does (the pieces are ZeRO-2's code; ZeRO-2 alone at 2 ranks
+    passed it too, left out for the suite's time). AdamW with whole gradients: the test
+    above."""
     env = {"ORTRAIN_TEST_STAGE": str(stage)}
     results = finish(launch("factored", tmp_path, world=world, **env), tmp_path, "factored")
     ref, sched = make_factored(0, world=world)

@@ -475,6 +475,11 @@ class ShardedParams(ShardedGradients):
                     self._params[name].data = self._placeholder
                     self._state.params[name] = self._placeholder
             self._standing.clear()
+            # the buckets kept for the next backward would sit idle through the next
+            # forward, which gathers (a tied table for all of it): that is a ZeRO-3 rank's
+            # peak, so they go, and the next backward makes them afresh
+            self.bucket_pool.clear()
+            trim_heap()
         if not self.sharded:
             self._shard_params()
 
