@@ -53,7 +53,7 @@ from ortrain.distributed.sharded_state import ShardedState
 from ortrain.runtime.buffer_pool import BufferPool
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
-from ortrain.runtime.zero_pages import lazy_zeros
+from ortrain.runtime.zero_pages import lazy_zeros, populate
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -236,6 +236,7 @@ class ShardedGradients(ShardedState):
     def _make_grads(self, state: TrainingState) -> torch.Tensor:
         self.flat_grads = None  # no whole gradients: only this rank's shard of their sums
         shard = lazy_zeros(self.config.layout.shard_numel, self.comm.device)
+        self._shard_lazy = True  # until the first micro-step has written it
         state.shard_grads.append(shard)  # zeroed where an accumulation window starts
         state.pristine_grads.add(id(shard))  # but not before the first: zeros already
         return shard
@@ -267,6 +268,7 @@ class ShardedGradients(ShardedState):
             while self._flying:
                 self._land()
             self._land_rows()
+            self._shard_lazy = False
         finally:
             self._rows.clear()
             self._factors.clear()
@@ -376,7 +378,10 @@ class ShardedGradients(ShardedState):
         lo, hi = self.config.layout.shard(self.config.rank)
         a, b = max(bucket.start, lo), min(bucket.stop, hi)
         if a < b:
-            self.grad_shard[a - lo : b - lo].add_(buf[a - bucket.start : b - bucket.start])
+            dst = self.grad_shard[a - lo : b - lo]
+            if self._shard_lazy:  # its first sums: read before written
+                populate(dst)
+            dst.add_(buf[a - bucket.start : b - bucket.start])
         if id(buf) in self._pooled:
             self._pooled.discard(id(buf))
             self.bucket_pool.give(buf)

@@ -41,7 +41,7 @@ from ortrain.runtime.buffer_pool import release_kept
 from ortrain.runtime.flat_layout import UPDATE_CHAIN_NUMEL, Piece
 from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.session import BoundSession
-from ortrain.runtime.zero_pages import is_lazy, lazy_zeros
+from ortrain.runtime.zero_pages import is_lazy, lazy_zeros, populate
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -199,6 +199,8 @@ class ShardedState:
             self._state_untaken = False
             release_kept()
             trim_heap()
+            for t in self.state.values():  # read before written: each page faulted twice
+                populate(t)
 
     def update(self, run_update: Callable[[], None]) -> None:
         self._make_room()

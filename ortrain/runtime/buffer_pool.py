@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ortrain.runtime.zero_pages import populate
+
 
 def _storage_users() -> Callable[[torch.Tensor], int] | None:
     count = getattr(torch._C, "_storage_Use_Count", None)
@@ -71,8 +73,10 @@ class BufferPool:
         else:
             self.peak_numel = max(self.peak_numel, self.out_numel + numel)
             self._evict(self.peak_numel - self.out_numel - numel)
-            make = torch.zeros if zero else torch.empty
-            buf = make(numel, dtype=self.dtype, device=self.device)
+            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            populate(buf)
+            if zero:
+                buf.zero_()
         self.out_numel += numel
         return buf
 
@@ -153,7 +157,9 @@ class ReusePool:
             self.free_bytes -= raw.nbytes
             self.reused += 1
         else:
-            raw = torch.empty(numel, dtype=dtype).numpy()
+            fresh = torch.empty(numel, dtype=dtype)
+            populate(fresh)  # a graph writes it whole
+            raw = fresh.numpy()
             self.peak_bytes = max(self.peak_bytes, self.out_bytes + raw.nbytes)
             self._evict(self.peak_bytes - self.out_bytes - raw.nbytes)
         self.out_bytes += raw.nbytes

@@ -6,11 +6,19 @@ first backward. ``torch.zeros`` writes every page at once, so on CPU the rank ho
 them through the first step's planning, where its parameters are still whole (ZeRO-3)
 and the recording forward runs: that was the rank's peak. A private anonymous mapping
 reads as zeros and takes a page only when it is first written.
+
+When such a buffer (or any fresh one) is about to be written whole, ``populate`` takes
+its pages in one call instead of one fault each.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import mmap
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -28,3 +36,49 @@ def lazy_zeros(numel: int, device: torch.device) -> torch.Tensor:
     mapping = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # the tensor keeps the mapping alive (frombuffer holds a reference to its buffer)
     return torch.frombuffer(mapping, dtype=torch.float32, count=numel)
+
+
+# Linux 5.14+: fault a range in, writable, in one call (``madvise(2)``)
+_MADV_POPULATE_WRITE = 23
+# smaller buffers come from the C heap, whose pages are resident already
+_MIN_PAGES = 64
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_populating = True  # until the kernel refuses (older than 5.14)
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Take the pages of ``t`` (a CPU tensor about to be written whole) in one call.
+
+    A fresh buffer's pages are otherwise faulted in one at a time as they are first
+    written, and a read before the write (``add_`` into lazy zeros, the optimizer's
+    moments) faults each twice: the kernel's zero page, then its own copy. Where ranks
+    share a machine those faults are a step's system time. Returns whether the range was
+    populated; the contents are unchanged."""
+    global _populating
+    madvise = _madvise()
+    if not _populating or madvise is None or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page  # whole pages inside the tensor only
+    stop = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if stop - start < _MIN_PAGES * page:
+        return False
+    if madvise(start, stop - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:
+        _populating = False  # not this kernel: pages fault in as they are written
+    return False

@@ -27,6 +27,7 @@ from ortrain.core.roles import Role
 from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.buffer_pool import ReusePool
 from ortrain.runtime.session import BoundSession
+from ortrain.runtime.zero_pages import populate
 from ortrain.segments.build import GraphBytes, SegmentGraphs
 from ortrain.segments.twice import second_order_error
 
@@ -133,7 +134,8 @@ class SegmentRunner:
             if self.pool is not None:
                 outs[r.name] = self.pool.empty(shape, _DTYPES[dtype])
             else:
-                outs[r.name] = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+                outs[r.name] = out = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+                populate(out)  # the graph writes it whole
         session.bind_outputs(outs)
         return outs
 
