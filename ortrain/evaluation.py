@@ -5,7 +5,8 @@ training export of that signature where its first run agrees with eager, else fr
 export in evaluation mode), bound by role (``runtime/binder.bind_eval_graph``). Its first
 run is checked against eager; a signature whose graph cannot be built or disagrees runs
 in eager from then on (fallback "auto", with a warning) or raises (fallback "off"). Under
-ZeRO-3 evaluation runs in eager with the parameters gathered.
+ZeRO-3 evaluation runs in eager with the parameters gathered, and so does a model whose
+parameters are not float32 (``param_dtypes.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Evaluation:
         if materialized is not None:  # ZeRO-3: eager, its parameters gathered meanwhile
             with materialized():
                 return ctx.eager.outputs(batch)
+        if ctx.dtype_cause:  # parameters other than float32: the model runs in eager
+            return ctx.eager.outputs(batch)
         sig = signature(batch)
         if ctx.eager.stateful and sig not in self.in_eager:  # a graph would freeze them
             said = describe(ctx.eager.stateful, type(ctx.module).__name__)

@@ -133,10 +133,8 @@ def unsupported_features(trainer: Trainer) -> list[str]:
         why.append("auto_find_batch_size")
     if args.fp16_full_eval or args.bf16_full_eval:
         why.append("fp16_full_eval / bf16_full_eval (evaluation runs as training does)")
-    for name, p in trainer.model.named_parameters():
-        if p.dtype != torch.float32:
-            why.append(f"{p.dtype} parameters ({name}): ortrain trains float32 parameters")
-            break
+    # parameters other than float32: ORTTrainer trains the model in eager (or refuses it
+    # with fp16/bf16, torch.distributed or fallback="off": ``param_dtypes.py``)
     return why
 
 

@@ -167,7 +167,8 @@ class TrainerOptions:
         far more than two forwards may go to a trial it did not need. False (default):
         every step runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
-        fails, an op has no gradient rule, or the first step disagrees with eager).
+        fails, an op has no gradient rule, the first step disagrees with eager, or
+        parameters are not float32).
         "auto" (default): the largest sub-modules that compile run as compiled segments
         inside torch autograd and the rest in eager PyTorch, with one warning naming each
         module left in eager and why (``ortrain/segments``; ``ortrain.explain`` lists the

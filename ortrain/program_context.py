@@ -55,6 +55,7 @@ from ortrain.optim.from_torch import (
     optimizer_spec,
 )
 from ortrain.options import TrainerOptions
+from ortrain.param_dtypes import eager_for_dtype
 from ortrain.python_state import LOSS_FN, READ, ValueWatch
 from ortrain.rank_memory import resident_bytes
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
@@ -120,9 +121,15 @@ class ProgramContext:
         if self.device.type == "cuda":
             module.to(self.device)
         named = dict(module.named_parameters())
-        self.spec: OptimizerSpec = optimizer_spec(optimizer, {id(p): n for n, p in named.items()})
+        # parameters other than float32: the model trains in eager, the update the
+        # optimizer's own (``param_dtypes.py``)
+        self.dtype_cause = eager_for_dtype(module, options)
+        self.spec: OptimizerSpec = optimizer_spec(
+            optimizer, {id(p): n for n, p in named.items()}, eager_because=self.dtype_cause
+        )
         check_sparse_gradients(optimizer, module)
-        if self.spec.kind == EAGER:  # (ortrain/runtime/update_engines.py: EagerUpdate)
+        # (ortrain/runtime/update_engines.py: EagerUpdate; for a dtype: the program warns)
+        if self.spec.kind == EAGER and not self.dtype_cause:
             warnings.warn(
                 f"ortrain: {self.spec.source}'s update runs as its own step() in eager PyTorch "
                 f"over the gradients of the compiled graphs ({self.spec.why_eager})",
@@ -148,6 +155,7 @@ class ProgramContext:
             scaler=None if ls is None else LossScaler.from_option(ls),
             max_grad_norm=options.max_grad_norm,
             accumulation=options.grad_accumulation_steps,
+            any_dtype=bool(self.dtype_cause),
         )
         self.state.update_in_eager = self.update_in_eager
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count

@@ -119,8 +119,10 @@ class SegmentedProgram:
             if st.unreached:
                 ctx.update_in_eager(f"this step does not reach {_some(st.unreached)}")
         try:
-            # in the dtype a graph reports it in (a float64 target promotes eager's loss)
-            return ctx.end_micro_step(loss.to(st.loss.dtype, copy=True))
+            # in the dtype a graph reports it in (a float64 target promotes eager's loss);
+            # a model whose parameters are not float32 trains in eager: in eager's
+            dtype = loss.dtype if ctx.dtype_cause else st.loss.dtype
+            return ctx.end_micro_step(loss.detach().to(dtype, copy=True))
         finally:
             st.unreached = frozenset()
 

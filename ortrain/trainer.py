@@ -89,7 +89,11 @@ class ORTTrainer(TrainerState, TrainerViews):
         # segments, fallback "auto"), or segments from the start by choice
         blocks = self._ctx.blocks_cause()
         self._program: WholeProgram | SegmentedProgram = (
-            SegmentedProgram(self._ctx, blocks, blocks=True) if blocks else WholeProgram(self._ctx)
+            SegmentedProgram(self._ctx, blocks, blocks=True)
+            if blocks
+            else SegmentedProgram(self._ctx, self._ctx.dtype_cause)
+            if self._ctx.dtype_cause
+            else WholeProgram(self._ctx)
         )
         self._evaluation = Evaluation(self._ctx)
 

@@ -23,6 +23,10 @@ class BatchError(OrtrainError, ValueError):
     """A batch the compiled graph cannot take (names, dtypes)."""
 
 
+class ParameterDtypeError(OrtrainError, TypeError):
+    """Parameters other than float32, where only compiled graphs may train them."""
+
+
 class NonFiniteLossError(OrtrainError, FloatingPointError):
     """The loss became NaN/Inf; the step was not applied."""
 

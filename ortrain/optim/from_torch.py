@@ -95,11 +95,14 @@ def group_spec(kind: str, group: Mapping[str, Any], params: tuple[str, ...] = ()
     )
 
 
-def optimizer_spec(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimizerSpec:
+def optimizer_spec(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], eager_because: str = ""
+) -> OptimizerSpec:
     """Describe ``optimizer``; ``names`` maps id(parameter) -> parameter name. An optimizer
     whose update ortrain cannot compile (another class, its own ``step()``, a flag the
-    update graph lacks) is kind ``EAGER``: its own step runs in eager PyTorch."""
-    kind, why = _kind(optimizer)
+    update graph lacks, or ``eager_because``) is kind ``EAGER``: its own step runs in eager
+    PyTorch."""
+    kind, why = (EAGER, eager_because) if eager_because else _kind(optimizer)
     name = type(optimizer).__name__
     for gi, group in enumerate(optimizer.param_groups):
         if kind == EAGER:

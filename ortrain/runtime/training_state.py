@@ -126,13 +126,19 @@ class TrainingState:
 
     @classmethod
     def of_module(
-        cls, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device, **kwargs
+        cls,
+        module: torch.nn.Module,
+        spec: OptimizerSpec,
+        device: torch.device,
+        any_dtype: bool = False,
+        **kwargs,
     ) -> TrainingState:
-        """The module's parameters (float32, made contiguous) and buffers, shared."""
+        """The module's parameters (float32, made contiguous; ``any_dtype``: as they are,
+        for a model that trains in eager) and buffers, shared."""
         _refuse_meta(module)
         params: dict[str, torch.Tensor] = {}
         for n, p in module.named_parameters():
-            if p.dtype != torch.float32:
+            if p.dtype != torch.float32 and not any_dtype:
                 raise TypeError(f"parameter {n} is {p.dtype}; ortrain trains float32 parameters")
             if not p.data.is_contiguous():
                 p.data = p.data.contiguous()

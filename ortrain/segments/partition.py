@@ -40,6 +40,7 @@ import torch
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import ExportError, OrtrainError, first_line
 from ortrain.core.names import GradientError
+from ortrain.param_dtypes import other_dtype
 from ortrain.python_state import kept
 from ortrain.rank_memory import MemoryTally
 from ortrain.runtime.buffer_pool import ReusePool
@@ -393,6 +394,8 @@ def plan_segments(
         if name in recorded.calls and any(p.requires_grad for p in m.parameters()):
             try:
                 _keeps_no_python_state(name, stateful)
+                if (why := other_dtype(m)) != "":
+                    raise _Mismatched(why)
                 if (why := refuse_twice(name, recorded.twice)) is not None:
                     raise _Mismatched(why)
                 plans.append(compile_module(name, m))
