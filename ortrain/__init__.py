@@ -7,6 +7,7 @@ from ortrain.core.errors import (
     GradientError,
     NonFiniteLossError,
     OrtrainError,
+    ParameterDtypeError,
     RankFailureError,
     UnsupportedOptimizerError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "ORTHFTrainer",
     "ORTTrainer",
     "OrtrainError",
+    "ParameterDtypeError",
     "RankFailureError",
     "StateBytes",
     "StepOutputs",

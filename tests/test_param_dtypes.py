@@ -13,8 +13,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ortrain import ORTTrainer, TrainerOptions
-from ortrain.core.errors import ParameterDtypeError
+from ortrain import ORTTrainer, ParameterDtypeError, TrainerOptions
 
 
 def _mlp(dtype: torch.dtype) -> torch.nn.Module:
