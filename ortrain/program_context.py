@@ -54,6 +54,7 @@ from ortrain.optim.from_torch import (
     group_values,
     optimizer_spec,
 )
+from ortrain.optimizer_resets import StateResets
 from ortrain.options import TrainerOptions
 from ortrain.param_dtypes import eager_for_dtype
 from ortrain.python_state import LOSS_FN, READ, ValueWatch
@@ -191,6 +192,8 @@ class ProgramContext:
         self._to_torch = False  # ``hand_state_to_torch``: a load that goes to torch's state
         self._handed: int | None = None  # the step the state was handed to torch at
         self._handed_versions: list[tuple[torch.Tensor, int]] = []
+        # ``optimizer.state`` emptied by the loop (``optimizer_resets.py``)
+        self._resets: StateResets | None = None
         self._optimizer_hooks = self._hook_optimizer()
         if prior is not None and self._optimizer_hooks:
             self.optimizer.load_state_dict(prior)
@@ -264,9 +267,12 @@ class ProgramContext:
                 raise CheckpointError(f"optimizer.load_state_dict() of a state: {where}")
             return state
 
+        self._resets = resets = StateResets(self.optimizer)
         return [
             self.optimizer.register_state_dict_post_hook(saved),
             self.optimizer.register_load_state_dict_pre_hook(loading),
+            # a load puts a new ``state`` in place: not the loop emptying it
+            self.optimizer.register_load_state_dict_post_hook(lambda _: resets.watch()),
         ]
 
     def hand_state_to_torch(self) -> None:
@@ -305,7 +311,10 @@ class ProgramContext:
         state as eager steps left it becomes the compiled update's again (and torch's own
         is emptied, as while the trainer steps). Also where eager steps came without a
         handing (a trainer made, then eager steps before its first): torch's state is empty
-        while the trainer steps, so any it has is theirs."""
+        while the trainer steps, so any it has is theirs. Before either: the loop emptied
+        ``optimizer.state`` (``optimizer_resets.py``): the moments start again."""
+        if self._handed is None and self._resets is not None and self._resets.emptied():
+            self._restart_state()
         if self._handed is None:
             if not self.optimizer.state or not self._optimizer_hooks or self._sharded():
                 return
@@ -315,6 +324,8 @@ class ProgramContext:
             self._handed_versions = []
             if not stepped:  # no eager step since: the compiled update's state is current
                 self.optimizer.state.clear()  # (torch's copy: not taken for theirs later)
+                if self._resets is not None:
+                    self._resets.watch()  # (our own clearing)
                 return
         self._to_torch = True
         try:
@@ -322,6 +333,15 @@ class ProgramContext:
         finally:
             self._to_torch = False
         self.optimizer.load_state_dict(state)
+
+    def _restart_state(self) -> None:
+        """The loop cleared ``optimizer.state``: torch's optimizer would start each
+        parameter's state again (moments from zero, its step count from 0, so the bias
+        correction too); so does the compiled update's, on every rank alike."""
+        st = self.state
+        for t in st.opt_state.values():
+            t.zero_()
+        st.set_counters(0, st.micro_step)
 
     def check_trainable(self) -> None:
         """Raises where a parameter's ``requires_grad`` changed since the trainer was made
@@ -605,6 +625,7 @@ class ProgramContext:
         for hook in self._optimizer_hooks:  # the optimizer keeps its own state from now on
             hook.remove()
         self._optimizer_hooks = []
+        self._resets = None
         self.optimizer.load_state_dict(trainer_state_dict(st)["optimizer"])
         self.spec = dataclasses.replace(
             self.spec, kind=EAGER, source=type(self.optimizer).__name__, why_eager=why
