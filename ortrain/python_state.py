@@ -13,7 +13,7 @@ with the module that owns them: that module cannot be compiled (``whole_program`
 refuses the whole graph, the segments run the owner in eager). An attribute set on the
 first call only (a lazily built cache) is not such a schedule. A plain container that
 grows on every call (a list the forward appends to) counts too: the graph would not
-append.
+append; so does a small container of scalars whose items change (``_container``).
 
 The module-level values the model's own code reads (a global step counter, a schedule's
 scalar in the user's script; ``python_reads``: names read by the methods of the model's
@@ -68,7 +68,7 @@ def scalars(module: torch.nn.Module, buffers: bool = False) -> dict[Key, Any]:
             if isinstance(value, _SCALARS):
                 out[(name, attr)] = value
             elif type(value) in _CONTAINERS:
-                out[(name, attr)] = _Length(len(value))
+                out[(name, attr)] = _container(value)
             elif isinstance(value, torch.Tensor):
                 # one that requires grad is this call's, made from the parameters (a
                 # weight_norm hook's weight): traced with the call, not state
@@ -96,7 +96,7 @@ def _object_scalars(
         if isinstance(v, _SCALARS):
             out[(name, f"{prefix}{k}")] = v
         elif type(v) in _CONTAINERS:
-            out[(name, f"{prefix}{k}")] = _Length(len(v))
+            out[(name, f"{prefix}{k}")] = _container(v)
         elif depth < _OBJECT_DEPTH and _plain_object(v) and id(v) not in seen:
             seen.add(id(v))
             _object_scalars(v, f"{prefix}{k}.", name, seen, out, depth + 1)
@@ -112,8 +112,8 @@ def _plain_object(value: Any) -> bool:
 
 
 def _size(v: Any) -> int:
-    """A container's length, a tensor attribute's in-place version."""
-    return v._version if isinstance(v, torch.Tensor) else len(v)
+    """A container as compared (``_container``), a tensor attribute's in-place version."""
+    return v._version if isinstance(v, torch.Tensor) else _container(v)
 
 
 class _Length(int):
@@ -121,6 +121,49 @@ class _Length(int):
 
     def __repr__(self) -> str:
         return f"{int(self)} items"
+
+
+class _Contents(_Length):
+    """A small container of scalars by its items too: a value the loop or a forward sets
+    in place (``cfg["tau"] = t``, ``scale[0] *= 0.9``) is read by the graphs as a constant
+    as much as an attribute is."""
+
+    items: tuple
+
+    def __new__(cls, items: tuple) -> _Contents:
+        obj = super().__new__(cls, len(items))
+        obj.items = items
+        return obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Contents) and self.items == other.items
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.items)
+
+    def __repr__(self) -> str:
+        return repr(list(self.items))
+
+
+# larger containers, or ones holding more than scalars, are compared by length (a
+# snapshot of every item at every step would cost in proportion)
+_CONTENT_ITEMS = 64
+
+
+def _container(v: list | dict | set) -> _Length:
+    """What a plain container is compared by: its scalar items where it holds only
+    scalars and at most ``_CONTENT_ITEMS``, else its length."""
+    if len(v) <= _CONTENT_ITEMS:
+        if isinstance(v, dict):
+            items = tuple(v.items())
+            if all(isinstance(k, _SCALARS) and isinstance(x, _SCALARS) for k, x in items):
+                return _Contents(items)
+        elif isinstance(v, list) and all(isinstance(x, _SCALARS) for x in v):
+            return _Contents(tuple(v))
+    return _Length(len(v))
 
 
 class _Same:
@@ -207,7 +250,7 @@ def _read_value(v: Any, own: frozenset[int] = frozenset()) -> Any:
     """What a module-level value is compared by: a container by length, a tensor or a
     module by its tensors' versions (not ``own``'s), a scalar by itself."""
     if type(v) in _CONTAINERS:
-        return _Length(len(v))
+        return _container(v)
     if isinstance(v, torch.Tensor):
         return _Versions(((id(v), v._version),))
     if isinstance(v, torch.nn.Module):
@@ -284,6 +327,11 @@ def python_reads(module: torch.nn.Module, loss_fn: Callable | None = None) -> li
             per_class[cls] = reads
         for read in per_class[cls]:
             read.owners.add(name)
+        for v in vars(m).values():  # a function set on the instance (``m.forward = fn``)
+            f = getattr(v, "__func__", v)
+            if isinstance(f, types.FunctionType) and is_user_code(f.__module__ or ""):
+                for read in _function_reads(f, found, set(), 0):
+                    read.owners.add(name)
     fn = getattr(loss_fn, "__func__", loss_fn)
     if isinstance(fn, types.FunctionType) and is_user_code(fn.__module__ or ""):
         for read in _function_reads(fn, found, set(), 0):
@@ -370,7 +418,7 @@ class ValueWatch:
             for v in d.values():
                 t = type(v)
                 if t in _CONTAINERS:
-                    out.append(len(v))
+                    out.append(_container(v))
                 elif isinstance(v, _SCALARS):
                     out.append(v)
                 elif isinstance(v, torch.Tensor):
@@ -384,16 +432,17 @@ class ValueWatch:
         return {**scalars(self.module), **_read_values(self.reads)}
 
     def _objects(self) -> tuple[list[list[Any]], list[tuple[Any, int]], list[Any]]:
-        """Every watched attribute's object, each container with its length, and each
-        module-level value: held, so that no id is reused while they are compared."""
+        """Every watched attribute's object, each container as compared (``_container``),
+        and each module-level value: held, so that no id is reused while they are compared."""
         values = [list(d.values()) for d in self.dicts]
-        sized = [(v, len(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
+        sized = [(v, _container(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
         sized += [(v, v._version) for vs in values for v in vs if isinstance(v, torch.Tensor)]
         return values, sized, [r.value() for r in self.reads]
 
     def _same_objects(self) -> bool:
         """Whether every watched attribute still holds the very object it held at the last
-        look (and no container changed its length): nothing can have changed. A value
+        look (and no container changed its length or its scalar items): nothing can have
+        changed. A value
         assigned anew, even an equal one, takes ``_fast``'s comparison."""
         values, sized, reads = self._seen
         for d, vs in zip(self.dicts, values, strict=True):

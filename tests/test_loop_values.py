@@ -420,6 +420,8 @@ class _Watched(torch.nn.Module):
         self.lin = torch.nn.Linear(2, 2)
         self.tau = 1.0
         self.seen: list[int] = []
+        self.weights = {"a": 1.0, "b": 0.5}
+        self.many = [0.0] * 100
         self.cfg = type("Cfg", (), {})()
         self.cfg.scale = 2
         self.lin.state = torch.zeros(2)
@@ -442,6 +444,12 @@ def test_the_value_watch_sees_each_kind_of_change_and_no_false_one():
     assert watch.changes() == {}
     model.seen.append(1)
     assert set(watch.changes()) == {("", "seen")}
+    model.seen[0] = 2  # an item set in place: the same length
+    assert set(watch.changes()) == {("", "seen")}
+    model.weights["b"] = 0.25
+    assert set(watch.changes()) == {("", "weights")}
+    model.many[5] = 1.0  # beyond _CONTENT_ITEMS items: by length only
+    assert watch.changes() == {}
     model.cfg.scale = 3
     assert set(watch.changes()) == {("", "cfg.scale")}
     model.lin.state = torch.zeros(2)
@@ -692,3 +700,78 @@ def test_a_base_model_in_a_closure_is_no_value_the_loop_changes():
         opt_ref.zero_grad()
         torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
     assert trainer.segments is None and trainer.build_count == 1
+
+
+_SCALE = [1.0]  # a module-level list whose item the loop sets
+_WEIGHTS = {"aux": 1.0}
+
+
+class _ReadsInPlace(nn.Module):
+    """A loss weight read from a container whose item the loop sets in place, or from a
+    closure of a forward set on the instance."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+        self.where, self.mix = where, {"aux": 1.0}
+        if where == "instance forward":
+            weight = [1.0]
+            self.set_weight = lambda w: weight.__setitem__(0, w)
+
+            def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return self._loss(x, y, weight[0])
+
+            self.forward = forward  # type: ignore[method-assign]
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, w: float) -> torch.Tensor:
+        h = self.body(x)
+        return F.cross_entropy(self.head(h), y) + w * h.pow(2).mean()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.where == "global list":
+            w = _SCALE[0]
+        elif self.where == "global dict":
+            w = _WEIGHTS["aux"]
+        else:
+            w = self.mix["aux"]
+        return self._loss(x, y, w)
+
+
+def _set_in_place(model: nn.Module, w: float) -> None:
+    _SCALE[0] = w
+    _WEIGHTS["aux"] = w
+    model.mix["aux"] = w
+    if model.where == "instance forward":
+        model.set_weight(w)
+
+
+@pytest.mark.parametrize(
+    "where", ["global list", "global dict", "attribute dict", "instance forward"]
+)
+def test_a_value_set_in_place_or_in_a_closure_trains_like_eager(where):
+    """Only the place the forward reads changes (no attribute beside it: the model's
+    other code stays compiled). Before, containers were compared by length and a forward
+    set on the instance was not read: the graphs trained with the first weight, silently."""
+    runs = []
+    for trainer in (True, False):
+        model = _ReadsInPlace(where)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        tr = ORTTrainer(model, opt, TrainerOptions(build_progress=False)) if trainer else None
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for w, (x, y) in zip([1.0, 0.5, 2.0, 0.1], _batches(4), strict=True):
+                _set_in_place(model, w)
+                if tr is not None:
+                    losses.append(tr.train_step(x, y).item())
+                else:
+                    opt.zero_grad()
+                    loss = model(x, y)
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.item())
+        runs.append((losses, model))
+    _set_in_place(runs[0][1], 1.0)
+    _assert_like_eager(runs[0], runs[1])
