@@ -17,10 +17,12 @@ append; so does a small container of scalars whose items change (``_container``)
 
 The module-level values the model's own code reads (a global step counter, a schedule's
 scalar in the user's script; ``python_reads``: names read by the methods of the model's
-classes defined outside installed packages, by the functions of that code they call, and
-by ``loss_fn`` and its closure) count like attributes, owned by each module whose code
-reads them. What the training loop changes between steps (``model.temperature = t``, a
-global annealed by the loop) is watched too (``ValueWatch``): the graphs hold the values
+classes defined outside installed packages, by functions set on a module instance, by the
+functions of that code they call, and by ``loss_fn``, its closure and defaults; with the
+attributes of a module the model does not hold or a plain object found there: a loss
+module's ``gamma``) count like attributes, owned by each module whose code reads them.
+What the training loop changes between steps (``model.temperature = t``, a global
+annealed by the loop) is watched too (``ValueWatch``): the graphs hold the values
 their export saw.
 
 ortrain's own eager runs of the model (the first-step check, the segments' recording
@@ -269,10 +271,17 @@ def _foreign(value: Any, own: set[int]) -> bool:
     return True
 
 
+_Found = dict[tuple[int, str | None], _Read]
+# what every module has: torch's own bookkeeping, no value a forward computes with
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
 def _function_reads(
-    fn: types.FunctionType, found: dict[tuple[int, str | None], _Read], seen: set[int], depth: int
+    fn: types.FunctionType, found: _Found, seen: set[int], depth: int, inside: frozenset[int]
 ) -> list[_Read]:
-    """What ``fn`` and the user functions it names read (``_Read``s, made once each)."""
+    """What ``fn`` and the user functions it names read (``_Read``s, made once each);
+    ``inside``: ids of the trained module's sub-modules (their attributes are watched as
+    the model's own)."""
     if id(fn) in seen or depth > _MAX_DEPTH:
         return []
     seen.add(id(fn))
@@ -285,22 +294,75 @@ def _function_reads(
         value = scope[n]
         if isinstance(value, types.FunctionType):
             if is_user_code(value.__module__ or ""):
-                out += _function_reads(value, found, seen, depth + 1)
-        elif _watched(value):
+                out += _function_reads(value, found, seen, depth + 1, inside)
+            continue
+        if _watched(value):
             key = (id(scope), n)
             read = found.get(key) or found.setdefault(key, _Read(f"{where}.{n}", scope, n))
             out.append(read)
+        out += _attribute_reads(value, f"{where}.{n}", found, seen, depth, inside)
     for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
         try:
             value = cell.cell_contents
         except ValueError:
             continue
         if isinstance(value, types.FunctionType):
-            out += _function_reads(value, found, seen, depth + 1)
-        elif _watched(value):
+            out += _function_reads(value, found, seen, depth + 1, inside)
+            continue
+        label = f"{fn.__qualname__}'s {var}"
+        if _watched(value):
             key = (id(cell), None)
-            label = f"{fn.__qualname__}'s {var}"
             out.append(found.get(key) or found.setdefault(key, _Read(label, cell, None)))
+        out += _attribute_reads(value, label, found, seen, depth, inside)
+    # a default bound once (``lambda out, b, crit=crit: ...``)
+    defaults = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    for value in defaults:
+        out += _attribute_reads(value, f"{fn.__qualname__}'s default", found, seen, depth, inside)
+    return out
+
+
+def _attribute_reads(
+    obj: Any, label: str, found: _Found, seen: set[int], depth: int, inside: frozenset[int]
+) -> list[_Read]:
+    """The scalar attributes (and plain containers) of a module the trained one does not
+    hold (a loss module in ``loss_fn``'s closure: a focal loss's ``gamma`` the loop
+    anneals) and of a plain object (a config), with what their own classes' code reads:
+    values the graphs hold as constants like the model's own attributes."""
+    if isinstance(obj, torch.nn.Module):
+        holders = [
+            (f"{label}.{name}" if name else label, m)
+            for name, m in obj.named_modules()
+            if id(m) not in inside
+        ]
+    elif _plain_object(obj) and not isinstance(obj, torch.nn.Module):
+        holders = [(label, obj)]
+    else:
+        return []
+    out: list[_Read] = []
+    for where, holder in holders:
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        attrs = vars(holder)
+        for attr, v in attrs.items():
+            if attr in _MODULE_INTERNALS and isinstance(holder, torch.nn.Module):
+                continue
+            if isinstance(v, _SCALARS) or type(v) in _CONTAINERS:
+                key = (id(attrs), attr)
+                read = found.get(key) or found.setdefault(
+                    key, _Read(f"{where}.{attr}", attrs, attr)
+                )
+                out.append(read)
+            elif depth < _OBJECT_DEPTH and _plain_object(v):
+                out += _attribute_reads(v, f"{where}.{attr}", found, seen, depth + 1, inside)
+        for c in type(holder).__mro__:
+            if c is torch.nn.Module or c is object:
+                break
+            if is_user_code(c.__module__):
+                for f in vars(c).values():
+                    f = getattr(f, "__func__", getattr(f, "fget", f))
+                    if isinstance(f, types.FunctionType):
+                        out += _function_reads(f, found, seen, depth + 1, inside)
     return out
 
 
@@ -308,7 +370,8 @@ def python_reads(module: torch.nn.Module, loss_fn: Callable | None = None) -> li
     """The module-level values (scalars, and plain containers by length) that the
     methods of ``module``'s own classes (not installed code), the user functions they
     call, and ``loss_fn`` read, each with the modules whose code reads it."""
-    found: dict[tuple[int, str | None], _Read] = {}
+    found: _Found = {}
+    inside = frozenset(id(m) for m in module.modules())
     per_class: dict[type, list[_Read]] = {}
     for name, m in module.named_modules():
         cls = type(m)
@@ -323,19 +386,26 @@ def python_reads(module: torch.nn.Module, loss_fn: Callable | None = None) -> li
                 for v in vars(c).values():
                     f = getattr(v, "__func__", getattr(v, "fget", v))
                     if isinstance(f, types.FunctionType):
-                        reads += _function_reads(f, found, seen, 0)
+                        reads += _function_reads(f, found, seen, 0, inside)
             per_class[cls] = reads
         for read in per_class[cls]:
             read.owners.add(name)
         for v in vars(m).values():  # a function set on the instance (``m.forward = fn``)
             f = getattr(v, "__func__", v)
             if isinstance(f, types.FunctionType) and is_user_code(f.__module__ or ""):
-                for read in _function_reads(f, found, set(), 0):
+                for read in _function_reads(f, found, set(), 0, inside):
                     read.owners.add(name)
     fn = getattr(loss_fn, "__func__", loss_fn)
+    loss_reads: list[_Read] = []
+    seen: set[int] = set()
     if isinstance(fn, types.FunctionType) and is_user_code(fn.__module__ or ""):
-        for read in _function_reads(fn, found, set(), 0):
-            read.owners.add(LOSS_FN)
+        loss_reads += _function_reads(fn, found, seen, 0, inside)
+    # a loss module or object called as ``loss_fn`` (or whose method it is)
+    holder = getattr(loss_fn, "__self__", None) if fn is not loss_fn else loss_fn
+    if holder is not None and not isinstance(holder, types.FunctionType):
+        loss_reads += _attribute_reads(holder, "loss_fn", found, seen, 0, inside)
+    for read in loss_reads:
+        read.owners.add(LOSS_FN)
     # the trained module's own tensors (the model itself in a closure) change every step
     # through the update: they are graph inputs, not constants
     own = frozenset(id(t) for t in (*module.parameters(), *module.buffers()))

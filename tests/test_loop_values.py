@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -774,4 +775,75 @@ def test_a_value_set_in_place_or_in_a_closure_trains_like_eager(where):
                     losses.append(loss.item())
         runs.append((losses, model))
     _set_in_place(runs[0][1], 1.0)
+    _assert_like_eager(runs[0], runs[1])
+
+
+class _Focal(nn.Module):
+    """A loss module whose ``gamma`` the loop anneals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = 0.0
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, -1).gather(1, y[:, None]).squeeze(1)
+        return (-((1 - logp.exp()) ** self.gamma) * logp).mean()
+
+
+class _FocalOnBatch(_Focal):
+    def forward(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(logits, batch["y"])
+
+
+class _Knobs:
+    gamma = 0.0
+
+
+def _loss_fns(where: str) -> tuple[object, Callable[[float], None]]:
+    """``loss_fn`` reading an annealed ``gamma``, and what sets it."""
+    if where == "module as loss_fn":
+        crit = _FocalOnBatch()
+        return crit, lambda g: setattr(crit, "gamma", g)
+    crit, knobs = _Focal(), _Knobs()
+    if where == "module in a closure":
+        return (lambda out, b: crit(out, b["y"])), lambda g: setattr(crit, "gamma", g)
+    if where == "module as a default":
+        return (lambda out, b, c=crit: c(out, b["y"])), lambda g: setattr(crit, "gamma", g)
+
+    def loss(out: torch.Tensor, b: dict) -> torch.Tensor:  # a plain object's field
+        crit.gamma = knobs.gamma
+        return crit(out, b["y"])
+
+    return loss, lambda g: setattr(knobs, "gamma", g)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["module in a closure", "module as a default", "module as loss_fn", "object in a closure"],
+)
+def test_a_loss_module_s_setting_annealed_by_the_loop_trains_like_eager(where):
+    """A focal loss's gamma set by the loop: before, only the tensors of a module
+    ``loss_fn`` reads were followed, and the graphs trained at the first gamma, silently."""
+    runs = []
+    for trainer in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        loss_fn, set_gamma = _loss_fns(where)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        opts = TrainerOptions(build_progress=False)
+        tr = ORTTrainer(model, opt, opts, loss_fn=loss_fn) if trainer else None  # type: ignore[arg-type]
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for g, (x, y) in zip([0.0, 1.0, 2.0, 0.5], _batches(4), strict=True):
+                set_gamma(g)
+                if tr is not None:
+                    losses.append(tr.train_step(x, y=y).item())
+                else:
+                    opt.zero_grad()
+                    loss = loss_fn(model(x), {"y": y})  # type: ignore[operator]
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.item())
+        runs.append((losses, model))
     _assert_like_eager(runs[0], runs[1])
