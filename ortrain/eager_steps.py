@@ -22,6 +22,7 @@ from ortrain.core.errors import NonFiniteLossError
 from ortrain.core.names import state_key
 from ortrain.core.optimizer_spec import EAGER
 from ortrain.python_state import kept
+from ortrain.runtime.outside_steps import own_step
 from ortrain.verify import restoring
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ class EagerSteps:
                     reached = [p for p in params if p.grad is not None]
                     st.record_grad_norm(torch.nn.utils.clip_grad_norm_(reached, st.max_grad_norm))
                 self._lend_state(params)
-                optimizer.step()
+                with own_step():
+                    optimizer.step()
                 self._adopt_state(params)
                 st.record_update(torch.ones((), dtype=torch.bool))
         finally:

@@ -60,6 +60,7 @@ from ortrain.param_dtypes import eager_for_dtype
 from ortrain.python_state import LOSS_FN, READ, ValueWatch
 from ortrain.rank_memory import resident_bytes
 from ortrain.runtime.cpu_ops import has_sgemm_batch, use_blas_gemm, use_grad_kernels
+from ortrain.runtime.outside_steps import OutsideSteps
 from ortrain.runtime.session import BoundSession, check_device, make_session
 from ortrain.runtime.training_state import TrainingState
 from ortrain.runtime.update_engines import (
@@ -192,6 +193,8 @@ class ProgramContext:
         self._to_torch = False  # ``hand_state_to_torch``: a load that goes to torch's state
         self._handed: int | None = None  # the step the state was handed to torch at
         self._handed_versions: list[tuple[torch.Tensor, int]] = []
+        # the loop calling ``optimizer.step()`` for nothing (``runtime/outside_steps.py``)
+        self.outside_steps = OutsideSteps(optimizer)
         # ``optimizer.state`` emptied by the loop (``optimizer_resets.py``)
         self._resets: StateResets | None = None
         self._optimizer_hooks = self._hook_optimizer()

@@ -54,6 +54,7 @@ from ortrain.runtime.fused_update import (
     check_supported,
     kernels_available,
 )
+from ortrain.runtime.outside_steps import own_step
 from ortrain.runtime.session import BoundSession
 from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 from ortrain.runtime.training_state import TrainingState
@@ -556,7 +557,8 @@ def _optimizer_step(st: TrainingState, grads: dict[str, torch.Tensor]) -> None:
         if moved:  # (a device copy: the optimizer steps the state's tensor)
             p.data = st.params[name]
     try:
-        optimizer.step()
+        with own_step():
+            optimizer.step()
     finally:
         for p, data, grad in held:
             if data is not None:
