@@ -114,8 +114,8 @@ def _plain_object(value: Any) -> bool:
 
 
 def _size(v: Any) -> int:
-    """A container as compared (``_container``), a tensor attribute's in-place version."""
-    return v._version if isinstance(v, torch.Tensor) else _container(v)
+    """A container's length, a tensor attribute's in-place version."""
+    return v._version if isinstance(v, torch.Tensor) else len(v)
 
 
 class _Length(int):
@@ -158,14 +158,16 @@ _CONTENT_ITEMS = 64
 def _container(v: list | dict | set) -> _Length:
     """What a plain container is compared by: its scalar items where it holds only
     scalars and at most ``_CONTENT_ITEMS``, else its length."""
-    if len(v) <= _CONTENT_ITEMS:
+    n = len(v)
+    if 0 < n <= _CONTENT_ITEMS:  # (an empty one that gains items changes its length)
         if isinstance(v, dict):
-            items = tuple(v.items())
-            if all(isinstance(k, _SCALARS) and isinstance(x, _SCALARS) for k, x in items):
-                return _Contents(items)
+            if all(isinstance(x, _SCALARS) for x in v.values()) and all(
+                isinstance(k, _SCALARS) for k in v
+            ):
+                return _Contents(tuple(v.items()))
         elif isinstance(v, list) and all(isinstance(x, _SCALARS) for x in v):
             return _Contents(tuple(v))
-    return _Length(len(v))
+    return _Length(n)
 
 
 class _Same:
@@ -501,26 +503,36 @@ class ValueWatch:
     def _full(self) -> dict[Key, Any]:
         return {**scalars(self.module), **_read_values(self.reads)}
 
-    def _objects(self) -> tuple[list[list[Any]], list[tuple[Any, int]], list[Any]]:
-        """Every watched attribute's object, each container as compared (``_container``),
-        and each module-level value: held, so that no id is reused while they are compared."""
+    def _objects(self) -> tuple[list[list[Any]], list[tuple[Any, int]], list, list[Any]]:
+        """Every watched attribute's object; each container by its length, or as compared
+        where that is by its items (``_container``), and each tensor by its version; each
+        module-level value: held, so that no id is reused while they are compared."""
         values = [list(d.values()) for d in self.dicts]
-        sized = [(v, _container(v)) for vs in values for v in vs if type(v) in _CONTAINERS]
-        sized += [(v, v._version) for vs in values for v in vs if isinstance(v, torch.Tensor)]
-        return values, sized, [r.value() for r in self.reads]
+        sized: list[tuple[Any, int]] = []
+        items: list[tuple[Any, _Contents]] = []
+        for vs in values:
+            for v in vs:
+                if type(v) in _CONTAINERS:
+                    seen = _container(v)
+                    (items if isinstance(seen, _Contents) else sized).append((v, seen))
+                elif isinstance(v, torch.Tensor):
+                    sized.append((v, v._version))
+        return values, sized, items, [r.value() for r in self.reads]
 
     def _same_objects(self) -> bool:
         """Whether every watched attribute still holds the very object it held at the last
         look (and no container changed its length or its scalar items): nothing can have
         changed. A value
         assigned anew, even an equal one, takes ``_fast``'s comparison."""
-        values, sized, reads = self._seen
+        values, sized, items, reads = self._seen
         for d, vs in zip(self.dicts, values, strict=True):
             if len(d) != len(vs) or not all(map(operator.is_, d.values(), vs)):
                 return False
         # module-level values by what they are compared by (a tensor by its version)
-        return all(_size(c) == n for c, n in sized) and all(
-            a is b or a == b for a, b in zip((r.value() for r in self.reads), reads)
+        return (
+            all(_size(c) == n for c, n in sized)
+            and all(_container(c) == n for c, n in items)
+            and all(a is b or a == b for a, b in zip((r.value() for r in self.reads), reads))
         )
 
     def changes(self) -> dict[Key, tuple[Any, Any]]:
