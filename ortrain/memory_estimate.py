@@ -85,14 +85,17 @@ def _states_per_param(optimizer: torch.optim.Optimizer | str) -> int:
     return max(per_group, default=0)
 
 
-def _repeated_block_numel(model: torch.nn.Module) -> int:
+def _repeated_block_numel(model: torch.nn.Module) -> tuple[int, int]:
+    """(the largest repeated block's trainable elements, its largest parameter's)."""
     from ortrain.segments.blocks import repeated_blocks
 
-    sizes = [
-        sum(p.numel() for p in model.get_submodule(n).parameters() if p.requires_grad)
+    blocks = [
+        [p.numel() for p in model.get_submodule(n).parameters() if p.requires_grad]
         for n in repeated_blocks(model)
     ]
-    return max(sizes, default=0)
+    return max((sum(b) for b in blocks), default=0), max(
+        (max(b, default=0) for b in blocks), default=0
+    )
 
 
 def estimate_memory(
@@ -117,12 +120,16 @@ def estimate_memory(
     shard = -(-psi // n)
     k = _states_per_param(optimizer)
     in_flight = 0
+    block, block_largest = _repeated_block_numel(model)
     if stage >= 2:
-        bucket = int(reduce_bucket_mb * MIB) // 4
-        in_flight = 4 * min(psi, (2 + IN_FLIGHT) * bucket + _repeated_block_numel(model))
+        # a block's backward writes its gradients into their buckets at once: those
+        # buckets (two of them reaching past its ends, each closed at the first parameter
+        # boundary past the bucket size) and the ones before on their way
+        bucket = int(reduce_bucket_mb * MIB) // 4 + block_largest
+        in_flight = 4 * min(psi, (2 + IN_FLIGHT) * bucket + block)
     if stage == 3:  # a segment's parameters gathered, and the next one's on its way
         largest = max((p.numel() for p in model.parameters()), default=0)
-        in_flight += 2 * 4 * max(_repeated_block_numel(model), largest)
+        in_flight += 2 * 4 * max(block, largest)
     return StateBytes(
         world_size=n,
         zero_stage=stage,

@@ -300,6 +300,8 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
     # ZeRO-3: per acquire inside a backward, by a module other than the tied head, whether
     # the tied table was whole then (its last reader is the head's backward: dropped there)
     table_held: list[bool] = []
+    # per forward acquire by a module that does not read the tied table, the same
+    table_held_fwd: list[bool] = []
     table_gathers = [0]  # gathers that brought the tied table (read twice in a forward)
     if stage == 3:
         home = trainer.reducer
@@ -309,8 +311,12 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         def watched(module: torch.nn.Module, only: Any = None) -> None:
             acquire(module, only)
             in_backward = torch._C._current_autograd_node() is not None
+            held = "transformer.wte.weight" in home.gathered  # type: ignore[union-attr]
             if in_backward and module is not trainer.module.lm_head:
-                table_held.append("transformer.wte.weight" in home.gathered)  # type: ignore[union-attr]
+                table_held.append(held)
+            readers = (trainer.module.lm_head, trainer.module.transformer.wte)
+            if not in_backward and all(module is not m for m in readers):
+                table_held_fwd.append(held)
 
         def counted(names: list[str]) -> Any:
             table_gathers[0] += "transformer.wte.weight" in names
@@ -359,6 +365,8 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "tied_rows_added": segments.model.tied.added_count,
         "routed": list(reducer.routed),  # type: ignore[union-attr]
         "table_held_in_backward": table_held,
+        "table_held_in_forward": table_held_fwd,
+        "written_in_place": reducer.written_in_place,  # type: ignore[union-attr]
         "table_gathers": table_gathers_mid,
         "micro_steps_mid": mid,
         "numel_between_steps": sum(between),

@@ -6,7 +6,9 @@ The model trains as segments cut at its repeated blocks (``segments="blocks"``),
 gradients arrive through torch autograd block by block. Per micro-step:
 
     backward  -> each trainable parameter's gradient, when autograd has accumulated it
-                 (a post-accumulate-grad hook), is copied into its bucket and dropped
+                 (a post-accumulate-grad hook), is copied into its bucket and dropped; a
+                 compiled segment's backward graph writes it there in the first place
+                 (``grad_home``), so no gradient-sized output is made beside the bucket
     reduce    -> a bucket whose gradients are all in goes to the ranks that own its
                  stretches of the flat layout (``Comm.start_reduce_to_owners``) while the
                  backward goes on; once it has landed this rank adds its stretch to its
@@ -185,6 +187,9 @@ class ShardedGradients(ShardedState):
         self.peak_open_numel = 0  # most bucket elements held at once so far
         self.reduce_seconds = 0.0  # waited on bucket reduces so far (a benchmark's figure)
         params = dict(training.module.named_parameters())
+        self._name_of = {id(params[n]): n for n in layout.names}
+        self._homed: set[str] = set()  # given a view of their bucket in this micro-step
+        self.written_in_place = 0  # gradients that arrived in their bucket (a test's figure)
         self._hooks = [
             params[n].register_post_accumulate_grad_hook(own_hook(self._arrival(n)))
             for n in layout.names
@@ -257,6 +262,7 @@ class ShardedGradients(ShardedState):
         reduced as they arrive, the rest when it ends. ``reached`` then names the
         parameters that got one."""
         self.reached = set()
+        self._homed.clear()
         self._waiting = list(self._expected)
         self._next = 0
         self._rows.clear()
@@ -264,6 +270,9 @@ class ShardedGradients(ShardedState):
         self._armed = True
         try:
             yield
+            for name in self._homed - self.reached:  # written there, never accumulated
+                if self._bucket_of[name] in self._open:
+                    self._home_view(name).zero_()
             self._send(every=True)
             while self._flying:
                 self._land()
@@ -281,6 +290,32 @@ class ShardedGradients(ShardedState):
             self._pooled.clear()
             self._open.clear()
             self._flying.clear()
+            self._homed.clear()
+
+    def grad_home(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Where ``param``'s gradient of this micro-step goes: a view of its bucket of the
+        parameter's shape, for a graph to write it into (its arrival then copies nothing,
+        and no gradient-sized output is made beside the bucket). None outside a
+        micro-step, for a parameter handed one already in it (a module called twice: its
+        second gradient is added), and for one whose gradient is its bucket already."""
+        name = self._name_of.get(id(param))
+        if not self._armed or name is None or name in self.reached or name in self._homed:
+            return None
+        k = self._bucket_of[name]
+        if k not in self._position or self._position[k] < self._next:
+            return None
+        if self.buckets[k].names == (name,):
+            return None
+        if k not in self._open:
+            self._open[k] = self._take_bucket(self.buckets[k].numel)
+            self._count_held()
+        self._homed.add(name)
+        return self._home_view(name)
+
+    def _home_view(self, name: str) -> torch.Tensor:
+        e, k = self._entries[name], self._bucket_of[name]
+        start = self.buckets[k].start
+        return self._open[k][e.offset - start : e.stop - start].view(e.shape)
 
     def _arrival(self, name: str) -> Callable[[torch.Tensor], None]:
         def arrived(p: torch.Tensor) -> None:
@@ -337,6 +372,8 @@ class ShardedGradients(ShardedState):
         else:
             if view.data_ptr() != grad.data_ptr():
                 view.copy_(grad)
+            else:
+                self.written_in_place += 1
             self.reached.add(name)
             self._waiting[k] -= 1
         del grad

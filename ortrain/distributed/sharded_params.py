@@ -9,8 +9,9 @@ becomes an empty placeholder, before that step's own forward. From then on:
     segment forward   its module's parameters are gathered (``acquire``: each owner
                       broadcasts its stretch of their range of the flat layout), the
                       forward graph runs, they are dropped again (``release``), except
-                      those a later forward call reads (a tied table: the embedding's,
-                      then the head's)
+                      those the next acquire reads (a tied table is gathered for the
+                      embedding's forward and again for the head's: held between them
+                      it would be whole through every block's forward)
     segment backward  gathered again before the backward graph runs, if it reads any
                       (an embedding's backward adds rows and reads none); dropped after
                       it where no later acquire reads them (``after_backward``: the tied
@@ -115,10 +116,10 @@ class ShardedParams(ShardedGradients):
         self.gather_pool = BufferPool(comm.device)  # gather buffers, reused step to step
         # the segments' acquires in a micro-step: recorded, then prefetched along; each
         # name's last acquire in it (``after_backward``); per position, the buffer sizes
-        # the acquires from there on gather (``_give_back``)
+        # the next acquires gather (``_give_back``)
         self._trace: list[_Acquire] | None = None
         self._last_use: dict[str, int] = {}
-        self._sizes_from: list[set[int]] = []
+        self._sizes_soon: list[set[int]] = []
         self._recording: list[_Acquire] = []
         self._pos = 0  # acquires so far in this micro-step
         self._following = False  # this micro-step has kept to the trace so far
@@ -180,17 +181,14 @@ class ShardedParams(ShardedGradients):
 
     def release(self, module: torch.nn.Module) -> None:
         """Drop ``module``'s gathered parameters (after its forward), unless its own
-        backward is the next to acquire them; those a later forward call of this
-        micro-step reads stay (a tied table, read by the embedding and again by the head:
-        gathered once per step)."""
+        backward is the next to acquire them; those the next acquire reads stay. A tied
+        table read by the embedding and again by the head is gathered for each: held
+        between them, it would sit whole through every block's forward (where a rank's
+        memory peaked), and its second gather travels while the last blocks compute."""
         nxt = self._upcoming()
         if nxt is not None and nxt.module is module:
             return
-        again: set[str] = set()
-        for later in (self._trace or [])[self._pos :] if self._following else []:
-            if later.backward:
-                break
-            again |= later.names
+        again = nxt.names if nxt is not None else frozenset()
         self._drop([n for n in self._module_names(module) if n not in again])
 
     def after_backward(self, module: torch.nn.Module) -> None:
@@ -234,10 +232,10 @@ class ShardedParams(ShardedGradients):
     def _set_trace(self, trace: list[_Acquire]) -> None:
         self._trace = trace
         self._last_use = {n: k for k, a in enumerate(trace) for n in a.names}
-        sizes: list[set[int]] = [set() for _ in range(len(trace) + 1)]
-        for k in range(len(trace) - 1, -1, -1):
-            sizes[k] = sizes[k + 1] | ({self._span(trace[k].names)} if trace[k].names else set())
-        self._sizes_from = sizes
+        # per position, the buffer sizes its acquire and the one after gather: the next
+        # to take from the pool (the prefetch keeps one acquire ahead)
+        spans = [self._span(a.names) if a.names else 0 for a in trace] + [0, 0]
+        self._sizes_soon = [{spans[k], spans[k + 1]} - {0} for k in range(len(trace) + 1)]
 
     def _span(self, names: frozenset[str] | list[str]) -> int:
         """Elements of the buffer gathering ``names`` (their range of the layout)."""
@@ -359,10 +357,11 @@ class ShardedParams(ShardedGradients):
     def _give_back(self, buf: torch.Tensor, pooled: bool) -> None:
         if not pooled:
             return
-        if self._following and buf.numel() not in self._sizes_from[self._pos]:
-            # no acquire left in this micro-step takes a buffer of its size (the tied
-            # table after the head's backward): kept, it would sit idle through the rest
-            # of the backward, where the step's memory peaks; made afresh next step
+        if self._following and buf.numel() not in self._sizes_soon[self._pos]:
+            # neither of the next two acquires takes a buffer of its size (the tied table
+            # after the embedding and after the head's backward, the last block's before
+            # the head): kept, it would sit idle while larger gathers are whole (the head's
+            # table, where the step's memory peaks); made afresh when next needed
             self.gather_pool.forget(buf)
             return
         self.gather_pool.give(buf)

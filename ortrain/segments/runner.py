@@ -189,6 +189,7 @@ class SegmentRunner:
         grad_outputs: list[torch.Tensor],
         into: dict[str, torch.Tensor] | None = None,
         parts_out: dict[str, Parts | None] | None = None,
+        homes: dict[str, torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
         """(gradients of the call's ``n_inputs`` tensors, gradients of the trainable
         parameters) for the output gradients ``grad_outputs``; ``read``: the call's tensors
@@ -196,7 +197,9 @@ class SegmentRunner:
         already made of parameters in ``graphs.accumulators``, which this backward adds
         its rows to in place (and returns as theirs). ``parts_out``: the parameters (its
         keys) whose gradient is wanted in pieces (``parts_of``); the pieces are set there
-        and those parameters get no entry in the parameter gradients."""
+        and those parameters get no entry in the parameter gradients. ``homes``: where
+        parameters' gradients are to be written (views of the reducer's buckets), used
+        where the graph's output has their shape and type."""
         if parts_out:
             kind = self._parts_kind(parts_out)
             if kind is not None:
@@ -221,6 +224,14 @@ class SegmentRunner:
                 if t is None:
                     t = self._zeros(*g.output_types[out])
                 given[out] = given[name] = t
+        for p, t in (homes or {}).items():
+            out = self.graphs.grads.get(p)
+            if out is None or out in given or out not in g.output_types:
+                continue
+            shape, dtype = g.output_types[out]
+            fits = shape is not None and tuple(t.shape) == tuple(shape)
+            if fits and t.dtype == _DTYPES.get(dtype):
+                given[out] = t
         outs = self._run_backward(module, g, session, read, saved, grad_outputs, given)
         grads = self.graphs.grads
         in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
@@ -449,9 +460,22 @@ class SegmentFunction(torch.autograd.Function):
                 made = tied.take(named[p], out_type)
                 if made is not None:
                     into[p] = made
+        # ZeRO-2/3: the gradients written where the reducer reads them, in their bucket
+        homes: dict[str, torch.Tensor] = {}
+        grad_home = getattr(tied.sink, "grad_home", None) if tied is not None else None
+        if grad_home is not None:
+            for p in runner.grad_params:
+                if p in parts_out or p in into or p in routed:
+                    continue
+                param = ctx.module.get_parameter(p)
+                if id(param) not in tied.eligible:  # a tied table's rows go into its gradient
+                    home_t = grad_home(param)
+                    if home_t is not None:
+                        homes[p] = home_t
         in_grads, param_grads = runner.backward(
-            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into, parts_out
+            ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into, parts_out, homes
         )
+        del homes
         runner.tally.drop(ctx.saved_bytes)
         if home is not None:  # what no later graph of this micro-step reads goes now
             home.after_backward(ctx.module)
@@ -491,6 +515,10 @@ class RowsSink(Protocol):
         ...
 
     world_size: int
+
+    def grad_home(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Where ``param``'s gradient of this micro-step is to be written, if anywhere."""
+        ...
 
     def route(self, rows: Collection[str], factors: Collection[str]) -> None:
         """From now on the gradients of the parameters named come only through the two
