@@ -26,7 +26,7 @@ import torch
 from ortrain.batch_input import BatchInput
 from ortrain.bucketing import Bucketing
 from ortrain.build import StageRecord
-from ortrain.core.errors import BatchError, OrtrainError
+from ortrain.core.errors import OrtrainError
 from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
@@ -190,12 +190,9 @@ class ORTTrainer(TrainerState, TrainerViews):
         if changed is None:
             return
         if isinstance(old, SegmentedProgram):  # planned with the old values: planned again
-            if hasattr(self._ctx.reducer, "acquire"):
-                raise BatchError(
-                    f"the training loop changed Python values that compiled segments read "
-                    f"({changed.said}); under ZeRO-3 the segments are planned on whole "
-                    "parameters at the first step only: set them before it"
-                )
+            unshard = getattr(self._ctx.reducer, "unshard", None)
+            if unshard is not None:  # ZeRO-3: on whole parameters, as at the first step
+                unshard()
             self._program = SegmentedProgram(self._ctx, old.training.cause, old.blocks)
             return
         if changed.again:

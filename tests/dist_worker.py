@@ -496,6 +496,114 @@ def scenario_reorder(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+class SharedBlock(torch.nn.Module):
+    """A block applied twice in one forward, apart (ALBERT-style sharing): two calls of one
+    segment, its parameters' gradients added from both backwards."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2)
+        )
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](self.inp(x))
+        h = self.blocks[0](self.blocks[1](h))
+        return torch.nn.functional.mse_loss(self.out(h), y)
+
+
+def train_shared(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    model = SharedBlock(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = TrainerOptions(
+        zero_stage=stage, segments="blocks", intra_op_threads=1, reduce_bucket_mb=0.0005
+    )
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_shared(rank: int, world: int, out: Path) -> dict[str, Any]:
+    stage = _stage()
+    trainer, losses = train_shared(stage, rank, reorder_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / f"shared{stage}_params.pt")
+    assert trainer.segments is not None and trainer.segments.model is not None
+    return {
+        "losses": losses,
+        "compiled": sorted(trainer.segments.model.compiled),
+        "written_in_place": trainer.reducer.written_in_place,  # type: ignore[union-attr]
+    }
+
+
+class TemperedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.temp = 1.0  # a Python value the loop changes
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h) / self.temp)
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(TemperedBlock() for _ in range(3))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return torch.nn.functional.mse_loss(self.out(h), y)
+
+
+TEMPS = {3: 2.0, 6: 0.5}  # micro-step -> the blocks' new temperature (changed twice)
+
+
+def train_tempered(
+    stage: int, seed: int, batches: list[dict]
+) -> tuple[ORTTrainer, list[float], list[str]]:
+    """The trainer, its losses, and its compiled segments between the two changes."""
+    model = Tempered(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = TrainerOptions(
+        zero_stage=stage, segments="blocks", intra_op_threads=1, reduce_bucket_mb=0.0005
+    )
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    losses, between = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the blocks to eager at the second change: said)
+        for i, batch in enumerate(batches):
+            for block in model.blocks if i in TEMPS else ():
+                block.temp = TEMPS[i]
+            losses.append(trainer.train_step(**batch).item())
+            if i == max(TEMPS) - 1:
+                assert trainer.segments is not None and trainer.segments.model is not None
+                between = sorted(trainer.segments.model.compiled)
+    return trainer, losses, between
+
+
+def scenario_tempered(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses, between = train_tempered(3, rank, reorder_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / "tempered_params.pt")
+    assert trainer.segments is not None and trainer.segments.model is not None
+    return {
+        "losses": losses,
+        "compiled": sorted(trainer.segments.model.compiled),
+        "between": between,
+        "sharded": trainer.reducer.sharded,  # type: ignore[union-attr]
+    }
+
+
 class EagerReads(torch.nn.Module):
     """Parameters read by eager code: the root's own ``scale``, ``gate.w`` (the gate's
     product has no ONNX function: it runs in eager) and the embedding's weight, tied by
@@ -695,6 +803,8 @@ def main() -> None:
         "factored": scenario_factored,
         "zero2_resume": scenario_zero2_resume,
         "reorder": scenario_reorder,
+        "shared": scenario_shared,
+        "tempered": scenario_tempered,
         "eager_reads": scenario_eager_reads,
         "rmsprop": scenario_rmsprop,
         "layer_drop": scenario_layer_drop,

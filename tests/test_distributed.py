@@ -48,6 +48,8 @@ from tests.dist_worker import (
     train_layer_drop,
     train_reordered,
     train_rmsprop,
+    train_shared,
+    train_tempered,
 )
 from tests.test_parity import drop_key_bias
 
@@ -367,6 +369,50 @@ def test_zero3_prefetch_follows_a_changing_block_order(tmp_path):
     # the last micro-step ran the blocks reversed: the order was recorded afresh
     forward = ["inp", "blocks.2", "blocks.1", "blocks.0", "out"]
     assert all(r["trace"][:5] == forward for r in results), results[0]["trace"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_a_block_called_twice_trains_as_one_process(tmp_path, stage):
+    """A block applied twice in a forward, apart (weight sharing): its segment's backward
+    runs twice a micro-step. The first writes its gradients into their buckets, the
+    second's are added (one view of a bucket per parameter and micro-step); under ZeRO-3
+    its parameters are gathered for each call. Losses and final parameters equal one
+    process on the combined batches."""
+    trainer, losses = train_shared(0, 0, reorder_batches(0, 1))
+    env = {"ORTRAIN_TEST_STAGE": str(stage)}
+    results = finish(launch("shared", tmp_path, **env), tmp_path, "shared")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / f"shared{stage}_params.pt"), trainer.module)
+    m = trainer.module
+    once = sum(len(list(c.parameters())) for c in (m.inp, m.blocks[1], m.out))
+    shared = len(list(m.blocks[0].parameters()))
+    for r in results:
+        assert r["compiled"] == ["blocks.0", "blocks.1", "inp", "out"], r["compiled"]
+        # the modules called once land in place every micro-step; the shared block's sum
+        # of two gradients lands wherever autograd added them (in its bucket or copied)
+        assert once * len(losses) <= r["written_in_place"] <= (once + shared) * len(losses)
+
+
+@pytest.mark.slow
+def test_zero3_follows_python_values_the_loop_changes(tmp_path):
+    """A Python value the compiled blocks read, changed by the loop at one step and again
+    at a later one: under ZeRO-3 every rank gathers the parameters whole and plans the
+    segments afresh, as at the first step (the blocks built again with the new value,
+    then run in eager), and shards them again. Losses and final parameters equal one
+    process on the combined batches; before, the first change raised ``BatchError``."""
+    trainer, losses, between = train_tempered(0, 0, reorder_batches(0, 1))
+    results = finish(launch("tempered", tmp_path), tmp_path, "tempered")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "tempered_params.pt"), trainer.module)
+    assert trainer.segments is not None and trainer.segments.model is not None
+    blocks = [f"blocks.{k}" for k in range(3)]
+    for r in results:
+        # between the changes the blocks were compiled again (with the new value)
+        assert r["between"] == between and set(blocks) <= set(r["between"]), r["between"]
+        # the blocks read a value changed twice: eager now; the rest sharded again
+        assert r["compiled"] == sorted(trainer.segments.model.compiled)
+        assert not set(blocks) & set(r["compiled"]) and r["sharded"], r["compiled"]
 
 
 @pytest.mark.slow

@@ -103,6 +103,7 @@ class ShardedParams(ShardedGradients):
         self._params = dict(training.module.named_parameters())
         self._names_of: dict[int, list[str]] = {}  # id(module) -> its laid-out parameters
         self.param_shard: torch.Tensor | None = None  # this rank's stretch, once sharded
+        self._kept_shard: torch.Tensor | None = None  # the same while ``unshard``ed
         self._placeholder = torch.empty(0, device=comm.device)
         self.gathered: set[str] = set()  # parameters whole right now
         self.peak_gathered_numel = 0  # most parameter elements gathered at once so far
@@ -383,11 +384,16 @@ class ShardedParams(ShardedGradients):
         flat = self.flat_params
         assert flat is not None
         mapping = getattr(self, "_mapping", None)
-        # in a mapping the stretch stays where it is; elsewhere it is copied out
-        self.param_shard = (
-            flat[self.config.shard] if mapping is not None else flat[self.config.shard].clone()
-        )
-        self._state.shard_params.append(self.param_shard)
+        if self._kept_shard is not None:  # sharded again (``unshard``): the tensor the
+            self.param_shard = self._kept_shard  # update graph writes stays
+            if mapping is None:
+                self.param_shard.copy_(flat[self.config.shard])
+        else:
+            # in a mapping the stretch stays where it is; elsewhere it is copied out
+            self.param_shard = (
+                flat[self.config.shard] if mapping is not None else flat[self.config.shard].clone()
+            )
+            self._state.shard_params.append(self.param_shard)
         for name in self.config.layout.names:
             # the whole ones get storages of their own: the flat buffer goes
             kept = self._params[name].data.clone() if name in self.whole else self._placeholder
@@ -396,6 +402,34 @@ class ShardedParams(ShardedGradients):
         self.flat_params = None  # type: ignore[assignment]
         if mapping is not None:
             _release_outside(mapping, self.config.shard.start * 4, self.config.shard.stop * 4)
+
+    def unshard(self) -> None:
+        """Every parameter whole again, as before the first step (a collective: every rank
+        calls it alike), for the segments to be planned afresh on whole parameters (a
+        Python value the loop changed that compiled segments read). The next ``planned``
+        shards them again; the shard stays the tensor the update writes."""
+        if not self.sharded:
+            return
+        shard, layout = self.param_shard, self.config.layout
+        assert shard is not None and self._ahead is None and not self.gathered
+        mapping = getattr(self, "_mapping", None)
+        if mapping is not None:  # the stretch is where it was; the rest reads as zeros
+            flat = torch.frombuffer(mapping, dtype=torch.float32, count=layout.numel)
+        else:
+            flat = torch.empty(layout.numel, device=self.comm.device)
+            flat[self.config.shard].copy_(shard)
+        self.comm.all_gather(flat)
+        self.flat_params = flat
+        for e in layout.entries:
+            view = flat[e.offset : e.stop].view(e.shape)
+            self._params[e.name].data = view
+            self._state.params[e.name] = view
+        self._kept_shard, self.param_shard = shard, None
+        self.whole = set()
+        self.first_step_numel = layout.numel - layout.shard_numel
+        self._names_of.clear()
+        self._standing.clear()
+        self._trace, self._following, self._recording = None, False, []
 
     def _refresh_whole(self) -> None:
         """After an update: the whole parameters' new values, from the ranks owning them
