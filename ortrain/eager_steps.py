@@ -21,6 +21,7 @@ from ortrain.checkpoint import index_names
 from ortrain.core.errors import NonFiniteLossError
 from ortrain.core.names import state_key
 from ortrain.core.optimizer_spec import EAGER
+from ortrain.optimizer_resets import drop_state
 from ortrain.python_state import kept
 from ortrain.runtime.outside_steps import own_step
 from ortrain.verify import restoring
@@ -116,7 +117,7 @@ class EagerSteps:
             return
         if st.step == 0:  # (a checkpoint of step 0 loaded since: no state either)
             for p in params:
-                optimizer.state.pop(p, None)
+                drop_state(optimizer, p)
             return
         step = float(st.step)
         for p, s, key in self._states(params):
@@ -143,4 +144,4 @@ class EagerSteps:
                 optimizer.state[p][s] = held
         if st.spec.kind != EAGER:  # torch's own is empty while the trainer steps (lent
             for p in params:  # anew at each eager step), or it would be taken for eager's
-                optimizer.state.pop(p, None)
+                drop_state(optimizer, p)

@@ -54,7 +54,7 @@ from ortrain.optim.from_torch import (
     group_values,
     optimizer_spec,
 )
-from ortrain.optimizer_resets import StateResets
+from ortrain.optimizer_resets import StateResets, drop_state
 from ortrain.options import TrainerOptions
 from ortrain.param_dtypes import eager_for_dtype
 from ortrain.python_state import LOSS_FN, READ, ValueWatch
@@ -316,8 +316,15 @@ class ProgramContext:
         handing (a trainer made, then eager steps before its first): torch's state is empty
         while the trainer steps, so any it has is theirs. Before either: the loop emptied
         ``optimizer.state`` (``optimizer_resets.py``): the moments start again."""
-        if self._handed is None and self._resets is not None and self._resets.emptied():
-            self._restart_state()
+        if self._handed is None and self._resets is not None:
+            reset = self._resets.reset_params()
+            if self._resets.emptied():
+                self._restart_state()
+            elif reset:
+                self._restart_params(reset)
+                return
+            for p in [p for p, v in self.optimizer.state.items() if not v]:
+                drop_state(self.optimizer, p)  # an entry a read made (a defaultdict's)
         if self._handed is None:
             if not self.optimizer.state or not self._optimizer_hooks or self._sharded():
                 return
@@ -336,6 +343,23 @@ class ProgramContext:
         finally:
             self._to_torch = False
         self.optimizer.load_state_dict(state)
+
+    def _restart_params(self, reset: list[Any]) -> None:
+        """The loop reset some parameters' own state (``optimizer_resets.py``): torch's
+        optimizer starts their moments and step counts again while the others go on, which
+        one step count for all cannot; so its own ``step()`` runs the update from here, on
+        the state kept so far, without theirs."""
+        ids = {id(p) for p in reset}
+        names = [n for n, p in self.module.named_parameters() if id(p) in ids]
+        trained = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        for p in [p for p, v in self.optimizer.state.items() if not v]:
+            drop_state(self.optimizer, p)  # the loop's empty entries: not state to load
+        if ids >= trained:  # every parameter's: the whole state starts again
+            self._restart_state()
+            return
+        self.update_in_eager(f"the training loop reset the optimizer state of {', '.join(names)}")
+        for p in reset:  # torch's next step() starts theirs again (the loop's intent)
+            self.optimizer.state.pop(p, None)
 
     def _restart_state(self) -> None:
         """The loop cleared ``optimizer.state``: torch's optimizer would start each
@@ -600,11 +624,9 @@ class ProgramContext:
         engine the options name keep one set: refused there."""
         if self.engine.name == "eager":
             return
-        if self.engine.in_backward and self.state.grad_params is not None:
-            raise BatchError(
-                f"{why}: this model's training graph runs the update inside its backward, "
-                "for one set of parameters; train it with update_engine='graph'"
-            )
+        # a training graph that runs the update inside its backward is built again, as a
+        # gradient graph for the optimizer's step
+        rebuild = self.engine.in_backward and self.state.grad_params is not None
         from ortrain.distributed.data_parallel import DataParallel
 
         sharded = self.reducer is not None and not isinstance(self.reducer, DataParallel)
@@ -637,6 +659,8 @@ class ProgramContext:
         st.opt_state.clear()
         held = dict(st.grads)  # data parallel lays its flat buffer out anew: sums carried
         self.engine = self.choose_engine()
+        if rebuild:
+            self.graphs.clear_train()
         if st.grad_params is not None:  # else laid out at the first step
             self.engine.prepare()
         for name, old in held.items():
@@ -646,7 +670,8 @@ class ProgramContext:
         warnings.warn(
             f"ortrain: {type(self.module).__name__}: {why}; from optimizer step {st.step} on, "
             f"{self.spec.source}'s update runs as its own step() in eager PyTorch, which "
-            "skips the parameters a step does not reach as eager training does",
+            "counts each parameter's steps and skips the parameters a step does not reach, as "
+            "eager training does",
             stacklevel=4,
         )
 
