@@ -564,13 +564,14 @@ class Tempered(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.out(h), y)
 
 
-TEMPS = {3: 2.0, 6: 0.5}  # micro-step -> the blocks' new temperature (changed twice)
+TEMPS = {3: 2.0}  # micro-step -> the blocks' new temperature
+TEMPERED_STEPS = 5
 
 
 def train_tempered(
     stage: int, seed: int, batches: list[dict]
 ) -> tuple[ORTTrainer, list[float], list[str]]:
-    """The trainer, its losses, and its compiled segments between the two changes."""
+    """The trainer, its losses, and its compiled segments before the change."""
     model = Tempered(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     options = TrainerOptions(
@@ -578,15 +579,13 @@ def train_tempered(
     )
     trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
     losses, between = [], []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the blocks to eager at the second change: said)
-        for i, batch in enumerate(batches):
-            for block in model.blocks if i in TEMPS else ():
-                block.temp = TEMPS[i]
-            losses.append(trainer.train_step(**batch).item())
-            if i == max(TEMPS) - 1:
-                assert trainer.segments is not None and trainer.segments.model is not None
-                between = sorted(trainer.segments.model.compiled)
+    for i, batch in enumerate(batches[:TEMPERED_STEPS]):
+        for block in model.blocks if i in TEMPS else ():
+            block.temp = TEMPS[i]
+        losses.append(trainer.train_step(**batch).item())
+        if i == min(TEMPS) - 1:
+            assert trainer.segments is not None and trainer.segments.model is not None
+            between = sorted(trainer.segments.model.compiled)
     return trainer, losses, between
 
 
@@ -599,7 +598,7 @@ def scenario_tempered(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {
         "losses": losses,
         "compiled": sorted(trainer.segments.model.compiled),
-        "between": between,
+        "before": between,
         "sharded": trainer.reducer.sharded,  # type: ignore[union-attr]
     }
 
