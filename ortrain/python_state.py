@@ -13,7 +13,7 @@ with the module that owns them: that module cannot be compiled (``whole_program`
 refuses the whole graph, the segments run the owner in eager). An attribute set on the
 first call only (a lazily built cache) is not such a schedule. A plain container that
 grows on every call (a list the forward appends to) counts too: the graph would not
-append; so does a small container of scalars whose items change (``_container``).
+append; so does a container of scalars whose items change (``_container``).
 
 The module-level values the model's own code reads (a global step counter, a schedule's
 scalar in the user's script; ``python_reads``: names read by the methods of the model's
@@ -150,23 +150,61 @@ class _Contents(_Length):
         return repr(list(self.items))
 
 
-# larger containers, or ones holding more than scalars, are compared by length (a
-# snapshot of every item at every step would cost in proportion)
+# A container of scalars is compared by its items up to ``_CONTENT_ITEMS`` (they name
+# the change), by a digest of them up to ``_DIGEST_ITEMS`` (a class-weight list, a
+# schedule table: a few microseconds a step each); a larger one, or one holding more than
+# scalars, by its length (reading every item at every step would cost in proportion).
 _CONTENT_ITEMS = 64
+_DIGEST_ITEMS = 4096
+
+
+class _Digest(_Length):
+    """A container of scalars by a digest of its items (``hash`` of them: a collision
+    would hide a change with odds of about 2**-64)."""
+
+    digest: int
+
+    def __new__(cls, n: int, digest: int) -> _Digest:
+        obj = super().__new__(cls, n)
+        obj.digest = digest
+        return obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Digest) and (int(self), self.digest) == (
+            int(other),
+            other.digest,
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((int(self), self.digest))
+
+    def __repr__(self) -> str:
+        return f"{int(self)} items (digest {self.digest & 0xFFFFFFFF:08x})"
+
+
+def _scalar_items(v: list | dict) -> tuple | None:
+    """A list's items or a dict's (key, value) pairs where all are scalars, else None."""
+    if isinstance(v, dict):
+        if all(isinstance(x, _SCALARS) for x in v.values()) and all(
+            isinstance(k, _SCALARS) for k in v
+        ):
+            return tuple(v.items())
+    elif isinstance(v, list) and all(isinstance(x, _SCALARS) for x in v):
+        return tuple(v)
+    return None
 
 
 def _container(v: list | dict | set) -> _Length:
     """What a plain container is compared by: its scalar items where it holds only
-    scalars and at most ``_CONTENT_ITEMS``, else its length."""
+    scalars and at most ``_CONTENT_ITEMS``, a digest of them up to ``_DIGEST_ITEMS``,
+    else its length."""
     n = len(v)
-    if 0 < n <= _CONTENT_ITEMS:  # (an empty one that gains items changes its length)
-        if isinstance(v, dict):
-            if all(isinstance(x, _SCALARS) for x in v.values()) and all(
-                isinstance(k, _SCALARS) for k in v
-            ):
-                return _Contents(tuple(v.items()))
-        elif isinstance(v, list) and all(isinstance(x, _SCALARS) for x in v):
-            return _Contents(tuple(v))
+    # (an empty one that gains items changes its length)
+    if 0 < n <= _DIGEST_ITEMS and (items := _scalar_items(v)) is not None:
+        return _Contents(items) if n <= _CONTENT_ITEMS else _Digest(n, hash(items))
     return _Length(n)
 
 
@@ -509,12 +547,12 @@ class ValueWatch:
         module-level value: held, so that no id is reused while they are compared."""
         values = [list(d.values()) for d in self.dicts]
         sized: list[tuple[Any, int]] = []
-        items: list[tuple[Any, _Contents]] = []
+        items: list[tuple[Any, _Contents | _Digest]] = []
         for vs in values:
             for v in vs:
                 if type(v) in _CONTAINERS:
                     seen = _container(v)
-                    (items if isinstance(seen, _Contents) else sized).append((v, seen))
+                    (items if isinstance(seen, (_Contents, _Digest)) else sized).append((v, seen))
                 elif isinstance(v, torch.Tensor):
                     sized.append((v, v._version))
         return values, sized, items, [r.value() for r in self.reads]

@@ -423,6 +423,7 @@ class _Watched(torch.nn.Module):
         self.seen: list[int] = []
         self.weights = {"a": 1.0, "b": 0.5}
         self.many = [0.0] * 100
+        self.huge = [0.0] * 5000
         self.cfg = type("Cfg", (), {})()
         self.cfg.scale = 2
         self.lin.state = torch.zeros(2)
@@ -449,8 +450,13 @@ def test_the_value_watch_sees_each_kind_of_change_and_no_false_one():
     assert set(watch.changes()) == {("", "seen")}
     model.weights["b"] = 0.25
     assert set(watch.changes()) == {("", "weights")}
-    model.many[5] = 1.0  # beyond _CONTENT_ITEMS items: by length only
+    model.many[5] = 1.0  # beyond _CONTENT_ITEMS items: by a digest of them
+    assert set(watch.changes()) == {("", "many")}
     assert watch.changes() == {}
+    model.huge[5] = 1.0  # beyond _DIGEST_ITEMS: by length only
+    assert watch.changes() == {}
+    model.huge.append(0.0)
+    assert set(watch.changes()) == {("", "huge")}
     model.cfg.scale = 3
     assert set(watch.changes()) == {("", "cfg.scale")}
     model.lin.state = torch.zeros(2)
@@ -717,6 +723,7 @@ class _ReadsInPlace(nn.Module):
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
         self.head = nn.Linear(16, 4)
         self.where, self.mix = where, {"aux": 1.0}
+        self.table = [1.0] * 200  # a schedule table: past the items compared one by one
         if where == "instance forward":
             weight = [1.0]
             self.set_weight = lambda w: weight.__setitem__(0, w)
@@ -735,6 +742,8 @@ class _ReadsInPlace(nn.Module):
             w = _SCALE[0]
         elif self.where == "global dict":
             w = _WEIGHTS["aux"]
+        elif self.where == "long list":
+            w = self.table[7]
         else:
             w = self.mix["aux"]
         return self._loss(x, y, w)
@@ -744,12 +753,13 @@ def _set_in_place(model: nn.Module, w: float) -> None:
     _SCALE[0] = w
     _WEIGHTS["aux"] = w
     model.mix["aux"] = w
+    model.table[7] = w
     if model.where == "instance forward":
         model.set_weight(w)
 
 
 @pytest.mark.parametrize(
-    "where", ["global list", "global dict", "attribute dict", "instance forward"]
+    "where", ["global list", "global dict", "attribute dict", "long list", "instance forward"]
 )
 def test_a_value_set_in_place_or_in_a_closure_trains_like_eager(where):
     """Only the place the forward reads changes (no attribute beside it: the model's
