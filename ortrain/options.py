@@ -151,21 +151,21 @@ class TrainerOptions:
         in eager depends on the build's time, so runs agree to float rounding, not bit for
         bit. CPU, one process, full precision, no accumulation, Adam, AdamW or SGD (others
         are refused here). False (default): a step waits for its graph.
-    eager_if_faster: True: time each training graph against eager PyTorch on its first
-        steps (after its first, checked step: three steps on each, alternating, all of
-        them real training steps over the same state) and run that batch signature's
-        later steps on the faster, the graph unless eager's median step is over 1.1x
-        faster (``ortrain.explain`` shows both times). For models whose graph ONNX Runtime
-        runs slower than PyTorch (large convolutions on CPU, for one): never slower than
-        eager. Which steps run where after the trial depends on the times measured, so
-        runs agree to float rounding, not bit for bit. The same limits as
-        ``background_build`` (refused outside them). "auto": the same trial, only for a
-        graph whose steps are over 1.2x slower than eager's estimated from one eager
-        forward of the batch (three forwards: ``ortrain/speed_trial.py``), and only within
-        those limits (an optimizer whose own ``step()`` runs in eager: no trial); a graph
-        clearly faster never runs an eager step, but a model whose eager backward costs
-        far more than two forwards may go to a trial it did not need. False (default):
-        every step runs on its graph.
+    eager_if_faster: "auto" (default): after a training graph's first, checked step and
+        two timed steps, one eager forward of the batch (without gradients, what it
+        changes put back) estimates eager's step as three forwards; a graph step over
+        1.2x that estimate goes on to a trial (below), a faster one keeps every step on
+        the graph and never runs an eager step (``ortrain/speed_trial.py``). Only within
+        the limits of ``background_build``, and not for an optimizer whose own
+        ``step()`` runs in eager; elsewhere every step runs on its graph, no error.
+        True: the trial for every graph (refused outside those limits): three steps on
+        each, alternating, all of them real training steps over the same state, then
+        that batch signature's later steps run on the faster, the graph unless eager's
+        median step is over 1.1x faster (``ortrain.explain`` shows both times). For
+        models whose graph ONNX Runtime runs slower than PyTorch (large convolutions on
+        CPU, for one): never slower than eager. Where a trial ran, which steps run where
+        after it depends on the times measured, so runs agree to float rounding, not bit
+        for bit. False: every step runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, the first step disagrees with eager, or
         parameters are not float32).
@@ -205,7 +205,7 @@ class TrainerOptions:
     build_progress: bool = True
     verify: bool = True
     background_build: bool = False
-    eager_if_faster: bool | str = False
+    eager_if_faster: bool | str = "auto"
     fallback: str = "auto"
     segments: str = "auto"
     reduce_bucket_mb: float = 25.0

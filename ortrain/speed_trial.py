@@ -8,17 +8,18 @@ step decides: the graph stays unless eager's is faster by more than ``MARGIN`` (
 graph's steps are what the memory plan sized, and the margin keeps a near tie from
 flipping between runs), and that signature's steps run on the winner from then on.
 
-``eager_if_faster="auto"`` first asks whether a trial is worth its eager steps, whose
-activations can set the process's peak memory where the graph's are smaller: after
-``GATE_STEPS`` timed graph steps it times eager's forward of the same batch (without
-gradients, nothing it changes kept: buffers, Python attributes, the random generator)
-and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward costs about two
-forwards: the products of each layer are computed once for the output and twice for the
-gradients). Only a graph step slower than ``GATE`` times that estimate goes on to the
-trial; the trial's own eager steps decide. A graph that is clearly faster never runs an
-eager step; but eager's backward and optimizer step can cost far more than two forwards
-(BERT-tiny's MLM, whose graph steps 1.6x faster than eager, went to a trial in three
-runs of five), so it is not the default.
+``eager_if_faster="auto"`` (the default) first asks whether a trial is worth its eager
+steps, whose activations can set the process's peak memory where the graph's are
+smaller: after ``GATE_STEPS`` timed graph steps it times eager's forward of the same
+batch (without gradients, nothing it changes kept: buffers, Python attributes, the
+random generator) and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward
+costs about two forwards: the products of each layer are computed once for the output
+and twice for the gradients). Only a graph step slower than ``GATE`` times that estimate
+goes on to the trial; the trial's own eager steps decide. A graph that is clearly faster
+never runs an eager step. Where eager's backward and optimizer step cost more than two
+forwards the gate can send a faster graph to a trial it did not need (BERT-tiny's MLM on
+one machine): that costs the trial's eager steps, their time and activation memory, and
+the graph stays.
 
 Which steps ran where is fixed (the trial's schedule does not depend on time); what runs
 after it does, so two runs agree to float rounding, not bit for bit, where the choice

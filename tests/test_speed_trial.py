@@ -141,19 +141,16 @@ def test_choice_needs_eager_clearly_faster():
 
 @pytest.mark.parametrize("slow", [False, True], ids=["graph-fast", "graph-slow"])
 def test_auto_weighs_a_trial_on_eager_forward(slow):
-    """With "auto" a graph step is first weighed against eager's step estimated from one
-    eager forward: a clearly faster graph keeps every step (no eager step, the forward's
-    buffers and random draws put back); a slower one goes on to the trial, which decides.
-    Every step equals eager's either way."""
+    """With "auto" (the default) a graph step is first weighed against eager's step
+    estimated from one eager forward: a clearly faster graph keeps every step (no eager
+    step, the forward's buffers and random draws put back); a slower one goes on to the
+    trial, which decides. Every step equals eager's either way."""
     torch.manual_seed(0)
     base = _ConvNet()
     ref = copy.deepcopy(base)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9)
-    other = copy.deepcopy(base)
-    plain = ORTTrainer(other, torch.optim.SGD(other.parameters(), lr=0.05), TrainerOptions())
-    assert plain._program.trial is None  # the default: every step on its graph
-    trainer = ORTTrainer(base, opt, TrainerOptions(eager_if_faster="auto"))
+    trainer = ORTTrainer(base, opt, TrainerOptions())  # "auto" is the default
     graph_s, eager_s = 1.0, 0.5
     routes = _pinned(trainer, graph_s, eager_s)
     trial = trainer._program.trial
