@@ -153,8 +153,8 @@ class TrainerOptions:
         are refused here). False (default): a step waits for its graph.
     eager_if_faster: "auto" (default): after a training graph's first, checked step and
         two timed steps, one eager forward of the batch (without gradients, what it
-        changes put back) estimates eager's step as three forwards; a graph step over
-        1.2x that estimate goes on to a trial (below), a faster one keeps every step on
+        changes put back) estimates eager's step as three forwards; a graph step slower
+        than that estimate goes on to a trial (below), a faster one keeps every step on
         the graph and never runs an eager step (``ortrain/speed_trial.py``). Only within
         the limits of ``background_build``, and not for an optimizer whose own
         ``step()`` runs in eager; elsewhere every step runs on its graph, no error.

@@ -5,6 +5,7 @@ Dropouts of one input keep two masks (its CSE merged them before they were seede
 from __future__ import annotations
 
 import collections
+import logging
 
 import numpy as np
 import onnx_ir as ir
@@ -16,6 +17,7 @@ from onnx import TensorProto, helper
 
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.graph_passes.cleanup.export_cleanup import clean_export
+from ortrain.graph_passes.cleanup.forward_cleanup import clean_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -55,6 +57,30 @@ def test_clean_export_keeps_a_tiny_epsilon_and_two_dropouts(eps):
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     y = session.run(["y"], {"x": np.zeros((2, 3), np.float32)})[0]
     np.testing.assert_array_equal(y, np.full((2, 3), np.float32(1) / np.float32(eps)))
+
+
+@pytest.mark.parametrize("clean", [clean_export, clean_forward], ids=["export", "forward"])
+def test_a_node_the_folder_cannot_evaluate_stays_without_a_warning(clean, caplog):
+    """A Gather of constants whose index is out of range (a branch's, not taken at run
+    time) fails in onnx's reference kernel: the node stays and nothing is logged (the
+    folder's "Evaluation failed" reached users as a failure that is none)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [
+        helper.make_node("Constant", [], ["data"],
+                         value=helper.make_tensor("data", TensorProto.FLOAT, [4], [1, 2, 3, 4])),
+        helper.make_node("Constant", [], ["at"],
+                         value=helper.make_tensor("at", TensorProto.INT64, [1], [7])),
+        helper.make_node("Gather", ["data", "at"], ["g"]),
+        helper.make_node("Add", ["x", "g"], ["y"]),
+    ]  # fmt: skip
+    model = _model(nodes, [x], [out])
+    with caplog.at_level(logging.DEBUG, logger="onnxscript"):
+        clean(model)
+    assert any(n.op_type == "Gather" for n in model.graph)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # the folder's logger as it was before the cleanup
+    assert logging.getLogger("onnxscript.optimizer._constant_folding").level == logging.NOTSET
 
 
 class _ZeroRows(torch.nn.Module):

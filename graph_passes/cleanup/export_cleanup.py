@@ -25,7 +25,7 @@ import onnx_ir.passes.common as common_passes
 from onnxscript import rewriter
 from onnxscript.optimizer import _constant_folding
 
-from ortrain.graph_passes.cleanup.forward_cleanup import CLEANUP_RULES, not_random
+from ortrain.graph_passes.cleanup.forward_cleanup import CLEANUP_RULES, not_random, quiet_folding
 
 
 def clean_export(model: ir.Model) -> bool:
@@ -55,4 +55,5 @@ def clean_export(model: ir.Model) -> bool:
         common_passes.OutputFixPass(),
         common_passes.NameFixPass(),
     )
-    return cleanup(model).modified
+    with quiet_folding():
+        return cleanup(model).modified

@@ -21,6 +21,10 @@ broadcast ``x``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
@@ -72,7 +76,22 @@ def clean_forward(model: ir.Model) -> bool:
         common_passes.OutputFixPass(),
         common_passes.NameFixPass(),
     )
-    return cleanup(model).modified
+    with quiet_folding():
+        return cleanup(model).modified
+
+
+@contextlib.contextmanager
+def quiet_folding() -> Iterator[None]:
+    """The folder's warnings off: where onnx's reference kernel cannot evaluate a node
+    (an index only a branch not taken would read), it leaves the node to run at each
+    step, and its "Evaluation failed: ..." told the user of a failure that is none."""
+    logger = logging.getLogger(_constant_folding.__name__)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def not_random(node: ir.Node) -> bool | None:
