@@ -19,9 +19,10 @@ What a mismatch means (rebuild a cached graph, segments, or an error) is the cal
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch.utils import _pytree as pytree
@@ -102,10 +103,21 @@ class EagerSide:
             out = module(*args, **kwargs)
             return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
 
-    def early_reference(self, batch: Mapping[str, Any]) -> EagerStep | None:
+    @overload
+    def early_reference(self, batch: Mapping[str, Any]) -> EagerStep | None: ...
+
+    @overload
+    def early_reference(
+        self, batch: Mapping[str, Any], timed: Literal[True]
+    ) -> tuple[EagerStep | None, float | None]: ...
+
+    def early_reference(self, batch: Mapping[str, Any], timed: bool = False) -> Any:
         """Eager's step on ``batch`` (case 1). The child runs on one thread (OpenMP's team
         does not survive a fork). None where eager fails on the batch: the check then runs
-        after the build, in this process, where errors are named as before."""
+        after the build, in this process, where errors are named as before. ``timed``:
+        with the seconds of a second eager forward and backward in the child, warm (the
+        first pays for first-call allocations) and as a step runs it (the check's runs
+        fix their random draws through a dispatch mode); None where no child ran it."""
         module = self.module
         names = [n for n, p in module.named_parameters() if p.requires_grad]
 
@@ -114,23 +126,38 @@ class EagerSide:
             with restoring(list(module.buffers())), no_dropout():
                 self.loss_of(batch, module)
 
-        def step() -> tuple[EagerStep, dict[str, str]]:
-            return changed_every_call(
-                module,
-                lambda: eager_loss_and_grads(lambda: self.loss_of(batch, module), module, names),
-                again,
-                self.loss_fn,
-            )
+        def run() -> EagerStep:
+            return eager_loss_and_grads(lambda: self.loss_of(batch, module), module, names)
 
+        def step() -> tuple[EagerStep, dict[str, str]]:
+            return changed_every_call(module, run, again, self.loss_fn)
+
+        def warm() -> float | None:  # as a step's: no check's machinery, nothing put back
+            start = time.perf_counter()
+            try:
+                loss = self.loss_of(batch, module, look=False)
+                wrt = [p for p in module.parameters() if p.requires_grad]
+                if wrt and loss.requires_grad:
+                    torch.autograd.grad(loss, wrt, allow_unused=True)
+            except Exception:  # the reference stands; the gate goes without a floor
+                return None
+            return time.perf_counter() - start
+
+        def forked() -> tuple[EagerStep, dict[str, str], float | None]:
+            reference, found = step()
+            return reference, found, warm() if timed else None
+
+        seconds = None
         try:
             if can_fork([*module.parameters(), *module.buffers()]):
-                reference, found = call_forked(step, what="the first step's eager check")
+                what = "the first step's eager check"
+                reference, found, seconds = call_forked(forked, what=what)
             else:
                 reference, found = step()
             self.stateful.update(found)
-            return reference
         except Exception:
-            return None
+            reference = None
+        return (reference, seconds) if timed else reference
 
     def fails(self, batch: Mapping[str, Any], grad: bool = False) -> Exception | None:
         """What eager PyTorch's own forward of ``batch`` raises, if anything (no hooks of

@@ -137,7 +137,8 @@ class TrainerOptions:
         an evaluation graph's outputs), also a graph loaded from the graph cache
         (``ortrain/verify.py``). Its cost is one eager step per graph built, on CPU run
         on one thread in a forked child before the build (so an eager step's memory does
-        not set the training process's peak), and while the graph's first run is compared
+        not set the training process's peak; with ``eager_if_faster="auto"`` a second,
+        timed one there), and while the graph's first run is compared
         a copy of what that run writes (the parameters, moments or gradients it changes,
         put back after): that copy raises the first step's peak; ``ortrain.explain``
         reports the time. False: trust the graphs unchecked.
@@ -153,8 +154,10 @@ class TrainerOptions:
         are refused here). False (default): a step waits for its graph.
     eager_if_faster: "auto" (default): after a training graph's first, checked step and
         two timed steps, one eager forward of the batch (without gradients, what it
-        changes put back) estimates eager's step as three forwards; a graph step slower
-        than that estimate goes on to a trial (below), a faster one keeps every step on
+        changes put back) estimates eager's step as three forwards, or as the first-step
+        check's eager forward and backward (timed in its child, warm, on one thread)
+        over the thread count where that is more; a graph step slower than that
+        estimate goes on to a trial (below), a faster one keeps every step on
         the graph and never runs an eager step (``ortrain/speed_trial.py``). Only within
         the limits of ``background_build``, and not for an optimizer whose own
         ``step()`` runs in eager; elsewhere every step runs on its graph, no error.

@@ -14,12 +14,15 @@ smaller: after ``GATE_STEPS`` timed graph steps it times eager's forward of the 
 batch (without gradients, nothing it changes kept: buffers, Python attributes, the
 random generator) and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward
 costs about two forwards: the products of each layer are computed once for the output
-and twice for the gradients). Only a graph step slower than ``GATE`` times that estimate
-goes on to the trial; the trial's own eager steps decide. A graph that is clearly faster
-never runs an eager step. Where eager's backward and optimizer step cost more than two
-forwards the gate can send a faster graph to a trial it did not need (BERT-tiny's MLM on
-one machine): that costs the trial's eager steps, their time and activation memory, and
-the graph stays.
+and twice for the gradients), or as a warm eager forward and backward of the batch in
+the first-step check's child (one thread) over the thread count where that is more
+(``SpeedTrial.floor``). Only a
+graph step slower than ``GATE`` times that estimate goes on to the trial; the trial's own
+eager steps decide. A graph that is clearly faster never runs an eager step. Where
+eager's step still costs more than the estimate the gate can send a faster graph to a
+trial it did not need (three forwards alone sent BERT-tiny's MLM to one in three runs of
+five on one machine): that costs the trial's eager steps, their time and activation
+memory, and the graph stays.
 
 Which steps ran where is fixed (the trial's schedule does not depend on time); what runs
 after it does, so two runs agree to float rounding, not bit for bit, where the choice
@@ -60,6 +63,7 @@ class Trial:
     eager: list[float] = dataclasses.field(default_factory=list)
     choice: str = ""  # "graph" or "eager" once decided
     estimate: float | None = None  # gated: eager's step estimated from its forward
+    floor: float = 0.0  # gated: what eager's step cannot undercut (``SpeedTrial.floor``)
 
     def route(self) -> str:
         if self.choice:
@@ -75,7 +79,7 @@ class Trial:
 
     def gate(self, forward: float) -> None:
         """Eager's forward took ``forward`` seconds: a trial, or the graph for good."""
-        self.estimate = FORWARD_SHARE * forward
+        self.estimate = max(FORWARD_SHARE * forward, self.floor)
         if min(self.graph) <= GATE * self.estimate:
             self.choice = "graph"
 
@@ -108,6 +112,15 @@ class SpeedTrial:
 
     def route(self, sig: tuple) -> str:
         return self._trial(sig).route()
+
+    def floor(self, sig: tuple, seconds: float) -> None:
+        """A warm eager forward and backward of ``sig``'s first batch took ``seconds`` in
+        the first-step check's forked child, on one thread
+        (``first_step.EagerSide.early_reference``). Over this process's thread count it
+        is less than eager's step takes here, and the gate's estimate is never below it:
+        an eager step of far more than three forwards (a slow backward, a large optimizer
+        step) then does not send a faster graph to a trial."""
+        self._trial(sig).floor = seconds / max(torch.get_num_threads(), 1)
 
     def run(self, sig: tuple, route: str, step: Any, batch: dict[str, Any]) -> torch.Tensor:
         """``batch``'s step on ``route`` (``step`` runs the graph's), timed into its trial."""
@@ -142,8 +155,7 @@ class SpeedTrial:
                 assert t.estimate is not None
                 lines.append(
                     f"  {_shape_text(sig)}: graph {min(t.graph) * 1e3:.1f} ms a step, eager's "
-                    f"estimated from its forward {t.estimate * 1e3:.1f} ms: runs on the graph "
-                    "(no trial)"
+                    f"estimated at {t.estimate * 1e3:.1f} ms: runs on the graph (no trial)"
                 )
                 continue
             g = statistics.median(t.graph)

@@ -317,7 +317,13 @@ class WholeProgram:
         graph is due (``first_step.EagerSide.early_reference``); else None."""
         if not self.ctx.options.verify or self.graphs.has_train(batch):
             return None
-        return self.ctx.eager.early_reference(batch)
+        if self.trial is None or not self.trial.gated:
+            return self.ctx.eager.early_reference(batch)
+        # "auto"'s gate: eager's step timed warm in the same child (its floor)
+        reference, seconds = self.ctx.eager.early_reference(batch, timed=True)
+        if seconds is not None:
+            self.trial.floor(signature(batch), seconds)
+        return reference
 
     def _checks_out(
         self, compiled: CompiledGraph, batch: dict[str, Any], reference: EagerStep | None = None

@@ -139,6 +139,20 @@ def test_choice_needs_eager_clearly_faster():
     assert t.route() == "eager" and len(t.graph) == ROUNDS
 
 
+def test_gate_estimate_is_never_below_the_checks_eager_step():
+    """The gate's estimate of eager's step: three forwards, or the first-step check's
+    eager forward and backward over the thread count where that is more; a graph step
+    under that floor goes to no trial."""
+    for floor, expected in ((0.0, ""), (1.5, "graph")):
+        t = Trial(gated=True, floor=floor)
+        for _ in range(1 + GATE_STEPS):
+            t.record(t.route(), 1.0)
+        assert t.weighing()
+        t.gate(0.1)  # three forwards: 0.3 s
+        assert t.estimate == pytest.approx(max(FORWARD_SHARE * 0.1, floor))
+        assert t.choice == expected  # "": the trial's steps are next
+
+
 @pytest.mark.parametrize("slow", [False, True], ids=["graph-fast", "graph-slow"])
 def test_auto_weighs_a_trial_on_eager_forward(slow):
     """With "auto" (the default) a graph step is first weighed against eager's step
@@ -171,6 +185,10 @@ def test_auto_weighs_a_trial_on_eager_forward(slow):
         expected = _eager_step(ref, opt_ref, batch, None)
         assert loss == pytest.approx(expected, rel=LOSS_RTOL), f"step {i} ({routes[i]})"
     assert len(forwards) == 1  # one gate per signature
+    # the floor from the first-step check's eager step of this small model: well under
+    # the pinned graph step, so the pinned forward decides
+    (weighed,) = trial.trials.values()
+    assert 0 < weighed.floor < 0.1 * graph_s
     gate = ["graph"] * (1 + GATE_STEPS)
     if slow:
         rest = ["eager", "eager", "graph", "eager"]  # the trial's, after the gate's steps
