@@ -278,7 +278,11 @@ def setup_ortrain(
     trainer = ORTTrainer(model, opt, options)
 
     def step(batch: Batch) -> float:
-        return float(trainer.train_step(**batch))
+        loss = float(trainer.train_step(**batch))
+        # steps eager_if_faster ran in eager PyTorch ("auto": only for a graph that looks
+        # slower than eager): 0 where every step ran on the graph
+        info["eager_steps"] = trainer.eager_steps
+        return loss
 
     def after_first() -> None:
         context_mod.make_session = make_session
@@ -657,6 +661,9 @@ def report(
         for b in r:
             ms = ", ".join(f"{t * 1e3:.0f}" for t in r[b]["trace"]["warmup"]["wall_s"])
             lines.append(f"{name}: {b} warm-up step times ms: [{ms}]")
+            if "eager_steps" in r[b]:
+                n = r[b]["eager_steps"]
+                lines.append(f"{name}: {b} steps run in eager (eager_if_faster): {n}")
     for name, r in results.items():
         for b in r:
             x = r[b]
