@@ -66,6 +66,7 @@ class EagerSteps:
             p.grad = None
         try:
             loss = ctx.eager.loss_of(batch, module, look=False)
+            ctx.forward_ran()
             if ctx.options.check_finite and not math.isfinite(float(loss.detach())):
                 raise NonFiniteLossError(
                     f"loss is {float(loss)} at optimizer step {st.step}; the update was not "
@@ -98,6 +99,7 @@ class EagerSteps:
             torch.no_grad(),
         ):
             self.ctx.eager.loss_of(batch, module)
+        self.ctx.forward_ran()
 
     def _states(self, params: list[torch.nn.Parameter]):
         """(parameter, its state's name, the trainer's key) for every state tensor."""

@@ -450,6 +450,15 @@ class ProgramContext:
             self.graph_cache.forget_model_key()
         return changed
 
+    def forward_ran(self) -> None:
+        """An eager forward of ortrain's own ran inside a step (an eager step, the speed
+        trial's look): hooks the module's own forward adds as it runs (transformers'
+        output recording for router logits) are no change of the user's, so the watch
+        takes the modules as they are now; else the next step would build every graph
+        again."""
+        if self._structure is not None:
+            self._structure.changes()
+
     def structure_changed(self) -> bool:
         """Whether a sub-module was assigned anew, or a module hook (a module's or torch's
         global ones) added or removed, since the last step (``ortrain/module_structure.py``):

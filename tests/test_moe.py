@@ -159,6 +159,10 @@ def test_moe_trains_like_eager(family: str) -> None:
         torch.testing.assert_close(
             p, q, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
         )
+    # one export: the eager forwards ortrain runs itself (eager_if_faster's look on the
+    # third step) add the output-recording hooks of transformers' forward, no rebuild
+    exports = [r for r in trainer.build_log if r.stage == "export"]
+    assert len(exports) == 1, [(r.graph, r.seconds) for r in exports]
     graph = trainer.train_graphs[0].graph
     forward = collections.Counter(n.op_type for n in graph if not is_backward(n))
     # Per layer: the router's top-k, and (grouped_mm) the sort of the expert ids.
