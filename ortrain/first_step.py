@@ -19,6 +19,7 @@ What a mismatch means (rebuild a cached graph, segments, or an error) is the cal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -50,6 +51,15 @@ if TYPE_CHECKING:
     from ortrain.runtime.session import BoundSession
     from ortrain.runtime.training_state import TrainingState
     from ortrain.runtime.update_engines import UpdateEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerTimes:
+    """Seconds of one warm eager step's forward and backward and of a forward without
+    gradients, timed one after the other in the first-step check's child (one thread)."""
+
+    step: float
+    forward: float
 
 
 class EagerSide:
@@ -109,7 +119,7 @@ class EagerSide:
     @overload
     def early_reference(
         self, batch: Mapping[str, Any], timed: Literal[True]
-    ) -> tuple[EagerStep | None, float | None]: ...
+    ) -> tuple[EagerStep | None, EagerTimes | None]: ...
 
     def early_reference(self, batch: Mapping[str, Any], timed: bool = False) -> Any:
         """Eager's step on ``batch`` (case 1). The child runs on one thread (OpenMP's team
@@ -117,7 +127,8 @@ class EagerSide:
         after the build, in this process, where errors are named as before. ``timed``:
         with the seconds of a second eager forward and backward in the child, warm (the
         first pays for first-call allocations) and as a step runs it (the check's runs
-        fix their random draws through a dispatch mode); None where no child ran it."""
+        fix their random draws through a dispatch mode), and of a forward without
+        gradients after it (``EagerTimes``); None where no child ran them."""
         module = self.module
         names = [n for n, p in module.named_parameters() if p.requires_grad]
 
@@ -132,18 +143,28 @@ class EagerSide:
         def step() -> tuple[EagerStep, dict[str, str]]:
             return changed_every_call(module, run, again, self.loss_fn)
 
-        def warm() -> float | None:  # as a step's: no check's machinery, nothing put back
-            start = time.perf_counter()
+        def warm() -> EagerTimes | None:  # as a step's: no check's machinery, nothing put back
             try:
+                start = time.perf_counter()
                 loss = self.loss_of(batch, module, look=False)
                 wrt = [p for p in module.parameters() if p.requires_grad]
                 if wrt and loss.requires_grad:
                     torch.autograd.grad(loss, wrt, allow_unused=True)
-            except Exception:  # the reference stands; the gate goes without a floor
+                step = time.perf_counter() - start
+            except Exception:  # the reference stands; the gate goes without these times
                 return None
-            return time.perf_counter() - start
+            forwards = []
+            try:
+                for _ in range(2):  # as the gate times them: the faster of two
+                    start = time.perf_counter()
+                    with torch.no_grad():  # as the gate's forward runs (``EagerSteps.look``)
+                        self.loss_of(batch, module)
+                    forwards.append(time.perf_counter() - start)
+            except Exception:  # a forward that needs gradients: the step's time alone
+                return EagerTimes(step=step, forward=0.0)
+            return EagerTimes(step=step, forward=min(forwards))
 
-        def forked() -> tuple[EagerStep, dict[str, str], float | None]:
+        def forked() -> tuple[EagerStep, dict[str, str], EagerTimes | None]:
             reference, found = step()
             return reference, found, warm() if timed else None
 

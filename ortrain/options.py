@@ -138,7 +138,7 @@ class TrainerOptions:
         (``ortrain/verify.py``). Its cost is one eager step per graph built, on CPU run
         on one thread in a forked child before the build (so an eager step's memory does
         not set the training process's peak; with ``eager_if_faster="auto"`` a second,
-        timed one there), and while the graph's first run is compared
+        timed one there and a timed forward), and while the graph's first run is compared
         a copy of what that run writes (the parameters, moments or gradients it changes,
         put back after): that copy raises the first step's peak; ``ortrain.explain``
         reports the time. False: trust the graphs unchecked.
@@ -154,21 +154,22 @@ class TrainerOptions:
         are refused here). False (default): a step waits for its graph.
     eager_if_faster: "auto" (default): after a training graph's first, checked step and
         two timed steps, one eager forward of the batch (without gradients, what it
-        changes put back) estimates eager's step as three forwards, or as the first-step
-        check's eager forward and backward (timed in its child, warm, on one thread)
-        over the thread count where that is more; a graph step slower than that
-        estimate goes on to a trial (below), a faster one keeps every step on
-        the graph and never runs an eager step (``ortrain/speed_trial.py``). Only within
-        the limits of ``background_build``, and not for an optimizer whose own
-        ``step()`` runs in eager; elsewhere every step runs on its graph, no error.
-        True: the trial for every graph (refused outside those limits): three steps on
-        each, alternating, all of them real training steps over the same state, then
-        that batch signature's later steps run on the faster, the graph unless eager's
-        median step is over 1.1x faster (``ortrain.explain`` shows both times). For
+        changes put back) estimates eager's step: the forward times the model's ratio
+        of step to forward, timed in the first-step check's child (warm, one thread; at
+        most three, three without it), and never below that child's step over the
+        thread count. A graph step faster than that estimate by more than its error
+        keeps every step on the graph and never runs an eager step; any other goes on
+        to a trial (below) (``ortrain/speed_trial.py``). Only within the limits of
+        ``background_build``, and not for an optimizer whose own ``step()`` runs in
+        eager; elsewhere every step runs on its graph, no error. True: the trial for
+        every graph (refused outside those limits): three timed steps on each after an
+        untimed first, alternating, all of them real training steps over the same
+        state, then that batch signature's later steps run on the one whose median step
+        is faster (the graph at a tie; ``ortrain.explain`` shows both times). For
         models whose graph ONNX Runtime runs slower than PyTorch (large convolutions on
         CPU, for one): never slower than eager. Where a trial ran, which steps run where
-        after it depends on the times measured, so runs agree to float rounding, not bit
-        for bit. False: every step runs on its graph.
+        after it depends on the times measured, so runs agree to float rounding, not
+        bit for bit. False: every step runs on its graph.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, the first step disagrees with eager, or
         parameters are not float32).

@@ -3,26 +3,32 @@
 ``TrainerOptions.eager_if_faster``: after a signature's first step on its training graph
 (its check against eager, the session's warm-up), its next steps alternate between the
 graph and eager PyTorch over the same state (``ortrain/eager_steps.py``: nothing is
-copied to switch), ``ROUNDS`` of each, every one a real training step. Then the median
-step decides: the graph stays unless eager's is faster by more than ``MARGIN`` (the
-graph's steps are what the memory plan sized, and the margin keeps a near tie from
-flipping between runs), and that signature's steps run on the winner from then on.
+copied to switch), ``ROUNDS`` of each after an untimed first eager step (it lends the
+optimizer's state to torch's and makes autograd's first buffers, as the graph's first
+step pays for its check and warm-up), every one a real training step. Then the median
+step decides: eager's where the graph's is over ``MARGIN`` times it, else the graph's
+(a tie keeps the graph, whose steps are what the memory plan sized), and that
+signature's steps run on the winner from then on.
 
 ``eager_if_faster="auto"`` (the default) first asks whether a trial is worth its eager
 steps, whose activations can set the process's peak memory where the graph's are
 smaller: after ``GATE_STEPS`` timed graph steps it times eager's forward of the same
 batch (without gradients, nothing it changes kept: buffers, Python attributes, the
-random generator) and estimates eager's step as ``FORWARD_SHARE`` forwards (a backward
-costs about two forwards: the products of each layer are computed once for the output
-and twice for the gradients), or as a warm eager forward and backward of the batch in
-the first-step check's child (one thread) over the thread count where that is more
-(``SpeedTrial.floor``). Only a
-graph step slower than ``GATE`` times that estimate goes on to the trial; the trial's own
-eager steps decide. A graph that is clearly faster never runs an eager step. Where
-eager's step still costs more than the estimate the gate can send a faster graph to a
-trial it did not need (three forwards alone sent BERT-tiny's MLM to one in three runs of
-five on one machine): that costs the trial's eager steps, their time and activation
-memory, and the graph stays.
+random generator) and estimates eager's step as that forward times the model's own
+step-to-forward ratio, measured where the first-step check's forked child timed a warm
+eager forward and backward and then a forward without gradients (one thread), or
+``FORWARD_SHARE`` without that child (a backward costs about two forwards: the products
+of each layer are computed once for the output and twice for the gradients). The ratio
+is often well under three (a frozen backbone's backward stops at the head, a small
+model's is mostly autograd's own overhead), where three forwards would keep a slower
+graph from its trial; it is taken at most three (``SpeedTrial.measured``). The estimate
+is never below the child's step over this process's thread count (a floor: no step runs
+faster on more threads than perfect scaling). It is not exact (the forward is timed in
+the trainer's process, the ratio on one thread), so only a graph step faster than
+``GATE`` times it skips the trial, and never runs an eager step; a near tie goes to the
+trial, whose real steps decide. Where eager's step costs more than the estimate the gate
+can send a faster graph to a trial it did not need: that costs the trial's eager steps,
+their time and activation memory, and the graph stays.
 
 Which steps ran where is fixed (the trial's schedule does not depend on time); what runs
 after it does, so two runs agree to float rounding, not bit for bit, where the choice
@@ -41,16 +47,19 @@ import torch
 from ortrain.eager_steps import EagerSteps
 
 if TYPE_CHECKING:
+    from ortrain.first_step import EagerTimes
     from ortrain.program_context import ProgramContext
 
 ROUNDS = 3  # timed steps of each kind per signature
-MARGIN = 1.1  # eager wins only when the graph's median step is this much slower
+# eager wins where the graph's median step is slower: a graph slower than eager is what
+# the choice is for, and at a tie either route costs the same time
+MARGIN = 1.0
 GATE_STEPS = 2  # "auto": timed graph steps before it weighs a trial
-FORWARD_SHARE = 3.0  # an eager step as forwards: one forward, a backward of about two
-# "auto"'s trial: a graph step slower than this times eager's estimate. No margin here: a
-# CNN's eager step is about its three forwards, so a graph 1.1-1.2x slower than eager
-# passed a gate of 1.2; the trial's own MARGIN keeps a near tie on the graph
-GATE = 1.0
+FORWARD_SHARE = 3.0  # without a measured ratio: a forward, and a backward of about two
+# "auto"'s trial: a graph step slower than this times eager's estimate. Under 1 by about
+# the estimate's own error (a forward timed in the trainer's process, a ratio timed on one
+# thread): a graph within that of eager goes to the trial, whose steps decide
+GATE = 0.85
 
 
 @dataclasses.dataclass
@@ -59,11 +68,13 @@ class Trial:
 
     gated: bool = False  # "auto": a trial only where the gate finds the graph slow
     warm: bool = False  # its first graph step (check, warm-up) ran: not timed
+    eager_warm: bool = False  # its first eager step ran: not timed either
     graph: list[float] = dataclasses.field(default_factory=list)
     eager: list[float] = dataclasses.field(default_factory=list)
     choice: str = ""  # "graph" or "eager" once decided
     estimate: float | None = None  # gated: eager's step estimated from its forward
-    floor: float = 0.0  # gated: what eager's step cannot undercut (``SpeedTrial.floor``)
+    floor: float = 0.0  # gated: what eager's step cannot undercut (``SpeedTrial.measured``)
+    share: float = FORWARD_SHARE  # gated: eager's step over its no-grad forward
 
     def route(self) -> str:
         if self.choice:
@@ -79,7 +90,7 @@ class Trial:
 
     def gate(self, forward: float) -> None:
         """Eager's forward took ``forward`` seconds: a trial, or the graph for good."""
-        self.estimate = max(FORWARD_SHARE * forward, self.floor)
+        self.estimate = max(self.share * forward, self.floor)
         if min(self.graph) <= GATE * self.estimate:
             self.choice = "graph"
 
@@ -88,6 +99,9 @@ class Trial:
             return
         if route == "graph" and not self.warm:
             self.warm = True
+            return
+        if route == "eager" and not self.eager_warm:
+            self.eager_warm = True
             return
         (self.graph if route == "graph" else self.eager).append(seconds)
         if len(self.graph) >= ROUNDS and len(self.eager) >= ROUNDS:
@@ -113,14 +127,21 @@ class SpeedTrial:
     def route(self, sig: tuple) -> str:
         return self._trial(sig).route()
 
-    def floor(self, sig: tuple, seconds: float) -> None:
-        """A warm eager forward and backward of ``sig``'s first batch took ``seconds`` in
-        the first-step check's forked child, on one thread
-        (``first_step.EagerSide.early_reference``). Over this process's thread count it
-        is less than eager's step takes here, and the gate's estimate is never below it:
-        an eager step of far more than three forwards (a slow backward, a large optimizer
-        step) then does not send a faster graph to a trial."""
-        self._trial(sig).floor = seconds / max(torch.get_num_threads(), 1)
+    def measured(self, sig: tuple, times: EagerTimes) -> None:
+        """The first-step check's forked child timed a warm eager forward and backward of
+        ``sig``'s first batch and then its forward without gradients, on one thread
+        (``first_step.EagerSide.early_reference``): their ratio replaces
+        ``FORWARD_SHARE``, and the step over this process's thread count, less than
+        eager's step takes here, is the estimate's floor."""
+        trial = self._trial(sig)
+        trial.floor = times.step / max(torch.get_num_threads(), 1)
+        if times.step > 0 and times.forward > 0:
+            # at least 1: a step's forward does what the no-grad one does, and more; at
+            # most FORWARD_SHARE: a ratio timed on one thread can exceed the one on this
+            # process's threads (a convolution's backward gains more from threads than
+            # its forward), and an estimate too high keeps a slower graph from its trial,
+            # where one too low costs only the trial's steps
+            trial.share = min(max(times.step / times.forward, 1.0), FORWARD_SHARE)
 
     def run(self, sig: tuple, route: str, step: Any, batch: dict[str, Any]) -> torch.Tensor:
         """``batch``'s step on ``route`` (``step`` runs the graph's), timed into its trial."""
@@ -129,7 +150,12 @@ class SpeedTrial:
         trial = self._trial(sig)
         trial.record(route, self._seconds(route, time.perf_counter() - start))
         if trial.weighing():
-            trial.gate(self._forward_seconds(batch))
+            try:
+                forward = self._forward_seconds(batch)
+            except Exception:  # a forward that needs gradients: nothing to weigh, no trial
+                trial.choice = "graph"
+            else:
+                trial.gate(forward)
         return loss
 
     def _forward_seconds(self, batch: dict[str, Any]) -> float:
@@ -151,8 +177,13 @@ class SpeedTrial:
         for sig, t in self.trials.items():
             if not t.choice:
                 continue
+            if not t.eager and t.estimate is None:  # the gate's forward failed
+                lines.append(
+                    f"  {_shape_text(sig)}: graph {min(t.graph) * 1e3:.1f} ms a step; eager's "
+                    "forward does not run without gradients: runs on the graph (no trial)"
+                )
+                continue
             if not t.eager:  # the gate kept the graph without a trial (on its fastest step)
-                assert t.estimate is not None
                 lines.append(
                     f"  {_shape_text(sig)}: graph {min(t.graph) * 1e3:.1f} ms a step, eager's "
                     f"estimated at {t.estimate * 1e3:.1f} ms: runs on the graph (no trial)"

@@ -319,10 +319,10 @@ class WholeProgram:
             return None
         if self.trial is None or not self.trial.gated:
             return self.ctx.eager.early_reference(batch)
-        # "auto"'s gate: eager's step timed warm in the same child (its floor)
-        reference, seconds = self.ctx.eager.early_reference(batch, timed=True)
-        if seconds is not None:
-            self.trial.floor(signature(batch), seconds)
+        # "auto"'s gate: eager's step and forward timed warm in the same child
+        reference, times = self.ctx.eager.early_reference(batch, timed=True)
+        if times is not None:
+            self.trial.measured(signature(batch), times)
         return reference
 
     def _checks_out(
