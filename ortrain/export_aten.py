@@ -35,6 +35,15 @@
    probability ``1 - p`` (measured: p = 0.1 gave 0.9 ones), so a stochastic mask or
    binarization trained on the complement. Here it is ``RandomUniformLike(p) < p``, as
    the exporter already spells ``bernoulli.p`` (a scalar probability).
+7. ``aten::avg_pool2d`` / ``avg_pool3d`` with ``divisor_override``: the exporter's
+   function drops it (ONNX's ``AveragePool`` has no divisor), so ``nn.AvgPool2d(...,
+   divisor_override=4)`` trained an average where torch takes each window's sum over 4.
+   Here it is the average with the padding counted (whose divisor is the window clipped
+   to the padded input, as torch's) times that window's size over the divisor: a
+   constant per output position, read off the static shapes. Without the divisor, with
+   a spatial size not known at the export, or where ``ceil_mode`` makes torch drop a
+   last window that would start in the padding (ONNX Runtime keeps it), the exporter's
+   function as before (the first-step check catches the latter two).
 """
 
 from __future__ import annotations
@@ -196,7 +205,76 @@ def _bernoulli(self: Any) -> Any:
     return op.CastLike(drawn, self)
 
 
+def _window_sizes(
+    sizes: list[int], kernel: list[int], stride: list[int], padding: list[int], ceil_mode: bool
+) -> Any:
+    """Per output position, the size of its window clipped to the padded input (torch's
+    divisor with the padding counted), as a float32 array over the spatial axes; None
+    where torch drops a last window that would start in the padding (``ceil_mode``),
+    which ONNX Runtime's ``AveragePool`` keeps."""
+    import numpy as np
+
+    per_axis = []
+    for n, k, s, p in zip(sizes, kernel, stride, padding):
+        span = n + 2 * p - k
+        out = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (out - 1) * s >= n + p:
+            return None
+        starts = np.arange(out) * s - p
+        per_axis.append(np.minimum(starts + k, n + p) - starts)
+    total = per_axis[0].astype(np.float64)
+    for axis in per_axis[1:]:
+        total = np.multiply.outer(total, axis)
+    return total.astype(np.float32)
+
+
+def _avg_pool(spatial: int, function: Callable) -> Callable:
+    def translate(
+        self: Any,
+        kernel_size: Any,
+        stride: Any = (),
+        padding: Any = 0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+    ) -> Any:
+        from onnxscript import ir
+        from onnxscript import opset18 as op
+
+        def per_axis(value: Any, default: list[int]) -> list[int]:
+            if isinstance(value, int):
+                return [value] * spatial
+            value = list(value) or default
+            return value * spatial if len(value) == 1 else value
+
+        shape = self.shape
+        sizes = [] if shape is None else list(shape)[-spatial:]
+        static = len(sizes) == spatial and all(isinstance(d, int) for d in sizes)
+        if divisor_override is None or not static:
+            return function(
+                self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+            )
+        kernel = per_axis(kernel_size, [])
+        steps = per_axis(stride, kernel)
+        pads = per_axis(padding, [0])
+        windows = _window_sizes(sizes, kernel, steps, pads, ceil_mode)
+        if windows is None:
+            return function(
+                self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+            )
+        average = function(self, kernel, steps, pads, ceil_mode, True, None)
+        scale = windows / float(divisor_override)
+        if average.shape is None:  # the exporter gives shapes to a translation's output only
+            average.shape = ir.Shape([*list(shape)[:-spatial], *scale.shape])
+        factor = op.Constant(value=ir.tensor(scale))
+        return op.Mul(average, op.CastLike(factor, average))
+
+    return translate
+
+
 def aten_translations() -> dict[Callable, Callable]:
+    from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool2d, aten_avg_pool3d
+
     return {
         torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.baddbmm.default: _baddbmm,
@@ -207,4 +285,6 @@ def aten_translations() -> dict[Callable, Callable]:
         torch.ops.aten.linalg_vector_norm.default: _vector_norm,
         torch.ops.aten.scatter_reduce.two: _scatter_reduce,
         torch.ops.aten.logcumsumexp.default: _logcumsumexp,
+        torch.ops.aten.avg_pool2d.default: _avg_pool(2, aten_avg_pool2d),
+        torch.ops.aten.avg_pool3d.default: _avg_pool(3, aten_avg_pool3d),
     }

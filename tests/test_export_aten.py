@@ -227,3 +227,51 @@ def test_bernoulli_draws_one_with_probability_p() -> None:
     ops = {n.op_type for n in trainer.train_graphs[0].graph}
     assert "Bernoulli" not in ops and "RandomUniformLike" in ops
     assert max(losses) < 0.01 and len(set(losses)) == 3, losses
+
+
+class _SumPool(torch.nn.Module):
+    """A convolution, then windows summed over a divisor of the user's (``divisor_override``),
+    in 2-D or 3-D, with padding and ``ceil_mode`` (windows clipped at the padded edge)."""
+
+    def __init__(self, spatial: int, **pool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d if spatial == 2 else torch.nn.Conv3d
+        pooling = torch.nn.AvgPool2d if spatial == 2 else torch.nn.AvgPool3d
+        self.conv = conv(2, 3, 3, padding=1)
+        self.pool = pooling(**pool)
+
+    def forward(self, x, y):
+        return (self.pool(self.conv(x)).flatten(1).mean(1) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    "spatial, pool",
+    [
+        (2, dict(kernel_size=3, stride=2, padding=1, divisor_override=4)),
+        (2, dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, divisor_override=5)),
+        (2, dict(kernel_size=(2, 3), stride=(2, 1), divisor_override=2)),
+        (3, dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, divisor_override=3)),
+    ],
+)
+def test_avg_pool_divisor_override_trains_like_eager(spatial, pool):
+    """The exporter's function dropped ``divisor_override`` (an average where torch sums
+    over the divisor): one graph (``fallback="off"``), losses and parameters as eager's."""
+    shape = (2, 2, 7, 7) if spatial == 2 else (2, 2, 5, 4, 5)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(shape, generator=g), torch.randn(2, generator=g)) for _ in range(3)]
+    model, ref = _SumPool(spatial, **pool), _SumPool(spatial, **pool)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(fallback="off")
+    )
+    for x, y in batches:
+        want = ref(x, y)
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
+    assert trainer.segments is None  # one graph
+    trainer.sync_to_module()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
