@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from ortrain.core.errors import first_line
-from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
+from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
 
 MODES = ("auto", "off")
 IGNORE_INDEX = -100  # torch's cross_entropy default, what HF losses and ortrain's label sites skip
@@ -430,7 +430,7 @@ class Bucketing:
         batch = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         args, kwargs = call_arguments(self.module, batch)  # (copies: a look, not a step)
         outputs = self.module(*args, **kwargs)
-        loss = self.loss_fn(outputs, batch) if self.loss_fn is not None else find_loss(outputs)
+        loss = step_loss(outputs, batch, self.loss_fn)
         others = [(k, v.detach()) for k, v in other_outputs(outputs)]
         grads: list[torch.Tensor | None] = []
         if params:

@@ -34,7 +34,7 @@ from ortrain.buffer_updates import (
     lift_buffers,
     updated_io,
 )
-from ortrain.core.errors import ExportError, first_line
+from ortrain.core.errors import ExportError, LossShapeError, first_line
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export_aten import aten_translations
 from ortrain.export_attention import draw_attention_dropout
@@ -182,6 +182,16 @@ def call_arguments(module: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[
     return (*args, *varargs), rest
 
 
+def step_loss(outputs: Any, batch: Mapping[str, Any], loss_fn: LossFn | None) -> torch.Tensor:
+    """The step's loss: ``loss_fn``'s, else the model's (``find_loss``). A loss of one
+    element in any shape (``[1]``: a ``keepdim`` reduction, a gathered loss) is taken as
+    0-dim, as eager's ``backward()`` takes it without a gradient argument."""
+    loss = loss_fn(outputs, batch) if loss_fn is not None else find_loss(outputs)
+    if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
+        loss = loss.reshape(())
+    return loss
+
+
 def find_loss(outputs: Any) -> torch.Tensor:
     """The loss in a model's output: a tensor, ``.loss`` (or a mapping's ``"loss"``), or in a
     tuple or list the first item where it is a 0-dim floating tensor, else the tuple's one
@@ -301,7 +311,7 @@ class _Functional(torch.nn.Module):
                 f"{', '.join(changed)} in place (a Python container: eager changes the "
                 "caller's, a graph cannot)"
             )
-        loss = self.loss_fn(outputs, kwargs) if self.loss_fn is not None else find_loss(outputs)
+        loss = step_loss(outputs, kwargs, self.loss_fn)
         if isinstance(loss, torch.Tensor) and loss.dtype == torch.float64:
             # float64 targets (numpy's default) promote the loss: the graph reports it in
             # float32, as the step's loss buffer is; its gradient flows back through the cast
@@ -447,9 +457,9 @@ def export_here(
         raise ExportError(f"export produced {len(outs)} outputs, expected {wrapper.output_keys}")
     loss_v = model.graph.outputs[0]
     if loss_v.shape is None or len(loss_v.shape) != 0:
-        raise ExportError(
-            f"the loss must be a scalar (0-dim) tensor, got shape {loss_v.shape}; reduce it "
-            "in the model or in loss_fn"
+        raise LossShapeError(
+            f"the loss must be a scalar (0-dim or one element) tensor, got shape {loss_v.shape} "
+            "(eager's backward() needs one element too); reduce it in the model or in loss_fn"
         )
     return ExportedForward(model, roles, outs, list(wrapper.output_keys))
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ortrain.core.names import DROPOUT_OPS, IN_BACKWARD_STATES, state_key
-from ortrain.export import LossFn, call_arguments, find_loss, other_outputs
+from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
 from ortrain.forked import call_forked, can_fork
 from ortrain.python_state import changed_every_call, kept
 from ortrain.verify import (
@@ -111,7 +111,7 @@ class EagerSide:
         args, kwargs = call_arguments(module, batch)
         with in_mode(module, True):  # what the training graph computes
             out = module(*args, **kwargs)
-            return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+            return step_loss(out, batch, self.loss_fn)
 
     @overload
     def early_reference(self, batch: Mapping[str, Any]) -> EagerStep | None: ...
@@ -294,7 +294,7 @@ class EagerSide:
         with in_mode(module, False), keep:  # every sub-module's mode as it was after
             args, kwargs = call_arguments(module, self.on_device(copied(batch) if check else batch))
             out = module(*args, **kwargs)
-            loss = self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+            loss = step_loss(out, batch, self.loss_fn)
         found = {"loss": loss, **dict(other_outputs(out))}
         return {k: v.detach().to("cpu", copy=True) for k, v in found.items()}
 

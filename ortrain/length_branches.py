@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ortrain.export import LossFn, call_arguments, find_loss
+from ortrain.export import LossFn, call_arguments, step_loss
 
 LOWEST = 2  # torch specializes sizes 0 and 1: a symbolic length starts at 2
 
@@ -41,7 +41,7 @@ class _Loss(torch.nn.Module):
         batch = {**self.fixed, **dict(zip(self.keys, tensors, strict=True))}
         args, kwargs = call_arguments(self.module, batch)
         out = self.module(*args, **kwargs)
-        return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+        return step_loss(out, batch, self.loss_fn)
 
 
 def branch_free_lengths(

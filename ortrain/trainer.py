@@ -54,7 +54,8 @@ class ORTTrainer(TrainerState, TrainerViews):
     ``train_step(*args, **kwargs)`` runs forward, backward and (every
     ``grad_accumulation_steps`` micro-steps) the optimizer update, and returns the loss
     as a 0-dim tensor. The model's output may be the loss, a tuple starting with it, or
-    an object with ``.loss``; or pass ``loss_fn(outputs, batch) -> loss``.
+    an object with ``.loss``; or pass ``loss_fn(outputs, batch) -> loss``. A loss of one
+    element in another shape (``[1]``) trains as eager's ``backward()`` takes it.
     """
 
     def __init__(

@@ -22,7 +22,13 @@ import torch
 
 from ortrain.background_build import PENDING, BackgroundBuild
 from ortrain.build import BuiltGraph
-from ortrain.core.errors import BatchError, ExportError, VerificationError, first_line
+from ortrain.core.errors import (
+    BatchError,
+    ExportError,
+    LossShapeError,
+    VerificationError,
+    first_line,
+)
 from ortrain.core.names import GradientError, UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER
 from ortrain.eager_steps import unsupported
@@ -241,6 +247,8 @@ class WholeProgram:
         ctx = self.ctx
         try:
             yield
+        except LossShapeError:
+            raise  # eager's backward() refuses that loss too: no segment would train it
         except (ExportError, GradientError) as exc:
             if ctx.options.fallback == "off":
                 raise

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortrain import ORTTrainer
-from ortrain.core.errors import ExportError
+from ortrain.core.errors import BatchError, ExportError
 from ortrain.export import find_loss
 from tests.adam_noise import AdamDrift, TrainerGradients, assert_params_close
 
@@ -235,3 +236,74 @@ def test_nanogpt_returning_logits_and_loss_trains_like_eager_without_a_loss_fn()
     with pytest.raises(ExportError, match=r"no loss .*targets=") as err:
         trainer.train_step(idx=_batches(1, cfg)[0]["idx"])
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------ a loss of one element
+class _OneElementLoss(torch.nn.Module):
+    """A loss of shape ``shape`` (one element: eager's backward() takes it as a scalar);
+    ``det``: a part no graph differentiates (Det has no gradient rule), so the model
+    trains as segments with that part in eager."""
+
+    def __init__(self, shape: tuple[int, ...], det: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.shape, self.det = shape, det
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        loss = F.smooth_l1_loss(h, y, reduction="sum", beta=0.5) / x.shape[0]
+        if self.det:
+            loss = loss + 0.01 * torch.linalg.det(h.reshape(-1, 2, 2)).abs().mean()
+        return loss.reshape(self.shape)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["one-graph", "segments"])
+@pytest.mark.parametrize("shape", [(1,), (1, 1)], ids=["[1]", "[1,1]"])
+def test_a_loss_of_one_element_trains_like_eager(shape: tuple[int, ...], det: bool) -> None:
+    """Eager's ``loss.backward()`` takes a loss of any shape with one element; so does
+    a step (its loss returned 0-dim), on one graph and as segments, with Adam: every
+    step's loss and every parameter element, and the evaluation's loss."""
+    model, ref = _OneElementLoss(shape, det), _OneElementLoss(shape, det)
+    trainer = ORTTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+        want = ref(x, y)
+        assert want.shape == shape
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+        got = trainer.train_step(x=x, y=y)
+        assert got.shape == ()
+        torch.testing.assert_close(got, want.detach().reshape(()), msg=f"step {step}")
+    assert (trainer.segments is not None) == det
+    if not det:
+        assert len(trainer.train_graphs) == 1
+    trainer.sync_to_module()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        want_eval = ref.eval()(x, y)
+    torch.testing.assert_close(
+        torch.as_tensor(trainer.eval_step(x=x, y=y)["loss"]).reshape(()), want_eval.reshape(())
+    )
+
+
+def test_a_loss_of_several_elements_is_refused_as_eager_refuses_it() -> None:
+    """Two elements: eager's backward() raises (no implicit gradient), and so does the
+    step, naming the shape, before anything changes."""
+    model = _OneElementLoss((2,), det=False)
+    model.forward = lambda x, y: F.mse_loss(model.body(x), y, reduction="none").mean(0)[:2]
+    x, y = torch.randn(8, 6), torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="only for scalar outputs"):
+        model(x, y).backward()
+    before = copy.deepcopy(model.state_dict())
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback announced: nothing would train it
+        with pytest.raises(BatchError, match=r"one element.*\[2\]"):
+            trainer.train_step(x=x, y=y)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

@@ -23,6 +23,11 @@ class BatchError(OrtrainError, ValueError):
     """A batch the compiled graph cannot take (names, dtypes)."""
 
 
+class LossShapeError(ExportError, BatchError):
+    """The loss has more than one element: eager's ``backward()`` refuses it too, so no
+    segment or eager step is tried."""
+
+
 class ParameterDtypeError(OrtrainError, TypeError):
     """Parameters other than float32, where only compiled graphs may train them."""
 

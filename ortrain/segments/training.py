@@ -20,7 +20,7 @@ import torch
 
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import BatchError
-from ortrain.export import LossFn, call_arguments, find_loss
+from ortrain.export import LossFn, call_arguments, step_loss
 from ortrain.first_step import copied
 from ortrain.segments.blocks import repeated_blocks
 from ortrain.segments.calls import Call
@@ -88,7 +88,7 @@ class SegmentedTraining:
         args, kwargs = call_arguments(self.module, batch)
         with no_kv_cache(self.module), in_mode(self.module, True):
             out = self.module(*args, **kwargs)
-            return self.loss_fn(out, batch) if self.loss_fn is not None else find_loss(out)
+            return step_loss(out, batch, self.loss_fn)
 
     def _plan_job(self, only: str | None = None, call: Call | None = None) -> Callable[[], Plan]:
         recorded = self.recorded
@@ -219,7 +219,8 @@ class SegmentedTraining:
             loss = self.loss(batch)
             if loss.dim() != 0:
                 raise ValueError(
-                    f"the loss must be a scalar (0-dim) tensor, got {list(loss.shape)}"
+                    "the loss must be a scalar (0-dim or one element) tensor, got "
+                    f"{list(loss.shape)} (eager's backward() needs one element too)"
                 )
             if not loss.requires_grad:  # eager's backward() raises on it too
                 raise BatchError(
