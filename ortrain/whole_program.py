@@ -283,7 +283,8 @@ class WholeProgram:
         except UnbindableError as exc:
             if ctx.options.fallback == "off":
                 raise
-            # a complex buffer (a rotary table of complex64): the modules that read it in eager
+            # a tensor ONNX Runtime cannot take (a complex one the graph does not take as its
+            # real view): the modules that read it in eager
             raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc
         static = {} if ctx.options.cuda_graph else None
         compiled = CompiledGraph.of(

@@ -493,7 +493,11 @@ def capture_error(exc: Exception) -> CudaGraphCaptureError:
 
 
 class UnbindableError(TypeError):
-    """A tensor ONNX Runtime cannot take (a complex buffer): its graph cannot run."""
+    """A tensor ONNX Runtime cannot take: its graph cannot run."""
+
+
+# the real types a complex tensor's real view has, as ONNX Runtime names them
+_REAL_VIEW_TYPE = {torch.complex64: "tensor(float)", torch.complex128: "tensor(double)"}
 
 
 class BoundSession:
@@ -521,6 +525,19 @@ class BoundSession:
         self.captured = False
         self._written: dict[str, torch.Tensor] = {}  # written in place beside the aliases
 
+    def _complex_as_real(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A complex ``t`` as its real view (the same memory, a last dimension of 2) where
+        the graph's input is that view, the form the exporter gives a complex value (a
+        rotary table kept as complex64); else ``t`` (``_check`` refuses a complex one)."""
+        if not t.is_complex():
+            return t
+        kind, shape = next((i.type, i.shape) for i in self.session.get_inputs() if i.name == name)
+        real = torch.view_as_real(t)
+        same = len(shape) == real.dim() and all(
+            d == n for d, n in zip(shape, real.shape, strict=True) if isinstance(d, int)
+        )
+        return real if kind == _REAL_VIEW_TYPE.get(t.dtype) and same else t
+
     @staticmethod
     def _check(name: str, t: torch.Tensor) -> None:
         if not t.is_contiguous():
@@ -531,6 +548,7 @@ class BoundSession:
     def bind_inputs(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             if name in self.input_names:
+                t = self._complex_as_real(name, t)
                 self._check(name, t)
                 self.bound_inputs[name] = t
                 self.bind_batch(name, t)
