@@ -8,7 +8,9 @@ graph cache off). A development install (``pip install -e .``) puts a finder in 
 ``PYTHONPATH`` that maps ``ortrain`` to its own checkout: the child drops it and checks
 that ``ortrain`` comes from the tree under test. Each tree's native libraries are built
 with CMake into a folder of their own (``ORTRAIN_NATIVE_DIR``). The table gives per pair
-the median over repeats of the median step time and the peak RSS, and after / before.
+the median over repeats of the median step time and the peak RSS, after / before of those
+medians, and the median and range of the per-repeat ratios (after over before in the same
+repeat, run back to back, so slow drift of the machine cancels in each ratio).
 
 Usage::
 
@@ -106,14 +108,22 @@ def main(argv: list[str] | None = None) -> int:
                 )
     print(f"\nCPU: {cpu_description()}; backend {args.backend}, {args.threads} threads, "
           f"{args.repeats} repeats x {args.steps} steps")  # fmt: skip
-    print("| workload | before ms | after ms | after/before | before MiB | after MiB |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| workload | before ms | after ms | after/before | paired ratio (range) "
+        "| before MiB | after MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for w in workloads:
         t = {n: statistics.median(x["median_step_s"] for x in runs[(w, n)]) for n in trees}
         m = {n: statistics.median(x["peak_rss_mib"] for x in runs[(w, n)]) for n in trees}
+        pairs = [
+            a["median_step_s"] / b["median_step_s"]
+            for a, b in zip(runs[(w, "after")], runs[(w, "before")], strict=True)
+        ]
         print(
             f"| {w} | {t['before'] * 1e3:.1f} | {t['after'] * 1e3:.1f} | "
-            f"{t['after'] / t['before']:.3f} | {m['before']:.0f} | {m['after']:.0f} |"
+            f"{t['after'] / t['before']:.3f} | {statistics.median(pairs):.3f} "
+            f"({min(pairs):.3f}-{max(pairs):.3f}) | {m['before']:.0f} | {m['after']:.0f} |"
         )
     if args.json:
         data = {f"{w}/{n}": v for (w, n), v in runs.items()}

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortrain import ORTTrainer
-from ortrain.core.errors import BatchError, ExportError
+from ortrain.core.errors import BatchError, ExportError, LossShapeError
 from ortrain.export import find_loss
+from ortrain.options import TrainerOptions
 from tests.adam_noise import AdamDrift, TrainerGradients, assert_params_close
 
 LOSS, LOGITS = torch.tensor(2.5), torch.zeros(2, 8, 16)
@@ -291,19 +292,24 @@ def test_a_loss_of_one_element_trains_like_eager(shape: tuple[int, ...], det: bo
     )
 
 
-def test_a_loss_of_several_elements_is_refused_as_eager_refuses_it() -> None:
+@pytest.mark.parametrize("segments", ["auto", "blocks"], ids=["one-graph", "segments"])
+def test_a_loss_of_several_elements_is_refused_as_eager_refuses_it(segments: str) -> None:
     """Two elements: eager's backward() raises (no implicit gradient), and so does the
-    step, naming the shape, before anything changes."""
+    step, naming the shape, before anything changes: the same error on one graph and as
+    segments (where the loss is taken in eager)."""
     model = _OneElementLoss((2,), det=False)
     model.forward = lambda x, y: F.mse_loss(model.body(x), y, reduction="none").mean(0)[:2]
     x, y = torch.randn(8, 6), torch.randn(8, 4)
     with pytest.raises(RuntimeError, match="only for scalar outputs"):
         model(x, y).backward()
     before = copy.deepcopy(model.state_dict())
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    options = TrainerOptions(segments=segments)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback announced: nothing would train it
-        with pytest.raises(BatchError, match=r"one element.*\[2\]"):
+        with pytest.raises(LossShapeError, match=r"one element.*\[2\]") as err:
             trainer.train_step(x=x, y=y)
+    assert isinstance(err.value, BatchError)  # a batch's error: the trainer stays usable
+    assert (trainer.segments is not None) == (segments == "blocks")
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)

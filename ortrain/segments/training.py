@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ortrain.core.build_config import BuildConfig
-from ortrain.core.errors import BatchError
+from ortrain.core.errors import BatchError, LossShapeError
 from ortrain.export import LossFn, call_arguments, step_loss
 from ortrain.first_step import copied
 from ortrain.segments.blocks import repeated_blocks
@@ -218,7 +218,7 @@ class SegmentedTraining:
         with self.model.active():
             loss = self.loss(batch)
             if loss.dim() != 0:
-                raise ValueError(
+                raise LossShapeError(
                     "the loss must be a scalar (0-dim or one element) tensor, got "
                     f"{list(loss.shape)} (eager's backward() needs one element too)"
                 )
