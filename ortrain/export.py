@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -245,18 +246,29 @@ def find_loss(outputs: Any) -> torch.Tensor:
 
 
 def other_outputs(outputs: Any) -> list[tuple[str, torch.Tensor]]:
-    """Tensor outputs besides the loss, with a user-facing key each."""
-    if isinstance(outputs, torch.Tensor):
-        return []
+    """Tensor outputs besides the loss, with a user-facing key each: a mapping's key or
+    ``output_<i>`` for a tuple's item, and inside a tuple, list or dict among them the
+    path to the tensor (``hidden_states.3``: a model's per-layer states)."""
     if isinstance(outputs, Mapping):
-        return [
-            (str(k), v) for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)
-        ]
-    if isinstance(outputs, (tuple, list)):
-        return [
-            (f"output_{i}", v) for i, v in enumerate(outputs) if i and isinstance(v, torch.Tensor)
-        ]
-    return []
+        items = [(str(k), v) for k, v in outputs.items() if k != "loss"]
+    elif isinstance(outputs, (tuple, list)):
+        items = [(f"output_{i}", v) for i, v in enumerate(outputs) if i]
+    else:
+        return []
+    return [found for key, value in items for found in _nested_tensors(key, value)]
+
+
+def _nested_tensors(key: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in plain containers (not a model's cache objects, which stay out)."""
+    if isinstance(value, torch.Tensor):
+        return [(key, value)]
+    if isinstance(value, Mapping):
+        inner = [(f"{key}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, (tuple, list)):
+        inner = [(f"{key}.{i}", v) for i, v in enumerate(value)]
+    else:
+        return []
+    return [found for k, v in inner for found in _nested_tensors(k, v)]
 
 
 class _SharedList(list):
@@ -379,12 +391,14 @@ def _tensors(module: torch.nn.Module, batch: Mapping[str, Any]) -> list[torch.Te
     return tensors + [v for v in batch.values() if isinstance(v, torch.Tensor)]
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception of ``exc``'s cause/context chain."""
+def _root_cause(exc: BaseException, outer: BaseException | None = None) -> BaseException:
+    """The innermost exception of ``exc``'s cause/context chain, short of ``outer``: the
+    exception being handled where the export began (a segment's export runs while the
+    whole model's failure is handled; its cause is not this export's)."""
     seen = {id(exc)}
     while True:
         nxt = exc.__cause__ or exc.__context__
-        if nxt is None or id(nxt) in seen:
+        if nxt is None or id(nxt) in seen or nxt is outer:
             return exc
         seen.add(id(nxt))
         exc = nxt
@@ -585,6 +599,7 @@ def trace_to_onnx(
     traced = WithBuffers(wrapper, module, returned) if returned else wrapper
     flat = tuple(p.detach() for p in params.values()) + tuple(tensors)
     sink = io.StringIO()
+    outer = sys.exc_info()[1]  # handled by a caller: not part of this export's chain
     try:
         with (
             in_mode(module, train),
@@ -633,7 +648,7 @@ def trace_to_onnx(
     except ExportError:
         raise  # ours, after the trace (an input changed in place)
     except Exception as exc:
-        root = _root_cause(exc)
+        root = _root_cause(exc, outer)
         if isinstance(root, ExportError):  # ours, raised inside the trace (e.g. no loss)
             raise ExportError(str(root)) from exc
         # The exporter wraps the model's own error in pages of advice: name the cause.

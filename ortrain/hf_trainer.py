@@ -371,7 +371,7 @@ class ORTHFTrainer(Trainer):
         # without labels the graph's "loss" is _loss_or_none's constant (a model that
         # computes a loss without labels and is not marked can_return_loss loses it here)
         drop = [*ignore_keys, "loss"]
-        logits = tuple(v for k, v in outputs.items() if k not in drop)
+        logits = tuple(v for k, v in _nested(outputs).items() if k not in drop)
         return loss, logits[0] if len(logits) == 1 else logits, labels
 
     # ------------------------------------------------------------------ checkpoints
@@ -407,3 +407,26 @@ class ORTHFTrainer(Trainer):
         with naming(files[0]):  # checked against the optimizer (ortrain/optim/state_check.py)
             self._ort().load_state_dict(state)
         self.lr_scheduler.load_state_dict(torch.load(files[1], weights_only=True))
+
+
+def _nested(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``eval_step``'s keys by path (``hidden_states.3``) back into the model's nesting
+    (``hidden_states``: a tuple), as Trainer's own ``prediction_step`` sees outputs."""
+    tree: dict[str, Any] = {}
+    for key, value in outputs.items():
+        *path, last = key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return {k: _as_tuples(v) for k, v in tree.items()}
+
+
+def _as_tuples(node: Any) -> Any:
+    """A level whose keys are all indices becomes a tuple in index order."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _as_tuples(v) for k, v in node.items()}
+    if items and all(k.isdigit() for k in items):
+        return tuple(items[k] for k in sorted(items, key=int))
+    return items

@@ -212,7 +212,8 @@ class ORTTrainer(TrainerState, TrainerViews):
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:
         """Forward only in eval mode (no dropout), no update: loss and other outputs
-        (host tensors)."""
+        (host tensors), keyed by name (a mapping's key, ``output_<i>`` for a tuple's
+        item) and, inside a tuple, list or dict, by path (``hidden_states.3``)."""
         self._ctx.state.adopt_rebound()  # ``p.data = ...`` since the last step
         if self._ctx.reducer is None:  # (collectives under torch.distributed: train_step's)
             self._ctx.structure_changed()

@@ -189,3 +189,63 @@ def test_a_dropout_of_a_constant_draws_a_mask_every_step():
     x = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(0))
     losses = [trainer.train_step(x).item() for _ in range(4)]
     assert trainer.program.whole and len(set(losses)) == 4, losses
+
+
+@pytest.mark.parametrize("clean", [clean_export, clean_forward], ids=["export", "forward"])
+def test_an_input_returned_as_it_is_keeps_its_name(clean):
+    """onnx_ir's OutputFixPass puts an Identity behind a graph input that is also an
+    output and renamed the input ``<name>_orig``; inputs are bound by name, so ONNX
+    Runtime refused the run (``Missing Input: x_orig``). The input keeps its name; the
+    Identity's output takes a fresh one, and the session runs."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "x")]
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [x], outs)
+    clean(model)
+    assert [v.name for v in model.graph.inputs] == ["x"]
+    names = [v.name for v in model.graph.outputs]
+    assert names[0] == "y" and names[1] != "x" and len(set(names)) == 2
+    ident = model.graph.outputs[1].producer()
+    assert ident is not None and ident.op_type == "Identity"
+    assert ident.inputs[0] is model.graph.inputs[0]
+    proto = ir.serde.serialize_model(model)
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = np.arange(-3, 3, dtype=np.float32).reshape(2, 3)
+    y, same = sess.run(None, {"x": feed})
+    np.testing.assert_array_equal(y, np.maximum(feed, 0))
+    np.testing.assert_array_equal(same, feed)
+
+
+class _ReturnsItsInput(torch.nn.Module):
+    """A forward that returns its argument and a parameter as they are, beside the loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 3)
+        self.gain = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lin(x) * self.gain, y), x, self.gain
+
+
+def test_a_model_returning_its_input_trains_and_evaluates():
+    """Training took the loss only; the evaluation graph returns every output, and its
+    run stopped at the renamed input. Both now as eager, on one graph."""
+    model, ref = _ReturnsItsInput(), _ReturnsItsInput()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        want = ref(x, y)[0]
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(trainer.train_step(x, y), want.detach(), msg=f"step {step}")
+    assert trainer.segments is None and len(trainer.train_graphs) == 1
+    got = trainer.eval_step(x, y)
+    with torch.no_grad():
+        loss, same, gain = ref.eval()(x, y)
+    torch.testing.assert_close(got["loss"], loss)
+    torch.testing.assert_close(got["output_1"], same, rtol=0, atol=0)
+    torch.testing.assert_close(got["output_2"], gain)

@@ -109,6 +109,8 @@ def test_a_mixed_model_trains_like_eager_with_one_warning():
     # a data-dependent shape: the export or the gradient builder refuses it
     assert why["picked"][0] == "split"
     assert "no static shape" in why["picked"][1] or "ExportError" in why["picked"][1]
+    # each module's own cause: not the whole model's, whose handling its export ran in
+    assert "Det" not in why["picked"][1], why["picked"][1]
     fallbacks = [w for w in caught if "does not compile as one graph" in str(w.message)]
     assert len(fallbacks) == 1
     text = str(fallbacks[0].message)
@@ -282,6 +284,118 @@ class _InPlaceGlue(torch.nn.Module):
 def test_eager_glue_may_change_a_segments_output_in_place():
     trainer = train_like_eager(_InPlaceGlue, _batches(3))
     assert "lin" in trainer.segments.model.compiled
+
+
+class _MeanScaler(torch.nn.Module):
+    """Returns a constant beside its computed outputs (a time-series scaler's ``loc``:
+    ``zeros_like``, folded to an initializer that is the graph's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = x.abs().mean(-1, keepdim=True) + 1.0
+        return self.proj(x / scale), torch.zeros_like(scale), scale
+
+
+class _ScaledWithDet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scaler = _MeanScaler()
+        self.scorer = _Det(8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h, loc, scale = self.scaler(x)
+        logits = self.head(h) * scale + loc + 0.01 * self.scorer(h).unsqueeze(-1)
+        return F.cross_entropy(logits, y)
+
+
+def test_a_segment_that_returns_a_constant_compiles():
+    """A segment output with no node behind it (a constant) gets no gradient and its
+    seed still binds: the module compiles instead of being split into its children."""
+    trainer = train_like_eager(_ScaledWithDet, _batches(3))
+    seg = trainer.segments
+    assert seg is not None and "scaler" in seg.model.compiled
+    assert "scaler" not in {p.name for p in seg.model.fallbacks}
+
+
+class _PassesThrough(torch.nn.Module):
+    """Returns its argument and a parameter as they are (graph inputs as outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.gain = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.proj(x), x, self.gain
+
+
+class _PassedWithDet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.through = _PassesThrough()
+        self.scorer = _Det(8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h, same, gain = self.through(x)
+        logits = self.head(h * gain + same) + 0.01 * self.scorer(h).unsqueeze(-1)
+        return F.cross_entropy(logits, y)
+
+
+def test_a_segment_that_returns_its_input_and_a_parameter_compiles():
+    """Its graph's input stays bound by its name (onnx_ir's output fix renamed it, and
+    the run stopped: "Missing Input"), the parameter's gradient comes through the
+    output that is the parameter itself."""
+    trainer = train_like_eager(_PassedWithDet, _batches(3))
+    seg = trainer.segments
+    assert seg is not None and "through" in seg.model.compiled
+    assert "through" not in {p.name for p in seg.model.fallbacks}
+
+
+class _Holder:
+    """A plain object holding tensors: no graph output can be one."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class _ReturnsAnObject(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Holder(self.proj(x))
+
+
+class _ObjectWithDet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wrapped = _ReturnsAnObject()
+        self.scorer = _Det(8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = self.wrapped(x).h
+        return F.cross_entropy(self.head(h) + 0.01 * self.scorer(h).unsqueeze(-1), y)
+
+
+def test_a_segments_cause_is_its_own_not_the_whole_models():
+    """A sub-module's export runs while the whole model's failure (a Det) is handled; the
+    cause given for the sub-module is its own (an output a graph cannot give), not the
+    Det's, which the exception chain also reaches."""
+    trainer = train_like_eager(_ObjectWithDet, _batches(3))
+    why = {p.name: p.cause for p in trainer.segments.model.fallbacks}
+    assert "wrapped.proj" in trainer.segments.model.compiled
+    assert "_Holder, which a compiled graph cannot take" in why["wrapped"], why["wrapped"]
+    assert "Det" not in why["wrapped"], why["wrapped"]
 
 
 @pytest.mark.slow

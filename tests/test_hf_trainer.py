@@ -267,6 +267,30 @@ def test_predict_and_evaluate_without_labels_give_outputs_without_a_loss(tmp_pat
         ours._ort().train_step(input_ids=data.ids[:2])
 
 
+@pytest.mark.slow
+def test_predict_gives_nested_outputs_as_trainer_does(tmp_path):
+    """A model that returns its hidden states (a tuple inside its output) predicts them
+    as Trainer does: the same nesting and values; ``ignore_keys`` drops them whole."""
+    kw = dict(args=arguments(tmp_path), train_dataset=TokenData(8, seed=3))
+    models = [gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0) for _ in range(2)]
+    for m in models:
+        m.config.output_hidden_states = True
+    ref, ours = Trainer(model=models[0], **kw), ORTHFTrainer(model=models[1], **kw)
+    data = TokenData(4, seed=4)
+    expected, got = ref.predict(data), ours.predict(data)
+    logits, hidden = got.predictions
+    want_logits, want_hidden = expected.predictions
+    assert isinstance(hidden, tuple) and len(hidden) == len(want_hidden) == 3
+    torch.testing.assert_close(torch.as_tensor(logits), torch.as_tensor(want_logits),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    for h, w in zip(hidden, want_hidden, strict=True):
+        torch.testing.assert_close(torch.as_tensor(h), torch.as_tensor(w), rtol=1e-4, atol=1e-5)
+    assert got.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-4)
+    dropped = ours.predict(data, ignore_keys=["hidden_states"]).predictions
+    torch.testing.assert_close(torch.as_tensor(dropped), torch.as_tensor(want_logits),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
 def accuracy(pred) -> dict[str, float]:
     logits, labels = pred.predictions, pred.label_ids
     return {

@@ -38,6 +38,7 @@ STAGE_FOLDERS = (
 HELPERS = (
     "autodiff.context",  # the rules' emission context
     "cleanup.export_cleanup",  # run by the export (ortrain/export.py), before the pipeline
+    "cleanup.keep_input_names",  # a step of export_cleanup's and forward_cleanup's passes
     "autodiff.registry",  # the rule table
     "autodiff.rules.",  # the gradient rules (autodiff's table entries)
     "fusions._common",  # pattern helpers shared by the fusions

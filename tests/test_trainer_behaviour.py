@@ -87,6 +87,51 @@ def test_eval_step_matches_eager_eval():
     assert trainer.step == step  # no update
 
 
+def test_eval_step_returns_the_tensors_nested_in_the_outputs():
+    """A model's per-layer states (``output_hidden_states``: a tuple inside its output)
+    and a hand-written forward's nested dict come out of ``eval_step`` keyed by their
+    path, as eager computes them; before, only top-level tensors did."""
+    model = gpt2(layers=2, hidden=32, vocab=64)
+    model.config.output_hidden_states = True
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = lm_batches(1, batch=2, seq=8, vocab=64)[0]
+    trainer.train_step(**batch)
+    out = trainer.eval_step(**batch)
+    trainer.sync_to_module()
+    model.eval()
+    with torch.no_grad():
+        ref = model(**batch)
+    assert len(ref.hidden_states) == 3
+    for i, h in enumerate(ref.hidden_states):
+        torch.testing.assert_close(out[f"hidden_states.{i}"], h, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out["logits"], ref.logits, rtol=1e-4, atol=1e-5)
+
+    class Nested(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            h = self.lin(x)
+            return {
+                "loss": F.cross_entropy(h, y),
+                "aux": (h, [x.sum(), None], {"p": h.softmax(-1)}),
+            }
+
+    net = Nested()
+    trainer = ORTTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    trainer.train_step(x, y)
+    got = trainer.eval_step(x, y)
+    trainer.sync_to_module()
+    with torch.no_grad():
+        want = net(x, y)
+    assert sorted(got) == ["aux.0", "aux.1.0", "aux.2.p", "loss"]
+    torch.testing.assert_close(got["aux.0"], want["aux"][0])
+    torch.testing.assert_close(got["aux.1.0"], want["aux"][1][0])
+    torch.testing.assert_close(got["aux.2.p"], want["aux"][2]["p"])
+
+
 @pytest.mark.slow
 def test_new_batch_shape_compiles_a_second_graph_and_keeps_parity():
     ref = tiny()

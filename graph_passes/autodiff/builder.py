@@ -258,6 +258,11 @@ def build_gradient_graph(
         for o in node.outputs:
             values[o.name] = o
     roots = dict(seeds) if seeds else {loss: ""}
+    for name in roots:
+        # a constant output (a segment returning ``zeros_like`` of its input, folded to
+        # an initializer): its gradient reaches nothing, but it still gets its seed
+        if name not in values and name in graph.initializers:
+            values[name] = graph.initializers[name]
     absent = [r for r in roots if r not in values]
     if absent:
         raise GradientError(f"value(s) {absent} to differentiate from are not in the graph")

@@ -26,6 +26,7 @@ from onnxscript import rewriter
 from onnxscript.optimizer import _constant_folding
 
 from ortrain.graph_passes.cleanup.forward_cleanup import CLEANUP_RULES, not_random, quiet_folding
+from ortrain.graph_passes.cleanup.keep_input_names import KeepInputNamesPass
 
 
 def clean_export(model: ir.Model) -> bool:
@@ -53,6 +54,7 @@ def clean_export(model: ir.Model) -> bool:
         common_passes.LiftSubgraphInitializersToMainGraphPass(),
         common_passes.DeduplicateInitializersPass(),
         common_passes.OutputFixPass(),
+        KeepInputNamesPass(),
         common_passes.NameFixPass(),
     )
     with quiet_folding():

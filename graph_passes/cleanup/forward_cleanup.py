@@ -34,6 +34,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter.rules.common import _no_op
 
 from ortrain.core.names import RANDOM_OPS
+from ortrain.graph_passes.cleanup.keep_input_names import KeepInputNamesPass
 from ortrain.graph_passes.infra.constant_value import constant_tensor
 
 FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
@@ -74,6 +75,7 @@ def clean_forward(model: ir.Model) -> bool:
         common_passes.DeduplicateInitializersPass(),
         common_passes.CommonSubexpressionEliminationPass(),
         common_passes.OutputFixPass(),
+        KeepInputNamesPass(),
         common_passes.NameFixPass(),
     )
     with quiet_folding():

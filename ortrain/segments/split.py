@@ -134,7 +134,9 @@ def _side(
     ``outputs`` as its outputs and, for the backward, the saved values as inputs."""
     side = _copy(model)
     graph = side.graph
-    values = {v.name: v for v in graph.inputs}
+    # an initializer can be an output (a constant the module returns, ``zeros_like``)
+    values: dict[str, ir.Value] = dict(graph.initializers)
+    values.update((v.name, v) for v in graph.inputs)
     for n in graph:
         for o in n.outputs:
             values[o.name] = o
