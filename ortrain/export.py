@@ -246,11 +246,11 @@ def find_loss(outputs: Any) -> torch.Tensor:
 
 
 def other_outputs(outputs: Any) -> list[tuple[str, torch.Tensor]]:
-    """Tensor outputs besides the loss, with a user-facing key each: a mapping's key or
-    ``output_<i>`` for a tuple's item, and inside a tuple, list or dict among them the
-    path to the tensor (``hidden_states.3``: a model's per-layer states)."""
-    if isinstance(outputs, Mapping):
-        items = [(str(k), v) for k, v in outputs.items() if k != "loss"]
+    """Tensor outputs besides the loss, with a user-facing key each: a mapping's key (a
+    dataclass's field) or ``output_<i>`` for a tuple's item, and inside a tuple, list or
+    dict among them the path to the tensor (``hidden_states.3``: per-layer states)."""
+    if isinstance(outputs, Mapping) or _is_dataclass_instance(outputs):
+        items = [(k, v) for k, v in _named_items(outputs) if k != "loss"]
     elif isinstance(outputs, (tuple, list)):
         items = [(f"output_{i}", v) for i, v in enumerate(outputs) if i]
     else:
@@ -258,12 +258,23 @@ def other_outputs(outputs: Any) -> list[tuple[str, torch.Tensor]]:
     return [found for key, value in items for found in _nested_tensors(key, value)]
 
 
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _named_items(value: Any) -> list[tuple[str, Any]]:
+    """A mapping's items, or a dataclass's fields (a hand-written output class)."""
+    if isinstance(value, Mapping):
+        return [(str(k), v) for k, v in value.items()]
+    return [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+
+
 def _nested_tensors(key: str, value: Any) -> list[tuple[str, torch.Tensor]]:
     """The tensors in plain containers (not a model's cache objects, which stay out)."""
     if isinstance(value, torch.Tensor):
         return [(key, value)]
-    if isinstance(value, Mapping):
-        inner = [(f"{key}.{k}", v) for k, v in value.items()]
+    if isinstance(value, Mapping) or _is_dataclass_instance(value):
+        inner = [(f"{key}.{k}", v) for k, v in _named_items(value)]
     elif isinstance(value, (tuple, list)):
         inner = [(f"{key}.{i}", v) for i, v in enumerate(value)]
     else:

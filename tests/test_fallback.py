@@ -4,6 +4,7 @@ autograd, with eager PyTorch for the rest (ortrain/segments, TrainerOptions.fall
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable
@@ -385,6 +386,54 @@ class _ObjectWithDet(torch.nn.Module):
     def forward(self, x, y):
         h = self.wrapped(x).h
         return F.cross_entropy(self.head(h) + 0.01 * self.scorer(h).unsqueeze(-1), y)
+
+
+@dataclasses.dataclass
+class _In:
+    x: torch.Tensor
+    scale: float
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+    norms: tuple[torch.Tensor, ...]
+    note: str = "kept"
+
+
+class _TakesAndGivesDataclasses(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, inp: _In) -> _Out:
+        h = self.proj(inp.x) * inp.scale
+        return _Out(h, (h.norm(dim=-1),))
+
+
+class _DataclassesWithDet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = _TakesAndGivesDataclasses()
+        self.scorer = _Det(8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        out = self.body(_In(x, 0.5))
+        assert isinstance(out, _Out) and out.note == "kept"  # the class, rebuilt
+        logits = self.head(out.h) + 0.01 * out.norms[0].unsqueeze(-1)
+        return F.cross_entropy(logits + 0.01 * self.scorer(out.h).unsqueeze(-1), y)
+
+
+def test_a_segment_taking_and_returning_dataclasses_compiles():
+    """A hand-written dataclass as argument and as result (pytree takes it as one leaf,
+    which no graph input or output can be): opened into its fields, the module compiles
+    whole and eager code gets an instance of its class back."""
+    trainer = train_like_eager(_DataclassesWithDet, _batches(3))
+    seg = trainer.segments
+    assert seg is not None and "body" in seg.model.compiled
+    assert "body" not in {p.name for p in seg.model.fallbacks}
 
 
 def test_a_segments_cause_is_its_own_not_the_whole_models():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import onnx_ir as ir
 import pytest
@@ -130,6 +131,25 @@ def test_eval_step_returns_the_tensors_nested_in_the_outputs():
     torch.testing.assert_close(got["aux.0"], want["aux"][0])
     torch.testing.assert_close(got["aux.1.0"], want["aux"][1][0])
     torch.testing.assert_close(got["aux.2.p"], want["aux"][2]["p"])
+
+    # a hand-written output class (a dataclass, not a mapping): its fields by name
+    net.forward = lambda x, y: _Out(F.cross_entropy(net.lin(x), y), net.lin(x), (x.sum(),))
+    trainer = ORTTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    trainer.train_step(x, y)
+    got = trainer.eval_step(x, y)
+    trainer.sync_to_module()
+    with torch.no_grad():
+        want = net(x, y)
+    assert sorted(got) == ["extra.0", "logits", "loss"]
+    torch.testing.assert_close(got["logits"], want.logits)
+    torch.testing.assert_close(got["extra.0"], want.extra[0])
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    extra: tuple
 
 
 @pytest.mark.slow

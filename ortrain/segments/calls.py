@@ -32,6 +32,62 @@ def _constant_token(value: Any, where: str) -> tuple:
     )
 
 
+class _Fields:
+    """A dataclass instance opened for pytree (a hand-written output or argument class
+    that pytree takes as one leaf): its class, its fields' names and values. Ours, so
+    the user's class is not registered with pytree behind their back."""
+
+    def __init__(self, cls: type, names: tuple[str, ...], values: list[Any]):
+        self.cls, self.names, self.values = cls, names, values
+
+
+pytree.register_pytree_node(
+    _Fields,
+    lambda f: (list(f.values), (f.cls, f.names)),
+    lambda values, ctx: _Fields(ctx[0], ctx[1], list(values)),
+    serialized_type_name="ortrain.segments.calls._Fields",
+)
+
+
+def _is_open_dataclass(value: Any) -> bool:
+    return (
+        dataclasses.is_dataclass(value)
+        and not isinstance(value, type)
+        and type(value) not in pytree.SUPPORTED_NODES  # HF's ModelOutput is registered
+    )
+
+
+def _open(tree: Any) -> Any:
+    def opened(value: Any) -> Any:
+        if not _is_open_dataclass(value):
+            return value
+        names = tuple(f.name for f in dataclasses.fields(value))
+        return _Fields(type(value), names, [_open(getattr(value, n)) for n in names])
+
+    return pytree.tree_map(opened, tree, is_leaf=_is_open_dataclass)
+
+
+def _close(tree: Any) -> Any:
+    def closed(value: Any) -> Any:
+        if not isinstance(value, _Fields):
+            return value
+        obj = value.cls.__new__(value.cls)  # fields as they were, without __init__
+        for name, v in zip(value.names, value.values, strict=True):
+            object.__setattr__(obj, name, _close(v))
+        return obj
+
+    return pytree.tree_map(closed, tree, is_leaf=lambda v: isinstance(v, _Fields))
+
+
+def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``pytree.tree_flatten``, dataclass instances opened into their fields."""
+    return pytree.tree_flatten(_open(tree))
+
+
+def unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
+    return _close(pytree.tree_unflatten(leaves, spec))
+
+
 def _in_functorch_transform() -> bool:
     level = getattr(torch._C._functorch, "maybe_current_level", None)
     return level is not None and level() is not None
@@ -59,7 +115,7 @@ class Call:
                 "called inside a torch.func transform (vmap, grad, jacrev, ...), whose "
                 "batched or tracked tensors a graph cannot take"
             )
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
         tensor_at, sig = [], [str(spec)]
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -91,7 +147,7 @@ class Call:
         leaves = list(self.leaves)
         for i, t in zip(self.tensor_at, tensors, strict=True):
             leaves[i] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        args, kwargs = unflatten(leaves, self.spec)
         return args, kwargs
 
 
@@ -106,7 +162,7 @@ class Result:
 
     @classmethod
     def of(cls, output: Any) -> Result:
-        leaves, spec = pytree.tree_flatten(output)
+        leaves, spec = flatten(output)
         tensor_at = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -117,11 +173,11 @@ class Result:
         return cls(spec, kept, tensor_at)
 
     def tensors(self, output: Any) -> list[torch.Tensor]:
-        leaves, _ = pytree.tree_flatten(output)
+        leaves, _ = flatten(output)
         return [leaves[i] for i in self.tensor_at]
 
     def build(self, tensors: list[torch.Tensor]) -> Any:
         leaves = list(self.leaves)
         for i, t in zip(self.tensor_at, tensors, strict=True):
             leaves[i] = t
-        return pytree.tree_unflatten(leaves, self.spec)
+        return unflatten(leaves, self.spec)

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils import _pytree
 
 from ortrain.core.errors import OrtrainError
+from ortrain.segments.calls import flatten
 
 WHY = (
     "the forward differentiates its output again (torch.autograd.grad or backward with "
@@ -45,7 +45,7 @@ class TwiceWatch:
         """After ``name``'s call returned ``out``: hook the nodes that made its tensors."""
         nodes = {
             id(t.grad_fn): t.grad_fn
-            for t in _pytree.tree_leaves(out)
+            for t in flatten(out)[0]  # (dataclass outputs opened)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         }
         for node in nodes.values():
