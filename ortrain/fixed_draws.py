@@ -14,8 +14,14 @@ of each op computes from the draw it makes, so the two sides compare:
     normal(mean, std)           (2u - 1) * std + mean
     bernoulli(p), bernoulli_    u < p
     randint(low, high)          low + floor(u * (high - low))
+    exponential(rate)           -log(u) / rate       (log(u) -> -eps/2 where u >= 1 - eps/2)
+    log_normal(m, s)            exp(m + s * (2u - 1))
+    cauchy(m, s)                m + s * tan(pi * (u - 1/2))
+    geometric(p)                floor(log1p(-u) / log1p(-p)) + 1
 
-A draw with no such value here (``exponential_``, ``randperm``, ``multinomial``, RReLU's
+The last four are torch's own decompositions of the draws (``torch._refs``, which the
+exporter translates) with ``u`` for their uniform or normal draw: Gumbel-softmax's noise
+is ``exponential_``. A draw with no such value here (``randperm``, ``multinomial``, RReLU's
 slopes, ...) runs as drawn and is named in ``unverified``: the check cannot compare that
 step, and trusts the graph, saying so. The mode is entered only for a run that draws
 (``verify.eager_run``): a dispatch mode is not free, and torch.cond's dense kernel cannot
@@ -92,6 +98,26 @@ def _randint(low: int, high: int, size: Sequence[int], kw: dict) -> torch.Tensor
     return (torch.floor(u * float(high - low)) + low).to(kw.get("dtype") or torch.int64)
 
 
+def _exponential(t: torch.Tensor, rate: float = 1.0) -> torch.Tensor:
+    u = fixed_u(t.shape, t.device).to(t.dtype)
+    eps = torch.finfo(t.dtype).eps / 2
+    return -1 / rate * torch.where(u >= 1.0 - eps, -eps, torch.log(u))
+
+
+def _log_normal(t: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> torch.Tensor:
+    return torch.exp(std * (2.0 * fixed_u(t.shape, t.device) - 1.0).to(t.dtype) + mean)
+
+
+def _cauchy(t: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> torch.Tensor:
+    u = fixed_u(t.shape, t.device).to(t.dtype)
+    return median + sigma * torch.tan(math.pi * (u - 0.5))
+
+
+def _geometric(t: torch.Tensor, p: float) -> torch.Tensor:
+    u = fixed_u(t.shape, t.device).to(t.dtype)
+    return (torch.floor(torch.log1p(-u) / math.log1p(-p)) + 1).to(t.dtype)
+
+
 def _bernoulli_of(shape_of: torch.Tensor, p: Any) -> torch.Tensor:
     u = fixed_u(shape_of.shape, shape_of.device)
     u = u.to(p.dtype if isinstance(p, torch.Tensor) else shape_of.dtype)
@@ -122,6 +148,20 @@ def _handlers() -> dict[Any, Callable[..., torch.Tensor]]:
     on(aten.bernoulli, ("default",), lambda p, **kw: _bernoulli_of(p, p))
     on(aten.bernoulli, ("p",), lambda t, p, **kw: _bernoulli_of(t, p))
     on(aten.bernoulli_, ("Tensor", "float"), lambda t, p=0.5, **kw: _fill(t, _bernoulli_of(t, p)))
+    for packet, fn in [
+        (aten.exponential, _exponential),
+        (aten.log_normal, _log_normal),
+        (aten.cauchy, _cauchy),
+        (aten.geometric, _geometric),
+    ]:
+        on(packet, ("default",), lambda t, *a, fn=fn, **kw: fn(t, *a, **kw))
+    for packet, fn in [
+        (aten.exponential_, _exponential),
+        (aten.log_normal_, _log_normal),
+        (aten.cauchy_, _cauchy),
+        (aten.geometric_, _geometric),
+    ]:
+        on(packet, ("default",), lambda t, *a, fn=fn, **kw: _fill(t, fn(t, *a, **kw)))
     on(aten.randint, ("default", "generator"),
        lambda high, size, *a, **kw: _randint(0, high, size, kw))  # fmt: skip
     on(aten.randint, ("low", "low_generator"),

@@ -75,11 +75,29 @@ def test_switched_draws_take_the_fixed_values_eager_takes_and_draw_when_on():
 
 def test_eager_draws_without_a_fixed_value_are_named():
     with FixedDraws() as mode:
-        torch.empty(4).exponential_()
+        torch.empty(4).exponential_()  # has one
         torch.randperm(5)
         torch.multinomial(torch.ones(3), 2)
         torch.randint(0, 7, (6,))  # has one
-    assert mode.unverified == {"exponential_", "randperm", "multinomial"} and mode.fixed == 1
+    assert mode.unverified == {"randperm", "multinomial"} and mode.fixed == 2
+
+
+def test_derived_draws_follow_torchs_own_decompositions_of_u():
+    """exponential, log-normal, Cauchy, geometric: torch._refs' formulas over ``u``."""
+    u = fixed_u((6,)).float()
+    with FixedDraws() as mode:
+        e = torch.empty(6).exponential_(2.0)
+        e2 = torch.ops.aten.exponential(torch.empty(6), 2.0)
+        ln = torch.empty(6).log_normal_(0.5, 0.3)
+        c = torch.empty(6).cauchy_(0.1, 2.0)
+        ge = torch.empty(6).geometric_(0.3)
+    assert mode.fixed == 5 and not mode.unverified
+    torch.testing.assert_close(e, -torch.log(u) / 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(e2, e, rtol=0, atol=0)
+    torch.testing.assert_close(ln, torch.exp(0.3 * (2 * u - 1) + 0.5))
+    torch.testing.assert_close(c, 0.1 + 2.0 * torch.tan(torch.pi * (u - 0.5)))
+    torch.testing.assert_close(ge, torch.floor(torch.log1p(-u) / np.log1p(-0.3)) + 1)
+    assert (e > 0).all() and (ge >= 1).all() and len(set(ge.tolist())) > 1
 
 
 # ------------------------------------------------------------------------ the trainer
@@ -114,12 +132,23 @@ class _Draws(torch.nn.Module):
             h = torch.gather(h, -1, order) * 2.0
         elif k == "noise_scale":  # uniform noise, scaled by a parameter
             h = h * (1 + self.log_std * (torch.rand_like(h) - 0.5))
-        elif k == "gumbel":  # exponential_: no fixed value
+        elif k == "gumbel":  # exponential_
             h = F.gumbel_softmax(h, tau=0.7)
+        elif k == "gumbel_hard":  # straight-through: one-hot forward, soft backward
+            h = h * F.gumbel_softmax(h, tau=0.5, hard=True) * 16
+        elif k == "log_normal_cauchy":
+            h = h * torch.empty_like(h).log_normal_(0.0, 0.2)
+            h = h + 0.01 * torch.empty_like(h).cauchy_() * self.log_std
+        elif k == "multinomial":  # no fixed value
+            h = h + h.gather(-1, torch.multinomial(h.softmax(-1), 1))
         return F.cross_entropy(self.b(h), y)
 
 
-@pytest.mark.parametrize("kind", ["reparameterised", "drop_path", "shuffle", "noise_scale"])
+@pytest.mark.parametrize(
+    "kind",
+    ["reparameterised", "drop_path", "shuffle", "noise_scale", "gumbel", "gumbel_hard",
+     "log_normal_cauchy"],
+)  # fmt: skip
 def test_a_graph_that_draws_is_checked_against_eager(kind):
     model = _Draws(kind)
     options = TrainerOptions(fallback="off", graph_cache=False)
@@ -135,9 +164,9 @@ def test_a_graph_that_draws_is_checked_against_eager(kind):
 
 
 def test_a_draw_eager_cannot_fix_leaves_the_step_trusted_with_a_warning():
-    model = _Draws("gumbel")
+    model = _Draws("multinomial")
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.warns(UserWarning, match=r"not checked against eager: .*exponential_"):
+    with pytest.warns(UserWarning, match=r"not checked against eager: .*[Mm]ultinomial"):
         trainer.train_step(*_batch())
     assert trainer.segments is None and trainer.program.segments[0].checked == 0
 
