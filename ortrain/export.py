@@ -43,7 +43,7 @@ from ortrain.export_decompositions import exporter_decompositions
 from ortrain.export_functional import functional_for_export
 from ortrain.export_hints import without_value_hints
 from ortrain.export_losses import loss_translations
-from ortrain.export_ops import custom_translations, export_hint
+from ortrain.export_ops import custom_translations, export_hint, known_cause
 from ortrain.exporter_registry import cached_registry
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
@@ -663,9 +663,12 @@ def trace_to_onnx(
         if isinstance(root, ExportError):  # ours, raised inside the trace (e.g. no loss)
             raise ExportError(str(root)) from exc
         # The exporter wraps the model's own error in pages of advice: name the cause.
+        said = f"{type(root).__name__}: {first_line(root)}{_failing_code(exc)}"
+        known = known_cause(module)
+        if known:
+            said = f"{known} (the exporter: {said})"
         raise ExportError(
-            f"torch.onnx.export failed for {type(module).__name__}: "
-            f"{type(root).__name__}: {first_line(root)}{_failing_code(exc)}{export_hint(module)}"
+            f"torch.onnx.export failed for {type(module).__name__}: {said}{export_hint(module)}"
         ) from exc
     model = program.model
     drop_unread_buffers(model, set(bnames))

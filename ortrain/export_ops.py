@@ -72,6 +72,32 @@ def eager_experts(module: torch.nn.Module) -> list[str]:
     return found
 
 
+def parameter_writers(module: torch.nn.Module) -> list[str]:
+    """Sub-modules whose forward writes a parameter in place: ``Embedding`` and
+    ``EmbeddingBag`` with ``max_norm`` renormalise the rows a batch reads (under no_grad),
+    which the exporter stops at with an internal assertion that names nothing."""
+    found = []
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.max_norm is not None:
+            kind = type(m).__name__
+            where = f"{kind} '{name}'" if name else f"'{kind}'"
+            found.append(f"{where} (max_norm={m.max_norm:g})")
+    return found
+
+
+def known_cause(module: torch.nn.Module) -> str:
+    """What the module does that no graph can, where the exporter's own error hides it;
+    "" if nothing known."""
+    writers = parameter_writers(module)
+    if not writers:
+        return ""
+    some = ", ".join(writers[:3]) + (f" and {len(writers) - 3} more" if len(writers) > 3 else "")
+    return (
+        f"{some} renormalises the rows a batch reads in place, a write to its weight that "
+        "a graph cannot make"
+    )
+
+
 def export_hint(module: torch.nn.Module) -> str:
     """Advice to append to a failed export's error, for causes known from the model."""
     experts = eager_experts(module)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ortrain import ORTTrainer, TrainerOptions
-from ortrain.core.errors import BatchError, VerificationError
+from ortrain.core.errors import BatchError, ExportError, VerificationError
 from ortrain.core.names import GradientError
 
 
@@ -445,6 +445,41 @@ def test_a_segments_cause_is_its_own_not_the_whole_models():
     assert "wrapped.proj" in trainer.segments.model.compiled
     assert "_Holder, which a compiled graph cannot take" in why["wrapped"], why["wrapped"]
     assert "Det" not in why["wrapped"], why["wrapped"]
+
+
+class _MaxNorm(torch.nn.Module):
+    """An embedding with ``max_norm``: its forward renormalises, in place, the rows a
+    batch reads (under no_grad), a write to a parameter no graph can make."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(40, 8, max_norm=1.0)
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        ids = (x.abs() * 10).long().clamp(max=39)
+        return F.cross_entropy(self.head(self.encoder(self.embed(ids).mean(1))), y)
+
+
+def test_an_embedding_with_max_norm_runs_in_eager_with_its_cause_named():
+    """The exporter stops at it with an internal assertion that names nothing; the cause
+    given is the in-place write of the weight, and the renorm happens as in eager."""
+    before = _MaxNorm().embed.weight.norm(dim=-1)
+    assert (before > 1.0).sum() > 20  # rows the renorm must shrink
+    with pytest.warns(UserWarning, match=r"Embedding 'embed' \(max_norm=1\) renormalises the rows"):
+        trainer = train_like_eager(_MaxNorm, _batches(3))
+    seg = trainer.segments
+    assert "encoder" in seg.model.compiled and "embed" in {p.name for p in seg.model.fallbacks}
+    after = trainer.module.embed.weight.norm(dim=-1)
+    assert (after <= 1.0 + 1e-6).sum() > (before <= 1.0).sum()  # rows read were renormalised
+    options = TrainerOptions(fallback="off", graph_cache=False)
+    model = _MaxNorm()
+    off = ORTTrainer(model, _sgd(model.parameters()), options)
+    said = r"Embedding 'embed' \(max_norm=1\) renormalises the rows"
+    with pytest.raises(ExportError, match=said):
+        off.train_step(*_batches(1)[0])
 
 
 @pytest.mark.slow

@@ -96,6 +96,7 @@ _SHORTER = [
     (r"(first step disagrees with eager: [^:]+: largest difference \S+) against a scale of "
      r"([\d.e+-]+\d).*", r"\1 against \2"),
     (r"^ExportError: torch\.onnx\.export failed for \w+: ", "export: "),
+    (r" \(the exporter: .*$", ""),  # after the cause ortrain knows (export_ops.known_cause)
     (r"\w+: No ONNX function found for <OpOverload\(op='([\w.]+)'.*", r"no ONNX function for \1"),
     (r"^GradientError: ", ""),
     (r" \(node '[^']*' in module '[^']*'\)", ""),
