@@ -154,6 +154,27 @@ def test_the_reasons_about_eager_still_hold():
         F.native_channel_shuffle(h, 2).sum().backward()
 
 
+def test_causes_are_shortened_to_the_op_and_why():
+    from ortrain.coverage.check import shorten
+
+    guard = (
+        "ExportError: torch.onnx.export failed for Harness: GuardOnDataDependentSymNode: Could "
+        "not guard on data-dependent expression Eq(u0, 0) (unhinted: Eq(u0, 0)).  (Size-like "
+        "symbols: u0) (at adaptive.py:231 in forward: `if n == 0:`)"
+    )
+    assert shorten(guard) == (
+        "export: GuardOnDataDependentSymNode: Could not guard on data-dependent expression "
+        "Eq(u0, 0). (at adaptive.py:231 in forward: `if n == 0:`)"
+    )
+    known = (
+        "ExportError: torch.onnx.export failed for Harness: Embedding 'unit' (max_norm=1) "
+        "renormalises the rows a batch reads in place, a write to its weight that a graph "
+        "cannot make (the exporter: AssertionError: expected compiled_fn to be GraphModule)"
+    )
+    assert shorten(known).endswith("a graph cannot make")
+    assert len(shorten("x" * 400)) == 150
+
+
 def test_differences_compare_element_by_element():
     want = {"w": torch.tensor([1.0, 2.0, float("nan")]), "n": torch.tensor([3])}
     assert _differences({k: v.clone() for k, v in want.items()}, want, 1e-5, 1e-6) == []

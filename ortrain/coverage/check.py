@@ -97,6 +97,7 @@ _SHORTER = [
      r"([\d.e+-]+\d).*", r"\1 against \2"),
     (r"^ExportError: torch\.onnx\.export failed for \w+: ", "export: "),
     (r" \(the exporter: .*$", ""),  # after the cause ortrain knows (export_ops.known_cause)
+    (r" \(unhinted: (?:[^()]|\([^()]*\))*\)(\.)? *(\(Size-like symbols: [^)]*\))?", r"\1"),
     (r"\w+: No ONNX function found for <OpOverload\(op='([\w.]+)'.*", r"no ONNX function for \1"),
     (r"^GradientError: ", ""),
     (r" \(node '[^']*' in module '[^']*'\)", ""),

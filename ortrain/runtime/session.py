@@ -455,6 +455,23 @@ def _where(t: torch.Tensor) -> tuple[str, int]:
     return "cpu", 0
 
 
+_SPARE: dict[torch.device, torch.Tensor] = {}
+
+
+def _address(t: torch.Tensor) -> int:
+    """``t``'s data pointer to bind. A tensor of no elements may have none (0), which ONNX
+    Runtime refuses for an output ("Pointer to data memory is not valid"): a zero-size
+    parameter's gradient, a cluster of no classes. Nothing is read or written through
+    it, so any live address on its device does."""
+    ptr = t.data_ptr()
+    if ptr or t.numel():
+        return ptr
+    spare = _SPARE.get(t.device)
+    if spare is None:
+        spare = _SPARE[t.device] = torch.empty(64, dtype=torch.uint8, device=t.device)
+    return spare.data_ptr()
+
+
 def captures_cuda_graph(session: ort.InferenceSession) -> bool:
     """Whether ``session`` was created with ONNX Runtime's ``enable_cuda_graph``."""
     get = getattr(session, "get_provider_options", None)
@@ -559,7 +576,7 @@ class BoundSession:
             self.bound_outputs[name] = t
             kind, index = _where(t)
             self.binding.bind_output(
-                name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
+                name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), _address(t)
             )
 
     def release_outputs(self) -> None:
@@ -588,7 +605,7 @@ class BoundSession:
         """Bind a tensor by pointer (no copy); the caller keeps ``t`` alive for the run."""
         kind, index = _where(t)
         self.binding.bind_input(
-            name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), t.data_ptr()
+            name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), _address(t)
         )
 
     def bind_output_to_cpu(self, name: str) -> None:
