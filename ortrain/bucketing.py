@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from ortrain.core.errors import first_line
+from ortrain.core.names import LOSS_LABELS
 from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
 
 MODES = ("auto", "off")
@@ -198,7 +199,7 @@ def _pad_fn(key: str, t: torch.Tensor, pad_id: int) -> PadFn | str:
         return f"'{key}' is {t.dtype}, not token ids"
     if key == "input_ids":
         return _constant(pad_id)
-    if key == "labels":
+    if key in ("labels", LOSS_LABELS):
         return _constant(IGNORE_INDEX)
     if key == "token_type_ids":
         return _constant(0)

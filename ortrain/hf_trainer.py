@@ -30,6 +30,11 @@ scheduler it creates (or that are passed in), logging, callbacks, the evaluation
    (ortrain's mixed precision instead of accelerate's autocast) and the device. The rest
    (``zero_stage=1`` under torchrun, ``update_engine``, ...) come from ``ortrain_options``.
 
+6. A loss Trainer computes itself (``label_smoothing_factor``, ``compute_loss_func``) is the
+   graph's loss: the labels go to it under ``LOSS_LABELS``, a key the forward does not take
+   (Trainer pops them before the forward), the count of items under ``LOSS_ITEMS``; it
+   compiles with the model, or runs in eager around the segments where it cannot.
+
 Trainer features that ortrain cannot honour raise ``ValueError`` at construction, one line
 naming the feature (``unsupported_features``).
 """
@@ -46,6 +51,7 @@ import torch
 from transformers import Trainer
 
 from ortrain.checkpoint import naming
+from ortrain.core.names import LOSS_LABELS
 from ortrain.export import LossFn, find_loss
 from ortrain.options import TrainerOptions
 from ortrain.trainer import ORTTrainer
@@ -115,12 +121,11 @@ def unsupported_features(trainer: Trainer) -> list[str]:
         why.append("tensor/context/sequence parallelism")
     if getattr(trainer, "is_distributed_loading_by_transformers", False):
         why.append("a model sharded at load time")
-    if trainer.label_smoother is not None:
-        why.append("label_smoothing_factor (the loss is the model's, inside the graph)")
-    if trainer.compute_loss_func is not None:
-        why.append("compute_loss_func (the loss is the model's, inside the graph)")
     if _overridden(trainer, "compute_loss"):  # never called: the graph computes the loss
-        why.append("a subclass's compute_loss (the loss is the model's, inside the graph)")
+        why.append(
+            "a subclass's compute_loss (pass compute_loss_func=(outputs, labels, "
+            "num_items_in_batch) -> loss instead: it runs in the graph, or in eager around it)"
+        )
     if args.torch_compile:
         why.append("torch_compile (ortrain compiles the model to ONNX Runtime graphs)")
     if args.activation_checkpointing:
@@ -201,6 +206,45 @@ class _TrainedByOrtrain(torch.nn.Module):
         raise RuntimeError("ORTHFTrainer runs the model through ORTTrainer, not this wrapper")
 
 
+# Batch keys for Trainer's own loss (label smoothing, compute_loss_func): the forward does
+# not take them, so ORTTrainer hands them to the loss function only, as Trainer pops
+# ``labels`` before the forward (LOSS_LABELS, from core.names: bucketing pads it).
+LOSS_ITEMS = "loss_num_items"
+
+
+def _trainers_loss(
+    module: torch.nn.Module,
+    label_names: Sequence[str],
+    label_smoother: Any,
+    compute_loss_func: Any,
+    shift_labels: bool,
+) -> LossFn:
+    """ORTTrainer's ``loss_fn`` where Trainer computes the loss itself (``compute_loss``):
+    ``compute_loss_func(outputs, labels, num_items_in_batch=...)``, else the label smoother
+    (labels shifted for a causal LM), over the outputs of a forward that got no labels;
+    a batch without them takes the model's own loss (``_loss_or_none``)."""
+    plain = _loss_or_none(module, label_names)
+
+    def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        labels, items = batch.get(LOSS_LABELS), batch.get(LOSS_ITEMS)
+        if compute_loss_func is not None and (labels is not None or module.training):
+            return compute_loss_func(outputs, labels, num_items_in_batch=items)
+        if labels is None:
+            return plain(outputs, batch)
+        return label_smoother(outputs, labels, shift_labels=shift_labels, num_items_in_batch=items)
+
+    return loss_fn
+
+
+def _causal_lm(model: torch.nn.Module) -> bool:
+    """Trainer's test for shifting the labels of the label smoother."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer import _is_peft_model
+
+    inner = model.base_model.model if _is_peft_model(model) else model
+    return inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
 def _loss_or_none(module: torch.nn.Module, label_names: Sequence[str]) -> LossFn:
     """ORTTrainer's ``loss_fn``: the model's loss, as without one (``find_loss``, its errors
     included: training without labels still says what to pass); only in evaluation, for a
@@ -266,7 +310,16 @@ class ORTHFTrainer(Trainer):
         ort = self.ortrainer
         if ort is not None and ort.optimizer is inner and ort.module is self.model:
             return optimizer
-        loss_fn = _loss_or_none(self.model, self.label_names)
+        if self._own_loss():
+            loss_fn = _trainers_loss(
+                self.model,
+                self.label_names,
+                self.label_smoother,
+                self.compute_loss_func,
+                _causal_lm(self.model),
+            )
+        else:
+            loss_fn = _loss_or_none(self.model, self.label_names)
         self.ortrainer = ORTTrainer(self.model, inner, self.ortrain_options, loss_fn=loss_fn)
         self.optimizer = _UpdatedByOrtrain(inner)
         return self.optimizer
@@ -278,6 +331,10 @@ class ORTHFTrainer(Trainer):
         return self.ortrainer
 
     # ------------------------------------------------------------------ steps
+    def _own_loss(self) -> bool:
+        """Trainer computes the loss itself (``compute_loss``), not the model."""
+        return self.label_smoother is not None or self.compute_loss_func is not None
+
     def _loss_inputs(
         self, inputs: dict[str, Any], num_items: Any, window: int | None
     ) -> tuple[dict[str, Any], float]:
@@ -286,18 +343,30 @@ class ORTHFTrainer(Trainer):
         accumulation window; None in evaluation)."""
         batch = dict(inputs)
         weight = 1.0
-        counted = self.model_accepts_loss_kwargs and num_items is not None
+        # a float32 tensor: one graph input whatever the count (a Python int would be a
+        # constant of the graph, and a build per value)
+        count = (
+            None
+            if num_items is None
+            else torch.as_tensor(num_items, dtype=torch.float32, device=self.args.device)
+        )
+        counted = self.model_accepts_loss_kwargs and count is not None
         if counted:
-            # a float32 tensor: one graph input whatever the count (a Python int would be
-            # a constant of the graph, and a build per value)
-            batch["num_items_in_batch"] = torch.as_tensor(
-                num_items, dtype=torch.float32, device=self.args.device
-            )
-            if self.args.average_tokens_across_devices:
-                weight *= self.accelerator.num_processes // self.get_tp_size()
+            batch["num_items_in_batch"] = count
+        if self._own_loss():
+            if "labels" in batch:  # Trainer pops them: the forward computes no loss
+                batch[LOSS_LABELS] = batch.pop("labels")
+            if count is not None:
+                batch[LOSS_ITEMS] = count
+        if (
+            self.args.average_tokens_across_devices
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+            and count is not None
+        ):
+            weight *= self.accelerator.num_processes // self.get_tp_size()
         scaled_for_ga = self.loss_is_scaled_for_ga
         if scaled_for_ga is None:
-            scaled_for_ga = counted
+            scaled_for_ga = counted or self.compute_loss_func is not None
         if window is not None and not scaled_for_ga:
             weight /= window
         return batch, weight

@@ -376,6 +376,85 @@ def test_optimizers_ortrain_does_not_compile_train_as_with_trainer(tmp_path, whi
         )
 
 
+def _weighted_loss(outputs, labels, num_items_in_batch=None):
+    """A user's compute_loss_func: cross-entropy weighting the later half of the vocabulary
+    twice, summed over the shifted tokens and divided by Trainer's count of them."""
+    logits = outputs["logits"][:, :-1].float()
+    target = labels[:, 1:]
+    weight = torch.ones(logits.shape[-1])
+    weight[logits.shape[-1] // 2 :] = 2.0
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), target.flatten(), weight=weight, reduction="sum"
+    )
+    return loss / num_items_in_batch
+
+
+def _classifier() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = bert_config(vocab=VOCAB, hidden=32, layers=2)
+    config.num_labels = 3
+    return BertForSequenceClassification(config)
+
+
+OWN_LOSSES = {
+    # (model, data, Trainer's keywords): label smoothing shifts a causal LM's labels
+    "label_smoothing_causal_lm": (
+        lambda: gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0),
+        lambda seed, n: TokenData(n, seed),
+        {"args": {"label_smoothing_factor": 0.5}},
+    ),
+    "label_smoothing_classifier": (
+        _classifier,
+        lambda seed, n: TokenData(n, seed, classes=3),
+        {"args": {"label_smoothing_factor": 0.2}},
+    ),
+    "compute_loss_func": (
+        lambda: gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0),
+        lambda seed, n: TokenData(n, seed),
+        {"compute_loss_func": _weighted_loss},
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(OWN_LOSSES))
+def test_a_loss_trainer_computes_itself_trains_as_with_trainer(tmp_path, case):
+    """label_smoothing_factor and compute_loss_func: Trainer pops the labels and computes
+    the loss from the outputs of a forward without them; ortrain compiles that loss with
+    the model (the labels reach only the loss). Accumulation 2, clipping, evaluation;
+    parameters compared after SGD."""
+    make, data, setup = OWN_LOSSES[case]
+    runs = {}
+    for name, cls in (("torch", Trainer), ("ortrain", ORTHFTrainer)):
+        args = arguments(  # SGD: float noise in a gradient stays noise-sized in the weights
+            tmp_path / name,
+            max_steps=4,
+            gradient_accumulation_steps=2,
+            max_grad_norm=1.0,
+            optim="sgd",
+            learning_rate=0.1,
+            **setup.get("args", {}),
+        )
+        kw = {k: v for k, v in setup.items() if k != "args"}
+        trainer = cls(
+            model=make(), args=args, train_dataset=data(3, 24), eval_dataset=data(4, 8), **kw
+        )
+        trainer.train()
+        runs[name] = (trainer, trainer.evaluate())
+    (ours, ours_eval), (ref, ref_eval) = runs["ortrain"], runs["torch"]
+    assert_logs(steps(ours), steps(ref))
+    assert_close([ours_eval["eval_loss"]], [ref_eval["eval_loss"]])
+    assert_params(ours.model, ref.model)
+    assert ours.ortrainer.segments is None  # one graph: the loss compiled with the model
+    # the model's own loss would differ: the loss trained is Trainer's
+    plain = Trainer(model=make(), args=arguments(tmp_path / "plain", max_steps=4,
+                    gradient_accumulation_steps=2, max_grad_norm=1.0),
+                    train_dataset=data(3, 24))  # fmt: skip
+    plain.train()
+    apart = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps(plain), steps(ref)))
+    assert apart > 10 * LOSS_RTOL, apart
+
+
 # --------------------------------------------------------------------- what it refuses
 class _OwnLoss(ORTHFTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -387,9 +466,7 @@ def _adagrad(model: torch.nn.Module) -> dict[str, Any]:
 
 
 REFUSED = [
-    ("label_smoothing_factor", {"args": {"label_smoothing_factor": 0.1}}),
-    ("compute_loss_func", {"compute_loss_func": lambda outputs, labels, num_items_in_batch: 0}),
-    ("subclass's compute_loss", {"cls": _OwnLoss}),
+    ("subclass's compute_loss (pass compute_loss_func", {"cls": _OwnLoss}),
     ("activation_checkpointing", {"args": {"activation_checkpointing": True}}),
     ("bf16=True: TrainerOptions.mixed_precision='bf16' needs a CUDA", {"args": {"bf16": True}}),
     (

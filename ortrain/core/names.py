@@ -12,6 +12,9 @@ import dataclasses
 LOSS_SCALE_INPUT = "loss_scale"  # graph input the backward is seeded with (loss_scaling.py)
 # bool scalar graph input every training Dropout reads as its training_mode (dropout_switch.py)
 DROPOUT_SWITCH_INPUT = "dropout_on"
+# ORTHFTrainer's labels for a loss Trainer computes (label smoothing, compute_loss_func):
+# a batch key the forward does not take, so the loss function alone gets it; padded as labels
+LOSS_LABELS = "loss_labels"
 BLAS_DOMAIN = "ortrain.blas"  # the BLAS GEMM custom op's domain (blas_gemm.py)
 CPU_DOMAIN = "ortrain.cpu"  # fused CPU backward kernels (ortrain/runtime/grad_kernels.c)
 # ``x.detach()`` and values made under ``torch.no_grad()`` (ortrain/stop_gradient.py): an
