@@ -44,6 +44,11 @@
    a spatial size not known at the export, or where ``ceil_mode`` makes torch drop a
    last window that would start in the padding (ONNX Runtime keeps it), the exporter's
    function as before (the first-step check catches the latter two).
+8. ``aten::uniform`` (``uniform_(a, b)``, its bounds known at the export: NEFTune's
+   embedding noise, whose bounds are 0-dim tensors): the exporter decomposes it to
+   ``prims::uniform``, for which it has no function, so such a module ran in eager. Here
+   it is ``RandomUniformLike`` over the bounds, which the first-step check fixes
+   (``graph_passes/prepare/random_switch.py``).
 """
 
 from __future__ import annotations
@@ -205,6 +210,12 @@ def _bernoulli(self: Any) -> Any:
     return op.CastLike(drawn, self)
 
 
+def _uniform(self: Any, low: float = 0.0, high: float = 1.0, generator: Any = None) -> Any:
+    from onnxscript import opset18 as op
+
+    return op.RandomUniformLike(self, low=float(low), high=float(high))
+
+
 def _window_sizes(
     sizes: list[int], kernel: list[int], stride: list[int], padding: list[int], ceil_mode: bool
 ) -> Any:
@@ -277,6 +288,7 @@ def aten_translations() -> dict[Callable, Callable]:
 
     return {
         torch.ops.aten.bernoulli.default: _bernoulli,
+        torch.ops.aten.uniform.default: _uniform,
         torch.ops.aten.baddbmm.default: _baddbmm,
         torch.ops.aten.addbmm.default: _addbmm,
         torch.ops.aten.addmv.default: _addmv,

@@ -130,8 +130,6 @@ def unsupported_features(trainer: Trainer) -> list[str]:
         why.append("torch_compile (ortrain compiles the model to ONNX Runtime graphs)")
     if args.activation_checkpointing:
         why.append("activation_checkpointing (ortrain plans recomputation: memory_plan)")
-    if args.neftune_noise_alpha is not None:
-        why.append("neftune_noise_alpha")
     if args.use_liger_kernel:
         why.append("use_liger_kernel")
     if args.auto_find_batch_size:

@@ -229,6 +229,44 @@ def test_bernoulli_draws_one_with_probability_p() -> None:
     assert max(losses) < 0.01 and len(set(losses)) == 3, losses
 
 
+class _NoisyEmbedding(torch.nn.Module):
+    """NEFTune's embedding noise (transformers.integrations.neftune): ``uniform_(-m, m)``
+    with ``m`` a 0-dim tensor computed from the shape, added in training only."""
+
+    def __init__(self, alpha: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.alpha = alpha
+        self.embed = torch.nn.Embedding(50, 16)
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.training:
+            mag = self.alpha / torch.sqrt(torch.tensor(h.size(1) * h.size(2)))
+            h = h + torch.zeros_like(h).uniform_(-mag, mag)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def test_uniform_with_bounds_from_tensors_compiles_and_is_checked() -> None:
+    """The exporter decomposed ``uniform_(-m, m)`` to ``prims::uniform`` and had no function
+    for it: NEFTune's embedding ran in eager. One graph now, its first step checked with
+    the draw fixed; the noise is drawn in the bounds while it trains."""
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    model = _NoisyEmbedding(alpha=64.0)  # bounds 64 / sqrt(16 * 16) = 4: far above the embeddings
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                         TrainerOptions(fallback="off", graph_cache=False))  # fmt: skip
+    losses = [trainer.train_step(ids).item() for _ in range(3)]
+    assert trainer.program.whole and trainer.program.segments[0].checked == 1
+    node = next(n for n in trainer.train_graphs[0].graph if n.op_type == "RandomUniformLike")
+    assert [node.attributes[k].value for k in ("low", "high")] == pytest.approx([-4.0, 4.0])
+    model.eval()
+    with torch.no_grad():
+        clean = model(ids).item()
+    assert len(set(losses)) == 3 and min(losses) > clean + 0.3, (losses, clean)
+    assert trainer.eval_step(ids)["loss"].item() == pytest.approx(clean, rel=1e-5)
+
+
 class _SumPool(torch.nn.Module):
     """A convolution, then windows summed over a divisor of the user's (``divisor_override``),
     in 2-D or 3-D, with padding and ``ceil_mode`` (windows clipped at the padded edge)."""

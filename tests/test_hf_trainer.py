@@ -10,6 +10,7 @@ Run as a script, this file is one torchrun rank of the two-process test.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -453,6 +454,20 @@ def test_a_loss_trainer_computes_itself_trains_as_with_trainer(tmp_path, case):
     plain.train()
     apart = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps(plain), steps(ref)))
     assert apart > 10 * LOSS_RTOL, apart
+
+
+@pytest.mark.slow
+def test_neftune_noise_is_drawn_in_the_graph(tmp_path):
+    """Trainer's NEFTune hook (uniform noise on the input embeddings, in training) is
+    traced into the one graph and checked at its first step with the draw fixed."""
+    args = arguments(tmp_path, max_steps=3, neftune_noise_alpha=5.0)
+    trainer = ORTHFTrainer(model=gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0), args=args,
+                           train_dataset=TokenData(12, seed=3))  # fmt: skip
+    trainer.train()
+    ort = trainer.ortrainer
+    assert ort.program.whole and ort.program.segments[0].checked == 1
+    assert "RandomUniformLike" in {n.op_type for n in ort.train_graphs[0].graph}
+    assert all(math.isfinite(h["loss"]) for h in steps(trainer)) and len(steps(trainer)) == 3
 
 
 # --------------------------------------------------------------------- what it refuses
