@@ -34,6 +34,9 @@ scheduler it creates (or that are passed in), logging, callbacks, the evaluation
    graph's loss: the labels go to it under ``LOSS_LABELS``, a key the forward does not take
    (Trainer pops them before the forward), the count of items under ``LOSS_ITEMS``; it
    compiles with the model, or runs in eager around the segments where it cannot.
+7. ``activation_checkpointing`` (``gradient_checkpointing``) turns on the model's
+   checkpointed layers as in Trainer: the same math, traced through; what the backward
+   keeps or recomputes is ortrain's memory plan (``TrainerOptions.memory_plan``).
 
 Trainer features that ortrain cannot honour raise ``ValueError`` at construction, one line
 naming the feature (``unsupported_features``).
@@ -128,8 +131,6 @@ def unsupported_features(trainer: Trainer) -> list[str]:
         )
     if args.torch_compile:
         why.append("torch_compile (ortrain compiles the model to ONNX Runtime graphs)")
-    if args.activation_checkpointing:
-        why.append("activation_checkpointing (ortrain plans recomputation: memory_plan)")
     if args.use_liger_kernel:
         why.append("use_liger_kernel")
     if args.auto_find_batch_size:

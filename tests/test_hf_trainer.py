@@ -470,6 +470,26 @@ def test_neftune_noise_is_drawn_in_the_graph(tmp_path):
     assert all(math.isfinite(h["loss"]) for h in steps(trainer)) and len(steps(trainer)) == 3
 
 
+@pytest.mark.slow
+def test_activation_checkpointing_trains_as_with_trainer(tmp_path):
+    """``activation_checkpointing`` (``gradient_checkpointing``): Trainer turns on the
+    model's checkpointed layers, whose math is the same; the export traces through them
+    and what the backward keeps is ortrain's memory plan. One graph, Trainer's losses."""
+    runs = {}
+    for name, cls in (("torch", Trainer), ("ortrain", ORTHFTrainer)):
+        args = arguments(tmp_path / name, max_steps=3, optim="sgd", learning_rate=0.1,
+                         activation_checkpointing=True)  # fmt: skip
+        trainer = cls(model=gpt2(layers=2, hidden=32, vocab=VOCAB, seed=0), args=args,
+                      train_dataset=TokenData(24, seed=3))  # fmt: skip
+        trainer.train()
+        runs[name] = trainer
+    ours, ref = runs["ortrain"], runs["torch"]
+    assert ref.model.is_activation_checkpointing and ours.model.is_activation_checkpointing
+    assert ours.ortrainer.program.whole
+    assert_logs(steps(ours), steps(ref))
+    assert_params(ours.model, ref.model)
+
+
 # --------------------------------------------------------------------- what it refuses
 class _OwnLoss(ORTHFTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -482,7 +502,6 @@ def _adagrad(model: torch.nn.Module) -> dict[str, Any]:
 
 REFUSED = [
     ("subclass's compute_loss (pass compute_loss_func", {"cls": _OwnLoss}),
-    ("activation_checkpointing", {"args": {"activation_checkpointing": True}}),
     ("bf16=True: TrainerOptions.mixed_precision='bf16' needs a CUDA", {"args": {"bf16": True}}),
     (
         "ortrain_options.grad_accumulation_steps=4 disagrees",
