@@ -68,6 +68,21 @@ def _binary() -> list[Spec]:
     return out
 
 
+def _mod() -> list[Spec]:
+    """Floating ``Mod`` is C's fmod (``fmod=1``, ``torch.fmod``): d/db = -trunc(a / b)."""
+    shapes = [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((3, 4), ())]
+    return [
+        case(
+            f"Mod-{_ids(sa)}-{_ids(sb)}",
+            "Mod",
+            [X(*sa), NonZero(*sb)],
+            torch.fmod,
+            attrs={"fmod": 1},
+        )
+        for sa, sb in shapes
+    ]
+
+
 def _gemm() -> list[Spec]:
     m, k, n = 3, 4, 5
     out = []
@@ -206,9 +221,15 @@ def _fused_matmul_2d_weight() -> list[Spec]:
 
         attrs = {"transB": tb, "alpha": alpha}
         out.append(
-            case(f"FusedMatMul-2d-weight-{_ids(sa)}-tB{tb}-alpha{alpha}", "FusedMatMul",
-                 [X(*sa), w], ref, attrs=attrs, domain=MS_DOMAIN)
-        )  # fmt: skip
+            case(
+                f"FusedMatMul-2d-weight-{_ids(sa)}-tB{tb}-alpha{alpha}",
+                "FusedMatMul",
+                [X(*sa), w],
+                ref,
+                attrs=attrs,
+                domain=MS_DOMAIN,
+            )
+        )
     frozen_w = case("FusedMatMul-2d-weight-x-only", "FusedMatMul",
                     [X(2, 3, 4), X(5, 4, grad=False)], lambda x, y: x @ y.T,
                     attrs={"transB": 1}, domain=MS_DOMAIN)  # fmt: skip
@@ -242,9 +263,16 @@ def _skip_layer_norm() -> list[Spec]:
         kw = {"domain": MS_DOMAIN, "attrs": attrs}
         out.append(case(name, "SkipLayerNormalization", inputs, ref, outputs=1, **kw))
         out.append(  # the residual stream also reads s (GPT-2's pre-LN blocks)
-            case(f"{name}-sum-used", "SkipLayerNormalization", inputs, ref, outputs=4,
-                 loss_outputs=(0, 3), **kw)
-        )  # fmt: skip
+            case(
+                f"{name}-sum-used",
+                "SkipLayerNormalization",
+                inputs,
+                ref,
+                outputs=4,
+                loss_outputs=(0, 3),
+                **kw,
+            )
+        )
     full = [X(2, 3, 8), X(2, 3, 8), X(8), X(8), X(8)]
     kw = {"domain": MS_DOMAIN, "attrs": {"epsilon": 1e-5}, "outputs": 4}
     out += [
@@ -343,6 +371,7 @@ def _convs() -> list[Spec]:
 SPECS: list[Spec] = [
     # Element-wise binary (numpy broadcasting) and n-ary.
     *_binary(),
+    *_mod(),
     case("Pow-tensor", "Pow", [Pos(3, 4), X(3, 4)], torch.pow),
     case("Pow-tensor-bcast", "Pow", [Pos(2, 3, 4), X(4)], torch.pow),
     case("Pow-scalar-input", "Pow", [Pos(3, 4), X()], torch.pow),

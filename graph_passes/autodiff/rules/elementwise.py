@@ -63,6 +63,21 @@ def div(ctx: GradContext):
     return out
 
 
+@gradient("Mod")
+def mod(ctx: GradContext):
+    # Floating Mod is C's fmod (ONNX requires fmod=1 for floats; torch.fmod exports so):
+    # a - trunc(a / b) * b, so d/da = 1 and d/db = -trunc(a / b), as torch's fmod backward.
+    g = ctx.GO(0)
+    out = {}
+    if ctx.needs(0):
+        out[0] = _un(ctx, g, 0)
+    if ctx.needs(1):
+        q = ctx.op("Div", ctx.I(0), ctx.I(1))
+        trunc = ctx.op("Mul", ctx.op("Sign", q), ctx.op("Floor", ctx.op("Abs", q)))
+        out[1] = _un(ctx, ctx.op("Neg", ctx.op("Mul", g, trunc)), 1)
+    return out
+
+
 @gradient("Neg")
 def neg(ctx: GradContext):
     return {0: ctx.op("Neg", ctx.GO(0))}
