@@ -49,6 +49,12 @@
    ``prims::uniform``, for which it has no function, so such a module ran in eager. Here
    it is ``RandomUniformLike`` over the bounds, which the first-step check fixes
    (``graph_passes/prepare/random_switch.py``).
+9. ``aten::unsqueeze`` and ``aten::expand`` on complex tensors (``complex_translations``):
+   the exporter carries a complex tensor as its real view, ``[..., 2]``, and has complex
+   functions for ``view_as_complex``/``view_as_real``, ``mul``, slices and the like, but
+   not these two, which rotary embeddings written with complex numbers use (Llama 4's
+   ``freqs_cis[...].unsqueeze(1)``): such a model ran its attention in eager. Here the
+   real view gets the same axis or broadcast, the (re, im) axis kept last.
 """
 
 from __future__ import annotations
@@ -214,6 +220,29 @@ def _uniform(self: Any, low: float = 0.0, high: float = 1.0, generator: Any = No
     from onnxscript import opset18 as op
 
     return op.RandomUniformLike(self, low=float(low), high=float(high))
+
+
+def _unsqueeze_complex(self: Any, dim: int) -> Any:
+    from onnxscript import opset18 as op
+
+    axis = dim if dim >= 0 else dim - 1  # counted before the real view's (re, im) axis
+    return op.Unsqueeze(self, op.Constant(value_ints=[axis]))
+
+
+def _expand_complex(self: Any, size: Any, implicit: bool = False) -> Any:
+    from onnxscript import opset18 as op
+
+    # -1 keeps the axis: 1 in ONNX's Expand, which broadcasts it to the input's
+    dims = [abs(int(d)) for d in size] + [2]
+    return op.Expand(self, op.Constant(value_ints=dims))
+
+
+def complex_translations() -> dict[Callable, Callable]:
+    """Translations for complex inputs, registered with ``is_complex`` (docstring, 9)."""
+    return {
+        torch.ops.aten.unsqueeze.default: _unsqueeze_complex,
+        torch.ops.aten.expand.default: _expand_complex,
+    }
 
 
 def _window_sizes(

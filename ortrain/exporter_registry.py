@@ -86,6 +86,11 @@ def _copy(cls: type, opset_version: int | None = None) -> Any:
     registry = cls()
     registry._opset_version = base._opset_version
     registry.functions = {k: list(v) for k, v in base.functions.items()}
+    from ortrain.export_aten import complex_translations
+
+    # the exporter's custom_translation_table takes no complex functions: registered here
+    for target, function in complex_translations().items():
+        registry.register_op(target, function, is_complex=True)
     return registry
 
 

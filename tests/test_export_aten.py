@@ -267,6 +267,51 @@ def test_uniform_with_bounds_from_tensors_compiles_and_is_checked() -> None:
     assert trainer.eval_step(ids)["loss"].item() == pytest.approx(clean, rel=1e-5)
 
 
+class _ComplexRotary(torch.nn.Module):
+    """Rotary embedding written with complex numbers (Llama 4's ``apply_rotary_emb``): the
+    queries as complex pairs times a complex table, unsqueezed (and expanded) over heads."""
+
+    def __init__(self, expand: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.expand = expand
+        self.q = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        angles = torch.arange(8.0)[:, None] / 10000 ** (torch.arange(0, 8, 2.0) / 8)[None]
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles), False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(x.shape[0], x.shape[1], 2, 8)  # batch, position, head, dim
+        qc = torch.view_as_complex(q.reshape(*q.shape[:-1], -1, 2))
+        table = self.freqs[: x.shape[1]].unsqueeze(1)  # position, 1, dim / 2
+        if self.expand:
+            table = table.expand(-1, 2, -1)
+        out = torch.view_as_real(qc * table).flatten(3).flatten(2)
+        return torch.nn.functional.cross_entropy(self.head(out).mean(1), y)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_complex_unsqueeze_and_expand_compile_like_eager(expand) -> None:
+    """The exporter had no complex ``unsqueeze``/``expand``: such a rotary embedding ran
+    in eager (Llama 4's attention). One graph now, per-step losses and parameters as eager's."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 8, 16, generator=g), torch.randint(0, 4, (2,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    model, ref = _ComplexRotary(expand), _ComplexRotary(expand)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         TrainerOptions(fallback="off", graph_cache=False))  # fmt: skip
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches:
+        want = ref(x, y)
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
+    assert trainer.program.whole
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+
+
 class _SumPool(torch.nn.Module):
     """A convolution, then windows summed over a divisor of the user's (``divisor_override``),
     in 2-D or 3-D, with padding and ``ceil_mode`` (windows clipped at the padded edge)."""
