@@ -436,6 +436,66 @@ def test_a_segment_taking_and_returning_dataclasses_compiles():
     assert "body" not in {p.name for p in seg.model.fallbacks}
 
 
+class _Rotary(torch.nn.Module):
+    """Rotates its projection by a complex table it is given (DeepSeek's rotary form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, h, table):
+        z = torch.view_as_complex(self.proj(h).reshape(*h.shape[:-1], -1, 2))
+        return torch.view_as_real(z * table).flatten(-2)
+
+
+class _ToComplex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, h):
+        return torch.view_as_complex(self.proj(h).reshape(*h.shape[:-1], -1, 2))
+
+
+class _ScalesComplex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, z):
+        return torch.view_as_real(z * self.w).flatten(-2)
+
+
+class _ComplexWithDet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rotary = _Rotary()
+        self.to_complex = _ToComplex()
+        self.scale = _ScalesComplex()
+        self.scorer = _Det(8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        angles = torch.outer(torch.arange(x.shape[0]).float(), torch.linspace(0.1, 1.0, 4))
+        table = torch.polar(torch.ones_like(angles), angles)
+        h = self.rotary(x, table)
+        z = self.to_complex(h) * table.conj()  # eager glue on the complex output
+        h = self.scale(z)  # a complex input that needs its gradient
+        return F.cross_entropy(self.head(h) + 0.01 * self.scorer(h).unsqueeze(-1), y)
+
+
+def test_segments_take_and_give_complex_tensors():
+    """The exporter gives a complex value as its real view: a segment's complex input is
+    bound as that view, a complex output made complex again, and a complex input's
+    gradient comes back complex (each segment compiles, none splits)."""
+    trainer = train_like_eager(_ComplexWithDet, _batches(3))
+    seg = trainer.segments
+    assert seg is not None
+    assert {"rotary", "to_complex", "scale"} <= set(seg.model.compiled)
+    assert not {"rotary", "to_complex", "scale"} & {p.name for p in seg.model.fallbacks}
+
+
 def test_a_segments_cause_is_its_own_not_the_whole_models():
     """A sub-module's export runs while the whole model's failure (a Det) is handled; the
     cause given for the sub-module is its own (an output a graph cannot give), not the

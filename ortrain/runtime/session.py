@@ -566,7 +566,6 @@ class BoundSession:
         for name, t in tensors.items():
             if name in self.input_names:
                 t = self._complex_as_real(name, t)
-                self._check(name, t)
                 self.bound_inputs[name] = t
                 self.bind_batch(name, t)
 
@@ -602,7 +601,10 @@ class BoundSession:
         return {**out, **self._written}
 
     def bind_batch(self, name: str, t: torch.Tensor) -> None:
-        """Bind a tensor by pointer (no copy); the caller keeps ``t`` alive for the run."""
+        """Bind a tensor by pointer (no copy); the caller keeps ``t`` alive for the run (a
+        complex one as its real view, the same memory)."""
+        t = self._complex_as_real(name, t)
+        self._check(name, t)
         kind, index = _where(t)
         self.binding.bind_input(
             name, kind, index, _TORCH_TO_NP[t.dtype], list(t.shape), _address(t)

@@ -73,6 +73,8 @@ class SegmentGraphs:
     # head's) are output as their product's two factors: parameter -> (left, right)
     backward_factored: GraphBytes | None = None
     factor_outputs: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # the call's complex tensors (by position): the graphs take and give their real views
+    complex_inputs: tuple[int, ...] = ()
 
 
 def _is_float(dtype: Any) -> bool:
@@ -176,6 +178,7 @@ def build_segment(
         grads,
         seconds,
         (len(split.forward.graph), len(split.backward.graph)),
+        complex_inputs=tuple(k for k, t in enumerate(call.tensors) if t.is_complex()),
     )
     variant = accumulating_variant(split.backward, grads)
     if variant is not None:

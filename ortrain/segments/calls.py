@@ -159,6 +159,9 @@ class Result:
     spec: pytree.TreeSpec
     leaves: list[Any]
     tensor_at: list[int]
+    # the tensors (by position among them) that are complex: the graph gives their real
+    # view (a last dimension of 2), as the exporter represents a complex value
+    complex_at: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, output: Any) -> Result:
@@ -170,7 +173,8 @@ class Result:
             else:
                 _constant_token(leaf, f"output #{i}")
         kept = [None if i in tensor_at else leaf for i, leaf in enumerate(leaves)]
-        return cls(spec, kept, tensor_at)
+        complex_at = tuple(k for k, i in enumerate(tensor_at) if leaves[i].is_complex())
+        return cls(spec, kept, tensor_at, complex_at)
 
     def tensors(self, output: Any) -> list[torch.Tensor]:
         leaves, _ = flatten(output)

@@ -178,6 +178,8 @@ class SegmentRunner:
                 if r.role is Role.UPDATED_BUFFER:
                     buffers[r.of].copy_(outs[r.name])
         results = [outs[r.name] for r in g.outputs if r.role is Role.SEGMENT_OUTPUT]
+        for k in self.graphs.result.complex_at:  # the exporter's real view of a complex value
+            results[k] = torch.view_as_complex(results[k])
         return results, [outs[name] for name in self.graphs.saved]
 
     def backward(
@@ -233,10 +235,20 @@ class SegmentRunner:
             if fits and t.dtype == _DTYPES.get(dtype):
                 given[out] = t
         outs = self._run_backward(module, g, session, read, saved, grad_outputs, given)
+        param_grads = {p: outs[self.graphs.grads[p]] for p in self.grad_params}
+        return self._input_grads(outs, n_inputs), param_grads
+
+    def _input_grads(
+        self, outs: dict[str, torch.Tensor], n_inputs: int
+    ) -> list[torch.Tensor | None]:
+        """The call's tensors' gradients among a backward's outputs (a complex tensor's
+        from its real view's, as torch's ``view_as_real`` backward gives it)."""
         grads = self.graphs.grads
         in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
-        param_grads = {p: outs[grads[p]] for p in self.grad_params}
-        return in_grads, param_grads
+        for k in self.graphs.complex_inputs:
+            if k < n_inputs and (g := in_grads[k]) is not None:
+                in_grads[k] = torch.view_as_complex(g)
+        return in_grads
 
     def _run_backward(
         self,
@@ -326,7 +338,7 @@ class SegmentRunner:
             session = self._parts_sessions[kind] = self._made(g)
         outs = self._run_backward(module, g, session, read, saved, grad_outputs, {})
         grads = self.graphs.grads
-        in_grads = [outs.get(grads.get(f"in:{k}", "")) for k in range(n_inputs)]
+        in_grads = self._input_grads(outs, n_inputs)
         param_grads = {p: outs[grads[p]] for p in self.grad_params if p not in pieces}
         for p, (first, second) in pieces.items():
             a, b = outs[first], outs[second]
@@ -423,7 +435,9 @@ class SegmentFunction(torch.autograd.Function):
         ctx.save_for_backward(*read, *saved)
         ctx.saved_bytes = sum(t.nbytes for t in saved)
         runner.tally.hold(ctx.saved_bytes)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        ctx.mark_non_differentiable(
+            *[o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        )
         return tuple(outs)
 
     @staticmethod
