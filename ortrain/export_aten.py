@@ -49,12 +49,16 @@
    ``prims::uniform``, for which it has no function, so such a module ran in eager. Here
    it is ``RandomUniformLike`` over the bounds, which the first-step check fixes
    (``graph_passes/prepare/random_switch.py``).
-9. ``aten::unsqueeze`` and ``aten::expand`` on complex tensors (``complex_translations``):
-   the exporter carries a complex tensor as its real view, ``[..., 2]``, and has complex
-   functions for ``view_as_complex``/``view_as_real``, ``mul``, slices and the like, but
-   not these two, which rotary embeddings written with complex numbers use (Llama 4's
-   ``freqs_cis[...].unsqueeze(1)``): such a model ran its attention in eager. Here the
-   real view gets the same axis or broadcast, the (re, im) axis kept last.
+9. Complex ``unsqueeze``, ``expand``, ``select``, ``alias``, ``zeros_like``, ``copy``,
+   ``slice_scatter`` and two-operand ``einsum`` (``complex_translations``): the exporter
+   carries a complex tensor as its real view, ``[..., 2]``, and has complex functions for
+   ``view_as_complex``/``view_as_real``, ``mul``, slices and the like, but not these,
+   which rotary embeddings written with complex numbers (Llama 4's
+   ``freqs_cis[...].unsqueeze(1)``) and spectral layers (a Fourier neural operator's
+   ``out[..., :modes] = einsum(...)`` into ``zeros_like``) use: such a model ran that
+   part in eager. Here the real view gets the same axis, broadcast or slice (the (re, im)
+   axis kept last, negative axes counted before it), and a complex product is four real
+   ``Einsum``s over the equation's own axes.
 """
 
 from __future__ import annotations
@@ -237,11 +241,68 @@ def _expand_complex(self: Any, size: Any, implicit: bool = False) -> Any:
     return op.Expand(self, op.Constant(value_ints=dims))
 
 
+def _zeros_like_complex(self: Any, dtype: Any = None, **_: Any) -> Any:
+    from onnxscript import opset18 as op
+
+    # zeros of the real view's shape and type (not ``self * 0``: NaN * 0 is NaN)
+    return op.CastLike(op.ConstantOfShape(op.Shape(self)), self)
+
+
+def _einsum_complex(equation: str, tensors: Any, path: Any = None) -> Any:
+    from onnxscript import opset18 as op
+
+    if len(tensors) != 2:  # a chain is pairwise only for some equations: not translated
+        raise NotImplementedError("complex einsum of other than two operands")
+    a, b = tensors
+    ar, ai, br, bi = (
+        op.Gather(t, op.Constant(value_int=k), axis=-1) for t in (a, b) for k in (0, 1)
+    )
+    # (ar + i ai)(br + i bi), each product over the equation's own axes
+    real = op.Sub(op.Einsum(ar, br, equation=equation), op.Einsum(ai, bi, equation=equation))
+    imag = op.Add(op.Einsum(ar, bi, equation=equation), op.Einsum(ai, br, equation=equation))
+    last = op.Constant(value_ints=[-1])
+    return op.Concat(op.Unsqueeze(real, last), op.Unsqueeze(imag, last), axis=-1)
+
+
+def _copy_complex(self: Any, src: Any, non_blocking: bool = False) -> Any:
+    from onnxscript import opset18 as op
+
+    # both real views: ``src`` broadcast to ``self``'s shape, its values
+    return op.Expand(op.CastLike(src, self), op.Shape(self))
+
+
+def _slice_scatter_complex(
+    self: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1
+) -> Any:
+    from onnxscript.function_libs.torch_lib.ops.core import aten_slice_scatter
+
+    axis = dim if dim >= 0 else dim - 1  # counted before the real view's (re, im) axis
+    return aten_slice_scatter(self, src, axis, start, end, step)
+
+
+def _alias_complex(self: Any) -> Any:
+    from onnxscript import opset18 as op
+
+    return op.Identity(self)
+
+
+def _select_complex(self: Any, dim: int, index: int) -> Any:
+    from onnxscript.function_libs.torch_lib.ops.core import aten_select
+
+    return aten_select(self, dim if dim >= 0 else dim - 1, index)
+
+
 def complex_translations() -> dict[Callable, Callable]:
     """Translations for complex inputs, registered with ``is_complex`` (docstring, 9)."""
     return {
         torch.ops.aten.unsqueeze.default: _unsqueeze_complex,
         torch.ops.aten.expand.default: _expand_complex,
+        torch.ops.aten.zeros_like.default: _zeros_like_complex,
+        torch.ops.aten.einsum.default: _einsum_complex,
+        torch.ops.aten.copy.default: _copy_complex,
+        torch.ops.aten.slice_scatter.default: _slice_scatter_complex,
+        torch.ops.aten.alias.default: _alias_complex,
+        torch.ops.aten.select.int: _select_complex,
     }
 
 
