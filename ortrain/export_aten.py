@@ -376,7 +376,10 @@ def _avg_pool(spatial: int, function: Callable) -> Callable:
 def aten_translations() -> dict[Callable, Callable]:
     from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool2d, aten_avg_pool3d
 
+    from ortrain.export_lstm import lstm_translations
+
     return {
+        **lstm_translations(),
         torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.uniform.default: _uniform,
         torch.ops.aten.baddbmm.default: _baddbmm,

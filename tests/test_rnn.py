@@ -303,7 +303,8 @@ def test_refused_inputs() -> None:
     lens.const_value = ir.tensor(short, name="lens")
     with pytest.raises(GradientError, match=r"sequence_lens \[4, 3, 4\] shorter than 4"):
         unroll_rnns(build(rnn, extra={4: lens}, inits=[lens]))
-    # What torch exports for nn.LSTM(proj_size=...): the cell state wider than hidden_size.
+    # What the exporter's own function writes for nn.LSTM(proj_size=...) (ortrain's
+    # translation writes it out instead): the cell state wider than hidden_size.
     wide = ir.Value(name="c0", shape=ir.Shape([1, rnn.batch, 7]), type=ir.TensorType(F32))
     with pytest.raises(GradientError, match=r"initial_c of shape \(1, 3, 7\).*proj_size"):
         unroll_rnns(build(rnn, extra={6: wide}))

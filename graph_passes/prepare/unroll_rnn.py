@@ -27,8 +27,9 @@ Cases handled:
 Refused with a ``GradientError`` naming the op, the node and the attribute: ``clip``,
 ``input_forget``, peepholes ``P``, any other activation (or ``activation_alpha`` /
 ``activation_beta``), ``sequence_lens`` that is not constant or shorter than the
-sequence, operands without static shapes or of inconsistent shapes (what torch exports
-for ``nn.LSTM(proj_size=...)``).
+sequence, operands without static shapes or of inconsistent shapes (what the exporter's
+own function writes for ``nn.LSTM(proj_size=...)``, which ``ortrain/export_lstm.py``
+writes out step by step instead, except with dropout between a training call's layers).
 """
 
 from __future__ import annotations

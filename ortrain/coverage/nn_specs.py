@@ -414,6 +414,8 @@ def _recurrent() -> list[Spec]:
         *ms(nn.GRU, (4, 5), seq, [*options, h0]),
         *ms(nn.LSTM, (4, 5), seq, [
             *options, hc0, v(proj_size=3), v(proj_size=3, bidirectional=True),
+            v(proj_size=3, num_layers=2, batch_first=True, inputs=[x(2, 5, 4)]),
+            v(proj_size=3, num_layers=2, dropout=0.3, random=True),
         ]),
         *ms(nn.RNNCell, (4, 5), (x(3, 4),), [v(nonlinearity="relu"), v(bias=False),
                                               v("hx given", inputs=[x(3, 4), x(3, 5)])]),
