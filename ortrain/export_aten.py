@@ -49,16 +49,19 @@
    ``prims::uniform``, for which it has no function, so such a module ran in eager. Here
    it is ``RandomUniformLike`` over the bounds, which the first-step check fixes
    (``graph_passes/prepare/random_switch.py``).
-9. Complex ``unsqueeze``, ``expand``, ``select``, ``alias``, ``zeros_like``, ``copy``,
-   ``slice_scatter`` and two-operand ``einsum`` (``complex_translations``): the exporter
-   carries a complex tensor as its real view, ``[..., 2]``, and has complex functions for
-   ``view_as_complex``/``view_as_real``, ``mul``, slices and the like, but not these,
-   which rotary embeddings written with complex numbers (Llama 4's
-   ``freqs_cis[...].unsqueeze(1)``) and spectral layers (a Fourier neural operator's
-   ``out[..., :modes] = einsum(...)`` into ``zeros_like``) use: such a model ran that
-   part in eager. Here the real view gets the same axis, broadcast or slice (the (re, im)
-   axis kept last, negative axes counted before it), and a complex product is four real
-   ``Einsum``s over the equation's own axes.
+9. Complex ``unsqueeze``, ``expand``, ``select``, ``alias``, ``zeros_like``, ``fill``,
+   ``copy``, ``slice_scatter``, ``select_scatter`` and two-operand ``einsum``
+   (``complex_translations``): the exporter carries a complex tensor as its real view,
+   ``[..., 2]``, and has complex functions for ``view_as_complex``/``view_as_real``,
+   ``mul``, slices and the like, but not these, which rotary embeddings written with
+   complex numbers (Llama 4's ``freqs_cis[...].unsqueeze(1)``) and spectral layers (a
+   Fourier neural operator's ``out[..., :modes] = einsum(...)`` into ``zeros_like``) use:
+   such a model ran that part in eager. Here the real view gets the same axis, broadcast
+   or slice (the (re, im) axis kept last, negative axes counted before it), and a complex
+   product is four real ``Einsum``s over the equation's own axes. A real value copied
+   into a complex tensor gets zero imaginary parts; the real view carries no dtype, so
+   a real operand is told from a complex one by which of the two broadcasts to the
+   target, and a copy where both do is refused (the module then runs in eager).
 """
 
 from __future__ import annotations
@@ -242,10 +245,17 @@ def _expand_complex(self: Any, size: Any, implicit: bool = False) -> Any:
 
 
 def _zeros_like_complex(self: Any, dtype: Any = None, **_: Any) -> Any:
+    from onnxscript import ir
     from onnxscript import opset18 as op
 
-    # zeros of the real view's shape and type (not ``self * 0``: NaN * 0 is NaN)
-    return op.CastLike(op.ConstantOfShape(op.Shape(self)), self)
+    # zeros made, not ``self * 0`` (NaN * 0 is NaN)
+    if dtype is None:  # the real view's shape and type
+        return op.CastLike(op.ConstantOfShape(op.Shape(self)), self)
+    views = {ir.DataType.COMPLEX64: ir.DataType.FLOAT, ir.DataType.COMPLEX128: ir.DataType.DOUBLE}
+    if dtype in views:
+        return op.Cast(op.ConstantOfShape(op.Shape(self)), to=views[dtype])
+    # a real dtype: the complex tensor's own shape, without the (re, im) axis
+    return op.Cast(op.ConstantOfShape(op.Shape(self, end=-1)), to=dtype)
 
 
 def _einsum_complex(equation: str, tensors: Any, path: Any = None) -> Any:
@@ -264,11 +274,57 @@ def _einsum_complex(equation: str, tensors: Any, path: Any = None) -> Any:
     return op.Concat(op.Unsqueeze(real, last), op.Unsqueeze(imag, last), axis=-1)
 
 
+def _broadcasts(shape: list[Any], to: list[Any]) -> bool:
+    """``shape`` broadcasts to ``to`` (static sizes)."""
+    if len(shape) > len(to):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(to)))
+
+
 def _copy_complex(self: Any, src: Any, non_blocking: bool = False) -> Any:
     from onnxscript import opset18 as op
 
-    # both real views: ``src`` broadcast to ``self``'s shape, its values
+    # ``self`` is complex (a real view, [..., 2]); ``src`` may be complex (a real view) or
+    # real (a real value copies with zero imaginary parts), which only shapes tell apart
+    to = list(self.shape) if self.shape is not None else None
+    got = list(src.shape) if src.shape is not None else None
+    if to is None or got is None or not all(isinstance(d, int) for d in [*to, *got]):
+        if to is not None and got is not None and len(got) == len(to):
+            return op.Expand(op.CastLike(src, self), op.Shape(self))  # complex (real: lower)
+        raise NotImplementedError("complex copy without static shapes")
+    complex_src = bool(got) and got[-1] == 2 and _broadcasts(got[:-1], to[:-1])
+    real_src = _broadcasts(got, to[:-1])
+    if complex_src == real_src:  # neither, or either (a real one whose last axis is 2)
+        raise NotImplementedError(f"complex copy of a {got} operand into {to[:-1]}: ambiguous")
+    if real_src:
+        real = op.Unsqueeze(op.CastLike(src, self), op.Constant(value_ints=[-1]))
+        zeros = op.CastLike(op.ConstantOfShape(op.Shape(real)), self)
+        src = op.Concat(real, zeros, axis=-1)
     return op.Expand(op.CastLike(src, self), op.Shape(self))
+
+
+def _fill_complex(self: Any, value: Any) -> Any:
+    from onnxscript import opset18 as op
+
+    if isinstance(value, int | float | complex):
+        pair = op.Constant(value_floats=[complex(value).real, complex(value).imag])
+    elif value.shape is not None and list(value.shape) == [2]:  # a complex 0-dim tensor
+        pair = value
+    elif value.shape is not None and len(value.shape) == 0:  # a real one: no imaginary part
+        pair = op.Concat(
+            op.Reshape(op.CastLike(value, self), op.Constant(value_ints=[1])),
+            op.CastLike(op.Constant(value_floats=[0.0]), self),
+            axis=0,
+        )
+    else:
+        raise NotImplementedError("complex fill with a value of unknown shape")
+    return op.Expand(op.CastLike(pair, self), op.Shape(self))
+
+
+def _select_scatter_complex(self: Any, src: Any, dim: int, index: int) -> Any:
+    from onnxscript.function_libs.torch_lib.ops.core import aten_select_scatter
+
+    return aten_select_scatter(self, src, dim if dim >= 0 else dim - 1, index)
 
 
 def _slice_scatter_complex(
@@ -301,7 +357,10 @@ def complex_translations() -> dict[Callable, Callable]:
         torch.ops.aten.einsum.default: _einsum_complex,
         torch.ops.aten.copy.default: _copy_complex,
         torch.ops.aten.slice_scatter.default: _slice_scatter_complex,
+        torch.ops.aten.select_scatter.default: _select_scatter_complex,
         torch.ops.aten.alias.default: _alias_complex,
+        torch.ops.aten.fill.Scalar: _fill_complex,
+        torch.ops.aten.fill.Tensor: _fill_complex,
         torch.ops.aten.select.int: _select_complex,
     }
 

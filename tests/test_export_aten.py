@@ -9,6 +9,7 @@ the model is one graph.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -361,6 +362,65 @@ def test_complex_zeros_einsum_and_slice_assignment_compile_like_eager(modes) -> 
     assert sum(n.op_type == "Einsum" for n in graph) >= 4  # the complex product's four
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _ComplexWrites(torch.nn.Module):
+    """Writes into a complex spectrum: a real value (its imaginary parts zero), a Python
+    number and a complex one, zeros of a real dtype from a complex tensor, and a real
+    value whose last axis is 2 that a complex one broadcast could also be."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        z = torch.fft.rfft(h)  # [rows, 5]
+        w = torch.zeros_like(z)
+        if self.mode == "real_value":
+            w[:, :2] = h[:, :2]
+            w[:, 2:4] = z[:, 2:4]
+        elif self.mode == "numbers":
+            w[:, 1] = 3.0
+            w[:, 0] = 1 - 2j
+            w[:, 2:] = z[:, 2:]
+        elif self.mode == "real_dtype":
+            w = torch.zeros_like(z, dtype=torch.float32) + h[:, :5]
+            return w.square().mean() + torch.view_as_real(z).square().mean()
+        elif self.mode == "ambiguous":
+            w = torch.zeros_like(z[0, :2])  # complex [2]: its real view [2, 2]
+            w[:] = h[0, :2]  # real [2]: or a complex scalar's real view, by shape alone
+            return torch.view_as_real(w * z[:, :2]).square().mean()
+        return torch.view_as_real(w).square().mean() + torch.fft.irfft(w, n=8).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["real_value", "numbers", "real_dtype", "ambiguous"])
+def test_complex_writes_compile_like_eager_or_not_at_all(mode) -> None:
+    """A real value copied into a complex tensor, ``fill`` with a number (real or
+    complex), ``select_scatter`` and ``zeros_like(..., dtype=float32)``: one graph with
+    eager's losses and parameters. A copy whose operand the shapes cannot tell real from
+    complex is refused (the real view carries no dtype) and trains in eager around it."""
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    model, ref = _ComplexWrites(mode), _ComplexWrites(mode)
+    options = TrainerOptions(fallback="auto" if mode == "ambiguous" else "off", graph_cache=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in batches:
+            want = ref(x)
+            opt.zero_grad()
+            want.backward()
+            opt.step()
+            torch.testing.assert_close(trainer.train_step(x), want.detach(), rtol=1e-5, atol=0)
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    assert trainer.program.whole == (mode != "ambiguous")
+    if mode == "ambiguous":
+        assert any("ambiguous" in str(w.message) for w in caught)
 
 
 class _SumPool(torch.nn.Module):
