@@ -62,6 +62,12 @@
    into a complex tensor gets zero imaginary parts; the real view carries no dtype, so
    a real operand is told from a complex one by which of the two broadcasts to the
    target, and a copy where both do is refused (the module then runs in eager).
+10. ``aten::atan2`` and complex ``angle``: the exporter's ``atan2`` gives -pi for a zero
+   ``y`` over a negative ``x`` (torch: pi; the angle of a spectrum's real DC bin), 0 for
+   NaN, NaN for two infinities, and a NaN gradient where ``x`` is 0 (the slope's
+   quotient). Here signed zeros read as torch reads them, and each quotient is taken
+   over the larger magnitude with the other branch's divisor 1, so no gradient divides
+   by zero (torch's is ``x / (x^2 + y^2)``).
 """
 
 from __future__ import annotations
@@ -348,6 +354,42 @@ def _select_complex(self: Any, dim: int, index: int) -> Any:
     return aten_select(self, dim if dim >= 0 else dim - 1, index)
 
 
+def _atan2(y: Any, x: Any) -> Any:
+    from onnxscript import opset18 as op
+
+    def const(value: float) -> Any:
+        return op.CastLike(op.Constant(value_float=value), y)
+
+    zero, one, pi = const(0.0), const(1.0), const(math.pi)
+    # the sign bits, -0.0's included (1 / -0.0 is -inf), as torch's atan2 reads them
+    y_up = op.Or(op.Greater(y, zero), op.And(op.Equal(y, zero), op.Greater(op.Div(one, y), zero)))
+    x_back = op.Or(op.Less(x, zero), op.And(op.Equal(x, zero), op.Less(op.Div(one, x), zero)))
+    # both infinite: the slope of their signs (atan2(inf, inf) is pi / 4)
+    both_inf = op.And(op.IsInf(y), op.IsInf(x))
+    y_, x_ = op.Where(both_inf, op.Sign(y), y), op.Where(both_inf, op.Sign(x), x)
+    # each quotient over the larger magnitude, the other branch's divisor kept at 1 so
+    # that no gradient divides by zero (torch's is x / (x^2 + y^2), 0 where x is 0)
+    flat = op.LessOrEqual(op.Abs(y_), op.Abs(x_))
+    near = op.Atan(op.Div(y_, op.Where(flat, x_, one)))
+    near = op.Where(x_back, op.Where(y_up, op.Add(near, pi), op.Sub(near, pi)), near)
+    half_pi = op.Mul(op.Where(y_up, one, op.Neg(one)), const(math.pi / 2))
+    steep = op.Sub(half_pi, op.Atan(op.Div(x_, op.Where(flat, one, y_))))
+    angle = op.Where(flat, near, steep)
+    # both zero: +-0 towards +0, +-pi towards -0
+    both_zero = op.And(op.Equal(y, zero), op.Equal(x, zero))
+    at_zero = op.Where(x_back, op.Where(y_up, pi, op.Neg(pi)), y)
+    return op.Where(both_zero, at_zero, angle)
+
+
+def _angle_complex(self: Any) -> Any:
+    from onnxscript import opset18 as op
+
+    last = op.Constant(value_ints=[-1])
+    real = op.Squeeze(op.Slice(self, [0], [1], last), last)
+    imag = op.Squeeze(op.Slice(self, [1], [2], last), last)
+    return _atan2(imag, real)
+
+
 def complex_translations() -> dict[Callable, Callable]:
     """Translations for complex inputs, registered with ``is_complex`` (docstring, 9)."""
     return {
@@ -355,6 +397,7 @@ def complex_translations() -> dict[Callable, Callable]:
         torch.ops.aten.expand.default: _expand_complex,
         torch.ops.aten.zeros_like.default: _zeros_like_complex,
         torch.ops.aten.einsum.default: _einsum_complex,
+        torch.ops.aten.angle.default: _angle_complex,
         torch.ops.aten.copy.default: _copy_complex,
         torch.ops.aten.slice_scatter.default: _slice_scatter_complex,
         torch.ops.aten.select_scatter.default: _select_scatter_complex,
@@ -439,6 +482,7 @@ def aten_translations() -> dict[Callable, Callable]:
 
     return {
         **lstm_translations(),
+        torch.ops.aten.atan2.default: _atan2,
         torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.uniform.default: _uniform,
         torch.ops.aten.baddbmm.default: _baddbmm,

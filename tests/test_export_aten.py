@@ -423,6 +423,52 @@ def test_complex_writes_compile_like_eager_or_not_at_all(mode) -> None:
         assert any("ambiguous" in str(w.message) for w in caught)
 
 
+_EDGES = [0.0, -0.0, 1.0, -1.0, 2.5, -0.3, math.inf, -math.inf, math.nan]
+
+
+class _Angles(torch.nn.Module):
+    """``atan2`` and a complex ``angle`` over every pair of edge values (signed zeros,
+    infinities, NaN), their values as outputs, a loss over the finite ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, y: torch.Tensor, x: torch.Tensor):
+        a = torch.atan2(y * self.scale, x)
+        b = torch.angle(torch.view_as_complex(torch.stack([x * self.scale, y], -1)))
+        # the loss over the pairs whose gradient is finite (a zero y over a negative x too)
+        tame = torch.isfinite(y) & torch.isfinite(x) & ((y != 0) | (x != 0))
+        ys, xs = torch.where(tame, y, 1.0), torch.where(tame, x, 1.0)
+        ys_xs = torch.view_as_complex(torch.stack([xs * self.scale, ys], -1))
+        loss = (torch.atan2(ys * self.scale, xs) * torch.angle(ys_xs)).sum()
+        return loss, a, b
+
+
+def test_atan2_and_complex_angle_on_every_edge_like_torch() -> None:
+    """The exporter's ``atan2`` gave -pi for a zero ``y`` over a negative ``x`` (torch:
+    pi; the DC bin of a spectrum's angle) and 0 for NaN; both are ortrain's now: every
+    pair of edge values as torch (within float32 rounding, NaN where torch's is), and a
+    step's gradient of the scale as eager's."""
+    pairs = [(a, b) for a in _EDGES for b in _EDGES]
+    y = torch.tensor([p[0] for p in pairs])
+    x = torch.tensor([p[1] for p in pairs])
+    model, ref = _Angles(), _Angles()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                         TrainerOptions(fallback="off", graph_cache=False))  # fmt: skip
+    got = trainer.eval_step(y, x)
+    want_loss, want_a, want_b = ref(y, x)
+    for name, g, w in (("atan2", got["output_1"], want_a), ("angle", got["output_2"], want_b)):
+        assert torch.equal(g.isnan(), w.isnan()), name
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=0, equal_nan=True, msg=name)
+    assert got["output_1"][pairs.index((0.0, -1.0))].item() == pytest.approx(math.pi)
+    want_loss.backward()
+    loss = trainer.train_step(y, x)
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-6, atol=0)
+    trainer.sync_to_module()
+    torch.testing.assert_close(model.scale, 1.0 - 0.01 * ref.scale.grad, rtol=1e-6, atol=0)
+
+
 class _SumPool(torch.nn.Module):
     """A convolution, then windows summed over a divisor of the user's (``divisor_override``),
     in 2-D or 3-D, with padding and ``ceil_mode`` (windows clipped at the padded edge)."""

@@ -57,6 +57,18 @@ def test_compare_flags_one_sided_shapes_and_non_finite():
     )
 
 
+def test_compare_takes_the_same_non_finite_values_as_agreeing():
+    """NaN where eager has NaN, and the same infinities, agree (an output that is NaN by
+    design, e.g. a masked angle); NaN against a number or an infinity of the other sign
+    does not."""
+    nan, inf = float("nan"), float("inf")
+    want = {"a": torch.tensor([1.0, nan, inf, -inf])}
+    assert compare({"a": torch.tensor([1.0, nan, inf, -inf])}, want, 1e-3) == []
+    for bad in ([1.0, 0.0, inf, -inf], [1.0, nan, -inf, -inf], [1.0, nan, inf, nan]):
+        found = compare({"a": torch.tensor(bad)}, want, 1e-3)
+        assert [m.name for m in found] == ["a (non-finite values differ)"], bad
+
+
 def test_confirm_keeps_what_float64_confirms():
     """Both float32 results wander from the exact one alike (kinks, deep normalization):
     not a mismatch. Only the graph wandering far further than eager stands."""
