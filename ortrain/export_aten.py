@@ -479,9 +479,11 @@ def aten_translations() -> dict[Callable, Callable]:
     from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool2d, aten_avg_pool3d
 
     from ortrain.export_lstm import lstm_translations
+    from ortrain.export_precise import precise_translations
 
     return {
         **lstm_translations(),
+        **precise_translations(),
         torch.ops.aten.atan2.default: _atan2,
         torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.uniform.default: _uniform,
