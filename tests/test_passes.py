@@ -12,7 +12,11 @@ import torch
 from onnx import TensorProto, helper
 
 from ortrain.export import export_forward
-from ortrain.graph_passes.cleanup.forward_cleanup import FOLD_OUTPUT_LIMIT, clean_forward
+from ortrain.graph_passes.cleanup.forward_cleanup import (
+    CLEANUP_RULES,
+    FOLD_OUTPUT_LIMIT,
+    clean_forward,
+)
 from ortrain.graph_passes.fusions.gelu import fuse_gelu
 from ortrain.graph_passes.fusions.lower_cross_entropy import lower_softmax_cross_entropy
 from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
@@ -623,3 +627,42 @@ def test_pow_as_mul_leaves_other_pows(exponent, x_shape, e_shape, dtype):
     model = _pow_model(exponent, x_shape, e_shape, dtype)
     assert pow_as_mul(model) == 0
     assert _ops(model)["Pow"] == 1
+
+
+class _Rotary(torch.nn.Module):
+    """Llama's ``rotate_half`` on two projections: the halves cut by two Slices each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    @staticmethod
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = x.cos(), x.sin()
+        q, k = self.q(x), self.k(x)
+        return ((q * cos + self.rotate_half(q) * sin) * (k * cos + self.rotate_half(k) * sin)).sum()
+
+
+def test_cleanup_rules_match_one_node_each_and_lose_nothing_of_slices_split(monkeypatch):
+    """Every cleanup rule has one output node: onnxscript's two-output patterns (its
+    SlicesSplit) are matched by trying every node against every other, re-indexing the
+    graph for each (a 2,200-node chunked linear attention spent minutes there). Left
+    out, SlicesSplit changes nothing on exported rotary halves (the exporter's Slices
+    carry steps and an open end, which it does not match)."""
+    from onnxscript.rewriter.rules.common import _basic_rules
+
+    from ortrain.graph_passes.cleanup import export_cleanup
+
+    assert all(r._target_pattern.has_single_output_node for r in CLEANUP_RULES)
+    raw = torch.onnx.export(_Rotary(), (torch.randn(3, 16),), dynamo=True, optimize=False).model
+    with_rule = ir.serde.deserialize_model(ir.serde.serialize_model(raw))
+    export_cleanup.clean_export(raw)
+    monkeypatch.setattr(
+        export_cleanup, "CLEANUP_RULES", (*CLEANUP_RULES, _basic_rules.slice_split_rule)
+    )
+    export_cleanup.clean_export(with_rule)
+    assert _ops(raw) == _ops(with_rule)
+    assert _ops(raw)["Slice"] == 4 and _ops(raw)["Split"] == 0

@@ -148,5 +148,13 @@ def _arithmetic(rule: pattern.RewriteRule) -> bool:
 _TOLERANT = {id(r) for r in _no_op.rules.rules if _arithmetic(r)}
 CLEANUP_RULES = (
     *_EXACT_NO_OPS,
-    *(r for r in rewriter._DEFAULT_REWRITE_RULES if id(r) not in _TOLERANT),
+    # not onnxscript's SlicesSplit: a two-output pattern, whose matcher tries every Slice
+    # against every other and indexes the whole graph for each (minutes on a model that
+    # slices a lot: a chunked linear attention written out), and which never fires on
+    # the exporter's Slices (they carry steps and an open end)
+    *(
+        r
+        for r in rewriter._DEFAULT_REWRITE_RULES
+        if id(r) not in _TOLERANT and r.name != "SlicesSplit"
+    ),
 )
