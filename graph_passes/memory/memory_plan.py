@@ -31,6 +31,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -75,7 +76,10 @@ def plan_offsets(
             raise ValueError(f"bad lifetime {lt}")
     naive = sum(lt.nbytes for lt in lts)
     offsets: dict[str, int] = {}
-    placed: list[tuple[int, int, Lifetime]] = []  # (offset, aligned size, lifetime)
+    # the buffers placed so far, as columns (a whole training graph has thousands: the
+    # overlap test runs over all of them for each buffer, vectorized)
+    n_placed = 0
+    starts, ends, los, his = (np.empty(len(lts), dtype=np.int64) for _ in range(4))
     cursor_all = 0
     # Largest first (ties: earliest, then by name) so the result does not depend on input order.
     for lt in sorted(lts, key=lambda x: (-x.nbytes, x.start, x.name)):
@@ -87,17 +91,21 @@ def plan_offsets(
             offsets[lt.name] = cursor_all
             cursor_all += size
             continue
-        busy = sorted((off, off + sz) for off, sz, other in placed if other.overlaps(lt))
+        live = (starts[:n_placed] <= lt.end) & (ends[:n_placed] >= lt.start)
+        busy_lo, busy_hi = los[:n_placed][live], his[:n_placed][live]
+        order = np.lexsort((busy_hi, busy_lo))  # by offset, then end
         best: int | None = None
         best_gap = math.inf
         top = 0
-        for lo, hi in busy:
+        for lo, hi in zip(busy_lo[order].tolist(), busy_hi[order].tolist(), strict=True):
             gap = lo - top
             if size <= gap < best_gap:
                 best, best_gap = top, gap
             top = max(top, hi)
         offset = top if best is None else best
-        placed.append((offset, size, lt))
+        starts[n_placed], ends[n_placed] = lt.start, lt.end
+        los[n_placed], his[n_placed] = offset, offset + size
+        n_placed += 1
         offsets[lt.name] = offset
     peak = max((offsets[lt.name] + lt.nbytes for lt in lts if lt.nbytes), default=0)
     return MemoryPlan(offsets, peak, naive)
