@@ -57,6 +57,29 @@ def test_compare_flags_one_sided_shapes_and_non_finite():
     )
 
 
+def test_compare_of_float32_measures_as_of_float64():
+    """Float32 tensors are measured without float64 copies (norms summed in float64, a
+    finite norm standing for finite values): the same mismatches and figures as their
+    float64 copies get, non-finite values and differences that overflow float32 too."""
+    torch.manual_seed(1)
+    want = {f"p{k}": torch.randn(s) for k, s in enumerate([(300, 40), (40,), (7, 3, 5)])}
+    got = {k: v + 1e-5 * torch.randn_like(v) for k, v in want.items()}
+    got["p1"] = got["p1"] * 1.02
+    want["p3"] = torch.tensor([1.0, float("nan"), 2.0])
+    got["p3"] = torch.tensor([1.5, float("nan"), 2.0])
+    huge_w = {"h": torch.tensor([3e38, -3e38, 1.0]), "i": torch.tensor([3e38, 1.0])}
+    huge_g = {"h": torch.tensor([-3e38, 3e38, 1.0]), "i": torch.tensor([3e38, 1.0])}
+    for g, w, names in ((got, want, {"p1", "p3"}), (huge_g, huge_w, {"h"})):
+        as64 = [{k: v.double() for k, v in d.items()} for d in (g, w)]
+        for rtol in (1e-3, 1e-6):
+            fast, slow = compare(g, w, rtol), compare(*as64, rtol)
+            assert [m.name for m in fast] == [m.name for m in slow]
+            for a, b in zip(fast, slow, strict=True):
+                assert a.difference == pytest.approx(b.difference, rel=1e-6)
+                assert a.scale == pytest.approx(b.scale, rel=1e-9)
+        assert {m.name for m in compare(g, w, 1e-3)} == names
+
+
 def test_compare_takes_the_same_non_finite_values_as_agreeing():
     """NaN where eager has NaN, and the same infinities, agree (an output that is NaN by
     design, e.g. a masked angle); NaN against a number or an infinity of the other sign
