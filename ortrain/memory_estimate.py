@@ -10,8 +10,8 @@ its tensors, in the same classes:
                      sums under ZeRO-2; none where the update runs inside the backward
                      (``update_engine="backward"``: the estimate does not assume it)
     in flight        ZeRO-2: gradient buckets held during a backward (estimated: the
-                     largest block's gradients, the two buckets it straddles and those
-                     on their way; measured: the peak so far); ZeRO-3: also the
+                     largest block's gradients, in buckets that end at its edges, and
+                     those on their way; measured: the peak so far); ZeRO-3: also the
                      parameters of the largest segment gathered, and the next one's
     optimizer state  whole under data parallel; this rank's shard under ZeRO-1 and -2
 
@@ -122,11 +122,11 @@ def estimate_memory(
     in_flight = 0
     block, block_largest = _repeated_block_numel(model)
     if stage >= 2:
-        # a block's backward writes its gradients into their buckets at once: those
-        # buckets (two of them reaching past its ends, each closed at the first parameter
-        # boundary past the bucket size) and the ones before on their way
+        # a block's backward writes its gradients into their buckets at once (buckets
+        # end at its edges) while the ones before are on their way, each closed at the
+        # first parameter boundary past the bucket size
         bucket = int(reduce_bucket_mb * MIB) // 4 + block_largest
-        in_flight = 4 * min(psi, (2 + IN_FLIGHT) * bucket + block)
+        in_flight = 4 * min(psi, IN_FLIGHT * bucket + block)
     if stage == 3:  # a segment's parameters gathered, and the next one's on its way
         largest = max((p.numel() for p in model.parameters()), default=0)
         in_flight += 2 * 4 * max(block, largest)

@@ -18,7 +18,8 @@ gradients arrive through torch autograd block by block. Per micro-step:
                  and every bucket in flight lands
 
 The flat layout follows the module's declaration order; buckets are contiguous ranges
-of it and go out in one fixed order, the last first (a backward reaches the last layers
+of it, none across a repeated block's edge (a block's backward opens its own buckets
+only), and go out in one fixed order, the last first (a backward reaches the last layers
 first), so every rank issues the same collectives whatever order its own gradients came
 in. A bucket completed out of that order waits for the ones before it. Per optimizer step: ZeRO-1's
 steps without its reduce-scatter (partial norm and all-reduce for clipping, the shard's
@@ -43,7 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +57,7 @@ from ortrain.runtime.buffer_pool import BufferPool
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.zero_pages import lazy_zeros, populate
+from ortrain.segments.blocks import repeated_blocks
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
@@ -73,19 +75,43 @@ class Bucket:
         return self.stop - self.start
 
 
-def make_buckets(layout: FlatLayout, numel: int, alone: Collection[str] = ()) -> list[Bucket]:
-    """Contiguous ranges covering the whole layout, each closed at the first parameter
-    boundary at or past ``numel`` elements (a parameter larger than that is a bucket);
-    each parameter of ``alone`` is a bucket of its own."""
+def make_buckets(
+    layout: FlatLayout,
+    numel: int,
+    alone: Collection[str] = (),
+    groups: Mapping[str, str] | None = None,
+) -> list[Bucket]:
+    """Contiguous ranges covering the whole layout, made from its end (the backward's
+    order), each closed at the first parameter boundary at or past ``numel`` elements (a
+    parameter that large is a bucket of its own, its gradient the bucket itself), as is
+    each parameter of ``alone``; no bucket holds parameters of two ``groups`` (a
+    parameter's group: its repeated block, "" outside one). A block's remainder is thus
+    its first bucket, the one still on its way when the next block's backward opens its
+    buckets."""
+    group = (groups or {}).get
     out: list[Bucket] = []
-    start, names = 0, []
-    for e in layout.entries:
-        if names and (e.offset - start >= numel or e.name in alone or names[-1] in alone):
-            out.append(Bucket(start, e.offset, tuple(names)))
-            start, names = e.offset, []
+    stop, names = layout.numel, []  # names from the last on
+    head = None  # the bucket's earliest entry so far
+    for e in reversed(layout.entries):
+        if head is not None and (
+            stop - head.offset >= numel
+            or e.stop - e.offset >= numel  # a parameter of a bucket's size: one of its own
+            or e.name in alone
+            or head.name in alone
+            or group(e.name, "") != group(head.name, "")
+        ):
+            out.append(Bucket(head.offset, stop, tuple(reversed(names))))
+            stop, names = head.offset, []
         names.append(e.name)
-    out.append(Bucket(start, layout.numel, tuple(names)))
-    return out
+        head = e
+    out.append(Bucket(0, stop, tuple(reversed(names))))
+    return out[::-1]
+
+
+def block_of(module: torch.nn.Module, names: Collection[str]) -> dict[str, str]:
+    """Each parameter's outermost repeated block (``repeated_blocks``; "" outside one)."""
+    blocks = sorted(repeated_blocks(module), key=len)
+    return {n: next((b for b in blocks if n.startswith(b + ".")), "") for n in names}
 
 
 def add_rows_in_range(
@@ -167,6 +193,9 @@ class ShardedGradients(ShardedState):
         layout = self.config.layout
         self._entries = {e.name: e for e in layout.entries}
         self._bucket_numel = bucket_numel
+        # a block's backward graph writes its gradients into their buckets at once: buckets
+        # that end at its edges hold no other block's gradients open beside them
+        self._groups = block_of(training.module, layout.names)
         # parameters whose gradient comes outside autograd (``route``), in pieces
         self.routed: tuple[str, ...] = ()
         self._row_params: frozenset[str] = frozenset()  # routed ones with rows
@@ -197,7 +226,9 @@ class ShardedGradients(ShardedState):
 
     # ------------------------------------------------------------------ layout
     def _lay_out_buckets(self) -> None:
-        self.buckets = make_buckets(self.config.layout, self._bucket_numel, self.routed)
+        self.buckets = make_buckets(
+            self.config.layout, self._bucket_numel, self.routed, self._groups
+        )
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
         # per bucket, the gradients that close it: all its parameters until the first
         # step says which ones the loss reaches
