@@ -24,6 +24,7 @@ from ortrain.bucketing import pad_token_id
 from ortrain.buffer_updates import check_updates
 from ortrain.build_progress import stage
 from ortrain.core.build_config import BuildConfig, BuildInputs
+from ortrain.core.errors import OrtrainError, PassError, deepest_cause
 from ortrain.core.names import LabelSite, label_rows_bucket
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export import ExportedForward, LossFn, export_here
@@ -217,7 +218,13 @@ def _built(
     from ortrain.graph_passes.prepare.random_switch import uncentred_draws
     from ortrain.runtime.session import optimizers_to_disable, random_nodes
 
-    ort_data = serialized.ort_data(model)
+    try:
+        ort_data = serialized.ort_data(model)
+        peak = planned_peak_bytes(model)  # (re-reads the graph: an invalid one stops here)
+    except OrtrainError:
+        raise
+    except Exception as exc:
+        raise PassError(f"the built graph is not valid: {deepest_cause(exc)}") from exc
     return BuiltGraph(
         ort_data=ort_data,
         data=serialized.data,
@@ -226,7 +233,7 @@ def _built(
         output_names=ex.output_names,
         output_keys=ex.output_keys,
         log=log.records,
-        planned_peak_bytes=planned_peak_bytes(model),
+        planned_peak_bytes=peak,
         blas_gemm=BLAS_DOMAIN in model.opset_imports,
         cpu_kernels=CPU_DOMAIN in model.opset_imports,
         signature=_graph_signature(model),

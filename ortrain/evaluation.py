@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ortrain.core.errors import ExportError, VerificationError, first_line
+from ortrain.core.errors import ExportError, PassError, VerificationError, first_line
 from ortrain.core.names import GradientError
 from ortrain.program_context import ProgramContext
 from ortrain.python_state import describe
@@ -49,7 +49,7 @@ class Evaluation:
         with ctx.on_stream():
             try:
                 compiled = self._graph(batch)
-            except (ExportError, GradientError) as exc:
+            except (ExportError, GradientError, PassError) as exc:
                 if ctx.options.fallback == "off":
                     raise
                 self._in_eager(sig, f"{type(exc).__name__}: {first_line(exc)}")

@@ -26,6 +26,7 @@ from ortrain.core.errors import (
     BatchError,
     ExportError,
     LossShapeError,
+    PassError,
     VerificationError,
     first_line,
 )
@@ -249,7 +250,7 @@ class WholeProgram:
             yield
         except LossShapeError:
             raise  # eager's backward() refuses that loss too: no segment would train it
-        except (ExportError, GradientError) as exc:
+        except (ExportError, GradientError, PassError) as exc:
             if ctx.options.fallback == "off":
                 raise
             raise NotOneGraph(f"{type(exc).__name__}: {first_line(exc)}", exc) from exc

@@ -92,3 +92,81 @@ def test_what_stays() -> None:
         before = [n.name for n in model.graph]
         assert recompute_attention_probs(model) == 0
         assert [n.name for n in model.graph] == before
+
+
+def _shared_product_graph() -> ir.Model:
+    """Two attentions over one product (the exporter's or CSE's: ``S = Q @ KT`` once), each
+    with its own mask: P1 = Softmax(S + m1), P2 = Softmax(S + m2), both read backward."""
+    q, kt, m1, m2, g = (_v(n, d) for n, d in [("Q", [2, 3, 4]), ("KT", [2, 4, 3]),
+                        ("m1", [2, 1, 3]), ("m2", [1, 1, 3]), ("g", [2, 3, 3])])  # fmt: skip
+    nodes: list[ir.Node] = []
+
+    def add(op, inputs, out, backward=False, **attrs):
+        meta = {GRAD_OF: "x"} if backward else {}
+        attributes = [ir.AttrInt64(k, a) for k, a in attrs.items()]
+        name = f"node_{out.name}"
+        nodes.append(ir.Node("", op, inputs, attributes, outputs=[out], name=name,
+                             metadata_props=meta))  # fmt: skip
+        return out
+
+    s = add("MatMul", [q, kt], _v("S", [2, 3, 3]))
+    outs = []
+    for i, m in enumerate((m1, m2)):
+        a = add("Add", [s, m], _v(f"A{i}", [2, 3, 3]))
+        p = add("Softmax", [a], _v(f"P{i}", [2, 3, 3]), axis=-1)
+        outs.append(add("Mul", [p, g], _v(f"dP{i}", [2, 3, 3]), backward=True))
+    outs.append(add("Mul", [q, q], _v("dQ", [2, 3, 4]), backward=True))
+    outs.append(add("Mul", [kt, kt], _v("dK", [2, 4, 3]), backward=True))
+    graph = ir.Graph([q, kt, m1, m2, g], outs, nodes=nodes, opset_imports={"": 18})
+    return ir.Model(graph, ir_version=9)
+
+
+def test_a_product_two_attentions_share_is_copied_once_for_each_under_its_own_name() -> None:
+    """Each copy of the shared product has a name of its own: the same name twice made the
+    graph invalid (ONNX values are named once; a model with two scaled-dot-product
+    attentions over one Q and K stopped its build)."""
+    model = _shared_product_graph()
+    rng = np.random.default_rng(1)
+    feeds = {v.name: rng.standard_normal(v.shape.dims).astype(np.float32)
+             for v in model.graph.inputs}  # fmt: skip
+    want = _run(model, feeds)
+    assert recompute_attention_probs(model) == 2
+    copies = [n for n in model.graph if RECOMPUTE_OF in n.metadata_props]
+    assert [n.op_type for n in copies].count("MatMul") == 2
+    names = [v.name for n in model.graph for v in n.outputs]
+    assert len(names) == len(set(names)) and len({n.name for n in model.graph}) == len(names)
+    proto = ir.serde.serialize_model(model)
+    ir.serde.deserialize_model(proto)  # raised on the name declared twice
+    for got, w in zip(_run(model, feeds), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+def test_two_attentions_over_one_query_and_key_train_like_eager() -> None:
+    """End to end: a float-bias and a causal ``scaled_dot_product_attention`` over one
+    Q and K compile as one graph and train as eager."""
+    import torch
+    import torch.nn.functional as tf
+
+    from tests.test_fallback import train_like_eager
+
+    class _TwoAttentions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv = torch.nn.Linear(32, 96)
+            self.out = torch.nn.Linear(32, 5)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            bias = torch.linspace(-1, 1, t * t).view(1, 1, t, t)
+            q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            a = tf.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            a = a + tf.scaled_dot_product_attention(q, k, v, is_causal=True)
+            logits = self.out(a.transpose(1, 2).reshape(b, t, 32))
+            return tf.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(2, 6, 32, generator=g), torch.randint(0, 5, (2, 6), generator=g))
+               for _ in range(3)]  # fmt: skip
+    trainer = train_like_eager(_TwoAttentions, batches)
+    assert trainer.segments is None  # one graph, not segments around a failed build

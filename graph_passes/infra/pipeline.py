@@ -31,6 +31,9 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes
 
+from ortrain.core.errors import OrtrainError, PassError, deepest_cause
+from ortrain.core.names import GradientError, UpdateInBackwardError
+
 Stage = Literal[
     "prepare", "cleanup", "fusions", "precision", "autodiff", "training", "memory", "target"
 ]
@@ -160,7 +163,12 @@ def run_pipeline(
             target = model
         before = op_histogram(target)
         t = time.perf_counter()
-        result = p(target)
+        try:
+            result = p(target)
+        except (GradientError, UpdateInBackwardError, OrtrainError):
+            raise  # the model's own refusals, said as they are
+        except Exception as exc:
+            raise PassError(f"graph pass {p.name!r} failed: {deepest_cause(exc)}") from exc
         seconds = time.perf_counter() - t
         after = op_histogram(target)
         delta = {k: after[k] - before[k] for k in before | after if after[k] != before[k]}

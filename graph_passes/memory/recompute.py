@@ -110,6 +110,7 @@ class _Recompute:
         }
         self._memo: dict[int, bool] = {}
         self.clones: dict[int, ir.Value] = {}
+        self.taken = names_in(graph)
 
     def recomputable(self, v: ir.Value) -> bool:
         """``v`` comes from a policy op whose inputs are alive in the backward anyway."""
@@ -136,8 +137,33 @@ class _Recompute:
         node = v.producer()
         assert node is not None
         inputs = [None if x is None else self.clone(x, anchor) for x in node.inputs]
-        copy_before(self.graph, node, inputs, anchor, self.clones)
+        copy_before(self.graph, node, inputs, anchor, self.clones, self.taken)
         return self.clones[id(v)]
+
+
+Names = tuple[set[str], set[str]]  # (value names, node names): two namespaces in ONNX
+
+
+def names_in(graph: ir.Graph) -> Names:
+    """The names of ``graph``'s values and of its nodes (``copy_before``'s ``taken``)."""
+    values = {v.name for v in graph.inputs if v.name} | set(graph.initializers)
+    nodes = set()
+    for n in graph:
+        if n.name:
+            nodes.add(n.name)
+        values |= {v.name for v in n.outputs if v.name}
+    return values, nodes
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    """``base/recompute``, or ``base/recompute2``... where a node is copied twice (two
+    attention layers' probabilities over one shared product)."""
+    name, k = f"{base}/recompute", 1
+    while name in taken:
+        k += 1
+        name = f"{base}/recompute{k}"
+    taken.add(name)
+    return name
 
 
 def copy_before(
@@ -146,9 +172,11 @@ def copy_before(
     inputs: list[ir.Value | None],
     anchor: ir.Node,
     clones: dict[int, ir.Value],
+    taken: Names,
 ) -> ir.Node:
     """A backward copy of forward ``node`` reading ``inputs``, inserted before ``anchor``
-    (and tagged as serving it); ``clones`` maps each original output's id to the copy's."""
+    (and tagged as serving it); ``clones`` maps each original output's id to the copy's;
+    ``taken``: the graph's names so far (``names_in``), the copy's added."""
     meta = dict(node.metadata_props)
     meta[GRAD_OF] = anchor.metadata_props[GRAD_OF]
     meta[RECOMPUTE_OF] = node.name or ""
@@ -158,12 +186,12 @@ def copy_before(
         inputs,
         attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
         num_outputs=len(node.outputs),
-        name=f"{node.name}/recompute",
+        name=_fresh(node.name or "", taken[1]),
         metadata_props=meta,
         version=node.version,
     )
     for old, out in zip(node.outputs, new.outputs, strict=True):
-        out.name = f"{old.name}/recompute" if old.name else ""
+        out.name = _fresh(old.name, taken[0]) if old.name else ""
         out.shape, out.type = old.shape, old.type
         clones[id(old)] = out
     graph.insert_before(anchor, new)

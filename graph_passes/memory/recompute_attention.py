@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortrain.graph_passes.infra.tags import is_backward
-from ortrain.graph_passes.memory.recompute import copy_before
+from ortrain.graph_passes.memory.recompute import copy_before, names_in
 
 _STD = ("", "ai.onnx")
 _MS = "com.microsoft"
@@ -105,6 +105,7 @@ def recompute_attention_probs(model: ir.Model) -> int:
     """Returns the number of probability tensors now made again in the backward."""
     graph = model.graph
     position = {id(n): i for i, n in enumerate(graph)}
+    taken = names_in(graph)
     count = 0
     for softmax in list(graph):
         if softmax.op_type != "Softmax" or softmax.domain not in _STD or is_backward(softmax):
@@ -119,7 +120,7 @@ def recompute_attention_probs(model: ir.Model) -> int:
         clones: dict[int, ir.Value] = {}
         for node in chain:
             inputs = [None if x is None else clones.get(id(x), x) for x in node.inputs]
-            copy_before(graph, node, inputs, first, clones)
+            copy_before(graph, node, inputs, first, clones, taken)
         copy = clones[id(softmax.outputs[0])]
         for use in readers:
             use.node.replace_input_with(use.idx, copy)

@@ -79,6 +79,22 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def deepest_cause(exc: BaseException) -> str:
+    """``Type: first line`` of the innermost exception ``exc`` was raised from (a library's
+    wrapper says less than what it wraps)."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
+class PassError(OrtrainError):
+    """A graph pass, or the last checks of a built graph, failed on a graph: a defect of
+    ortrain's compiler, not of the model. With ``fallback="auto"`` the model trains as
+    segments (the module concerned in eager); the message names the pass."""
+
+
 class VerificationError(OrtrainError):
     """A compiled graph's first step disagrees with eager PyTorch on the same batch and
     weights (``ortrain/verify.py``)."""
