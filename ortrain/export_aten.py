@@ -68,6 +68,10 @@
    quotient). Here signed zeros read as torch reads them, and each quotient is taken
    over the larger magnitude with the other branch's divisor 1, so no gradient divides
    by zero (torch's is ``x / (x^2 + y^2)``).
+11. ``aten::kthvalue`` (``torch.kthvalue``: a robust pooling or a trimmed statistic), which
+   the exporter has no function for (the module ran in eager): the ``k`` smallest along
+   the axis by ``TopK`` (ascending, sorted) and the last of them, value and index, the
+   axis kept or dropped as ``keepdim`` says; the gradient goes to that index, as torch's.
 """
 
 from __future__ import annotations
@@ -178,6 +182,20 @@ def _logcumsumexp(self: Any, dim: int) -> Any:
     value = op.Add(op.Log(op.Where(empty, one, total)), top)
     minus_inf = op.CastLike(op.Constant(value_float=-math.inf), x)
     return op.CastLike(op.Where(empty, minus_inf, value), self)
+
+
+def _kthvalue(self: Any, k: int, dim: int = -1, keepdim: bool = False) -> Any:
+    from onnxscript import opset18 as op
+
+    if len(self.shape) == 0:  # one element: itself, at index 0
+        return op.Identity(self), op.Constant(value=torch.tensor(0, dtype=torch.int64))
+    values, indices = op.TopK(self, op.Constant(value_ints=[k]), axis=dim, largest=0, sorted=1)
+    at = op.Constant(value_ints=[k - 1])
+    value, index = op.Gather(values, at, axis=dim), op.Gather(indices, at, axis=dim)
+    if not keepdim:
+        axis = op.Constant(value_ints=[dim])
+        value, index = op.Squeeze(value, axis), op.Squeeze(index, axis)
+    return value, index
 
 
 def _scaled_sum(op: Any, self: Any, product: Any, beta: float, alpha: float) -> Any:
@@ -495,6 +513,7 @@ def aten_translations() -> dict[Callable, Callable]:
         torch.ops.aten.linalg_vector_norm.default: _vector_norm,
         torch.ops.aten.scatter_reduce.two: _scatter_reduce,
         torch.ops.aten.logcumsumexp.default: _logcumsumexp,
+        torch.ops.aten.kthvalue.default: _kthvalue,
         torch.ops.aten.avg_pool2d.default: _avg_pool(2, aten_avg_pool2d),
         torch.ops.aten.avg_pool3d.default: _avg_pool(3, aten_avg_pool3d),
     }

@@ -515,3 +515,45 @@ def test_avg_pool_divisor_override_trains_like_eager(spatial, pool):
     trainer.sync_to_module()
     for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _KthPooling(torch.nn.Module):
+    """A trimmed pooling: each row's k-th smallest value (and a second along another axis,
+    its axis kept), plus the index as a number the loss reads without a gradient."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.k = k
+        self.proj = torch.nn.Linear(6, 12)
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # [B, T, 12]
+        over_time = torch.kthvalue(h, self.k, dim=1).values  # [B, 12]
+        v, i = torch.kthvalue(h, 2, dim=-1, keepdim=True)  # [B, T, 1]
+        feature = over_time + (v * i.to(v.dtype)).mean(1) * 0.1
+        return torch.nn.functional.cross_entropy(self.head(feature), y)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_kthvalue_compiles_and_trains_like_eager(k: int) -> None:
+    """The exporter has no function for ``aten.kthvalue``: the module ran in eager. One
+    graph now, its values, indices and gradients eager's (SGD, three steps)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 5, 6, generator=g), torch.randint(0, 3, (4,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    model, ref = _KthPooling(k), _KthPooling(k)
+    options = TrainerOptions(fallback="off", graph_cache=False, build_progress=False)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, b in enumerate(batches):
+        want = ref(*b)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(trainer.train_step(*b), want.detach(), rtol=1e-5, atol=0,
+                                   msg=f"step {i}")  # fmt: skip
+    assert trainer.segments is None  # one graph
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
