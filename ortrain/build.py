@@ -25,7 +25,7 @@ from ortrain.buffer_updates import check_updates
 from ortrain.build_progress import stage
 from ortrain.core.build_config import BuildConfig, BuildInputs
 from ortrain.core.errors import OrtrainError, PassError, deepest_cause
-from ortrain.core.names import LabelSite, label_rows_bucket
+from ortrain.core.names import DROPOUT_OPS, RANDOM_OPS, LabelSite, label_rows_bucket
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export import ExportedForward, LossFn, export_here
 from ortrain.index_check import ComputedIndices, computed_indices, index_ranges
@@ -347,6 +347,16 @@ def evaluation_view(ex: ExportedForward) -> ExportedForward:
     return ExportedForward(ex.model, io, ex.output_names, ex.output_keys)
 
 
+def draws_by_mode(model: ir.Model) -> list[str]:
+    """The random draws other than Dropout in ``model`` (subgraphs included): a layer
+    that draws in training (RReLU's slopes, a noise layer, drop-path's mask) computes
+    otherwise in evaluation, and a first run cannot tell: an average over the draws can
+    land within the loss's tolerance of evaluation's value."""
+    return sorted(
+        n.op_type for n in model.graph.all_nodes() if n.op_type in RANDOM_OPS - DROPOUT_OPS
+    )
+
+
 def build_eval(
     module: torch.nn.Module,
     batch: Mapping[str, Any],
@@ -361,9 +371,12 @@ def build_eval(
     from ortrain.graph_passes.training_pipeline import eval_pipeline
 
     log = _Log("eval", config, first)
+    ex = None
     if forward is not None:
         ex = evaluation_view(ExportedForward.from_wire(forward.wire))
-    else:
+        if draws_by_mode(ex.model):
+            ex = forward = None
+    if ex is None:
         ex = log.export(module, batch, False, loss_fn)
     from ortrain.graph_passes.infra.serialize import Serialized
 

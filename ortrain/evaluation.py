@@ -1,8 +1,9 @@
 """A trainer's evaluation: the model in eval mode, forward only, no update (``Evaluation``).
 
 Each batch signature gets an evaluation graph (``WholeGraphs.build_eval``: from the
-training export of that signature where its first run agrees with eager, else from an
-export in evaluation mode), bound by role (``runtime/binder.bind_eval_graph``). Its first
+training export of that signature where its first run agrees with eager and it draws
+nothing but Dropout's masks, else from an export in evaluation mode), bound by role
+(``runtime/binder.bind_eval_graph``). Its first
 run is checked against eager; a signature whose graph cannot be built or disagrees runs
 in eager from then on (fallback "auto", with a warning) or raises (fallback "off"). Under
 ZeRO-3 evaluation runs in eager with the parameters gathered, and so does a model whose

@@ -517,6 +517,38 @@ def test_a_model_that_evaluates_otherwise_gets_its_own_evaluation_export():
         torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
 
 
+class _Drawing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 512)
+        # slopes drawn close to their mean: averaged over the batch, a training-mode
+        # forward lands within the loss's tolerance of evaluation's value
+        self.act = torch.nn.RReLU(0.199, 0.201)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.act(self.lin(x))[:, :4], y)
+
+
+def test_a_model_that_draws_in_training_gets_its_own_evaluation_export():
+    """A draw other than Dropout (RReLU's slopes) computes otherwise in evaluation, and
+    a first run cannot tell it by its loss: the model is exported in evaluation mode."""
+    model = _Drawing()
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        trainer.train_step(x, y)
+    out = trainer.eval_step(x, y)
+    assert _exports(trainer) == 2
+    (compiled,) = trainer._graphs.eval.values()
+    assert not compiled.graph.from_training_export
+    assert not compiled.graph.random_ops
+    trainer.sync_to_module()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=0)
+
+
 class _Noisy(torch.nn.Module):
     """Noise injected in training: a graph that draws what eager draws otherwise."""
 
