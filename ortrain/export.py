@@ -44,6 +44,7 @@ from ortrain.export_functional import functional_for_export
 from ortrain.export_hints import without_value_hints
 from ortrain.export_losses import loss_translations
 from ortrain.export_ops import custom_translations, export_hint, known_cause
+from ortrain.export_scalar_operands import wrap_scalar_operands
 from ortrain.exporter_registry import cached_registry
 from ortrain.forked import call_forked, can_fork
 from ortrain.padding_rows import tag_padding_rows
@@ -586,6 +587,7 @@ def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProg
     with without_value_hints(), functional_for_export(), contextlib.redirect_stderr(io.StringIO()):
         program = torch.export.export(traced, flat, strict=False)
     mark_stop_gradients(program)
+    wrap_scalar_operands(program)
     return program
 
 
