@@ -104,6 +104,7 @@ class SegmentedProgram:
         try:
             with collecting() if collecting is not None else contextlib.nullcontext():
                 loss = self.training.forward_backward(ctx.eager.on_device(batch), scale)
+            ctx.forward_ran()  # hooks the module's forward adds as it runs are its own
         except Exception:
             st.micro_step = 0  # the window starts over (its sums are incomplete)
             raise

@@ -219,8 +219,11 @@ class ORTTrainer(TrainerState, TrainerViews):
             self._ctx.structure_changed()
             self._follow_python_values()  # a value set since the last step: built anew
         padded = self.bucketing.pad(self._batch(args, kwargs), train=False)
+        outputs = self._evaluation.outputs(padded.batch)
+        if self._ctx.reducer is None:  # looked at above: what changed since, its forward did
+            self._ctx.forward_ran()
         # back to the batch's own length
-        return StepOutputs(padded.cut(self._evaluation.outputs(padded.batch)))
+        return StepOutputs(padded.cut(outputs))
 
     def apply_update(self) -> None:
         """End the accumulation window now: the optimizer update on the gradients of the
