@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ortrain.export_fake_quantize import fake_quantize_decompositions
+
 aten = torch.ops.aten
 _NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
@@ -295,6 +297,8 @@ def exporter_decompositions() -> Iterator[None]:
     def with_ours(registered: set) -> dict:
         table = original(registered)
         table.update({op: fn for op, fn in TABLE.items() if op not in registered})
+        # in place of the exporter's own function (export_fake_quantize.py)
+        table.update(fake_quantize_decompositions())
         return table
 
     _decomp.create_onnx_friendly_decomposition_table = with_ours
