@@ -496,10 +496,12 @@ def _avg_pool(spatial: int, function: Callable) -> Callable:
 def aten_translations() -> dict[Callable, Callable]:
     from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool2d, aten_avg_pool3d
 
+    from ortrain.export_gamma import gamma_translations
     from ortrain.export_lstm import lstm_translations
     from ortrain.export_precise import precise_translations
 
     return {
+        **gamma_translations(),
         **lstm_translations(),
         **precise_translations(),
         torch.ops.aten.atan2.default: _atan2,
