@@ -10,9 +10,6 @@ differs between two.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch.nn.modules import module as nn_module
 
@@ -87,35 +84,3 @@ class StructureWatch:
         before = self.named
         self._take()
         return changes(before, self.named)
-
-
-# the dicts a hook handle's id keys: a hook's own, and the flags registered beside it
-_HOOK_DICTS = (
-    *_HOOKS,
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks_with_kwargs",
-)
-
-
-@contextlib.contextmanager
-def hooks_kept(module: torch.nn.Module) -> Iterator[None]:
-    """Hooks registered inside (on ``module``'s sub-modules, or torch's global module
-    hooks) are removed after: a forward of ortrain's own that installs hooks on its first
-    call (transformers' output capturing) leaves them out as it leaves out the attribute
-    that says they are in (``python_state.kept``), so the model's next forward installs
-    them once, not again beside ours."""
-    owners: list[object] = [*module.modules(), nn_module]
-    names = [*_HOOK_DICTS, *(f"_global{h}" for h in _HOOK_DICTS)]
-    before = {(id(o), n): set(getattr(o, n)) for o in owners for n in names if hasattr(o, n)}
-    try:
-        yield
-    finally:
-        for o in owners:
-            for n in names:
-                held = before.get((id(o), n))
-                if held is None:
-                    continue
-                hooks = getattr(o, n)
-                for key in [k for k in hooks if k not in held]:
-                    del hooks[key]

@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ortrain.module_structure import hooks_kept
 from ortrain.user_code import global_names, is_user_code
 
 Key = tuple[str, str]  # (module name, attribute)
@@ -612,9 +611,8 @@ def kept(module: torch.nn.Module, loss_fn: Callable | None = None) -> Iterator[N
     """The forwards run inside leave ``module``'s scalar attributes and plain containers
     as they were (a container's items put back in the same object), the module-level
     values its code reads (``python_reads``), and the random generators
-    (``random_states_kept``), and its hooks (``module_structure.hooks_kept``)."""
-    reads = python_reads(module, loss_fn)
-    with random_states_kept(), hooks_kept(module), _attributes_kept(module), _reads_kept(reads):
+    (``random_states_kept``)."""
+    with random_states_kept(), _attributes_kept(module), _reads_kept(python_reads(module, loss_fn)):
         yield
 
 
