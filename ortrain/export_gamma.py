@@ -11,10 +11,11 @@ rounding; cast to the input's dtype the value is torch's to within its rounding.
 gradient is autodiff's over the same formula: the series differentiated term by term is
 the next function's series (``lgamma' = digamma``, ``digamma' = trigamma``), as accurate.
 Infinite arguments give torch's values (``lgamma(+-inf) = inf``, ``digamma(inf) = inf``,
-``digamma(-inf)`` NaN) with the formula evaluated at 1 beside them, so no NaN reaches a
-gradient from the branch not taken. At zero and the
-negative integers (the poles) the reflection's ``sin(pi x)`` is not exactly 0 in float64
-except at 0: there the value is large and finite where torch's is infinite or NaN.
+``digamma(-inf)`` NaN) with the formula evaluated at 1 beside them, and the reflection's
+sine is taken at ``pi / 4`` for the elements it does not serve, so no NaN reaches a
+gradient from the branch not taken. At the poles (zero, the negative integers) the values
+are the reflection's quotient by ``sin(pi x)``: infinite where that sine is 0, not always
+with torch's sign or NaN.
 """
 
 from __future__ import annotations
