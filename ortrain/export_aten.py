@@ -499,11 +499,13 @@ def aten_translations() -> dict[Callable, Callable]:
     from ortrain.export_gamma import gamma_translations
     from ortrain.export_lstm import lstm_translations
     from ortrain.export_precise import precise_translations
+    from ortrain.export_sdpa_rank import sdpa_translations
 
     return {
         **gamma_translations(),
         **lstm_translations(),
         **precise_translations(),
+        **sdpa_translations(),
         torch.ops.aten.atan2.default: _atan2,
         torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.uniform.default: _uniform,
