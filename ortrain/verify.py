@@ -17,6 +17,8 @@ The check leaves no trace: the tensors the run writes are put back and eager's b
    largest gradient element of all (a gradient that is float noise around zero, such as
    an attention key bias's, then compares at the noise level of the others);
 2. ``compare``: the mismatches, worst first, each naming the tensor and its module;
+   ``confirm`` keeps those a float64 eager step confirms, and ``beyond_kinks`` those
+   rounding could not have made by flipping a ReLU or a max at its kink;
 3. ``no_dropout()``: eager's dropouts that the export makes an ONNX Dropout (``F.dropout``
    out of place, SDPA's ``dropout_p``, a recurrent layer's) become the identity, and its
    other draws (the other dropouts' masks included) take fixed values; it counts
@@ -86,6 +88,14 @@ _TOLERANCES = {
 # eager reference than float32 eager is (``confirm``): deep stacks of normalizations and
 # ReLUs leave both float32 results about 1e-3 from the exact gradient.
 EXACT_FACTOR = 10.0
+# ``beyond_kinks``: each parameter times (1 + KINK_NUDGE * N(0, 1)), about 8 float32 ulps,
+# in each of KINK_PROBES float64 steps; the graph's gradients must be KINK_FACTOR times
+# further from the exact ones than the farthest nudged step's, or KINK_CEILING of a
+# gradient's norm (no flip of rounding's excuses more).
+KINK_NUDGE = 2.0**-20
+KINK_PROBES = 2
+KINK_FACTOR = 3.0
+KINK_CEILING = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +236,65 @@ def confirm(
         if ours > factor * theirs and ours > rtol * _norm(e64[finite]):
             kept.append(m)
     return kept
+
+
+def _worst(
+    grads: Mapping[str, torch.Tensor | None], exact: Mapping[str, torch.Tensor | None], floor: float
+) -> float:
+    """The largest difference of ``grads`` from ``exact``, each over its tensor's norm plus
+    ``floor`` of the largest norm (as ``compare`` scales them); inf where one is missing."""
+    norms = {n: _norm(e) for n, e in exact.items() if e is not None}
+    top = max(norms.values(), default=0.0)
+    worst = 0.0
+    for name, norm in norms.items():
+        g, e = grads.get(name), exact[name]
+        if g is None or e is None or g.shape != e.shape:
+            return math.inf
+        e64 = _dense(e)
+        finite = torch.isfinite(e64)
+        scale = norm + floor * top
+        if scale:
+            worst = max(worst, _norm((_dense(g) - e64)[finite]) / scale)
+    return worst
+
+
+def beyond_kinks(
+    got: Mapping[str, torch.Tensor | None],
+    exact: Mapping[str, torch.Tensor | None],
+    nudged: Callable[[int], Mapping[str, torch.Tensor | None] | None],
+    floor: float,
+) -> bool:
+    """Whether the graph's gradients (``got``) are further from the exact ones than
+    rounding can move them. A ReLU input or a max within rounding of a tie flips with
+    the last bits of what reaches it, and moves the gradients of everything before it by
+    a whole term; with few elements per statistic (a small batch of small images through
+    BatchNorm and ReLU) that is percents of their norm, in float32 eager as much as in the
+    graph, though in different places on each run. ``nudged(i)``: the float64 step's
+    gradients with every parameter nudged by rounding's size (``KINK_NUDGE``), for
+    ``i < KINK_PROBES`` (None: it could not run). The loss is continuous across such
+    kinks and is compared as before; a wrong rule moves the gradients whether or not a
+    kink is near, and stays beyond."""
+    ours = _worst(got, exact, floor)
+    if not ours <= KINK_CEILING:  # NaN and inf included
+        return True
+    spread = 0.0
+    for i in range(KINK_PROBES):
+        probe = nudged(i)
+        if probe is None:
+            return True
+        spread = max(spread, _worst(probe, exact, floor))
+    return ours > KINK_FACTOR * spread
+
+
+def nudge(module: torch.nn.Module, seed: int) -> None:
+    """Each floating parameter of ``module`` (a float64 copy) times ``1 + KINK_NUDGE *
+    N(0, 1)``, from a generator of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.numel():
+                noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+                p.mul_(1 + KINK_NUDGE * noise.to(p.device))
 
 
 # --------------------------------------------------------------------------- eager side
@@ -643,4 +712,15 @@ def graph_step_mismatches(
                 bad_loss, {"loss": got_loss}, {"loss": want_loss}, {"loss": loss64}, tol.loss
             )
             bad = confirm(bad, got, want, exact_grads, tol.grad)
+            if bad and not bad_loss:
+
+                def nudged(i: int) -> Mapping[str, torch.Tensor | None] | None:
+                    def probe() -> Mapping[str, torch.Tensor | None]:
+                        nudge(module64, 1 + i)  # on top of the last: the copy is spent
+                        return eager_loss_and_grads(lambda: loss_of(module64), module64, names)[1]
+
+                    return in_float64_run(probe)
+
+                if not beyond_kinks(got, exact_grads, nudged, tol.floor):
+                    bad = []
     return bad_loss + bad, draws, time.perf_counter() - start + earlier
