@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ortrain.core.names import DROPOUT_OPS, IN_BACKWARD_STATES, state_key
 from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
 from ortrain.forked import call_forked, can_fork
-from ortrain.python_state import changed_every_call, kept
+from ortrain.python_state import changed_every_call, kept, random_states_kept
 from ortrain.verify import (
     EagerStep,
     Tolerance,
@@ -87,6 +87,9 @@ class EagerSide:
         # the scalar attributes the forward changes on every call, by owning module
         # (``ortrain/python_state.py``): found by the first early reference
         self.stateful: dict[str, str] = {}
+        # buffers the first call built anew at another shape, built in this process too
+        # (``_build_lazy_buffers``): the training state takes them before the export
+        self.lazily_built = False
 
     def on_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """``batch`` with its tensors where the module is: eager PyTorch (the checks, the
@@ -164,21 +167,51 @@ class EagerSide:
                 return EagerTimes(step=step, forward=0.0)
             return EagerTimes(step=step, forward=min(forwards))
 
-        def forked() -> tuple[EagerStep, dict[str, str], EagerTimes | None]:
-            reference, found = step()
-            return reference, found, warm() if timed else None
+        def forked() -> tuple[EagerStep, dict[str, str], list[str], EagerTimes | None]:
+            reference, found, lazy = step()
+            return reference, found, lazy, warm() if timed else None
 
         seconds = None
         try:
             if can_fork([*module.parameters(), *module.buffers()]):
                 what = "the first step's eager check"
-                reference, found, seconds = call_forked(forked, what=what)
+                reference, found, lazy, seconds = call_forked(forked, what=what)
+                if lazy:  # built in the child: build them here too, before the export
+                    self._build_lazy_buffers(batch)
             else:
-                reference, found = step()
+                reference, found, _ = step()  # built here already
             self.stateful.update(found)
         except Exception:
             reference = None
         return (reference, seconds) if timed else reference
+
+    def _build_lazy_buffers(self, batch: Mapping[str, Any]) -> None:
+        """One forward of ``batch`` that leaves only what a first call builds lazily: a
+        buffer put in anew at another shape (a cache sized on the first call) stays, every
+        other buffer, the Python attributes and the random generators are put back. So
+        the export sees the module as eager's second step does, and holds the branch of
+        every later call, not the first call's rebuild."""
+        module = self.module
+        modules = dict(module.named_modules())
+
+        def buffers() -> dict[tuple[str, str], torch.Tensor]:
+            own = ((n, k, b) for n, m in modules.items() for k, b in m._buffers.items())
+            return {(n, k): b for n, k, b in own if b is not None}
+
+        old = {key: tuple(b.shape) for key, b in buffers().items()}
+        with (
+            restoring(list(module.buffers())),
+            kept(module, self.loss_fn),  # would put the new buffers back too: kept below
+            random_states_kept(),
+            no_dropout(),
+        ):
+            self.loss_of(batch, module)
+            built = {
+                key: b for key, b in buffers().items() if old.get(key, tuple(b.shape)) != b.shape
+            }
+        for (name, key), b in built.items():
+            modules[name]._buffers[key] = b
+        self.lazily_built = bool(built)
 
     def fails(self, batch: Mapping[str, Any], grad: bool = False) -> Exception | None:
         """What eager PyTorch's own forward of ``batch`` raises, if anything (no hooks of

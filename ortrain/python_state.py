@@ -11,9 +11,12 @@ attribute. The first-step check runs the forward twice
 and names the scalar attributes (bool, int, float, str, None) that changed both times,
 with the module that owns them: that module cannot be compiled (``whole_program``
 refuses the whole graph, the segments run the owner in eager). An attribute set on the
-first call only (a lazily built cache) is not such a schedule. A plain container that
-grows on every call (a list the forward appends to) counts too: the graph would not
-append; so does a container of scalars whose items change (``_container``).
+first call only (a lazily built cache) is not such a schedule, nor is a buffer put in
+anew at another shape on the first call and kept by the second (a cache sized to the
+input: ``first_step.EagerSide._build_lazy_buffers`` builds it before the export). A
+plain container that grows on every call (a list the forward appends to) counts too:
+the graph would not append; so does a container of scalars whose items change
+(``_container``).
 
 The module-level values the model's own code reads (a global step counter, a schedule's
 scalar in the user's script; ``python_reads``: names read by the methods of the model's
@@ -764,12 +767,13 @@ def changed_every_call(
     first: Callable[[], Any],
     again: Callable[[], Any],
     loss_fn: Callable | None = None,
-) -> tuple[Any, dict[str, str]]:
-    """``first()`` (a forward and backward), then, where it changed scalar attributes,
-    ``again()`` (a forward): (``first()``'s result, what both changed by owning module:
-    "attr (a -> b)", the host generators its own code drew from, and its buffers whose
-    shape ``first()`` changed). The attributes and the generators are put back
-    afterwards."""
+) -> tuple[Any, dict[str, str], list[str]]:
+    """``first()`` (a forward and backward), then, where it changed scalar attributes or
+    buffer shapes, ``again()`` (a forward): (``first()``'s result, what both changed by
+    owning module: "attr (a -> b)", the host generators its own code drew from, and its
+    buffers whose shape both calls changed; the modules that put a buffer in anew at
+    another shape on the first call only). The attributes and the generators are put
+    back afterwards."""
     reads = python_reads(module, loss_fn)
     by_label = {r.label: r for r in reads}
 
@@ -783,14 +787,16 @@ def changed_every_call(
         after = values()
         once = _changed(before, after)
         twice = {}
-        if once:
+        resized_again: dict[str, list[str]] | None = None
+        if once or resized:
             try:
-                again()
+                with buffer_resizes(module) as resized_again:
+                    again()
                 twice = _changed(after, values())
             except Exception:
                 # the second call fails where the first did not: what the first changed
                 # decides what the next call does
-                twice = once
+                twice, resized_again = once, None
     owners: dict[str, list[str]] = {}
     for (name, attr), (old, new) in twice.items():
         if (name, attr) not in once:
@@ -803,8 +809,14 @@ def changed_every_call(
     for name, labels in drawn.items():
         owners.setdefault(name, []).extend(f"draws from {label}" for label in labels)
     for name, said in resized.items():
-        owners.setdefault(name, []).extend(said)
-    return result, {name: ", ".join(attrs) for name, attrs in owners.items()}
+        # a buffer put in anew at another shape on the first call only (a cache built
+        # lazily: ConViT's ``rel_indices``) is the module's from then on
+        # (``lazy_buffers``); one resized on every call, or in place (an observer's,
+        # which the check's restore shrinks back), is state a graph cannot follow
+        if resized_again is None or name in resized_again:
+            owners.setdefault(name, []).extend(said)
+    lazy = [name for name in resized if name not in owners]
+    return result, {name: ", ".join(attrs) for name, attrs in owners.items()}, lazy
 
 
 def describe(stateful: dict[str, str], model: str) -> str:

@@ -110,6 +110,9 @@ class WholeProgram:
         if hooked := ctx.grad_hooked():
             self._runs_grad_hooks(hooked)
         reference = self._references.pop(signature(batch), None) or self._early_reference(batch)
+        if ctx.eager.lazily_built:  # a cache the first call sizes: the state takes it
+            ctx.eager.lazily_built = False
+            st.adopt_rebound()
         # before the first graph: every rank takes the same path (a collective)
         if ctx.options.verify and st.grad_params is None:
             if ctx.eager.any_rank(bool(reference is not None and ctx.eager.stateful)):
