@@ -85,6 +85,26 @@ def test_a_wrong_rule_is_still_caught_in_a_model_with_kinks(monkeypatch) -> None
         trainer.train_step(x=_batch())
 
 
+def test_a_rule_that_makes_nans_is_caught_though_the_loss_agrees(monkeypatch) -> None:
+    """NaN gradients where eager's are numbers are no difference of size for the kink
+    probe to weigh (``max(0.0, nan)`` is 0.0 in Python: it had excused them)."""
+    from ortrain.graph_passes.autodiff import registry
+
+    (right,) = registry._TABLE[("", "Relu")]
+
+    def rule(ctx):  # the right gradient plus 0 * sqrt(x): NaN where x < 0
+        (dx,) = right.fn(ctx).values()
+        nan_where_negative = ctx.op("Mul", ctx.op("Sqrt", ctx.I(0)), ctx.scalar_like(0.0, dx))
+        return {0: ctx.op("Add", dx, nan_where_negative)}
+
+    monkeypatch.setitem(registry._TABLE, ("", "Relu"), [dataclasses.replace(right, fn=rule)])
+    model = _AtTheKink()
+    options = TrainerOptions(fallback="off", graph_cache=False, cpu_kernels="onnxruntime")
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0), options)
+    with pytest.raises(VerificationError, match="non-finite values differ"):
+        trainer.train_step(x=_batch())
+
+
 def _grads(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {"a": scale * torch.randn(64, generator=gen), "b": scale * torch.randn(8, generator=gen)}
@@ -112,6 +132,9 @@ def test_beyond_kinks_weighs_the_graph_against_the_nudged_steps() -> None:
     assert calls == list(range(KINK_PROBES))
     assert beyond_kinks(flipped, exact, lambda i: None, 1e-3)  # no probe: it stands
     assert beyond_kinks({"a": exact["a"]}, exact, nudged_alike, 1e-3)  # a gradient missing
+    nan = {k: v.clone() for k, v in exact.items()}
+    nan["b"][0] = float("nan")
+    assert beyond_kinks(nan, exact, nudged_alike, 1e-3)  # a NaN where eager has a number
     # past KINK_CEILING of the norms, whatever the spread: it stands
     assert beyond_kinks({k: 1.5 * v for k, v in exact.items()}, exact, nudged_alike, 1e-3)
 
