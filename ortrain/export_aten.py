@@ -498,12 +498,14 @@ def aten_translations() -> dict[Callable, Callable]:
 
     from ortrain.export_gamma import gamma_translations
     from ortrain.export_lstm import lstm_translations
+    from ortrain.export_pointwise import pointwise_translations
     from ortrain.export_precise import precise_translations
     from ortrain.export_sdpa_rank import sdpa_translations
 
     return {
         **gamma_translations(),
         **lstm_translations(),
+        **pointwise_translations(),
         **precise_translations(),
         **sdpa_translations(),
         torch.ops.aten.atan2.default: _atan2,

@@ -34,7 +34,9 @@
    sg(dy)`` with ``sg`` the export's stop-gradient (``ortrain/stop_gradient.py``): the
    added terms are exactly zero, and autodiff reads the gradients off them.
 
-``exporter_decompositions()`` adds them to the exporter's own decomposition table
+``exporter_decompositions()`` adds them, and those of ``export_scans.py`` (``cumprod``,
+``cummax``, ``cummin``) and ``export_pointwise.py`` (``hypot``, ``copysign``,
+``signbit``, ``erfinv``), to the exporter's own decomposition table
 (which holds torch's decompositions of the ops without an ONNX function; torch's
 ``adaptive_max_pool2d`` one covers divisible sizes only and spreads a global pool's
 gradient over ties).
@@ -50,6 +52,8 @@ import numpy as np
 import torch
 
 from ortrain.export_fake_quantize import fake_quantize_decompositions
+from ortrain.export_pointwise import pointwise_decompositions
+from ortrain.export_scans import scan_decompositions
 
 aten = torch.ops.aten
 _NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
@@ -296,7 +300,8 @@ def exporter_decompositions() -> Iterator[None]:
 
     def with_ours(registered: set) -> dict:
         table = original(registered)
-        table.update({op: fn for op, fn in TABLE.items() if op not in registered})
+        ours = {**TABLE, **scan_decompositions(), **pointwise_decompositions()}
+        table.update({op: fn for op, fn in ours.items() if op not in registered})
         # in place of the exporter's own function (export_fake_quantize.py)
         table.update(fake_quantize_decompositions())
         return table
