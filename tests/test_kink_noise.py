@@ -29,9 +29,10 @@ class _AtTheKink(torch.nn.Module):
         self.hidden = torch.nn.Linear(2, H, bias=False)
         self.out = torch.nn.Linear(H, 1)
         c = torch.linspace(0.5, 2.0, H)
-        with torch.no_grad():
+        with torch.no_grad():  # every weight set: the kink's term is the same on any run
             self.hidden.weight.copy_(torch.stack([c, -c], 1))
             self.out.weight.copy_(torch.linspace(-1.0, 1.0, H)[None])
+            self.out.bias.fill_(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.hidden(x))).square().mean()
@@ -135,6 +136,8 @@ def test_beyond_kinks_weighs_the_graph_against_the_nudged_steps() -> None:
     nan = {k: v.clone() for k, v in exact.items()}
     nan["b"][0] = float("nan")
     assert beyond_kinks(nan, exact, nudged_alike, 1e-3)  # a NaN where eager has a number
+    # a gradient eager does not have (a parameter eager trains none of)
+    assert beyond_kinks({**exact, "c": torch.ones(3)}, {**exact, "c": None}, nudged_alike, 1e-3)
     # past KINK_CEILING of the norms, whatever the spread: it stands
     assert beyond_kinks({k: 1.5 * v for k, v in exact.items()}, exact, nudged_alike, 1e-3)
 
