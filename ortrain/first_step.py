@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from ortrain.core.names import DROPOUT_OPS, IN_BACKWARD_STATES, state_key
 from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
-from ortrain.forked import call_forked, can_fork
+from ortrain.forked import ForkedJob, can_fork
 from ortrain.python_state import changed_every_call, kept, random_states_kept
 from ortrain.verify import (
     EagerStep,
@@ -60,6 +60,50 @@ class EagerTimes:
 
     step: float
     forward: float
+
+
+class PendingReference:
+    """An early reference under way (``EagerSide.start_reference``): ``finish()`` waits
+    for its child where one runs, builds in this process the buffers the child's first
+    call built lazily, and returns the reference (with the child's ``EagerTimes`` when
+    ``timed``); ``lazy``: whether it built any."""
+
+    def __init__(
+        self,
+        eager: EagerSide,
+        batch: Mapping[str, Any],
+        timed: bool,
+        job: ForkedJob | None = None,
+        ran: tuple[EagerStep, dict[str, str]] | None = None,
+    ):
+        self.eager, self.batch, self.timed = eager, batch, timed
+        self.job, self.ran = job, ran
+        self.lazy = False
+        self._done: tuple[EagerStep | None, EagerTimes | None] | None = None
+
+    @property
+    def forked(self) -> bool:
+        """Whether a child computes it (so a build can run beside it)."""
+        return self.job is not None
+
+    def finish(self) -> Any:
+        if self._done is None:
+            reference, seconds = None, None
+            try:
+                if self.job is not None:
+                    reference, found, lazy, seconds = self.job.result()
+                    if lazy:  # built in the child: build them here too, before the export
+                        self.eager._build_lazy_buffers(self.batch)
+                        self.lazy = True
+                elif self.ran is not None:
+                    reference, found = self.ran
+                else:
+                    found = {}
+                self.eager.stateful.update(found)
+            except Exception:
+                reference = None
+            self._done = (reference, seconds)
+        return self._done if self.timed else self._done[0]
 
 
 class EagerSide:
@@ -125,8 +169,16 @@ class EagerSide:
     ) -> tuple[EagerStep | None, EagerTimes | None]: ...
 
     def early_reference(self, batch: Mapping[str, Any], timed: bool = False) -> Any:
-        """Eager's step on ``batch`` (case 1). The child runs on one thread (OpenMP's team
-        does not survive a fork). None where eager fails on the batch: the check then runs
+        """Eager's step on ``batch`` (case 1): ``start_reference`` waited for."""
+        return self.start_reference(batch, timed).finish()
+
+    def start_reference(
+        self, batch: Mapping[str, Any], timed: bool = False, beside: bool = False
+    ) -> PendingReference:
+        """Eager's step on ``batch`` (case 1), started; ``finish()`` returns it. ``beside``:
+        a build runs while the child does (``finish`` waits for it after the build); else
+        it is waited for here. The child runs on one thread (OpenMP's team does not
+        survive a fork). None where eager fails on the batch: the check then runs
         after the build, in this process, where errors are named as before. ``timed``:
         with the seconds of a second eager forward and backward in the child, warm (the
         first pays for first-call allocations) and as a step runs it (the check's runs
@@ -171,19 +223,20 @@ class EagerSide:
             reference, found, lazy = step()
             return reference, found, lazy, warm() if timed else None
 
-        seconds = None
+        if can_fork([*module.parameters(), *module.buffers()]):
+            try:
+                job = ForkedJob(forked, what="the first step's eager check")
+            except Exception:
+                return PendingReference(self, batch, timed)
+            pending = PendingReference(self, batch, timed, job=job)
+            if not beside:
+                pending.finish()  # waited for here, as before a build
+            return pending
         try:
-            if can_fork([*module.parameters(), *module.buffers()]):
-                what = "the first step's eager check"
-                reference, found, lazy, seconds = call_forked(forked, what=what)
-                if lazy:  # built in the child: build them here too, before the export
-                    self._build_lazy_buffers(batch)
-            else:
-                reference, found, _ = step()  # built here already
-            self.stateful.update(found)
+            reference, found, _ = step()  # built here already
         except Exception:
-            reference = None
-        return (reference, seconds) if timed else reference
+            return PendingReference(self, batch, timed)
+        return PendingReference(self, batch, timed, ran=(reference, found))
 
     def _build_lazy_buffers(self, batch: Mapping[str, Any]) -> None:
         """One forward of ``batch`` that leaves only what a first call builds lazily: a

@@ -136,12 +136,13 @@ class TrainerOptions:
         batch and weights (the loss and every parameter's gradient, both without dropout;
         an evaluation graph's outputs), also a graph loaded from the graph cache
         (``ortrain/verify.py``). Its cost is one eager step per graph built, on CPU run
-        on one thread in a forked child before the build (so an eager step's memory does
-        not set the training process's peak; with ``eager_if_faster="auto"`` a second,
-        timed one there and a timed forward), and while the graph's first run is compared
-        a copy of what that run writes (the parameters, moments or gradients it changes,
-        put back after): that copy raises the first step's peak; ``ortrain.explain``
-        reports the time. False: trust the graphs unchecked.
+        on one thread in a forked child started before the build (so an eager step's
+        memory does not set the training process's peak; with ``eager_if_faster="auto"``
+        a second, timed one there and a timed forward; with a second core and free memory
+        for both children the build runs in its own child meanwhile), and while the
+        graph's first run is compared a copy of what that run writes (the parameters,
+        moments or gradients it changes, put back after): that copy raises the first
+        step's peak; ``ortrain.explain`` reports the time. False: trust the graphs unchecked.
     background_build: a step whose batch has no training graph yet starts its build in a
         forked child (one core, lowest priority) and runs in eager PyTorch on the other
         cores (the module's forward and backward, your torch optimizer's step over

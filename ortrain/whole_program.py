@@ -14,6 +14,7 @@ fallback "off" the error itself is raised.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -48,6 +49,32 @@ if TYPE_CHECKING:
     from ortrain.graph_passes.memory.memory_plan import MemoryReport
 
 
+# the build beside the check's child only with this much free memory: that many copies
+# of the model's tensors (its gradients and a graph's in each child) and a spare
+BESIDE_MODEL_COPIES = 6
+BESIDE_SPARE = 1 << 30
+
+
+def _available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (None: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class WholeProgram:
     """The training graphs of ``ctx.graphs`` run as the model's program."""
 
@@ -57,6 +84,10 @@ class WholeProgram:
         # eager's step on a batch whose graph ``padding_proof`` built just before its step
         # (taken before the build, as the step takes it: ``_early_reference``)
         self._references: dict[tuple, EagerStep] = {}
+        # graphs built beside their eager reference step (``_build_beside``), by signature:
+        # (the settings they were built with, the result or what the build raised)
+        self._prebuilt: dict[tuple, tuple[Any, Any]] = {}
+        self._fresh: set[tuple] = set()  # built anew at their next build (not the cache's)
         # graphs built while steps run in eager (TrainerOptions.background_build)
         self.background: BackgroundBuild | None = None
         if ctx.options.background_build:
@@ -172,7 +203,7 @@ class WholeProgram:
             compiled = self.graphs.find_train(batch)  # arrived just now
         if compiled is None:
             reference = self._early_reference(batch)
-            compiled = self._build(batch)
+            compiled = self._build(batch, reference=reference)
             if reference is not None:
                 self._references[signature(batch)] = reference
         if compiled.graph.padding[0] == "mixes":
@@ -210,10 +241,21 @@ class WholeProgram:
         """``batch``'s training graph built (or loaded), given a session, bound by role;
         ``reference``: eager's step on it, whose reached parameters the graph must reach."""
         ctx = self.ctx
+        sig = signature(batch)
+        fresh = fresh or sig in self._fresh
+        self._fresh.discard(sig)
+        prebuilt = self._prebuilt.pop(sig, None)
         while True:  # twice at most: the settings change with the engine
             try:
                 with self._build_errors():
-                    rows, built, hit = self.graphs.build_train(batch, ctx.settings(), fresh)
+                    settings = ctx.settings()
+                    if prebuilt is not None and not fresh and prebuilt[0] == settings:
+                        result, prebuilt = prebuilt[1], None
+                        if isinstance(result, Exception):
+                            raise result
+                        rows, built, hit = result
+                    else:
+                        rows, built, hit = self.graphs.build_train(batch, settings, fresh)
                 break
             except UpdateInBackwardError:
                 if ctx.engine.in_backward:  # the engine may not change: the refusal stands
@@ -327,16 +369,43 @@ class WholeProgram:
 
     def _early_reference(self, batch: dict[str, Any]) -> EagerStep | None:
         """Eager's step on ``batch`` for the first-step check where this signature's first
-        graph is due (``first_step.EagerSide.early_reference``); else None."""
+        graph is due (``first_step.EagerSide.early_reference``), with the graph built
+        beside it where it is due too (``_build`` takes it); else None."""
         if not self.ctx.options.verify or self.graphs.has_train(batch):
             return None
-        if self.trial is None or not self.trial.gated:
-            return self.ctx.eager.early_reference(batch)
+        gated = self.trial is not None and self.trial.gated
+        beside = self.background is None and _cores() > 1 and self._room_beside()
+        pending = self.ctx.eager.start_reference(batch, timed=gated, beside=beside)
+        if pending.forked and beside:
+            self._build_beside(batch)
         # "auto"'s gate: eager's step and forward timed warm in the same child
-        reference, times = self.ctx.eager.early_reference(batch, timed=True)
+        reference, times = pending.finish() if gated else (pending.finish(), None)
         if times is not None:
-            self.trial.measured(signature(batch), times)
+            self.trial.measured(signature(batch), times)  # type: ignore[union-attr]
+        if pending.lazy and self._prebuilt.pop(signature(batch), None) is not None:
+            # built beside from the first call's branch, and stored so: built anew
+            self._fresh.add(signature(batch))
         return reference
+
+    def _room_beside(self) -> bool:
+        """Whether the machine's free memory holds the build's child beside the check's:
+        each may write the model's size a few times over (eager's gradients, the graph's
+        initializers), and one after the other never needs both at once."""
+        st = self.ctx.state
+        model = sum(t.nbytes for t in (*st.params.values(), *st.buffers.values()))
+        free = _available_bytes()
+        return free is None or free > BESIDE_MODEL_COPIES * model + BESIDE_SPARE
+
+    def _build_beside(self, batch: dict[str, Any]) -> None:
+        """``batch``'s training graph built (its own forked child) while eager's reference
+        step runs in another: two cores' work at once. Its result, or what the build
+        raised, waits for ``_build`` (which raises it where it would have run it)."""
+        settings = self.ctx.settings()
+        try:
+            result: Any = self.graphs.build_train(batch, settings)
+        except Exception as exc:
+            result = exc
+        self._prebuilt[signature(batch)] = (settings, result)
 
     def _checks_out(
         self, compiled: CompiledGraph, batch: dict[str, Any], reference: EagerStep | None = None

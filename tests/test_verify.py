@@ -602,22 +602,33 @@ def test_eager_runs_get_the_batch_on_the_modules_device():
     assert moved["flag"] is True and batch["input"].device.type == "cpu"
 
 
-def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatch):
+def test_the_eager_step_of_the_check_runs_in_a_child_beside_the_build(monkeypatch):
     """An eager step's activations would set the training process's peak memory (the
     graph's is lower): the check takes eager's step in a forked child, once per new
-    signature, before the graph is built."""
+    signature, started before the graph's build; with a second core the build runs
+    while that child does and the child's result is taken after it."""
     import ortrain.first_step as first_step_mod
     import ortrain.program_context as context_mod
+    import ortrain.whole_program as whole_mod
 
-    calls: list[str] = []
-    real = context_mod.call_forked
+    events: list[str] = []
+    real_call, real_job = context_mod.call_forked, first_step_mod.ForkedJob
 
     def recording(job, what):
-        calls.append(what)
-        return real(job, what=what)
+        events.append("build")
+        return real_call(job, what=what)
+
+    class Recording(real_job):
+        def __init__(self, job, *, what, nice=0):
+            events.append("check started")
+            super().__init__(job, what=what, nice=nice)
+
+        def result(self):
+            events.append("check taken")
+            return super().result()
 
     monkeypatch.setattr(context_mod, "call_forked", recording)  # the builds
-    monkeypatch.setattr(first_step_mod, "call_forked", recording)  # the eager steps
+    monkeypatch.setattr(first_step_mod, "ForkedJob", Recording)  # the eager steps
     monkeypatch.delenv("ORTRAIN_BUILD_IN_PROCESS", raising=False)
     monkeypatch.delenv("ORTRAIN_EXPORT_IN_PROCESS", raising=False)
     torch.manual_seed(0)
@@ -627,7 +638,34 @@ def test_the_eager_step_of_the_check_runs_in_a_child_before_the_build(monkeypatc
                          loss_fn=lambda out, batch: out.square().mean())  # fmt: skip
     for n in (3, 3, 5):
         trainer.train_step(torch.randn(n, 4))
-    checks = [c for c in calls if c == "the first step's eager check"]
-    assert len(checks) == 2  # one per signature (3 rows, 5 rows); none for the repeat
-    assert calls.index(checks[0]) == 0  # before the first build's job
+    beside = ["check started", "build", "check taken"]
+    waited = ["check started", "check taken", "build"]
+    # one per signature (3 rows, 5 rows); none for the repeat
+    assert events == (beside if whole_mod._cores() > 1 else waited) * 2
     assert all(g.verified for g in trainer._graphs.train.values())
+
+
+def test_a_build_beside_the_check_that_fails_raises_where_the_build_would(monkeypatch):
+    """What the build beside the eager check raises reaches the step as the build's
+    error (the check's child taken first), fallback 'off' and 'auto' alike."""
+    import ortrain.whole_program as whole_mod
+    from ortrain.core.errors import ExportError
+
+    monkeypatch.setattr(whole_mod, "_cores", lambda: 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    for fallback in ("off", "auto"):
+        options = TrainerOptions(fallback=fallback, graph_cache=False, build_progress=False)
+        trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options,
+                             loss_fn=lambda out, batch: out.square().mean())  # fmt: skip
+
+        def refused(*args, **kwargs):
+            raise ExportError("an export that fails")
+
+        monkeypatch.setattr(trainer._ctx.graphs, "build_train", refused)
+        if fallback == "off":
+            with pytest.raises(ExportError, match="an export that fails"):
+                trainer.train_step(torch.randn(3, 4))
+        else:
+            with pytest.warns(UserWarning, match="an export that fails"):
+                trainer.train_step(torch.randn(3, 4))
