@@ -72,6 +72,7 @@ from ortrain.runtime.update_engines import (
     make_engine,
 )
 from ortrain.step_errors import window_restarts
+from ortrain.tensor_slots import TensorSlots
 from ortrain.verify import Tolerance, eval_children
 from ortrain.whole_graph import WholeGraphs
 
@@ -162,6 +163,8 @@ class ProgramContext:
         self.state.update_in_eager = self.update_in_eager
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self.graph_cache = GraphCache(options, module, loss_fn)
+        # where the module held the state's tensors at the last step's check that passed
+        self._slots = TensorSlots(module, self._held)
         self._modes: tuple[str, ...] | None = None  # eval_children at the last step
         self._structure: StructureWatch | None = None  # sub-modules and hooks, last step
         self._values: ValueWatch | None = None  # the Python values at the last step
@@ -376,10 +379,13 @@ class ProgramContext:
         for the set it had then, and training on would leave newly trainable parameters
         unchanged, or keep updating frozen ones, with no error."""
         check_groups(self.optimizer, self.spec)
-        self._check_same_parameters()
         changed = [(n, now) for n, p, was in self._requires if (now := p.requires_grad) != was]
+        if not changed and self._slots.unchanged():  # (what the walks below would find)
+            return
+        self._check_same_parameters()
         if not changed:
             self.state.adopt_rebound()  # ``p.data = ...`` since the last step
+            self._slots.take()
             return
         thawed = [n for n, now in changed if now]
         frozen = [n for n, now in changed if not now]
@@ -395,6 +401,10 @@ class ProgramContext:
             "layers later, call trainer.sync_to_module() and make a new ORTTrainer (nothing "
             "of this step ran)"
         )
+
+    def _held(self, kind: str, name: str) -> torch.Tensor | None:
+        """The state's tensor of a parameter or buffer (``TensorSlots``)."""
+        return (self.state.params if kind == "parameter" else self.state.buffers).get(name)
 
     def _check_same_parameters(self) -> None:
         """Raises where the module no longer holds the optimizer's parameter objects under
