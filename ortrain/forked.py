@@ -161,12 +161,12 @@ class ForkedJob(Generic[T]):
     def result(self) -> T:
         """The job's result (its exception raised here); waits for the child."""
         self._wait(None)
-        data = b""
-        if self.complete:
-            self.out.seek(0)
-            data = self.out.read()
-        self.out.close()
-        if not data and self._killed_from_outside():
+        # read from the file as it is unpickled: the whole of it never held twice (a
+        # reference step's gradients are the model's size)
+        sent = self.complete and self.out.seek(0, os.SEEK_END) > 0
+        if not sent:
+            self.out.close()
+        if not sent and self._killed_from_outside():
             # most often the out-of-memory killer: the same job here would take the
             # training process (and what it trained) with it
             raise BuildKilledError(
@@ -177,7 +177,7 @@ class ForkedJob(Generic[T]):
                 "lose the training state with it. Free memory (a smaller batch or model), "
                 f"or set {IN_PROCESS_ENV}=1 to build in this process anyway"
             )
-        if not data:  # the child died, hung or crashed: run it here
+        if not sent:  # the child died, hung or crashed: run it here
             warnings.warn(
                 f"{self.what} in a child process failed (wait status {self.status}); running "
                 "it in this process",
@@ -188,7 +188,11 @@ class ForkedJob(Generic[T]):
             # torch's pytree specs (a segment's call and result structure) warn about their
             # own pickled form on load; nothing the user can act on
             warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
-            kind, value, notes = pickle.loads(data)
+            try:
+                self.out.seek(0)
+                kind, value, notes = pickle.load(self.out)
+            finally:
+                self.out.close()
         for category, message in notes:
             warnings.warn(message, category, stacklevel=3)
         if kind == "error":

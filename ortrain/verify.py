@@ -96,6 +96,8 @@ KINK_NUDGE = 2.0**-20
 KINK_PROBES = 2
 KINK_FACTOR = 3.0
 KINK_CEILING = 0.25
+# elements a float64 norm converts at a time (``_norm64``): a float64 copy of this many
+NORM_PIECE = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +130,21 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(_dense(t))) if t.numel() else 0.0
 
 
-def _norm64(t: torch.Tensor) -> float:
-    """The norm of a float32 tensor, summed in float64 (float32's sum loses digits)."""
-    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) if t.numel() else 0.0
+def _norm64(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
+    """The norm of a float32 tensor (of ``t - minus``), summed in float64 (float32's sum
+    loses digits) a piece at a time: a first step's check compares gradients of the
+    model's size, and no float64 copy of a whole one (nor a difference) is made."""
+    if not t.numel():
+        return 0.0
+    a = t.detach().reshape(-1)
+    b = None if minus is None else minus.detach().reshape(-1)
+    squares = torch.zeros((), dtype=torch.float64, device=a.device)
+    for start in range(0, a.numel(), NORM_PIECE):
+        piece = a[start : start + NORM_PIECE]
+        if b is not None:
+            piece = piece - b[start : start + NORM_PIECE]
+        squares += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+    return math.sqrt(float(squares))
 
 
 def _plain_float32(g: torch.Tensor, w: torch.Tensor) -> bool:
@@ -173,7 +187,7 @@ def compare(
             # float64 norms of the float32 tensors, no copies: a finite norm means finite
             # values (float32 squares cannot overflow a float64 sum), and a difference of
             # two float32 values is exact where they are close
-            ng, diff = _norm64(g), _norm64(g - w)
+            ng, diff = _norm64(g), _norm64(g, w)
             if math.isfinite(norms[name]) and math.isfinite(ng) and math.isfinite(diff):
                 scale = norms[name] + floor * top
                 if diff > rtol * scale:
@@ -706,10 +720,14 @@ def graph_step_mismatches(
             if dropout_on is not None:
                 dropout_on.fill_(True)
         got_loss = loss.detach().clone()
-        got = {n: g.detach().clone() for n, g in read_grads().items()}
-    bad_loss = compare({"loss": got_loss}, {"loss": want_loss}, tol.loss)
-    bad = compare(got, want, tol.grad, tol.floor)
-    if (bad_loss or bad) and exact:
+        # compared where they are: a copy of every gradient (the model's size) is made
+        # only for a second look
+        got = dict(read_grads())
+        bad_loss = compare({"loss": got_loss}, {"loss": want_loss}, tol.loss)
+        bad = compare(got, want, tol.grad, tol.floor)
+        second_look = bool(bad_loss or bad) and exact
+        got = {n: g.detach().clone() for n, g in got.items()} if second_look else {}
+    if second_look:
         module64 = in_float64(module)
         exact_step = in_float64_run(
             lambda: eager_loss_and_grads(lambda: loss_of(module64), module64, names)

@@ -39,6 +39,7 @@ from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
 from ortrain.python_state import describe
 from ortrain.runtime.binder import bind_training_graph
+from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.session import CudaGraphCaptureError, UnbindableError, register_cpu_arena
 from ortrain.speed_trial import SpeedTrial
 from ortrain.step_errors import from_onnxruntime, run_failed
@@ -162,7 +163,12 @@ class WholeProgram:
                 ctx.engine.before_run(group_values(ctx.optimizer, ctx.spec))
             if compiled.verified or not ctx.options.verify:
                 break
-            if self._checks_out(compiled, batch, reference if attempt == 0 else None):
+            checked = self._checks_out(compiled, batch, reference if attempt == 0 else None)
+            # eager's gradients and the check's copies, the model's size each, are freed:
+            # the heap hands their pages back rather than holding them for the run
+            reference = None
+            trim_heap()
+            if checked:
                 break
             if not compiled.cache_hit:
                 raise AssertionError("unreachable: _checks_out raises for a built graph")
