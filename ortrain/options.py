@@ -138,11 +138,13 @@ class TrainerOptions:
         (``ortrain/verify.py``). Its cost is one eager step per graph built, on CPU run
         on one thread in a forked child started before the build (so an eager step's
         memory does not set the training process's peak; with ``eager_if_faster="auto"``
-        a second, timed one there and a timed forward; with a second core and free memory
-        for both children the build runs in its own child meanwhile), and while the
-        graph's first run is compared a copy of what that run writes (the parameters,
-        moments or gradients it changes, put back after): that copy raises the first
-        step's peak; ``ortrain.explain`` reports the time. False: trust the graphs unchecked.
+        a second, timed one there and a timed forward; where torch may use a second core
+        (``torch.get_num_threads()``) and the free memory holds both children, the build
+        runs in its own child meanwhile), and while the graph's first run is compared a
+        copy of what that run writes (the parameters, moments or gradients it changes, put
+        back after) beside eager's gradients: the first step's peak is about two model
+        sizes above a step's; ``ortrain.explain`` reports the time. False: trust the
+        graphs unchecked.
     background_build: a step whose batch has no training graph yet starts its build in a
         forked child (one core, lowest priority) and runs in eager PyTorch on the other
         cores (the module's forward and backward, your torch optimizer's step over

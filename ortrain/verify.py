@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from ortrain.core.errors import VerificationError
 from ortrain.fixed_draws import FixedDraws
 from ortrain.python_state import kept
+from ortrain.spill import Spilled, SpillFile
 
 __all__ = [
     "Mismatch",
@@ -479,23 +480,30 @@ def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def restoring(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Put these tensors' values back afterwards (a run that must leave no trace)."""
-    seen: dict[int, tuple[torch.Tensor, torch.Size, torch.Tensor | None]] = {}
-    for t in tensors:
-        if id(t) not in seen:
-            seen[id(t)] = (t, t.shape, snapshot(t))
+def restoring(tensors: Sequence[torch.Tensor], spill: bool = False) -> Iterator[None]:
+    """Put these tensors' values back afterwards (a run that must leave no trace).
+    ``spill``: large host tensors' copies wait in a file, not in memory (``ortrain/spill.py``:
+    a checked run that writes every parameter)."""
+    file = SpillFile() if spill else None
+    seen: dict[int, tuple[torch.Tensor, torch.Size, torch.Tensor | Spilled | None]] = {}
     try:
+        for t in tensors:
+            if id(t) not in seen:
+                seen[id(t)] = (t, t.shape, snapshot(t, file))
         yield
     finally:
         with torch.no_grad():
             for t, shape, saved in seen.values():
                 if t.shape != shape:  # resized in place (an observer's first call)
                     t.resize_(shape)
-                if saved is not None:
+                if isinstance(saved, Spilled):
+                    file.put_back(saved, t)  # type: ignore[union-attr]
+                elif saved is not None:
                     t.copy_(saved)
                 elif _written(t):
                     t.zero_()
+        if file is not None:
+            file.close()
 
 
 def _written(t: torch.Tensor) -> bool:
@@ -506,12 +514,13 @@ def _written(t: torch.Tensor) -> bool:
     return any(bool(piece.any()) for piece in flat.split(1 << 20))
 
 
-def snapshot(t: torch.Tensor) -> torch.Tensor | None:
-    """A copy of ``t``, or None where it is all zeros (a fresh optimizer's moments, zeroed
-    gradients: at a first step most of what a check puts back, which would otherwise be
-    copied whole)."""
+def snapshot(t: torch.Tensor, file: SpillFile | None = None) -> torch.Tensor | Spilled | None:
+    """A copy of ``t`` (in ``file`` where it takes it), or None where it is all zeros (a
+    fresh optimizer's moments, zeroed gradients: at a first step most of what a check
+    puts back, which would otherwise be copied whole)."""
     if t.numel() and bool(t.detach().any()):
-        return t.detach().clone()
+        kept = file.keep(t) if file is not None else None
+        return kept if kept is not None else t.detach().clone()
     return None
 
 
@@ -711,7 +720,7 @@ def graph_step_mismatches(
     if draws.unverified:
         return [], draws, time.perf_counter() - start + earlier
     want = {n: every[n] for n in names}
-    with restoring([*written, loss]):
+    with restoring([*written, loss], spill=True):
         if dropout_on is not None:
             dropout_on.fill_(False)
         try:

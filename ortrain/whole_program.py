@@ -69,11 +69,14 @@ def _available_bytes() -> int | None:
 
 
 def _cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process's training may use: those it may run on, at most torch's
+    thread count (a user who runs several trainings side by side, one thread each,
+    gives none of them a second core to build on)."""
     try:
-        return len(os.sched_getaffinity(0))
+        allowed = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        allowed = os.cpu_count() or 1
+    return min(allowed, torch.get_num_threads())
 
 
 class WholeProgram:
