@@ -32,6 +32,7 @@ from ortrain.core.names import DROPOUT_OPS, IN_BACKWARD_STATES, state_key
 from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
 from ortrain.forked import ForkedJob, can_fork
 from ortrain.python_state import changed_every_call, kept, random_states_kept
+from ortrain.spill import loaded_on_read
 from ortrain.verify import (
     EagerStep,
     Tolerance,
@@ -92,6 +93,8 @@ class PendingReference:
             try:
                 if self.job is not None:
                     reference, found, lazy, seconds = self.job.result()
+                    if reference is not None:
+                        reference = (reference[0], loaded_on_read(reference[1]), *reference[2:])
                     if lazy:  # built in the child: build them here too, before the export
                         self.eager._build_lazy_buffers(self.batch)
                         self.lazy = True
@@ -225,7 +228,9 @@ class EagerSide:
 
         if can_fork([*module.parameters(), *module.buffers()]):
             try:
-                job = ForkedJob(forked, what="the first step's eager check")
+                # eager's gradients stay in the child's spill file until compared, one
+                # at a time: never a second copy of the model's size in this process
+                job = ForkedJob(forked, what="the first step's eager check", spill=True)
             except Exception:
                 return PendingReference(self, batch, timed)
             pending = PendingReference(self, batch, timed, job=job)

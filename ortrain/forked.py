@@ -36,6 +36,7 @@ from typing import Generic, TypeVar
 import torch
 
 from ortrain.core.errors import BuildKilledError
+from ortrain.spill import dumps_spilling, load_spilled
 
 T = TypeVar("T")
 # A child's first byte, written as soon as the fork returns in it. Python 3.11.7 and
@@ -74,7 +75,7 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _child(job: Callable[[], T], write_fd: int, out_fd: int) -> None:
+def _child(job: Callable[[], T], write_fd: int, out_fd: int, spill_fd: int | None = None) -> None:
     # Nothing inherited may be finalized here: an ONNX Runtime session in uncollected
     # garbage would join its thread pool's threads, which do not exist after a fork.
     gc.freeze()
@@ -93,7 +94,8 @@ def _child(job: Callable[[], T], write_fd: int, out_fd: int) -> None:
             payload = ("error", sent)
     notes = [(w.category, str(w.message)) for w in caught]
     try:
-        data = pickle.dumps((*payload, notes))
+        sent = (*payload, notes)
+        data = pickle.dumps(sent) if spill_fd is None else dumps_spilling(sent, spill_fd)
     except Exception as exc:  # a result that does not pickle is a bug: say so
         data = pickle.dumps(("error", RuntimeError(f"build result not picklable: {exc}"), notes))
     with os.fdopen(out_fd, "wb", closefd=False) as f:
@@ -110,10 +112,12 @@ class ForkedJob(Generic[T]):
     """``job()`` started in a forked child: ``done()`` reads what it has sent so far
     without waiting (a step can go on while a graph builds), ``result()`` waits for it.
     Started only where ``can_fork`` says so; ``nice``: the child's niceness increment
-    (a build beside training takes only the CPU time the training leaves)."""
+    (a build beside training takes only the CPU time the training leaves); ``spill``:
+    the result's large host tensors come back as ``spill.SpilledTensor`` handles on a
+    file, read when asked for (a reference step's gradients, the model's size)."""
 
-    def __init__(self, job: Callable[[], T], *, what: str, nice: int = 0):
-        self.job, self.what, self.nice = job, what, nice
+    def __init__(self, job: Callable[[], T], *, what: str, nice: int = 0, spill: bool = False):
+        self.job, self.what, self.nice, self.spill = job, what, nice, spill
         self.timeout = float(os.environ.get("ORTRAIN_EXPORT_TIMEOUT", "1800"))
         self.tries = 0
         self._start()
@@ -122,6 +126,7 @@ class ForkedJob(Generic[T]):
         self.tries += 1
         read_fd, write_fd = os.pipe()
         self.out = tempfile.TemporaryFile(prefix="ortrain-build-")
+        self.spilled = tempfile.TemporaryFile(prefix="ortrain-spill-") if self.spill else None
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
@@ -129,7 +134,8 @@ class ForkedJob(Generic[T]):
                 if self.nice:
                     os.nice(self.nice)
                 os.write(write_fd, STARTED)
-                _child(self.job, write_fd, self.out.fileno())
+                spill_fd = None if self.spilled is None else self.spilled.fileno()
+                _child(self.job, write_fd, self.out.fileno(), spill_fd)
             finally:
                 os._exit(0)
         os.close(write_fd)
@@ -157,6 +163,9 @@ class ForkedJob(Generic[T]):
             os.kill(self.pid, signal.SIGKILL)
             self._reap()
         self.complete = False
+        self.out.close()  # (nothing in them is read now)
+        if self.spilled is not None:
+            self.spilled.close()
 
     def result(self) -> T:
         """The job's result (its exception raised here); waits for the child."""
@@ -166,6 +175,8 @@ class ForkedJob(Generic[T]):
         sent = self.complete and self.out.seek(0, os.SEEK_END) > 0
         if not sent:
             self.out.close()
+            if self.spilled is not None:
+                self.spilled.close()
         if not sent and self._killed_from_outside():
             # most often the out-of-memory killer: the same job here would take the
             # training process (and what it trained) with it
@@ -190,7 +201,11 @@ class ForkedJob(Generic[T]):
             warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
             try:
                 self.out.seek(0)
-                kind, value, notes = pickle.load(self.out)
+                if self.spilled is None:
+                    kind, value, notes = pickle.load(self.out)
+                else:  # the handles keep the spill file open
+                    spilled, self.spilled = self.spilled, None
+                    kind, value, notes = load_spilled(self.out, spilled)
             finally:
                 self.out.close()
         for category, message in notes:

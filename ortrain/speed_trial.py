@@ -23,12 +23,13 @@ is often well under three (a frozen backbone's backward stops at the head, a sma
 model's is mostly autograd's own overhead), where three forwards would keep a slower
 graph from its trial; it is taken at most three (``SpeedTrial.measured``). The estimate
 is never below the child's step over this process's thread count (a floor: no step runs
-faster on more threads than perfect scaling). It is not exact (the forward is timed in
-the trainer's process, the ratio on one thread), so only a graph step faster than
-``GATE`` times it skips the trial, and never runs an eager step; a near tie goes to the
-trial, whose real steps decide. Where eager's step costs more than the estimate the gate
-can send a faster graph to a trial it did not need: that costs the trial's eager steps,
-their time and activation memory, and the graph stays.
+faster on more threads than perfect scaling); a graph step already faster than ``GATE``
+times that floor keeps the graph without timing eager's forward at all. It is not exact
+(the forward is timed in the trainer's process, the ratio on one thread), so only a
+graph step faster than ``GATE`` times it skips the trial, and never runs an eager step;
+a near tie goes to the trial, whose real steps decide. Where eager's step costs more
+than the estimate the gate can send a faster graph to a trial it did not need: that
+costs the trial's eager steps, their time and activation memory, and the graph stays.
 
 Which steps ran where is fixed (the trial's schedule does not depend on time); what runs
 after it does, so two runs agree to float rounding, not bit for bit, where the choice
@@ -76,6 +77,7 @@ class Trial:
     estimate: float | None = None  # gated: eager's step estimated from its forward
     floor: float = 0.0  # gated: what eager's step cannot undercut (``SpeedTrial.measured``)
     share: float = FORWARD_SHARE  # gated: eager's step over its no-grad forward
+    floored: bool = False  # gated: kept the graph on the floor alone (``beats_floor``)
 
     def route(self) -> str:
         if self.choice:
@@ -94,6 +96,16 @@ class Trial:
         self.estimate = max(self.share * forward, self.floor)
         if min(self.graph) <= GATE * self.estimate:
             self.choice = "graph"
+
+    def beats_floor(self) -> bool:
+        """Whether the graph is faster than the floor alone says eager can be: the
+        estimate is never below the floor, so ``gate`` would keep the graph whatever the
+        forward took; it keeps it without timing one (an eager forward's activations
+        would set the process's peak memory for nothing)."""
+        if self.floor > 0 and min(self.graph) <= GATE * self.floor:
+            self.estimate, self.choice, self.floored = self.floor, "graph", True
+            return True
+        return False
 
     def record(self, route: str, seconds: float) -> None:
         if self.choice:
@@ -150,7 +162,7 @@ class SpeedTrial:
         loss = self.eager.step(batch) if route == "eager" else step(batch)
         trial = self._trial(sig)
         trial.record(route, self._seconds(route, time.perf_counter() - start))
-        if trial.weighing():
+        if trial.weighing() and not trial.beats_floor():
             try:
                 forward = self._forward_seconds(batch)
             except Exception:  # a forward that needs gradients: nothing to weigh, no trial
@@ -188,7 +200,9 @@ class SpeedTrial:
             if not t.eager:  # the gate kept the graph without a trial (on its fastest step)
                 lines.append(
                     f"  {_shape_text(sig)}: graph {min(t.graph) * 1e3:.1f} ms a step, eager's "
-                    f"estimated at {t.estimate * 1e3:.1f} ms: runs on the graph (no trial)"
+                    f"estimated at {t.estimate * 1e3:.1f} ms"
+                    f"{' or more (its step on one thread over the threads)' if t.floored else ''}"
+                    ": runs on the graph (no trial)"
                 )
                 continue
             g = statistics.median(t.graph)

@@ -180,6 +180,35 @@ def test_gate_estimates_eager_from_its_forward_the_ratio_and_the_floor(
     assert t.choice == expected  # "": the trial's steps are next
 
 
+@pytest.mark.parametrize("floor, kept", [(1.0 / GATE + 0.01, True), (1.0 / GATE - 0.01, False)])
+def test_a_graph_under_the_floor_is_kept_without_timing_eagers_forward(floor, kept):
+    """Where the graph's step is under ``GATE`` times the floor (the child's one-thread
+    step over the thread count) no forward could change the gate's answer: the graph is
+    kept without one (an eager forward's activations would set the peak for nothing);
+    just over it, the forward is timed as before."""
+    trial = SpeedTrial.__new__(SpeedTrial)
+    trial.gated, trial.trials = True, {}
+    sig = ("sig",)
+    t = trial._trial(sig)
+    t.floor = floor
+    looks: list[dict] = []
+
+    class Steps:
+        def look(self, batch):
+            looks.append(batch)
+
+    trial.eager = Steps()
+    trial._seconds = lambda route, measured: 1.0  # every graph step: 1 s
+    for _ in range(1 + GATE_STEPS):
+        trial.run(sig, trial.route(sig), lambda batch: torch.zeros(()), {})
+    assert t.choice == ("graph" if kept else t.choice)
+    assert (len(looks) == 0) == kept
+    assert t.floored == kept
+    if kept:
+        assert t.estimate == floor
+        assert "or more" in trial.summary()
+
+
 def test_measured_sets_the_ratio_and_the_floor():
     trial = SpeedTrial.__new__(SpeedTrial)
     trial.gated, trial.trials = True, {}

@@ -49,6 +49,7 @@ def test_nan_payloads_and_negative_zeros_come_back_bit_for_bit(small_spills: Non
     assert kept is not None
     t.fill_(1.0)
     f.put_back(kept, t)
+    f.close()
     assert torch.equal(t.view(torch.int32), bits)
 
 

@@ -625,9 +625,9 @@ def test_the_eager_step_of_the_check_runs_in_a_child_beside_the_build(monkeypatc
         return real_call(job, what=what)
 
     class Recording(real_job):
-        def __init__(self, job, *, what, nice=0):
+        def __init__(self, job, *, what, **kwargs):
             events.append("check started")
-            super().__init__(job, what=what, nice=nice)
+            super().__init__(job, what=what, **kwargs)
 
         def result(self):
             events.append("check taken")
