@@ -283,9 +283,8 @@ class WholeProgram:
             # (a parameter that requires grad in no param group gets eager's gradient and
             # no update: nothing that trains reads it)
             trained = set(self.ctx.state.trainable)
-            eager = {
-                n: g for n, g in reference[1].items() if n not in built.grad_params and n in trained
-            }
+            grads = reference[1]  # (keys first: a value may be read from a file)
+            eager = {n: grads[n] for n in grads if n not in built.grad_params and n in trained}
             bad = compare({}, eager, self.ctx.eager.tol.grad)
         if self.ctx.eager.any_rank(bool(bad)):
             what = f"{type(self.ctx.module).__name__}'s training graph"
