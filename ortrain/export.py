@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,26 @@ class ExportedForward:
 
 
 _P = inspect.Parameter
+# forward's signature by the class's function (``forward_signature``); weak: a class let go
+# takes its entry with it
+_SIGNATURES: weakref.WeakKeyDictionary[Callable, inspect.Signature] = weakref.WeakKeyDictionary()
+
+
+def forward_signature(module: torch.nn.Module) -> inspect.Signature:
+    """``inspect.signature(module.forward)``, made once per forward function: every step
+    names its batch by it. A forward set on the instance (a wrapper library's partial) is
+    looked at anew each time."""
+    fn = module.forward
+    func = getattr(fn, "__func__", None)
+    if func is None or getattr(fn, "__self__", None) is not module:
+        return inspect.signature(fn)
+    try:
+        return _SIGNATURES[func]
+    except KeyError:
+        sig = _SIGNATURES[func] = inspect.signature(fn)
+        return sig
+    except TypeError:  # not weakly referenceable
+        return inspect.signature(fn)
 
 
 def _var_positional(params: Mapping[str, inspect.Parameter]) -> str | None:
@@ -107,7 +128,7 @@ def normalize_batch(
     ``**kwargs`` by key. ``allow_extra``: keywords the forward does not take (targets for a
     ``loss_fn``). ``call_arguments`` turns the mapping back into the forward's call.
     """
-    params = inspect.signature(module.forward).parameters
+    params = forward_signature(module).parameters
     named = {n for n, p in params.items() if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
     var = _var_positional(params)
     if var is not None:
@@ -124,7 +145,7 @@ def normalize_batch(
         extra = {k: v for k, v in kwargs.items() if k not in named}
         kwargs = {k: v for k, v in kwargs.items() if k in named}
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        bound = forward_signature(module).bind_partial(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"batch does not match {type(module).__name__}.forward: {exc}") from exc
     out: dict[str, Any] = {}
@@ -155,7 +176,7 @@ def normalize_batch(
 def var_positional_keys(module: torch.nn.Module, batch: Mapping[str, Any]) -> list[str] | None:
     """The keys of ``batch`` that hold the forward's ``*args`` values, in order (None: the
     forward has no ``*args``)."""
-    var = _var_positional(inspect.signature(module.forward).parameters)
+    var = _var_positional(forward_signature(module).parameters)
     if var is None:
         return None
     keys: list[str] = []
@@ -167,7 +188,7 @@ def var_positional_keys(module: torch.nn.Module, batch: Mapping[str, Any]) -> li
 def call_arguments(module: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[tuple, dict]:
     """The forward's positional and keyword arguments from a ``normalize_batch`` mapping;
     keys the forward does not take (a ``loss_fn``'s targets) are left out."""
-    params = inspect.signature(module.forward).parameters
+    params = forward_signature(module).parameters
     rest = dict(inputs)
     varargs = [rest.pop(k) for k in var_positional_keys(module, inputs) or []]
     args = []

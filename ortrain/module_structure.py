@@ -69,6 +69,11 @@ class StructureWatch:
         self._modules = list(self.module.modules())
         self._key = self._fast()
 
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules as last taken (every sub-module, the root first)."""
+        return self._modules
+
     def _fast(self) -> list[object]:
         out: list[object] = []
         for m in self._modules:

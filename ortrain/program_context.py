@@ -166,6 +166,8 @@ class ProgramContext:
         # where the module held the state's tensors at the last step's check that passed
         self._slots = TensorSlots(module, self._held)
         self._modes: tuple[str, ...] | None = None  # eval_children at the last step
+        # each watched module's ``training`` flag when ``_modes`` was taken (``_mode_flags``)
+        self._mode_flags: tuple[bool, ...] | None = None
         self._structure: StructureWatch | None = None  # sub-modules and hooks, last step
         self._values: ValueWatch | None = None  # the Python values at the last step
         self._value_changes: dict[tuple[str, str], int] = {}  # steps each one changed at
@@ -444,7 +446,11 @@ class ProgramContext:
         so the training graphs are dropped (built again, and checked) and the graph cache
         keys the new modes. The first call says once that a module in evaluation mode
         trains in training mode."""
+        flags = self._flags()
+        if flags is not None and flags == self._mode_flags:
+            return False  # every module's flag as it was: no names made
         modes = eval_children(self.module)
+        self._mode_flags = flags
         if self._modes is None and not self.module.training:
             warnings.warn(
                 f"ortrain: {type(self.module).__name__} is in evaluation mode; train_step "
@@ -459,6 +465,13 @@ class ProgramContext:
             self.graphs.clear_train()
             self.graph_cache.forget_model_key()
         return changed
+
+    def _flags(self) -> tuple[bool, ...] | None:
+        """The ``training`` flags of the modules the structure watch holds (None before
+        it holds any)."""
+        if self._structure is None:
+            return None
+        return tuple(m.training for m in self._structure.modules)
 
     def forward_ran(self) -> None:
         """An eager forward of ortrain's own ran inside a step (an eager step, the speed
@@ -478,6 +491,8 @@ class ProgramContext:
         if self._structure is None:
             self._structure = StructureWatch(self.module)
         said = self._structure.changes()
+        if said:  # the graphs are built with the modules' modes as they are now
+            self._modes, self._mode_flags = eval_children(self.module), self._flags()
         comm = getattr(self.reducer, "comm", None)
         if comm is not None and not comm.any(bool(said)):
             return False  # (every rank decides alike: what follows builds collectively)

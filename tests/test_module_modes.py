@@ -82,3 +82,34 @@ def test_a_model_in_evaluation_mode_trains_in_training_mode_with_a_warning() -> 
     said = [w for w in caught if "is in evaluation mode" in str(w.message)]
     assert len(said) == 1 and said[0].filename == __file__
     assert not model.training and not model.bn.training  # left as the user set it
+
+
+def test_a_new_sub_module_in_another_mode_builds_once_and_a_flip_after_it_again() -> None:
+    """Modes are watched by each module's flag between steps (no names made while none
+    moves): a sub-module put in anew in another mode than the one it replaces is one
+    structure change (one build, with its mode), not a structure change and then a mode
+    change; freezing another afterwards builds again. Every step as eager's."""
+    model = _Net()
+    model.drop.eval()
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    builds = []
+    for i, (x, y) in enumerate(_batches(7)):
+        if i == 2:  # a Dropout in training mode that drops nothing, for one in evaluation
+            model.drop = torch.nn.Dropout(0.0)
+            ref.drop = torch.nn.Dropout(0.0)
+        if i == 5:  # the BatchNorm frozen
+            model.bn.eval()
+            ref.bn.eval()
+        opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = trainer.train_step(x, y)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+        builds.append(trainer.build_count)
+    # built at step 0, again at the new module (step 2), again at the freeze (step 5)
+    assert builds == [1, 1, 2, 2, 2, 3, 3]
