@@ -546,6 +546,9 @@ _EXPORT_LOGGERS = (
     "torch._dynamo",
     "torch._subclasses.fake_tensor",
     "torch.fx.experimental.symbolic_shapes",
+    # torchlib's own empty-list attributes ("Attribute type is ambiguous"): nothing a
+    # user can act on (an index_put of a 1-D index makes one)
+    "onnx_ir._convenience",
 )
 
 
