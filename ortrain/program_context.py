@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -92,6 +93,29 @@ class ValuesChanged:
     again: bool  # some changed at a second step: their readers run in eager from now on
 
 
+# optimizer -> the ProgramContext whose hooks act on it (``_hook_optimizer``)
+_OWNERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _uneven_steps_held(optimizer: torch.optim.Optimizer) -> tuple[str, int]:
+    """The step counts (``checkpoint.uneven_steps``) of the optimizer's own state where the
+    parameters that require grad took different numbers of steps (frozen for a while,
+    by an earlier trainer or eager steps), and the most of them; ("", 0) where they took
+    the same."""
+    if not optimizer.state:
+        return "", 0
+    from ortrain.checkpoint import uneven_steps
+
+    held = optimizer.state_dict()
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in held["param_groups"] for i in g["params"]]
+    trained = {i for i, p in zip(ids, flat, strict=False) if p.requires_grad}
+    entries = {k: v for k, v in held["state"].items() if k in trained}
+    counts = uneven_steps({"optimizer": {"state": entries}})
+    steps = [float(e["step"]) for e in entries.values() if "step" in e]
+    return counts, (int(max(steps)) if counts and steps else 0)
+
+
 class ProgramContext:
     """``module`` trained with ``optimizer`` under ``options``: the state, the engine and
     the means to build and run its graphs."""
@@ -131,6 +155,23 @@ class ProgramContext:
             optimizer, {id(p): n for n, p in named.items()}, eager_because=self.dtype_cause
         )
         check_sparse_gradients(optimizer, module)
+        counts, stepped = _uneven_steps_held(optimizer)
+        if not (counts and self.spec.kind != EAGER and options.zero_stage == 0):
+            stepped = 0
+        elif options.update_engine != "auto":
+            raise CheckpointError(
+                f"the optimizer's state holds parameters that took {counts} steps (layers "
+                f"frozen for a while); update_engine={options.update_engine!r} counts one "
+                "step for all: leave it 'auto' (the optimizer's own step)"
+            )
+        else:  # a compiled update counts one step for all; torch's counts each parameter's
+            self.spec = dataclasses.replace(
+                self.spec,
+                kind=EAGER,
+                source=type(optimizer).__name__,
+                why_eager=f"the optimizer's state holds parameters that took {counts} steps "
+                "(layers frozen for a while)",
+            )
         # (ortrain/runtime/update_engines.py: EagerUpdate; for a dtype: the program warns)
         if self.spec.kind == EAGER and not self.dtype_cause:
             warnings.warn(
@@ -141,6 +182,7 @@ class ProgramContext:
         # the optimizer's parameters and whether each required grad when the trainer was
         # made: gradients and optimizer state are laid out for that set
         name_of = {id(p): n for n, p in named.items()}
+        self._trained_ids: set[int] | None = None  # (``_trains``)
         self._requires = [
             (name_of[id(p)], p, p.requires_grad)
             for group in optimizer.param_groups
@@ -161,6 +203,8 @@ class ProgramContext:
             any_dtype=bool(self.dtype_cause),
         )
         self.state.update_in_eager = self.update_in_eager
+        if stepped:  # the optimizer's own steps go on from the most any parameter took
+            self.state.set_counters(stepped, 0)
         # built graphs kept on disk (ortrain/build_cache.py); its hits count in build_count
         self.graph_cache = GraphCache(options, module, loss_fn)
         # where the module held the state's tensors at the last step's check that passed
@@ -241,12 +285,23 @@ class ProgramContext:
         after a step warns that it holds none, and loading one with state raises, both
         naming ``trainer.state_dict()`` / ``save_checkpoint``, which gather it (on every
         rank); empty ones pass (accelerate's wrapping reads one and loads it back)."""
+        # the newest trainer over this optimizer owns its state_dict: an older one's hooks
+        # (a trainer made anew after a freeze, as TrainableChangedError says) pass through,
+        # or the older one's load would take the state the new one starts from
+        _OWNERS[self.optimizer] = weakref.ref(self)
         if self.spec.kind == EAGER:  # its own step keeps its own state
             return []
         from ortrain import checkpoint
         from ortrain.distributed.data_parallel import DataParallel
 
         sharded = self.reducer is not None and not isinstance(self.reducer, DataParallel)
+
+        def owns() -> bool:
+            owner = _OWNERS.get(self.optimizer)
+            return owner is not None and owner() is self
+
+        # by position over the param groups, as torch numbers them in a state dict
+        trained = [was for _, _, was in self._requires]
         where = (
             f"under ZeRO-{self.options.zero_stage} the optimizer state is sharded across the "
             "ranks: trainer.state_dict() / load_state_dict() or save_checkpoint() / "
@@ -254,10 +309,14 @@ class ProgramContext:
         )
 
         def saved(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-            if self._to_torch:
+            if self._to_torch or not owns():
                 return state
             if not sharded:
-                return checkpoint.optimizer_state_dict(self.state)
+                out = checkpoint.optimizer_state_dict(self.state)
+                # parameters frozen since an earlier trainer: their state is torch's own
+                kept = {k: v for k, v in state["state"].items() if not trained[k]}
+                out["state"] = {**kept, **out["state"]}
+                return out
             if self.state.step > 0:  # (accelerate's wrapping reads it before any step)
                 warnings.warn(
                     f"ortrain: optimizer.state_dict() holds no state: {where}", stacklevel=3
@@ -265,22 +324,35 @@ class ProgramContext:
             return state
 
         def loading(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-            if self._to_torch:
+            if self._to_torch or not owns():
                 return state
             if not sharded:
                 checkpoint.load_optimizer_state_dict(self.state, state)
-                # torch's own load takes the param groups' values (lr, betas...); no state
-                return {**state, "state": {}}
+                # torch's own load takes the param groups' values (lr, betas...) and the
+                # state of parameters this trainer does not train (frozen: eager keeps it
+                # for when they thaw); the rest is ortrain's
+                at = [i for g in state.get("param_groups", ()) for i in g.get("params", ())]
+                kept = {
+                    k: v
+                    for k, v in state.get("state", {}).items()
+                    if k in at and at.index(k) < len(trained) and not trained[at.index(k)]
+                }
+                return {**state, "state": kept}
             if state.get("state"):
                 raise CheckpointError(f"optimizer.load_state_dict() of a state: {where}")
             return state
 
         self._resets = resets = StateResets(self.optimizer)
+
+        def watch(_: torch.optim.Optimizer) -> None:
+            if owns():
+                resets.watch()
+
         return [
             self.optimizer.register_state_dict_post_hook(saved),
             self.optimizer.register_load_state_dict_pre_hook(loading),
             # a load puts a new ``state`` in place: not the loop emptying it
-            self.optimizer.register_load_state_dict_post_hook(lambda _: resets.watch()),
+            self.optimizer.register_load_state_dict_post_hook(watch),
         ]
 
     def hand_state_to_torch(self) -> None:
@@ -294,11 +366,16 @@ class ProgramContext:
 
         if self._sharded():
             return
+        # the state of parameters this trainer does not train (frozen since an earlier
+        # trainer handed theirs over) stays: eager keeps it for when they thaw
+        untrained = {p: st for p, st in self.optimizer.state.items() if not self._trains(p) and st}
         self._to_torch = True
         try:
             self.optimizer.load_state_dict(checkpoint.optimizer_state_dict(self.state))
         finally:
             self._to_torch = False
+        for p, st in untrained.items():
+            self.optimizer.state.setdefault(p, st)
         self._handed = self.state.step
         # what says that eager steps followed: torch's step() changes its state in place
         self._handed_versions = [
@@ -307,6 +384,12 @@ class ProgramContext:
             for t in per_param.values()
             if isinstance(t, torch.Tensor)
         ]
+
+    def _trains(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the parameters this trainer's state lays out."""
+        if self._trained_ids is None:
+            self._trained_ids = {id(q) for _, q, was in self._requires if was}
+        return id(p) in self._trained_ids
 
     def _sharded(self) -> bool:
         """Whether the optimizer state is sharded across ranks (ZeRO)."""
@@ -333,12 +416,17 @@ class ProgramContext:
         if self._handed is None:
             if not self.optimizer.state or not self._optimizer_hooks or self._sharded():
                 return
+            # (the state of parameters it does not train stays torch's: frozen ones')
+            if not any(v and self._trains(p) for p, v in self.optimizer.state.items()):
+                return
         else:
             self._handed = None
             stepped = any(t._version != v for t, v in self._handed_versions)
             self._handed_versions = []
             if not stepped:  # no eager step since: the compiled update's state is current
-                self.optimizer.state.clear()  # (torch's copy: not taken for theirs later)
+                # (torch's copy: not taken for theirs later; frozen parameters' stays)
+                for p in [p for p in self.optimizer.state if self._trains(p)]:
+                    del self.optimizer.state[p]
                 if self._resets is not None:
                     self._resets.watch()  # (our own clearing)
                 return
@@ -396,13 +484,17 @@ class ProgramContext:
             for what, names in (("now require grad", thawed), ("no longer", frozen))
             if names
         )
-        raise TrainableChangedError(
+        error = TrainableChangedError(
             f"parameters changed requires_grad after the ORTTrainer was made ({said}); its "
             "gradients and optimizer state are laid out for the parameters that required "
-            "grad then. Set requires_grad before making the trainer; to freeze or unfreeze "
-            "layers later, call trainer.sync_to_module() and make a new ORTTrainer (nothing "
-            "of this step ran)"
+            "grad then. The trainer lays them out anew between accumulation windows in one "
+            "process; mid-window or under torch.distributed, freeze or unfreeze layers at a "
+            "window's start on every rank, or call trainer.sync_to_module() and make a new "
+            "ORTTrainer (nothing of this step ran)"
         )
+        error.requires_grad_only = True  # (ORTTrainer lays the state out anew where it can)
+        error.changed = said
+        raise error
 
     def _held(self, kind: str, name: str) -> torch.Tensor | None:
         """The state's tensor of a parameter or buffer (``TensorSlots``)."""

@@ -19,6 +19,7 @@ padded where bucketing is exact: ``bucketing.py``) and runs the model's program 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from ortrain.batch_input import BatchInput
 from ortrain.bucketing import Bucketing
 from ortrain.build import StageRecord
-from ortrain.core.errors import OrtrainError
+from ortrain.core.errors import OrtrainError, TrainableChangedError
 from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
@@ -134,7 +135,12 @@ class ORTTrainer(TrainerState, TrainerViews):
 
     def _train_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         raw = self._batch(args, kwargs)
-        self._ctx.check_trainable()
+        try:
+            self._ctx.check_trainable()
+        except TrainableChangedError as exc:
+            if not (exc.requires_grad_only and self._can_lay_out_anew()):
+                raise
+            self._lay_out_anew(f"parameters changed requires_grad ({exc.changed})")
         self._ctx.take_state_from_torch()  # eager steps after sync_to_module()
         modes = self._ctx.modes_changed()
         if (self._ctx.structure_changed() or modes) and isinstance(self._program, SegmentedProgram):
@@ -168,6 +174,39 @@ class ORTTrainer(TrainerState, TrainerViews):
                     # the model's own forward fails (not ortrain's reading of its output)
                     raise exc.eager_fails_too(own, type(self.module).__name__) from own
                 raise exc.error from eager
+
+    def _can_lay_out_anew(self) -> bool:
+        """Whether a change of which parameters require grad can be taken here: one
+        process, at an accumulation window's start (mid-window the sums so far are laid
+        out for the old set)."""
+        return self._ctx.reducer is None and self._ctx.state.micro_step == 0
+
+    def _lay_out_anew(self, what: str) -> None:
+        """Layers frozen or unfrozen since the last step: the trainer is made anew over
+        the same module and optimizer, as eager goes on (``sync_to_module`` hands the
+        weights and the optimizer's state to torch; the new trainer takes the state of the
+        parameters it trains and leaves the frozen ones' in ``optimizer.state``, where
+        eager keeps it for when they thaw). What it built and loaded so far still counts."""
+        background = getattr(self._program, "background", None)
+        if background is not None:
+            background.cancel()
+        self.sync_to_module()
+        old = self._ctx
+        scaler = old.state.scaler.state_dict() if old.state.scaler is not None else None
+        ORTTrainer.__init__(self, self.module, self.optimizer, self.options, loss_fn=self.loss_fn)
+        new = self._ctx
+        new.build_log[:0] = old.build_log
+        new.graphs.count += old.graphs.count
+        new.graph_cache.hits += old.graph_cache.hits
+        if scaler is not None and new.state.scaler is not None:
+            new.state.scaler.load_state_dict(scaler)
+        if new.spec.kind == "sgd":  # its state counts no steps (Adam's: each parameter's)
+            new.state.set_counters(max(new.state.step, old.state.step), 0)
+        warnings.warn(
+            f"ortrain: {type(self.module).__name__}: {what}; its graphs and optimizer state "
+            "are laid out anew for the parameters that require grad now",
+            stacklevel=4,
+        )
 
     def _follow_python_values(self) -> None:
         """Python values the forward reads that the training loop changed since the last

@@ -16,7 +16,12 @@ class UnsupportedOptimizerError(OrtrainError, TypeError):
 
 
 class TrainableChangedError(OrtrainError, ValueError):
-    """A parameter's ``requires_grad`` changed after the trainer was made; nothing ran."""
+    """A parameter's ``requires_grad`` changed after the trainer was made; nothing ran.
+    ``requires_grad_only``: nothing else changed (layers frozen or unfrozen), ``changed``
+    naming them."""
+
+    requires_grad_only = False
+    changed = ""
 
 
 class BatchError(OrtrainError, ValueError):
