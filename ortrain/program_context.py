@@ -487,10 +487,10 @@ class ProgramContext:
         error = TrainableChangedError(
             f"parameters changed requires_grad after the ORTTrainer was made ({said}); its "
             "gradients and optimizer state are laid out for the parameters that required "
-            "grad then. The trainer lays them out anew between accumulation windows in one "
-            "process; mid-window or under torch.distributed, freeze or unfreeze layers at a "
-            "window's start on every rank, or call trainer.sync_to_module() and make a new "
-            "ORTTrainer (nothing of this step ran)"
+            "grad then. In one process the trainer lays them out anew at an accumulation "
+            "window's start: change them there; under torch.distributed call "
+            "trainer.sync_to_module() and make a new ORTTrainer on every rank (nothing of "
+            "this step ran)"
         )
         error.requires_grad_only = True  # (ORTTrainer lays the state out anew where it can)
         error.changed = said
