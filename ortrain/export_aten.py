@@ -372,6 +372,24 @@ def _select_complex(self: Any, dim: int, index: int) -> Any:
     return aten_select(self, dim if dim >= 0 else dim - 1, index)
 
 
+def _one_hot(self: Any, num_classes: int = -1) -> Any:
+    """``F.one_hot``: ONNX ``OneHot`` over a constant depth, not torch's decomposition
+    (``eq(x[..., None], arange(n))``, which gives a row of zeros for a class out of range
+    where eager raises): the index check (``ortrain/index_check.py``) reads OneHot's depth
+    and refuses such a batch as eager does. ``num_classes=-1`` (the batch's max + 1) is
+    data-dependent: the export stops before this."""
+    from onnxscript import opset18 as op
+
+    if num_classes < 0:
+        raise ValueError("one_hot with num_classes=-1 depends on the batch's values")
+    return op.OneHot(
+        self,
+        op.Constant(value_ints=[num_classes]),
+        op.Constant(value_ints=[0, 1]),
+        axis=-1,
+    )
+
+
 def _atan2(y: Any, x: Any) -> Any:
     from onnxscript import opset18 as op
 
@@ -509,6 +527,7 @@ def aten_translations() -> dict[Callable, Callable]:
         **precise_translations(),
         **sdpa_translations(),
         torch.ops.aten.atan2.default: _atan2,
+        torch.ops.aten.one_hot.default: _one_hot,
         torch.ops.aten.bernoulli.default: _bernoulli,
         torch.ops.aten.uniform.default: _uniform,
         torch.ops.aten.baddbmm.default: _baddbmm,

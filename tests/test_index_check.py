@@ -219,3 +219,47 @@ def test_models_without_computed_indices_get_no_index_graph(gpt2_trained):
     _, trainer, _ = gpt2_trained
     (graph,) = trainer._graphs.train.values()
     assert graph.graph.computed_indices is None  # positions from arange: static
+
+
+class _OneHot(torch.nn.Module):
+    """Class scores picked by ``F.one_hot`` of the labels (a hand-written loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hot = torch.nn.functional.one_hot(y, 4).float()
+        return -(hot * self.lin(x).log_softmax(-1)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("bad", [4, -1, -5])
+def test_one_hot_of_a_class_out_of_range_is_refused_as_eager_refuses_it(bad):
+    """torch decomposes ``one_hot`` into ``eq(y[..., None], arange(n))``, a row of zeros
+    for a class out of range, where eager raises: exported as OneHot, whose depth the
+    check reads. In range, it trains like eager."""
+    torch.manual_seed(0)
+    model = _OneHot()
+    ref = _OneHot()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, opt, TrainerOptions(), loss_fn=lambda out, batch: out)
+    x, y = torch.randn(3, 8), torch.tensor([0, 3, 1])
+    loss = trainer.train_step(x, y)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    expected = ref(x, y)
+    expected.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+    ops = {n.op_type for n in trainer.train_graphs[0].graph}
+    assert "OneHot" in ops and "Range" not in ops
+    before = [p.detach().clone() for p in model.parameters()]
+    wrong = torch.tensor([0, bad, 1])
+    with pytest.raises(RuntimeError):
+        ref(x, wrong)  # eager's own refusal
+    with pytest.raises(BatchError, match=rf"'y' holds {bad} at y\[1\].*\[0, 4\).*OneHot"):
+        trainer.train_step(x, wrong)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
