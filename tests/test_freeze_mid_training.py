@@ -177,3 +177,33 @@ def test_a_transformers_model_with_its_first_block_frozen_then_thawed():
         torch.testing.assert_close(
             ours[k]["momentum_buffer"], theirs[k]["momentum_buffer"], rtol=1e-4, atol=1e-6
         )
+
+
+def test_a_checkpoint_taken_after_a_thaw_resumes_like_eager(tmp_path):
+    """After a thaw the parameters' step counts differ and the update is the optimizer's
+    own: its checkpoint loads into a new trainer over a fresh model and optimizer (whose
+    update starts compiled) and goes on there as eager goes on (it was refused as
+    "eager optimizer state" before)."""
+    torch.manual_seed(0)
+    model = _Three()
+    ref = copy.deepcopy(model)
+    ref_opt = _adamw(ref)
+    data = _data(7)
+    ref_losses = _eager(ref, ref_opt, data)
+    opt = _adamw(model)
+    trainer = ORTTrainer(model, opt, TrainerOptions(), loss_fn=lambda out, batch: out)
+    losses = []
+    with pytest.warns(UserWarning, match="laid out anew"):
+        for i, (x, y) in enumerate(data):
+            _plan(model, i)
+            if i == 5:
+                trainer.save_checkpoint(tmp_path / "ckpt.pt")
+                model, opt = _Three(), None
+                _plan(model, 2)
+                _plan(model, 4)  # the frozen set of the run it resumes
+                opt = _adamw(model)
+                trainer = ORTTrainer(model, opt, TrainerOptions(), loss_fn=lambda out, batch: out)
+                trainer.load_checkpoint(tmp_path / "ckpt.pt")
+            losses.append(float(trainer.train_step(x=x, y=y)))
+    trainer.sync_to_module()
+    _same_as_eager(model, ref, opt, ref_opt, losses, ref_losses)
