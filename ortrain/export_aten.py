@@ -514,6 +514,7 @@ def _avg_pool(spatial: int, function: Callable) -> Callable:
 def aten_translations() -> dict[Callable, Callable]:
     from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool2d, aten_avg_pool3d
 
+    from ortrain.export_bce import bce_translations
     from ortrain.export_gamma import gamma_translations
     from ortrain.export_lstm import lstm_translations
     from ortrain.export_pointwise import pointwise_translations
@@ -521,6 +522,7 @@ def aten_translations() -> dict[Callable, Callable]:
     from ortrain.export_sdpa_rank import sdpa_translations
 
     return {
+        **bce_translations(),
         **gamma_translations(),
         **lstm_translations(),
         **pointwise_translations(),

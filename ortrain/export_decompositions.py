@@ -24,15 +24,8 @@
 
 5. ``RReLU``: its slopes drawn in the graph for the elements at or below zero.
 
-6. ``F.binary_cross_entropy`` (``nn.BCELoss``) on probabilities: the value as torch's
-   kernel computes it (each log clamped at -100), and the gradients of torch's own
-   backward, ``(p - y) / max(p (1 - p), 1e-12)`` for the probabilities and ``-logit(p)``
-   (its logs clamped) for the targets: torch's decomposition,
-   which the exporter would use, differentiates the clamped logs, whose gradient at a
-   probability of exactly 0 or 1 (a saturated sigmoid) is ``0 / 0``, NaN in every
-   parameter with a finite loss. Spelled ``sg(loss) + (p - sg(p)) sg(dp) + (y - sg(y))
-   sg(dy)`` with ``sg`` the export's stop-gradient (``ortrain/stop_gradient.py``): the
-   added terms are exactly zero, and autodiff reads the gradients off them.
+6. ``F.binary_cross_entropy`` (``nn.BCELoss``): no longer here; translated as one op
+   (``ortrain/export_bce.py``, the same math) so that its target can be range-checked.
 
 ``exporter_decompositions()`` adds them, and those of ``export_scans.py`` (``cumprod``,
 ``cummax``, ``cummin``) and ``export_pointwise.py`` (``hypot``, ``copysign``,
@@ -252,33 +245,7 @@ def _rrelu(
     return x * slopes, slopes
 
 
-def _binary_cross_entropy(
-    p: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None, reduction: int = 1
-) -> torch.Tensor:
-    """``F.binary_cross_entropy`` with torch's values and gradients (the module docstring)."""
-    from ortrain.stop_gradient import stop_gradient
-
-    log_p = torch.clamp_min(torch.log(p), -100.0)
-    log_q = torch.clamp_min(torch.log(1.0 - p), -100.0)
-    value = -(y * log_p + (1.0 - y) * log_q)
-    dp = (p - y) / torch.clamp_min(p * (1.0 - p), 1e-12)
-    # -logit(p), torch's target gradient, with the logs clamped: it stays finite where p
-    # saturates (eager's is infinite there; a NaN here would reach the loss's value)
-    dy = log_q - log_p
-    loss = stop_gradient(value)
-    loss = loss + (p - stop_gradient(p)) * stop_gradient(dp)
-    loss = loss + (y - stop_gradient(y)) * stop_gradient(dy)
-    if weight is not None:
-        loss = loss * weight
-    if reduction == 1:
-        return loss.mean()
-    if reduction == 2:
-        return loss.sum()
-    return loss
-
-
 TABLE: dict[torch._ops.OpOverload, Callable] = {
-    aten.binary_cross_entropy.default: _binary_cross_entropy,
     aten.rrelu_with_noise_functional.default: _rrelu,
     aten.fractional_max_pool2d.default: _fractional_max,
     aten.fractional_max_pool3d.default: _fractional_max,

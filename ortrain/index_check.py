@@ -12,7 +12,10 @@ operands it reaches:
    (advanced indexing ``x[idx]``, ``index_put``) or the origin is unknown;
 2. the indices of ``OneHot`` with a constant depth: ``[0, depth)``;
 3. the label of ``SoftmaxCrossEntropyLoss`` / ``NegativeLogLikelihoodLoss``: ``[0, C)``
-   and the node's ``ignore_index``.
+   and the node's ``ignore_index``;
+4. a float batch input taken as ``binary_cross_entropy``'s input or target
+   (``ortrain/export_bce.py``): ``[0, 1]``, bounds included, as eager checks it (NaN
+   fails). A float input's uses are closed ranges, an integer's half-open ones.
 
 ``Slice`` and ``Pad`` count as passing values on, so the whole input is checked even
 where a slice drops a part eager never reads (GPT-2's shifted labels drop position 0).
@@ -58,6 +61,10 @@ _PASS_DATA = {
     "Tile",
 }
 _INT_TYPES = {2, 3, 4, 5, 6, 7, 12, 13}  # onnx TensorProto UINT8..INT64
+_FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
+# the ops through which binary_cross_entropy's translation takes x and its target, at
+# input 0 (``ortrain/export_bce.py``; its weight enters at input 1 of a Mul)
+_BCE_OPERANDS = ("Log", "Sub", "Mul")
 # aten ops that wrap negative indices as Python does (the others raise on them)
 _WRAPS = ("aten.index.", "aten.index_put", "aten._unsafe_index", "aten.select.")
 
@@ -126,6 +133,15 @@ def _one_hot_use(node: ir.Node) -> IndexUse | None:
     return 0, n, (), _where(node, "indices")
 
 
+def _float_use(node: ir.Node, idx: int) -> IndexUse | None:
+    """The valid values of float input ``idx`` of ``node`` where eager bounds them."""
+    from ortrain.export_bce import ATEN
+
+    if idx == 0 and node.op_type in _BCE_OPERANDS and _aten(node) == ATEN:
+        return 0, 1, (), _where(node, "input or target")
+    return None
+
+
 def _use(node: ir.Node, idx: int) -> IndexUse | None:
     """The valid values of input ``idx`` of ``node`` where it is an index operand."""
     op = node.op_type if node.domain in ("", "ai.onnx") else None
@@ -158,7 +174,8 @@ def _passes_on(node: ir.Node, idx: int) -> list[ir.Value]:
     return []
 
 
-def _uses_of(start: ir.Value) -> list[IndexUse]:
+def _uses_of(start: ir.Value, floating: bool = False) -> list[IndexUse]:
+    find = _float_use if floating else _use
     uses: list[IndexUse] = []
     seen: set[tuple[int, int]] = set()
     todo = [start]
@@ -168,7 +185,7 @@ def _uses_of(start: ir.Value) -> list[IndexUse]:
             if (id(node), idx) in seen:
                 continue
             seen.add((id(node), idx))
-            use = _use(node, idx)
+            use = find(node, idx)
             if use is not None:
                 uses.append(use)
             todo.extend(_passes_on(node, idx))
@@ -176,14 +193,17 @@ def _uses_of(start: ir.Value) -> list[IndexUse]:
 
 
 def index_ranges(model: ir.Model, io: Iterable[GraphIO]) -> dict[str, list[IndexUse]]:
-    """Per integer batch input of ``model`` (an exported forward), its uses as an index."""
+    """Per integer batch input of ``model`` (an exported forward), its uses as an index;
+    per float one, the ranges eager bounds its values to."""
     batch = {r.name for r in io if r.role is Role.BATCH}
     out: dict[str, list[IndexUse]] = {}
     for value in model.graph.inputs:
         dtype = value.dtype
-        if value.name not in batch or dtype is None or dtype.value not in _INT_TYPES:
+        if value.name not in batch or dtype is None:
             continue
-        uses = _uses_of(value)
+        if dtype.value not in _INT_TYPES and dtype.value not in _FLOAT_TYPES:
+            continue
+        uses = _uses_of(value, floating=dtype.value in _FLOAT_TYPES)
         if uses:
             out[value.name] = uses
     return out
@@ -214,11 +234,30 @@ def _valid(uses: list[IndexUse]) -> str:
     return text + (f" or {', '.join(map(str, extras))}" if extras else "")
 
 
+def _check_floats(name: str, t: torch.Tensor, uses: list[IndexUse]) -> None:
+    """Closed ranges (NaN outside every one)."""
+    lo, hi = torch.aminmax(t.detach())
+    low, high = float(lo), float(hi)
+    for u_lo, u_hi, _, where in uses:
+        if u_lo <= low and high <= u_hi:
+            continue
+        flat = t.detach().reshape(-1)
+        pos = int(torch.nonzero(~((flat >= u_lo) & (flat <= u_hi)))[0, 0])
+        raise BatchError(
+            f"batch input '{name}' holds {float(flat[pos])} at {name}{_position(t.shape, pos)}, "
+            f"outside [{u_lo}, {u_hi}] (it is the {where}; eager PyTorch raises "
+            "RuntimeError on it); the batch was not run and nothing was applied"
+        )
+
+
 def check_batch(checks: Mapping[str, list[IndexUse]], batch: Mapping[str, Any]) -> None:
     """Raise ``BatchError`` where an index input of ``batch`` holds a value its uses reject."""
     for name, uses in checks.items():
         t = batch.get(name)
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        if t.is_floating_point():
+            _check_floats(name, t, uses)
             continue
         lo, hi = torch.aminmax(t)
         low, high = int(lo), int(hi)

@@ -1,5 +1,5 @@
 """``F.binary_cross_entropy`` on sigmoid probabilities (``nn.BCELoss``) trains like eager
-where the sigmoid saturates (``ortrain/export_decompositions.py`` item 6,
+where the sigmoid saturates (``ortrain/export_bce.py``,
 ``graph_passes/fusions/exact_sigmoid.py``).
 
 Before: torch's decomposition differentiates its clamped logs, NaN at a probability of

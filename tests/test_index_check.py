@@ -263,3 +263,54 @@ def test_one_hot_of_a_class_out_of_range_is_refused_as_eager_refuses_it(bad):
         trainer.train_step(x, wrong)
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
+
+
+class _BCE(torch.nn.Module):
+    def __init__(self, reduction: str):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.reduction = reduction
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(self.lin(x))
+        loss = torch.nn.functional.binary_cross_entropy(p, target, w, reduction=self.reduction)
+        return loss if self.reduction != "none" else loss.pow(2).mean()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_binary_cross_entropy_targets_outside_0_1_are_refused_as_eager_refuses_them(reduction):
+    """torch decomposes ``binary_cross_entropy`` into element-wise ops that no longer say
+    which input is the target, so soft labels above 1 trained where eager raises: it is
+    exported as one op (``ortrain/export_bce.py``) and its target range-checked, bounds
+    included; its weight (here a batch input above 1) is not bounded. In range, it
+    trains like eager, whatever the reduction."""
+    torch.manual_seed(0)
+    model = _BCE(reduction)
+    ref = _BCE(reduction)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, opt, TrainerOptions(), loss_fn=lambda out, batch: out)
+    x, w = torch.randn(3, 8), torch.rand(3, 4) * 3
+    target = torch.rand(3, 4)
+    target[0, 0], target[1, 1] = 0.0, 1.0  # the bounds themselves are valid
+    loss = trainer.train_step(x, target, w)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    expected = ref(x, target, w)
+    expected.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+    before = [p.detach().clone() for p in model.parameters()]
+    for bad in (1.5, -0.25, float("nan")):
+        wrong = target.clone()
+        wrong[2, 3] = bad
+        with pytest.raises(RuntimeError, match="between 0 and 1"):
+            ref(x, wrong, w)  # eager's own refusal
+        with pytest.raises(
+            BatchError, match=r"'target' holds .* at target\[2, 3\], outside \[0, 1\]"
+        ):
+            trainer.train_step(x, wrong, w)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+    assert trainer.build_count == 1
