@@ -327,16 +327,17 @@ class ProgramContext:
             if self._to_torch or not owns():
                 return state
             if not sharded:
-                checkpoint.load_optimizer_state_dict(self.state, state)
                 # torch's own load takes the param groups' values (lr, betas...) and the
                 # state of parameters this trainer does not train (frozen: eager keeps it
-                # for when they thaw); the rest is ortrain's
+                # for when they thaw, and its step count is theirs); the rest is ortrain's
                 at = [i for g in state.get("param_groups", ()) for i in g.get("params", ())]
                 kept = {
                     k: v
                     for k, v in state.get("state", {}).items()
                     if k in at and at.index(k) < len(trained) and not trained[at.index(k)]
                 }
+                ours = {k: v for k, v in state.get("state", {}).items() if k not in kept}
+                checkpoint.load_optimizer_state_dict(self.state, {**state, "state": ours})
                 return {**state, "state": kept}
             if state.get("state"):
                 raise CheckpointError(f"optimizer.load_state_dict() of a state: {where}")
@@ -487,8 +488,8 @@ class ProgramContext:
         error = TrainableChangedError(
             f"parameters changed requires_grad after the ORTTrainer was made ({said}); its "
             "gradients and optimizer state are laid out for the parameters that required "
-            "grad then. In one process the trainer lays them out anew at an accumulation "
-            "window's start: change them there; under torch.distributed call "
+            "grad then. The trainer lays them out anew at an accumulation window's start "
+            "(in one process or under data parallel): change them there; under ZeRO call "
             "trainer.sync_to_module() and make a new ORTTrainer on every rank (nothing of "
             "this step ran)"
         )

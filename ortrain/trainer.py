@@ -176,10 +176,14 @@ class ORTTrainer(TrainerState, TrainerViews):
                 raise exc.error from eager
 
     def _can_lay_out_anew(self) -> bool:
-        """Whether a change of which parameters require grad can be taken here: one
-        process, at an accumulation window's start (mid-window the sums so far are laid
-        out for the old set)."""
-        return self._ctx.reducer is None and self._ctx.state.micro_step == 0
+        """Whether a change of which parameters require grad can be taken here: at an
+        accumulation window's start (mid-window the sums so far are laid out for the old
+        set), in one process or under data parallel (every rank makes the same change at
+        the same step, as its loop does; the new trainer's start checks that they agree).
+        Under ZeRO the optimizer state is sharded: not handed to torch, refused."""
+        if self._ctx.state.micro_step != 0:
+            return False
+        return self._ctx.reducer is None or self.options.zero_stage == 0
 
     def _lay_out_anew(self, what: str) -> None:
         """Layers frozen or unfrozen since the last step: the trainer is made anew over

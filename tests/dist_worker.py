@@ -731,6 +731,33 @@ def scenario_rmsprop(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"losses": losses, "engine": trainer.program.update}
 
 
+def train_frozen(batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    """Data parallel (one process: plain), the input layer frozen at the second step and
+    thawed with the output layer frozen at the fourth, AdamW: the trainer lays the
+    graphs and the update out anew at each change, alike on every rank."""
+    model = Reordered(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    trainer = ORTTrainer(
+        model, opt, TrainerOptions(intra_op_threads=1), loss_fn=lambda out, batch: out
+    )
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (laid out anew: said at each change)
+        for i, b in enumerate(batches):
+            if i in (1, 3):
+                model.inp.requires_grad_(i == 3)
+                model.out.requires_grad_(i == 1)
+            losses.append(trainer.train_step(**b).item())
+    return trainer, losses
+
+
+def scenario_frozen(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses = train_frozen(reorder_batches(rank, world))
+    if rank == 0:
+        torch.save(params(trainer), out / "frozen_params.pt")
+    return {"losses": losses, "builds": trainer.build_count}
+
+
 def layer_drop_batches(rank: int, world: int, steps: int = 8) -> list[dict[str, torch.Tensor]]:
     """This rank's share of each combined batch of 12 rows (world 1: all of it)."""
     g = torch.Generator().manual_seed(1)
@@ -806,6 +833,7 @@ def main() -> None:
         "tempered": scenario_tempered,
         "eager_reads": scenario_eager_reads,
         "rmsprop": scenario_rmsprop,
+        "frozen": scenario_frozen,
         "layer_drop": scenario_layer_drop,
     }[scenario]
     result = fn(rank, world, out)

@@ -45,6 +45,7 @@ from tests.dist_worker import (
     reorder_batches,
     run,
     train_eager_reads,
+    train_frozen,
     train_layer_drop,
     train_reordered,
     train_rmsprop,
@@ -457,6 +458,18 @@ def test_data_parallel_with_an_optimizer_ortrain_does_not_compile(tmp_path):
     assert all(r["engine"] == "eager" for r in results)
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / "rmsprop_params.pt"), trainer.module)
+
+
+@pytest.mark.slow
+def test_data_parallel_with_layers_frozen_and_thawed_between_steps(tmp_path):
+    """Layers frozen and thawed mid-run on every rank at the same step: each rank lays
+    its graphs and update out anew, as one process on the combined batches does (its
+    per-parameter step counts included: the thawed layer's lag)."""
+    trainer, losses = train_frozen(reorder_batches(0, 1))
+    results = finish(launch("frozen", tmp_path), tmp_path, "frozen")
+    assert all(r["builds"] == trainer.build_count == 3 for r in results)
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "frozen_params.pt"), trainer.module)
 
 
 @pytest.mark.slow

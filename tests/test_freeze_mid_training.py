@@ -28,12 +28,14 @@ class _Three(torch.nn.Module):
         return F.cross_entropy(self.c(torch.tanh(self.b(torch.tanh(self.a(x))))), y)
 
 
-def _plan(model: _Three, i: int) -> None:
+def _plan(model: _Three, i: int, alone: bool = False) -> None:
     if i == 2:
         model.a.requires_grad_(False)  # the first layer frozen
     if i == 4:
         model.a.requires_grad_(True)  # thawed, and the head frozen
         model.c.requires_grad_(False)
+        if alone:  # the thawed layer alone trains: its steps are even, the others' not
+            model.b.requires_grad_(False)
 
 
 def _data(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,10 +45,10 @@ def _data(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _eager(model: _Three, optimizer: torch.optim.Optimizer, data) -> list[float]:
+def _eager(model: _Three, optimizer: torch.optim.Optimizer, data, alone=False) -> list[float]:
     losses = []
     for i, (x, y) in enumerate(data):
-        _plan(model, i)
+        _plan(model, i, alone)
         optimizer.zero_grad()
         loss = model(x, y)
         loss.backward()
@@ -71,18 +73,19 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def test_freezing_and_thawing_between_steps_trains_like_eager():
+@pytest.mark.parametrize("alone", [False, True], ids=["with-others", "alone"])
+def test_freezing_and_thawing_between_steps_trains_like_eager(alone):
     torch.manual_seed(0)
     model = _Three()
     ref = copy.deepcopy(model)
     ref_opt = _adamw(ref)
     data = _data()
-    ref_losses = _eager(ref, ref_opt, data)
+    ref_losses = _eager(ref, ref_opt, data, alone)
     opt = _adamw(model)
     trainer = ORTTrainer(model, opt, TrainerOptions(), loss_fn=lambda out, batch: out)
     losses = []
     for i, (x, y) in enumerate(data):
-        _plan(model, i)
+        _plan(model, i, alone)
         if i in (2, 4):
             with pytest.warns(UserWarning, match="laid out anew"):
                 losses.append(float(trainer.train_step(x=x, y=y)))
@@ -91,7 +94,8 @@ def test_freezing_and_thawing_between_steps_trains_like_eager():
     _same_as_eager(model, ref, opt, ref_opt, losses, ref_losses)
     # a graph per trainable set, the builds before the changes still counted
     assert trainer.build_count == 3
-    assert trainer.step == 6
+    # the optimizer steps of the parameters it trains (the thawed layer's, alone)
+    assert trainer.step == (4 if alone else 6)
 
 
 def test_a_new_trainer_over_the_same_optimizer_goes_on_from_its_state():
