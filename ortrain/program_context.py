@@ -356,6 +356,16 @@ class ProgramContext:
             self.optimizer.register_load_state_dict_post_hook(watch),
         ]
 
+    def release_optimizer(self) -> None:
+        """The optimizer's hooks of this context removed (a trainer made anew over it,
+        ``ORTTrainer._lay_out_anew``, hooks it itself)."""
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
+        self._resets = None
+        if _OWNERS.get(self.optimizer) is not None and _OWNERS[self.optimizer]() is self:
+            del _OWNERS[self.optimizer]
+
     def hand_state_to_torch(self) -> None:
         """The compiled update's state into the torch optimizer's own ``state`` (after
         ``sync_to_module``: eager steps that follow go on from it, as they would after

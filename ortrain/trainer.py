@@ -19,6 +19,7 @@ padded where bucketing is exact: ``bucketing.py``) and runs the model's program 
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any
 
@@ -197,15 +198,22 @@ class ORTTrainer(TrainerState, TrainerViews):
         self.sync_to_module()
         old = self._ctx
         scaler = old.state.scaler.state_dict() if old.state.scaler is not None else None
+        log, count, hits = old.build_log, old.graphs.count, old.graph_cache.hits
+        step = old.state.step
+        old.release_optimizer()
+        # the old graphs and sessions go before the new trainer measures the process
+        del old
+        self._program = self._evaluation = self._ctx = None  # type: ignore[assignment]
+        gc.collect()
         ORTTrainer.__init__(self, self.module, self.optimizer, self.options, loss_fn=self.loss_fn)
         new = self._ctx
-        new.build_log[:0] = old.build_log
-        new.graphs.count += old.graphs.count
-        new.graph_cache.hits += old.graph_cache.hits
+        new.build_log[:0] = log
+        new.graphs.count += count
+        new.graph_cache.hits += hits
         if scaler is not None and new.state.scaler is not None:
             new.state.scaler.load_state_dict(scaler)
         if new.spec.kind == "sgd":  # its state counts no steps (Adam's: each parameter's)
-            new.state.set_counters(max(new.state.step, old.state.step), 0)
+            new.state.set_counters(max(new.state.step, step), 0)
         warnings.warn(
             f"ortrain: {type(self.module).__name__}: {what}; its graphs and optimizer state "
             "are laid out anew for the parameters that require grad now",
