@@ -1,6 +1,7 @@
 """The exporter's own cleanup keeps the math: a tiny epsilon stays (an RMSNorm over a row
 of zeros divided by zero, NaN losses: Helium's default ``rms_norm_eps`` is 1e-8), and two
-Dropouts of one input keep two masks (its CSE merged them before they were seeded)."""
+Dropouts of one input keep two masks (its CSE merged them before they were seeded), and a
+ScatterND that adds over every row keeps what it adds to."""
 
 from __future__ import annotations
 
@@ -307,3 +308,73 @@ def test_an_export_prints_nothing_of_its_own(tmp_path):
     assert done.stdout.strip().endswith("trained"), done.stdout
     said = [ln for ln in done.stderr.splitlines() if not ln.startswith("ortrain: ")]
     assert not said, done.stderr
+
+
+@pytest.mark.parametrize("clean", [clean_export, clean_forward])
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+def test_a_scatter_over_every_row_is_dropped_only_where_it_replaces(clean, reduction):
+    # onnxscript's ScatterAllStatic replaced any such ScatterND by its updates, also one
+    # that adds (index_add over every row), dropping the data and its gradient
+    data = helper.make_tensor_value_info("data", TensorProto.FLOAT, [3, 2])
+    upd = helper.make_tensor_value_info("upd", TensorProto.FLOAT, [3, 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])
+    idx = helper.make_tensor("idx", TensorProto.INT64, [3, 1], [0, 1, 2])
+    attrs = {} if reduction == "none" else {"reduction": reduction}
+    nodes = [
+        helper.make_node("Constant", [], ["i"], value=idx),
+        helper.make_node("ScatterND", ["data", "i", "upd"], ["y"], **attrs),
+    ]
+    model = _model(nodes, [data, upd], [y])
+    clean(model)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops["ScatterND"] == (0 if reduction == "none" else 1), ops
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((3, 2)).astype(np.float32) for n in ("data", "upd")}
+    proto = ir.serde.serialize_model(model)
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    got = sess.run(None, {k: v for k, v in feeds.items() if k in names})[0]
+    d, u = torch.from_numpy(feeds["data"]), torch.from_numpy(feeds["upd"])
+    want = {"none": u, "add": d + u, "mul": d * u, "max": torch.maximum(d, u),
+            "min": torch.minimum(d, u)}[reduction]  # fmt: skip
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+
+
+class _AddEveryRow(torch.nn.Module):
+    def __init__(self, shape: tuple[int, ...], index: list[int], dim: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(shape, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(shape, generator=g))
+        self.register_buffer("index", torch.tensor(index))
+        self.register_buffer("w", torch.randn(shape, generator=g))
+        self.dim = dim
+
+    def forward(self, x):
+        y = torch.index_add(self.a + x, self.dim, self.index, self.b, alpha=-1)
+        return (y * self.w).sum()
+
+
+@pytest.mark.parametrize(
+    ("shape", "index", "dim"),
+    [((1,), [0], 0), ((3,), [0, 1, 2], 0), ((1, 2), [0], 0), ((2, 1), [0], 1), ((), [0], 0)],
+)
+def test_index_add_over_every_row_keeps_what_it_adds_to(shape, index, dim):
+    # with the first-step check off, nothing else would see a loss without `a`
+    model, ref = _AddEveryRow(shape, index, dim), _AddEveryRow(shape, index, dim)
+    x = torch.zeros(shape)
+    trainer = ORTTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerOptions(build_progress=False, fallback="off", verify=False),
+    )
+    loss = trainer.train_step(x)
+    trainer.sync_to_module()
+    assert trainer.segments is None
+    want = ref(x)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            getattr(model, name).detach(), (p - 0.1 * p.grad).detach(), rtol=1e-6, atol=1e-6
+        )

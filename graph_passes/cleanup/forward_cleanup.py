@@ -11,12 +11,15 @@ megabytes to the model.
 Run it after ``seed_dropouts``: every Dropout then carries its own seed, so CSE cannot
 merge two independent Dropouts that read one input.
 
-The pass list is onnxscript's ``optimize_ir`` with two changes: nothing that draws random
-numbers is folded (``not_random``), and its no-op rules match the
+The pass list is onnxscript's ``optimize_ir`` with three changes: nothing that draws random
+numbers is folded (``not_random``); its no-op rules match the
 constant with a tolerance (``x + 0`` also matches ``x + 1e-12``, which deleted a
-LayerNorm's epsilon and divided by a zero variance); here ``x + c``, ``x - c``, ``x * c``
+LayerNorm's epsilon and divided by a zero variance), so here ``x + c``, ``x - c``, ``x * c``
 and ``x / c`` are dropped only for a one-element ``c`` exactly 0 or 1 that does not
-broadcast ``x``.
+broadcast ``x``; and its rule that replaces a ScatterND writing every row by its updates
+also took a ScatterND that adds (``index_add`` or ``index_put(accumulate=True)`` over every
+row: the data it adds to was dropped, with its gradient), so here it takes only a
+ScatterND that replaces.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import onnx_ir.passes.common as common_passes
 from onnxscript import rewriter
 from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter.rules.common import _no_op
+from onnxscript.rewriter.rules.common import _no_op, _redundant_scatter_nd
 
 from ortrain.core.names import RANDOM_OPS
 from ortrain.graph_passes.cleanup.keep_input_names import KeepInputNamesPass
@@ -145,9 +148,23 @@ def _arithmetic(rule: pattern.RewriteRule) -> bool:
     return root is not None and root.op_type in ("Add", "Sub", "Mul", "Div")
 
 
+class ReplacingScatterAll(_redundant_scatter_nd.ScatterAllStatic):
+    """``ScatterND(data, every row, updates)`` → ``updates``, only where the scatter
+    replaces (module docstring): with ``reduction`` add, mul, max or min the result
+    depends on ``data`` too."""
+
+    def check(self, context, data, indices, updates, **_) -> pattern.MatchResult:
+        reduction = context.root.attributes.get_string("reduction", "none")
+        if reduction != "none":
+            return pattern.MatchResult().fail(f"the scatter reduces ({reduction})", updates)
+        return super().check(context, data, indices, updates)
+
+
 _TOLERANT = {id(r) for r in _no_op.rules.rules if _arithmetic(r)}
+_REPLACED = {id(_redundant_scatter_nd.no_op_static_scatter_nd_rule)}
 CLEANUP_RULES = (
     *_EXACT_NO_OPS,
+    ReplacingScatterAll.rule(),
     # not onnxscript's SlicesSplit: a two-output pattern, whose matcher tries every Slice
     # against every other and indexes the whole graph for each (minutes on a model that
     # slices a lot: a chunked linear attention written out), and which never fires on
@@ -155,6 +172,6 @@ CLEANUP_RULES = (
     *(
         r
         for r in rewriter._DEFAULT_REWRITE_RULES
-        if id(r) not in _TOLERANT and r.name != "SlicesSplit"
+        if id(r) not in _TOLERANT | _REPLACED and r.name != "SlicesSplit"
     ),
 )
