@@ -29,7 +29,8 @@
 
 ``exporter_decompositions()`` adds them, and those of ``export_scans.py`` (``cumprod``,
 ``cummax``, ``cummin``) and ``export_pointwise.py`` (``hypot``, ``copysign``,
-``signbit``, ``erfinv``), to the exporter's own decomposition table
+``signbit``, ``erfinv``) and ``export_linear_ce.py`` (``F.linear_cross_entropy``'s
+chunked path), to the exporter's own decomposition table
 (which holds torch's decompositions of the ops without an ONNX function; torch's
 ``adaptive_max_pool2d`` one covers divisible sizes only and spreads a global pool's
 gradient over ties).
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from ortrain.export_fake_quantize import fake_quantize_decompositions
+from ortrain.export_linear_ce import linear_ce_decompositions
 from ortrain.export_pointwise import pointwise_decompositions
 from ortrain.export_scans import scan_decompositions
 
@@ -267,7 +269,12 @@ def exporter_decompositions() -> Iterator[None]:
 
     def with_ours(registered: set) -> dict:
         table = original(registered)
-        ours = {**TABLE, **scan_decompositions(), **pointwise_decompositions()}
+        ours = {
+            **TABLE,
+            **scan_decompositions(),
+            **pointwise_decompositions(),
+            **linear_ce_decompositions(),
+        }
         table.update({op: fn for op, fn in ours.items() if op not in registered})
         # in place of the exporter's own function (export_fake_quantize.py)
         table.update(fake_quantize_decompositions())
