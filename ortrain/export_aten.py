@@ -517,6 +517,7 @@ def aten_translations() -> dict[Callable, Callable]:
     from ortrain.export_bce import bce_translations
     from ortrain.export_gamma import gamma_translations
     from ortrain.export_lstm import lstm_translations
+    from ortrain.export_order import order_translations
     from ortrain.export_pointwise import pointwise_translations
     from ortrain.export_precise import precise_translations
     from ortrain.export_sdpa_rank import sdpa_translations
@@ -525,6 +526,7 @@ def aten_translations() -> dict[Callable, Callable]:
         **bce_translations(),
         **gamma_translations(),
         **lstm_translations(),
+        **order_translations(),
         **pointwise_translations(),
         **precise_translations(),
         **sdpa_translations(),

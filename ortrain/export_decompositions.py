@@ -29,8 +29,9 @@
 
 ``exporter_decompositions()`` adds them, and those of ``export_scans.py`` (``cumprod``,
 ``cummax``, ``cummin``) and ``export_pointwise.py`` (``hypot``, ``copysign``,
-``signbit``, ``erfinv``) and ``export_linear_ce.py`` (``F.linear_cross_entropy``'s
-chunked path), to the exporter's own decomposition table
+``signbit``, ``erfinv``), ``export_linear_ce.py`` (``F.linear_cross_entropy``'s
+chunked path), ``export_order.py`` (``searchsorted``) and ``export_stacks.py``
+(``hstack``, ``vstack``, ``dstack``, ``column_stack``), to the exporter's own decomposition table
 (which holds torch's decompositions of the ops without an ONNX function; torch's
 ``adaptive_max_pool2d`` one covers divisible sizes only and spreads a global pool's
 gradient over ties).
@@ -47,8 +48,10 @@ import torch
 
 from ortrain.export_fake_quantize import fake_quantize_decompositions
 from ortrain.export_linear_ce import linear_ce_decompositions
+from ortrain.export_order import searchsorted_decompositions
 from ortrain.export_pointwise import pointwise_decompositions
 from ortrain.export_scans import scan_decompositions
+from ortrain.export_stacks import stack_decompositions
 
 aten = torch.ops.aten
 _NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
@@ -274,6 +277,8 @@ def exporter_decompositions() -> Iterator[None]:
             **scan_decompositions(),
             **pointwise_decompositions(),
             **linear_ce_decompositions(),
+            **searchsorted_decompositions(),
+            **stack_decompositions(),
         }
         table.update({op: fn for op, fn in ours.items() if op not in registered})
         # in place of the exporter's own function (export_fake_quantize.py)
