@@ -16,6 +16,14 @@ def from_onnxruntime(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("onnxruntime")
 
 
+def failed_in_onnxruntime(exc: BaseException) -> bool:
+    """An error from running a session: ONNX Runtime's own types, or the RuntimeError its
+    bound runs raise ("Error in execution: ..." naming the node)."""
+    return from_onnxruntime(exc) or (
+        type(exc) is RuntimeError and str(exc).startswith("Error in execution")
+    )
+
+
 def window_restarts(discarded: int) -> str:
     """A failed micro-step ends its accumulation window: say what that threw away."""
     if not discarded:

@@ -42,7 +42,7 @@ from ortrain.runtime.binder import bind_training_graph
 from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.session import CudaGraphCaptureError, UnbindableError, register_cpu_arena
 from ortrain.speed_trial import SpeedTrial
-from ortrain.step_errors import from_onnxruntime, run_failed
+from ortrain.step_errors import failed_in_onnxruntime, from_onnxruntime, run_failed
 from ortrain.verify import EagerStep, compare, module_of, report
 from ortrain.whole_graph import CompiledGraph, NotOneGraph, signature
 
@@ -424,15 +424,26 @@ class WholeProgram:
         ``VerificationError``."""
         ctx = self.ctx
         compiled.unchecked = ctx.eager.unchecked(compiled.graph)
-        bad = compiled.unchecked or ctx.eager.check(
-            compiled.graph,
-            compiled.session,
-            batch,
-            ctx.state,
-            ctx.engine,
-            ctx.dropout_on,
-            reference,
-        )
+        try:
+            bad = compiled.unchecked or ctx.eager.check(
+                compiled.graph,
+                compiled.session,
+                batch,
+                ctx.state,
+                ctx.engine,
+                ctx.dropout_on,
+                reference,
+            )
+        except Exception as exc:
+            # eager ran this step (the check takes its step first) and the graph's run
+            # failed (a kernel's limit torch does not have: ConvTranspose's output_padding
+            # at or past its stride); the check put back what the run wrote
+            if ctx.options.fallback == "off" or not failed_in_onnxruntime(exc):
+                raise
+            self.graphs.forget_train(compiled, batch)
+            raise NotOneGraph(
+                f"ONNX Runtime could not run the graph: {first_line(exc)}", exc
+            ) from exc
         compiled.unchecked = compiled.unchecked or ctx.eager.trusted
         if compiled.unchecked or not bad:
             compiled.verified = True

@@ -909,3 +909,45 @@ def test_a_loss_that_reaches_no_parameter_is_refused_as_eager_refuses_it(det):
     trainer.sync_to_module()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert (trainer.segments is not None) == det
+
+
+class _WideOutputPadding(torch.nn.Module):
+    """A ConvTranspose2d whose output_padding is past its stride (torch allows it below
+    the dilation); ONNX Runtime's kernel refuses to run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(4, 4)
+        self.up = torch.nn.ConvTranspose2d(
+            2, 4, (4, 5), stride=(3, 2), padding=(1, 2), output_padding=(2, 3), groups=2,
+            dilation=(4, 4),
+        )  # fmt: skip
+        self.post = torch.nn.Linear(22, 3)
+
+    def forward(self, x):
+        return self.post(self.up(self.pre(x))).pow(2).mean()
+
+
+def test_a_graph_onnxruntime_cannot_run_trains_its_module_in_eager():
+    model, ref = _WideOutputPadding(), _WideOutputPadding()
+    x = torch.randn(2, 2, 4, 4)
+    alone = _WideOutputPadding()
+    off = ORTTrainer(alone, _sgd(alone.parameters()), TrainerOptions(fallback="off"))
+    with pytest.raises(RuntimeError, match="ConvTranspose"):
+        off.train_step(x)
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions())
+    opt_ref = _sgd(ref.parameters())
+    for i in range(2):
+        got = trainer.train_step(x)
+        opt_ref.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt_ref.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+    trainer.sync_to_module()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    seg = trainer.segments
+    assert seg is not None and seg.cause.startswith("ONNX Runtime could not run the graph")
+    assert [(p.name, p.status) for p in seg.model.fallbacks] == [("up", "eager")]
