@@ -352,10 +352,13 @@ class WholeProgram:
         gradients and the update (every rank the same set); later graphs reach it too."""
         st, reducer = self.ctx.state, self.ctx.reducer
         grad_params = sorted(built.grad_params, key=st.trainable.index)
-        if not grad_params:  # eager's backward() raises on such a loss too
+        if not grad_params:  # mostly a loss without grad_fn, on which eager raises too
             raise BatchError(
-                "the loss of this batch depends on no parameter that requires grad (it has "
-                "no grad_fn: eager's loss.backward() raises on it); nothing was applied"
+                "the loss of this batch depends on no parameter that requires grad in its "
+                "graph: a loss without grad_fn (eager's loss.backward() raises on it), or "
+                "one the export computes from none although eager's autograd reaches them "
+                "with zero gradients (torch.norm(x, p=0), a fill_ or zero_ of what they "
+                "made); nothing was applied"
             )
         if st.grad_params is None and reducer is not None:  # before any gradient moves
             from ortrain.distributed.fingerprint import agree_on_graph
