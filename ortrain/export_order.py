@@ -2,8 +2,8 @@
 
 1. ``amax`` / ``amin`` over every axis (``x.amax()``, ``torch.aminmax(x)``): the
    exporter's function requires ``dim``, so the whole-tensor form stopped the export.
-   Here ``ReduceMax`` / ``ReduceMin`` over the listed axes, every axis where none is
-   listed; the gradient rule spreads ties as torch does.
+   Here ``ReduceMax`` / ``ReduceMin`` over every axis where none is listed (the
+   exporter's function where some are); the gradient rule spreads ties as torch does.
 2. ``fmax`` / ``fmin``: their decomposition ends in ``prims.fmax``, which has no
    function. Here ``where(a >= b or isnan(b), a, b)`` (``<=`` for fmin), the selection
    torch's own backward masks by, so each operand gets its gradient where it is chosen.
@@ -38,7 +38,11 @@ def _axes(self: Any, dim: Any) -> list[int]:
 def _extremum(onnx_op: str) -> Callable:
     def translate(self: Any, dim: Any = (), keepdim: bool = False) -> Any:
         from onnxscript import opset18 as op
+        from onnxscript.function_libs.torch_lib.ops import core
 
+        if dim:  # the exporter's own function, as before: the same graph
+            own = core.aten_amax if onnx_op == "ReduceMax" else core.aten_amin
+            return own(self, op.Constant(value_ints=_axes(self, dim)), keepdim)
         if len(self.shape) == 0:
             return op.Identity(self)
         axes = op.Constant(value_ints=_axes(self, dim))
