@@ -287,6 +287,13 @@ class EagerSide:
             return exc
         return None
 
+    def loss_requires_grad(self, batch: Mapping[str, Any]) -> bool:
+        """Whether eager's loss of ``batch`` has a ``grad_fn`` (eager's ``backward()`` runs
+        on it), the buffers and Python attributes put back."""
+        module = self.module
+        with restoring(list(module.buffers())), kept(module, self.loss_fn), torch.enable_grad():
+            return bool(self.loss_of(batch, module).requires_grad)
+
     def unchecked(self, graph: BuiltGraph) -> str:
         """Why ``graph`` cannot be compared with eager ("" where it can): it draws random
         numbers no switch fixes (a Multinomial), which eager draws otherwise. It is

@@ -323,7 +323,7 @@ class WholeProgram:
         ctx = self.ctx
         if ctx.device.type == "cpu":  # sized by this graph, before the update's session
             register_cpu_arena(built.planned_peak_bytes)
-        self._reach(built)  # the first graph's lays out the gradients and the update
+        self._reach(built, batch)  # the first graph's lays out the gradients and the update
         try:
             with ctx.graph_cache.session_stage("train"):
                 session = ctx.session(built, graph_capture=True)
@@ -347,19 +347,26 @@ class WholeProgram:
         self.graphs.add_train(batch, rows, compiled)
         return compiled
 
-    def _reach(self, built: BuiltGraph) -> None:
+    def _reach(self, built: BuiltGraph, batch: dict[str, Any]) -> None:
         """The parameters a training graph reaches: the first graph's set lays out the
         gradients and the update (every rank the same set); later graphs reach it too."""
         st, reducer = self.ctx.state, self.ctx.reducer
         grad_params = sorted(built.grad_params, key=st.trainable.index)
-        if not grad_params:  # mostly a loss without grad_fn, on which eager raises too
-            raise BatchError(
-                "the loss of this batch depends on no parameter that requires grad in its "
-                "graph: a loss without grad_fn (eager's loss.backward() raises on it), or "
-                "one the export computes from none although eager's autograd reaches them "
-                "with zero gradients (torch.norm(x, p=0), a fill_ or zero_ of what they "
-                "made); nothing was applied"
+        if not grad_params:
+            error = BatchError(
+                "the loss of this batch depends on no parameter that requires grad (it has "
+                "no grad_fn: eager's loss.backward() raises on it; or, with fallback='off', "
+                "only its export lost them); nothing was applied"
             )
+            if self.ctx.options.fallback != "off" and self.ctx.eager.loss_requires_grad(batch):
+                # the export computes the loss from no parameter where eager's autograd
+                # reaches some (torch.norm(x, p=0), a fill_ of what they made): eager's
+                # own step, which gives them no gradient or zeros as its ops do
+                raise NotOneGraph(
+                    "its graph computes the loss from no parameter, which eager's autograd reaches",
+                    error,
+                )
+            raise error
         if st.grad_params is None and reducer is not None:  # before any gradient moves
             from ortrain.distributed.fingerprint import agree_on_graph
 

@@ -951,3 +951,70 @@ def test_a_graph_onnxruntime_cannot_run_trains_its_module_in_eager():
     seg = trainer.segments
     assert seg is not None and seg.cause.startswith("ONNX Runtime could not run the graph")
     assert [(p.name, p.status) for p in seg.model.fallbacks] == [("up", "eager")]
+
+
+class _NoGradThrough(torch.autograd.Function):
+    """Passes its input on and gives it no gradient (None), as some of torch's backward
+    formulas do (``torch.norm(x, p=0)``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class _HalfReached(torch.nn.Module):
+    """``b``'s output reaches the loss only through ``_NoGradThrough``: eager gives ``b`` no
+    gradient, so the optimizer skips it (no weight decay, no momentum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.a(x) ** 2).mean() + _NoGradThrough.apply(self.b(x)).mean()
+
+
+class _Zeroed(torch.nn.Module):
+    """A loss that eager's autograd reaches with zero gradients (a ``zero_`` of what the
+    layer made), which the export computes from no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).clone().zero_().sum() + x.sum()
+
+
+@pytest.mark.parametrize("cls", [_HalfReached, _Zeroed])
+def test_parameters_without_a_gradient_or_with_zeros_step_as_in_eager(cls):
+    model, ref = cls(), cls()
+
+    def sgd(params):  # weight decay and momentum move a parameter given zeros, not None
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    trainer = ORTTrainer(model, sgd(model.parameters()), TrainerOptions())
+    opt_ref = sgd(ref.parameters())
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for i in range(3):
+        got = trainer.train_step(x)
+        opt_ref.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt_ref.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
+    trainer.sync_to_module()
+    assert trainer.segments is not None
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    start = cls()
+    moved = [k for k, p in model.named_parameters() if not torch.equal(p, start.get_parameter(k))]
+    # b is skipped (no gradient); the zeroed layer moves by weight decay and momentum alone
+    assert moved == (["a.weight", "a.bias"] if cls is _HalfReached else ["lin.weight", "lin.bias"])

@@ -33,18 +33,30 @@ LayOut = Callable[[list[str]], None]  # the first step's reached parameters, in 
 class Reached:
     """The trainable parameters that torch's backward gave a gradient since ``clear``:
     a hook after each accumulation into ``.grad`` (which a bound buffer would not show,
-    and ortrain's own checks, through ``torch.autograd.grad``, do not fire)."""
+    and ortrain's own checks, through ``torch.autograd.grad``, do not fire). It fires for
+    an undefined gradient too (a backward that gives the parameter none, after which
+    eager's ``.grad`` stays None): the gradient hook just before it says which."""
 
     def __init__(self, named: dict[str, torch.nn.Parameter], trainable: list[str]):
         self.names: set[str] = set()
-        self._handles = [
-            named[n].register_post_accumulate_grad_hook(own_hook(self._marker(n)))
-            for n in trainable
-        ]
+        self._defined: dict[str, bool] = {}
+        self._handles = []
+        for n in trainable:
+            self._handles.append(named[n].register_hook(own_hook(self._seer(n))))
+            self._handles.append(
+                named[n].register_post_accumulate_grad_hook(own_hook(self._marker(n)))
+            )
+
+    def _seer(self, name: str) -> Callable[[torch.Tensor | None], None]:
+        def see(grad: torch.Tensor | None) -> None:
+            self._defined[name] = grad is not None
+
+        return see
 
     def _marker(self, name: str) -> Callable[[torch.Tensor], None]:
         def mark(_: torch.Tensor) -> None:
-            self.names.add(name)
+            if self._defined.pop(name, True):
+                self.names.add(name)
 
         return mark
 

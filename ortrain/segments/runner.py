@@ -438,6 +438,12 @@ class SegmentFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(
             *[o for o in outs if not (o.is_floating_point() or o.is_complex())]
         )
+        # an output without a gradient comes as None (zeros made in the backward): where
+        # none has one, eager's autograd gives the module's parameters no gradient (their
+        # .grad stays None), which the optimizer skips, weight decay and momentum included
+        ctx.set_materialize_grads(False)
+        ctx.outs = [(o.shape, o.dtype, o.device) for o in outs]
+        ctx.n_flat = len(flat)
         return tuple(outs)
 
     @staticmethod
@@ -446,13 +452,22 @@ class SegmentFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: this graph's gradients are first-order
             raise second_order_error(ctx.module)
         home: ParamHome | None = ctx.home
+        sink = runner.tied.sink if runner.tied is not None else None
+        if all(g is None for g in grad_outputs) and home is None and sink is None:
+            # (ZeRO's gathers and sinks follow every backward: they take zeros below)
+            runner.tally.drop(ctx.saved_bytes)
+            return (None,) * (4 + ctx.n_flat)
+        grad_outputs = tuple(
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype, device) in zip(grad_outputs, ctx.outs, strict=True)
+        )
         if home is not None:  # dropped after the forward; gathered again if read here
             named_all = dict(ctx.module.named_parameters())
             home.acquire(ctx.module, [named_all[p] for p in runner.backward_params])
         tensors = ctx.saved_tensors
         n = len(runner.backward_reads)
         read = dict(zip(runner.backward_reads, tensors[:n]))
-        grads = [g.contiguous() for g in grad_outputs]  # torch gives zeros for unused ones
+        grads = [g.contiguous() for g in grad_outputs]
         tied, named, into = runner.tied, {}, {}
         # ZeRO-2/3: a routed tied table's gradient goes to the reducer in pieces, outside
         # autograd (which would hold the head's until the embedding's rows came): the
