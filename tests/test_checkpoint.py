@@ -24,7 +24,10 @@ WORKER = textwrap.dedent(
         [{{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1}},
          {{"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}}],
         lr=2e-3)
-    trainer = ORTTrainer(model, opt, TrainerOptions(max_grad_norm=1.0, intra_op_threads=2))
+    # the speed trial's choice after its timed steps depends on the machine's load (two
+    # runs agree to float rounding where it falls differently): one route, bit for bit
+    trainer = ORTTrainer(model, opt, TrainerOptions(max_grad_norm=1.0, intra_op_threads=2,
+                                                    eager_if_faster=False))
     batches = lm_batches(10, vocab=128, seed=5)
     losses = []
     if mode == "full":
