@@ -18,10 +18,19 @@ undecomposed (every CompositeImplicitAutograd operator of every namespace, walke
 by each ``run_decompositions``: about a tenth of a second, twice per export) is kept
 while the dispatcher's registrations and the operator namespaces are the same. Torch does
 not keep it because a custom operator registered later changes it; the key sees that.
+
+And each ``run_decompositions`` registers a Python kernel for every one of those operators
+on some 20 dispatch keys (``OperatorBase.py_impl``, about 57,000 calls an export); each
+call defines a decorator whose annotations subscript ``collections.abc.Callable`` twice,
+which builds a new generic alias each time and was most of the registration's time.
+Inside the context ``torch._ops`` sees a ``Callable`` that hands out the same alias for
+the same subscript (``_MemoCallable``): the annotations are equal objects, nothing reads
+them, and ``isinstance`` against it answers as ``collections.abc.Callable``.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -143,8 +152,48 @@ def cached_registry() -> Iterator[None]:
     """Inside: the exporter's registry is a copy of this process's, and torch.export's
     list of undecomposed operators is kept (module docstring). Where this torch's
     exporter has no such registry or list, nothing changes."""
-    with _cached_cia_ops(), _cached_table():
+    with _cached_cia_ops(), _cached_table(), _memoized_callable():
         yield
+
+
+class _MemoCallable:
+    """``collections.abc.Callable`` whose subscripts are made once (module docstring)."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+        self._memo: dict[Any, Any] = {}
+
+    def __getitem__(self, item: Any) -> Any:
+        try:
+            return self._memo[item]
+        except KeyError:
+            alias = self._memo[item] = self._base[item]
+            return alias
+        except TypeError:  # an unhashable subscript (a list of argument types)
+            return self._base[item]
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, self._base)
+
+    def __subclasscheck__(self, cls: type) -> bool:
+        return issubclass(cls, self._base)
+
+
+_MEMO_CALLABLE = _MemoCallable(collections.abc.Callable)
+
+
+@contextlib.contextmanager
+def _memoized_callable() -> Iterator[None]:
+    import torch._ops as ops
+
+    if getattr(ops, "Callable", None) is not collections.abc.Callable:
+        yield  # another torch, or already inside
+        return
+    ops.Callable = _MEMO_CALLABLE  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        ops.Callable = collections.abc.Callable  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

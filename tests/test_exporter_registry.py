@@ -74,3 +74,38 @@ def test_no_function_ir_is_compiled_to_make_the_table(monkeypatch):
     assert compiled == []
     _registration.ONNXRegistry.from_torchlib()
     assert len(compiled) > 100
+
+
+def test_operator_registrations_reuse_one_alias_and_torch_gets_its_own_back():
+    """``py_impl``'s decorator annotations are made once per subscript inside the context
+    (module docstring); ``isinstance`` against torch's ``Callable`` answers as before, and
+    torch's own ``Callable`` is back after it."""
+    import collections.abc
+    import typing
+
+    import torch
+    import torch._ops as ops
+
+    p, t = typing.ParamSpec("P"), typing.TypeVar("T")
+    with exporter_registry.cached_registry():
+        assert ops.Callable is not collections.abc.Callable
+        assert ops.Callable[p, t] is ops.Callable[p, t]
+        assert ops.Callable[p, t] == collections.abc.Callable[p, t]
+        unhashable = ops.Callable[[int], str]  # an argument list: made each time, still right
+        assert unhashable == collections.abc.Callable[[int], str]
+        assert isinstance(len, ops.Callable) and not isinstance(3, ops.Callable)
+        assert issubclass(type(len), ops.Callable) and not issubclass(int, ops.Callable)
+        op = torch.ops.aten.sin.default
+        key = torch._C.DispatchKey.AutogradCPU
+        saved = op.py_kernels.copy()
+        decorate = op.py_impl(key)
+        try:
+            fn = decorate(lambda *a, **k: None)
+            assert op.py_kernels[key] is fn
+            annotations = decorate.__annotations__
+            assert annotations["fn"] is annotations["return"] is ops.Callable[ops._P, ops._T]
+        finally:
+            op.py_kernels.clear()
+            op.py_kernels.update(saved)
+            op._dispatch_cache.clear()
+    assert ops.Callable is collections.abc.Callable

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from ortrain.forked import ForkedJob, call_forked, can_fork
+from ortrain.forked import PRELOAD_WHILE_WAITING, ForkedJob, call_forked, can_fork
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
 
@@ -204,6 +204,8 @@ out = trainer.eval_step(**batch)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("onnx", "onnx_ir", "onnxscript"))
 print("LOSS", eager, loss, float(out.loss))
 print("HEAVY", ",".join(heavy) or "-")
+from ortrain.forked import PRELOAD_WHILE_WAITING
+print("PRELOADED", ",".join(m for m in PRELOAD_WHILE_WAITING if m in sys.modules) or "-")
 """
 
 
@@ -222,3 +224,5 @@ def test_training_process_never_imports_the_graph_libraries():
     assert train_loss == pytest.approx(eager, rel=1e-5)
     assert eval_loss < train_loss  # evaluated after one AdamW step on the same batch
     assert lines["HEAVY"] == "-", lines["HEAVY"]
+    # what it imported while it waited for the first build, for the children after it
+    assert lines["PRELOADED"] == ",".join(PRELOAD_WHILE_WAITING), lines["PRELOADED"]
