@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch import nn
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.names import BATCH_STATISTICS
 from ortrain.core.roles import Role
+from tests.rank_processes import start_rank
 
 STEPS = 8
 LOSS_RTOL = 1e-4
@@ -337,9 +337,8 @@ def _launch(out: Path, zero_stage: int) -> None:
             "OMP_NUM_THREADS": "1",
             "ORTRAIN_GRAPH_CACHE": str(out / "graph-cache"),  # each graph built by one rank
         }
-        log = open(out / f"log{rank}", "w")
-        cmd = [sys.executable, "-m", "tests.test_batch_norm", str(out), str(zero_stage)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
+        args = [str(out), str(zero_stage)]
+        procs.append(start_rank("tests.test_batch_norm", args, env, out / f"log{rank}"))
     try:
         for p in procs:
             p.wait(timeout=300)

@@ -10,8 +10,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -52,6 +50,7 @@ from tests.dist_worker import (
     train_shared,
     train_tempered,
 )
+from tests.rank_processes import Rank, start_rank
 from tests.test_parity import drop_key_bias
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,14 +68,13 @@ def _free_port() -> int:
 
 def launch(
     scenario: str, out: Path, world: int = WORLD, piped: int | None = None, **env: str
-) -> list[subprocess.Popen]:
-    """``world`` ranks of tests/dist_worker.py with the environment torchrun would set; the
-    stdout of rank ``piped`` comes through a pipe (the others' go to log files)."""
+) -> list[Rank]:
+    """``world`` ranks of tests/dist_worker.py with the environment torchrun would set
+    (forked from a warm server: tests/rank_processes.py); the stdout of rank ``piped``
+    comes through a pipe (the others' go to log files)."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
-        log = open(out / f"{scenario}.log{rank}", "w")
-        stdout = subprocess.PIPE if rank == piped else log
         env_r = {
             **os.environ,
             "RANK": str(rank),
@@ -91,12 +89,13 @@ def launch(
             "ORTRAIN_GRAPH_CACHE": str(out / "graph-cache"),
             **env,
         }
-        cmd = [sys.executable, "-m", "tests.dist_worker", scenario, str(out)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_r, stdout=stdout, stderr=log))
+        log = out / f"{scenario}.log{rank}"
+        args = [scenario, str(out)]
+        procs.append(start_rank("tests.dist_worker", args, env_r, log, rank == piped))
     return procs
 
 
-def finish(procs: list[subprocess.Popen], out: Path, scenario: str) -> list[dict]:
+def finish(procs: list[Rank], out: Path, scenario: str) -> list[dict]:
     try:
         for p in procs:
             p.wait(timeout=300)
