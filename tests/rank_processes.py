@@ -43,8 +43,9 @@ def _rank_main(
     module: str, argv: list[str], env: dict[str, str], log: str, piped: str | None
 ) -> None:
     """In the forked rank: torchrun's environment, output to the log (stdout to the
-    test's pipe where it reads it), then ``module`` run as ``python -m`` runs it; its CPU
-    time written to ``<log>.cpu`` at the end, whatever the exit."""
+    test's pipe where it reads it), then ``module`` run as ``python -m`` runs it (a path
+    ending in ``.py``: as ``python <path>`` runs it); its CPU time written to
+    ``<log>.cpu`` at the end, whatever the exit."""
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # from TMPDIR again (a test gives its ranks their own)
@@ -54,7 +55,10 @@ def _rank_main(
     os.dup2(err, 2)
     sys.argv = [module, *argv]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
         sys.stdout.flush()
         mine = resource.getrusage(resource.RUSAGE_SELF)
@@ -109,8 +113,9 @@ def _charge(log: Path) -> None:
 def start_rank(
     module: str, argv: list[str], env: dict[str, str], log: Path, piped: bool = False
 ) -> Rank:
-    """One rank running ``python -m module *argv`` in ``env``; stdout and stderr to
-    ``log``, or stdout to ``Rank.stdout`` (a pipe) where ``piped``."""
+    """One rank running ``python -m module *argv`` (``python module *argv`` for a path
+    ending in ``.py``) in ``env``; stdout and stderr to ``log``, or stdout to
+    ``Rank.stdout`` (a pipe) where ``piped``."""
     ctx = _ctx()
     fifo, stdout = None, None
     if piped:

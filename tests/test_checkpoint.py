@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rank_processes import start_rank
+
 WORKER = textwrap.dedent(
     """
     import json, sys, torch
@@ -44,19 +46,17 @@ WORKER = textwrap.dedent(
 
 
 def _run(tmp_path: Path, mode: str) -> list[float]:
+    """The worker in a new process (forked from the warm server of tests/rank_processes.py:
+    nothing of this process, nor of the runs before it, is in it)."""
     script = tmp_path / "worker.py"
     root = str(Path(__file__).resolve().parent.parent)
     script.write_text(WORKER.format(root=root))
     env = {**os.environ, "PYTHONPATH": root}
-    out = subprocess.run(
-        [sys.executable, str(script), mode, str(tmp_path / "ckpt" / "trainer.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("LOSSES"))
+    log = tmp_path / f"{mode}.log"
+    argv = [mode, str(tmp_path / "ckpt" / "trainer.pt")]
+    proc = start_rank(str(script), argv, env, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    line = next(ln for ln in log.read_text().splitlines() if ln.startswith("LOSSES"))
     return json.loads(line[len("LOSSES") :])
 
 

@@ -29,6 +29,7 @@ from ortrain.distributed.fingerprint import (
     first_difference,
     run_fields,
 )
+from tests.rank_processes import start_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +127,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(out: Path, mode: str) -> list[subprocess.Popen]:
+def _launch(out: Path, mode: str, forked: bool = False) -> list[Any]:
+    """Two ranks of this file's worker; ``forked``: from the warm server of
+    tests/rank_processes.py (not for a rank that aborts: the survivor reads how it ended
+    from its exit record and its unreaped process, and the server reaps its children)."""
     port, procs = str(_free_port()), []
     for rank in range(2):
         env = {
@@ -143,6 +147,10 @@ def _launch(out: Path, mode: str) -> list[subprocess.Popen]:
             # builds in the rank itself: one of six runs under load hung in a forked build
             "ORTRAIN_BUILD_IN_PROCESS": "1",
         }
+        if forked:
+            log_path = out / f"log{rank}"
+            procs.append(start_rank("tests.test_rank_agreement", [str(out), mode], env, log_path))
+            continue
         log = open(out / f"log{rank}", "w")
         cmd = [sys.executable, "-m", "tests.test_rank_agreement", str(out), mode]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
@@ -159,7 +167,7 @@ def _launch(out: Path, mode: str) -> list[subprocess.Popen]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("agree")
-    procs = _launch(out, "agree")
+    procs = _launch(out, "agree", forked=True)
     for rank, p in enumerate(procs):
         log = (out / f"log{rank}").read_text()
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-4000:]}"
