@@ -48,6 +48,9 @@ sees:
    and cannot see. The forward is traced once with the length symbolic
    (``ortrain/length_branches.py``): a batch is padded only within the range of
    lengths that take the bucket length's branches (a trace that fails leaves 3. alone).
+   The trace runs in a forked child while the padded batch's graph builds (a batch
+   outside the range runs at its own length, the padded graph left to the lengths
+   inside it), and its range is kept in the graph cache.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import torch
 from ortrain.core.errors import first_line
 from ortrain.core.names import LOSS_LABELS
 from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
+from ortrain.length_branches import LOWEST, UNKNOWN, BranchRegions, GraphCache
 
 MODES = ("auto", "off")
 IGNORE_INDEX = -100  # torch's cross_entropy default, what HF losses and ortrain's label sites skip
@@ -263,6 +267,7 @@ class Bucketing:
         loss_fn: LossFn | None,
         mode: str = "auto",
         sync: Callable[[], object] | None = None,
+        cache: GraphCache | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"TrainerOptions.bucketing must be 'auto' or 'off', got {mode!r}")
@@ -277,7 +282,8 @@ class Bucketing:
         self._graphs: dict[tuple, set[int]] = {}  # per layout: the lengths given to the trainer
         self._borrowed: collections.Counter[tuple] = collections.Counter()
         # per layout: ranges of lengths that take the same Python branches (6.)
-        self.regions: dict[tuple, list[tuple[int, int]]] = {}
+        self.branches = BranchRegions(module, loss_fn, cache)
+        self._told: set[tuple] = set()  # (layout, range) warned about
 
     def pad(
         self,
@@ -319,9 +325,15 @@ class Bucketing:
                     f"{verdict.reason}; each length builds its own graph",
                     stacklevel=4,
                 )
-        if not verdict.exact or not self._same_branches(key, batch, plan, to, train):
+        if not verdict.exact:
             return Padded(batch)
+        # the Python branches' trace (6.) runs in its own process while the padded batch's
+        # graph builds: a batch outside the bucket's range leaves that graph to the
+        # lengths inside it (a model that branches on the length: rare)
         padded = plan.apply(batch, to)
+        upper = self._max if self._max is not None else 1 << 20
+        device = next(self.module.parameters()).device
+        self.branches.start(key, _on(padded, device), list(plan.pads), upper, train)
         if prove is not None and key not in self.proofs:
             proof = prove(padded)
             if proof is not None and proof[0] == "pending":
@@ -329,36 +341,25 @@ class Bucketing:
             verdict = self._proven(key, proof, plan, train)
             if not verdict.exact:
                 return Padded(batch)
+        if not self._same_branches(key, plan, to, upper):
+            return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)
         return Padded(padded, plan.length, verdict.seq_axes)
 
-    def _same_branches(
-        self, key: tuple, batch: Mapping[str, Any], plan: Layout, to: int, train: bool
-    ) -> bool:
+    def _same_branches(self, key: tuple, plan: Layout, to: int, upper: int) -> bool:
         """Whether the batch's length and ``to`` take the same Python branches of the
         forward (``ortrain/length_branches.py``), traced once per range."""
-        from ortrain.length_branches import LOWEST, branch_free_lengths
-
-        regions = self.regions.setdefault(key, [])
-        for lo, hi in regions:
-            if lo <= to <= hi:
-                return lo <= plan.length <= hi
-        upper = self._max if self._max is not None else 1 << 20
-        padded = _on(plan.apply(batch, to), next(self.module.parameters()).device)
-        found = branch_free_lengths(
-            self.module, self.loss_fn, padded, list(plan.pads), upper, train
-        )
-        region = found if found is not None else (1, 1 << 62)  # unknown: as before (3.)
-        regions.append(region)
-        if found is not None and found != (LOWEST, upper):
+        lo, hi = self.branches.finish(key, to)
+        if (lo, hi) not in (UNKNOWN, (LOWEST, upper)) and (key, lo, hi) not in self._told:
+            self._told.add((key, lo, hi))
             warnings.warn(
                 f"ortrain: {type(self.module).__name__}'s forward branches in Python on the "
-                f"sequence length: lengths {found[0]} to {found[1]} take the path length "
+                f"sequence length: lengths {lo} to {hi} take the path length "
                 f"{to} takes; batches are padded to a bucket only within such a range "
                 f"(others build a graph of their own length)",
                 stacklevel=5,
             )
-        return region[0] <= plan.length <= region[1]
+        return lo <= plan.length <= hi
 
     def _proven(
         self, key: tuple, proof: tuple[str, str] | None, plan: Layout, train: bool

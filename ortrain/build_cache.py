@@ -602,6 +602,20 @@ class GraphCache:
             stacklevel=5,
         )
 
+    def recall(self, what: str, batch: Mapping[str, Any]) -> tuple[Any] | None:
+        """A small analysis of the model at ``batch``'s signature (plain values, not a
+        graph) that ``remember`` kept, as a 1-tuple; None: not kept (or the cache off).
+        Keyed like the graphs (the model's structure and code, the loss, the library
+        versions), so what was found once holds until one of those changes."""
+        if self.dir is None:
+            return None
+        found = self.load(self._base(what, batch))
+        return (found["value"],) if isinstance(found, dict) and "value" in found else None
+
+    def remember(self, what: str, batch: Mapping[str, Any], value: Any) -> None:
+        if self.dir is not None:
+            self.store(self._base(what, batch), {"value": value})
+
     def store(self, key: str, value: Any) -> None:
         try:
             write_entry(self._path(key), key, value)

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ortrain.export import LossFn, call_arguments, step_loss
 
 LOWEST = 2  # torch specializes sizes 0 and 1: a symbolic length starts at 2
+# The trace's child takes the CPU the graph's build and the first-step check (whose eager
+# step is timed) leave: on few cores it runs once the check's child has ended.
+NICE = 19
 
 
 class _Loss(torch.nn.Module):
@@ -90,3 +93,122 @@ def branch_free_lengths(
         return None
     hi = found.upper if found.upper.is_finite else upper
     return (int(found.lower), int(hi))
+
+
+Region = tuple[int, int]
+
+
+class GraphCache(Protocol):
+    """What is kept of a trace: ``ortrain.build_cache.GraphCache``'s small entries."""
+
+    def recall(self, what: str, batch: Mapping[str, Any]) -> tuple[Any] | None: ...
+
+    def remember(self, what: str, batch: Mapping[str, Any], value: Any) -> None: ...
+
+
+UNKNOWN: Region = (1, 1 << 62)  # a trace that failed: nothing is known, padding decides as before
+
+
+class BranchRegions:
+    """Per batch layout, the ranges of lengths that take the same Python branches.
+
+    A range is traced once (``branch_free_lengths``) and kept in the graph cache beside
+    the graphs (a second run does not trace again). The trace is a ``torch.export`` of
+    the whole forward, as long as the graph's own export: it runs in a forked child
+    (``ortrain/forked.py``, lowest priority) started before the padded batch's graph
+    builds, so the two run side by side, and dynamo's tracing state stays out of the
+    training process.
+    Where a job cannot fork (CUDA), it runs here when its answer is asked for."""
+
+    def __init__(
+        self, module: torch.nn.Module, loss_fn: LossFn | None, cache: GraphCache | None
+    ) -> None:
+        self.module = module
+        self.loss_fn = loss_fn
+        self.cache = cache
+        self.regions: dict[tuple, list[Region]] = {}
+        self._pending: dict[tuple, _Trace] = {}
+
+    def known(self, key: tuple, to: int) -> Region | None:
+        """The traced range of layout ``key`` that holds the length ``to``, if any."""
+        return next((r for r in self.regions.get(key, ()) if r[0] <= to <= r[1]), None)
+
+    def start(
+        self, key: tuple, padded: dict[str, Any], seq_keys: Sequence[str], upper: int, train: bool
+    ) -> None:
+        """Begin finding the range of ``padded``'s length (a no-op where it is known or
+        being traced)."""
+        to = int(padded[seq_keys[0]].shape[1])
+        if self.known(key, to) is not None or (key, to) in self._pending:
+            return
+        what = f"length-branches/{'train' if train else 'eval'}/{upper}"
+        kept = self.cache.recall(what, padded) if self.cache is not None else None
+        if kept is not None:
+            self.regions.setdefault(key, []).append(_region(kept[0]))
+            return
+        module, loss_fn = self.module, self.loss_fn
+
+        def trace() -> Region | None:
+            return branch_free_lengths(module, loss_fn, padded, seq_keys, upper, train)
+
+        self._pending[(key, to)] = _Trace(trace, what, padded, self.cache, module)
+
+    def finish(self, key: tuple, to: int) -> Region:
+        """The range that holds ``to`` (waits for its trace)."""
+        region = self.known(key, to)
+        if region is None:
+            region = self._pending.pop((key, to)).result()
+            self.regions.setdefault(key, []).append(region)
+        return region
+
+    def cancel(self) -> None:
+        for trace in self._pending.values():
+            trace.cancel()
+        self._pending.clear()
+
+
+def _region(found: Region | None) -> Region:
+    return UNKNOWN if found is None else (int(found[0]), int(found[1]))
+
+
+class _Trace:
+    """One range being traced: in a forked child where the module's tensors allow."""
+
+    def __init__(
+        self,
+        trace: Callable[[], Region | None],
+        what: str,
+        padded: dict[str, Any],
+        cache: GraphCache | None,
+        module: torch.nn.Module,
+    ) -> None:
+        from ortrain.forked import ForkedJob, can_fork
+
+        self.trace, self.what, self.padded, self.cache = trace, what, padded, cache
+        tensors = [*module.parameters(), *module.buffers()]
+        self.job = (
+            ForkedJob(trace, what="tracing the forward with a symbolic length", nice=NICE)
+            if can_fork(tensors)
+            else None
+        )
+
+    def result(self) -> Region:
+        job, self.job = self.job, None
+        try:
+            found = job.result() if job is not None else self.trace()
+        except Exception:  # (the trace catches its own errors: a child that died) unknown
+            return UNKNOWN
+        if self.cache is not None:
+            self.cache.remember(self.what, self.padded, found)
+        return _region(found)
+
+    def cancel(self) -> None:
+        if self.job is not None:
+            job, self.job = self.job, None
+            job.cancel()
+
+    def __del__(self) -> None:  # a trainer let go while its trace runs: not wanted
+        try:
+            self.cancel()
+        except Exception:  # (interpreter shutdown)
+            pass

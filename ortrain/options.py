@@ -123,7 +123,8 @@ class TrainerOptions:
     graph_cache: keep built graphs on disk, keyed by the model's structure and code, the
         ``loss_fn``, the batch signature, every build option and the library versions
         (not the weights), so a second run skips the export and the passes
-        (``trainer.cache_hits``). True: ``$XDG_CACHE_HOME/ortrain/graphs`` (default
+        (``trainer.cache_hits``) and bucketing's trace of the forward's Python
+        branches. True: ``$XDG_CACHE_HOME/ortrain/graphs`` (default
         ``~/.cache/ortrain/graphs``; ``ORTRAIN_GRAPH_CACHE=<dir>`` moves it, ``=0`` turns
         it off); a path: that folder; False: off. Entries are checked by a content hash; a
         damaged one is rebuilt with a warning. Processes that miss the same entry at

@@ -87,7 +87,9 @@ class ORTTrainer(TrainerState, TrainerViews):
         self.state = self._ctx.state
         self._batch = BatchInput(model, allow_extra=loss_fn is not None)
         # variable lengths padded to a few bucket lengths where exact (ortrain/bucketing.py)
-        self.bucketing = Bucketing(model, loss_fn, self.options.bucketing, self.sync_to_module)
+        self.bucketing = Bucketing(
+            model, loss_fn, self.options.bucketing, self.sync_to_module, self._ctx.graph_cache
+        )
         # the model's program: one training graph per signature until it cannot be (then
         # segments, fallback "auto"), or segments from the start by choice
         blocks = self._ctx.blocks_cause()

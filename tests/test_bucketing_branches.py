@@ -6,6 +6,7 @@ forward assigns anew is put back after the padding check's eager runs."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -110,3 +111,48 @@ def test_the_padding_check_puts_back_a_buffer_the_forward_assigns_anew():
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
         trainer.sync_to_module()
         torch.testing.assert_close(model.mx, ref.mx, rtol=0, atol=0)
+
+
+def _train(trainer: ORTTrainer, lengths: list[list[int]]) -> list[str]:
+    """Steps over ``lengths``' batches; the branch warnings they gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, ls in enumerate(lengths):
+            trainer.train_step(**varlen_batch(ls, vocab=64, seed=i))
+    return [str(w.message) for w in caught if "branches in Python" in str(w.message)]
+
+
+def test_the_range_is_traced_once_per_machine_in_a_child_process(tmp_path, monkeypatch):
+    """The trace (a whole-forward export) runs in a forked child beside the padded graph's
+    build, and its range is kept in the graph cache: a second trainer over the same model
+    code traces nothing and still refuses to pad across the threshold."""
+    import ortrain.length_branches as lb
+
+    pids = tmp_path / "pids"
+    traced = lb.branch_free_lengths
+
+    def tracing(*args, **kwargs):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return traced(*args, **kwargs)
+
+    monkeypatch.setattr(lb, "branch_free_lengths", tracing)
+    monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", str(tmp_path / "cache"))
+    lengths = [[23, 21], [18, 12], [25, 24]]
+    options = TrainerOptions()
+    torch.manual_seed(0)
+    model = _LengthBranch()
+    first = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    told = _train(first, lengths)
+    ran = [int(p) for p in pids.read_text().split()]
+    assert len(ran) == 1 and ran[0] != os.getpid()
+    assert len(told) == 1 and f"lengths {THRESHOLD + 1} to {1 << 20} " in told[0]
+    assert graph_lengths(first) == {32, 18}
+    pids.unlink()
+    model = _LengthBranch()
+    second = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    told = _train(second, lengths)
+    assert not pids.exists()  # recalled, not traced
+    assert len(told) == 1 and f"lengths {THRESHOLD + 1} to {1 << 20} " in told[0]
+    assert graph_lengths(second) == {32, 18}
+    assert first.cache_hits == 0 and second.cache_hits == first.build_count
