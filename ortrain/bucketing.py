@@ -36,7 +36,9 @@ sees:
    (``ortrain/padding/``, once per layout, on the graph the step runs next): a
    layout whose graph mixes padded positions into the loss or a buffer update (a max
    over time that ignores the mask, whatever the values of the first batch) is refused
-   with the node that mixes, and that graph dropped.
+   with the node that mixes, and that graph dropped. A layout's verdict is kept in the
+   graph cache (under the model's code and the padded batch's signature): a later run
+   with the same bucket does not run the eager check again.
 4. A length whose bucket has no graph yet runs on a longer bucket's graph, up to
    ``BORROW_LIMIT`` times, then builds its own: a long tail of rare lengths costs no
    builds (padding further is as exact).
@@ -76,6 +78,7 @@ _GRAIN = 16
 # The check's tolerances: padding that is exact changes results by float32 rounding only
 # (summation order of larger products), far below what a change of semantics moves.
 CHECK_RTOL = 1e-5
+CHECK_FAILED = "the eager check failed"  # (not kept: the failure need not be the model's)
 # Batches a bucket without a graph runs padded into a longer one that has a graph, before
 # it gets its own: a build costs tens of steps on small models, each borrowed step wastes
 # a fraction of one.
@@ -282,6 +285,7 @@ class Bucketing:
         self._graphs: dict[tuple, set[int]] = {}  # per layout: the lengths given to the trainer
         self._borrowed: collections.Counter[tuple] = collections.Counter()
         # per layout: ranges of lengths that take the same Python branches (6.)
+        self._cache = cache
         self.branches = BranchRegions(module, loss_fn, cache)
         self._told: set[tuple] = set()  # (layout, range) warned about
 
@@ -316,7 +320,7 @@ class Bucketing:
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)
         if verdict is None:
-            verdict = self.verdicts[key] = self._check(batch, plan, to, train)
+            verdict = self.verdicts[key] = self._checked(batch, plan, to, train)
             if not verdict.exact:
                 side = {"left": "left-padded ", "holes": "masked (with holes) "}.get(plan.side, "")
                 warnings.warn(
@@ -397,6 +401,22 @@ class Bucketing:
         return min(to, self._max) if self._max is not None and length <= self._max else to
 
     # ------------------------------------------------------------------ the check
+    def _checked(self, batch: Mapping[str, Any], plan: Layout, to: int, train: bool) -> Verdict:
+        """The layout's eager check (3.), or its verdict from an earlier run: kept in the
+        graph cache under the model's code and the padded batch's signature, as the
+        graphs are (a verdict here holds for every later batch of the layout anyway)."""
+        cache = self._cache
+        what = f"padding-check/{'train' if train else 'eval'}/{plan.side}"
+        padded = plan.apply(batch, to)
+        kept = cache.recall(what, padded) if cache is not None else None
+        if kept is not None:
+            exact, reason, axes = kept[0]
+            return Verdict(bool(exact), str(reason), {str(k): tuple(v) for k, v in axes.items()})
+        verdict = self._check(batch, plan, to, train)
+        if cache is not None and not verdict.reason.startswith(CHECK_FAILED):
+            cache.remember(what, padded, (verdict.exact, verdict.reason, dict(verdict.seq_axes)))
+        return verdict
+
     def _check(self, batch: Mapping[str, Any], plan: Layout, to: int, train: bool) -> Verdict:
         if self._sync is not None:
             self._sync()
@@ -423,7 +443,7 @@ class Bucketing:
                 padded = self._run(plan.apply(batch, to), params)
         except Exception as exc:  # the unpadded step will raise its own error, if any
             why = f"{type(exc).__name__}: {first_line(exc)}"
-            return Verdict(False, f"the eager check failed ({why})")
+            return Verdict(False, f"{CHECK_FAILED} ({why})")
         return compare(real, padded, plan.length, to, [n for n, _ in named])
 
     def _run(

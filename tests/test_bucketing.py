@@ -405,3 +405,44 @@ def test_200_steps_of_realistic_lengths():
     assert len(distinct) >= 20
     assert graph_lengths(trainer) <= buckets
     assert trainer.build_count <= len(buckets) <= len(bucket_lengths(128))
+
+
+def _mean_logits(out, batch):
+    return out.logits.mean()  # a loss over every position, the padding's too
+
+
+def test_a_layout_s_verdict_is_kept_in_the_graph_cache(tmp_path, monkeypatch):
+    """The eager check of a layout (two eager steps) runs once per machine: a second run
+    with the same bucket takes its verdict from the graph cache, the output axes to cut
+    and a refusal (still warned) included."""
+    from ortrain.build_cache import GraphCache
+
+    monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", str(tmp_path))
+    checked: list[int] = []
+    real = Bucketing._check
+
+    def counting(self, batch, plan, to, train):
+        checked.append(to)
+        return real(self, batch, plan, to, train)
+
+    monkeypatch.setattr(Bucketing, "_check", counting)
+    model = gpt2(layers=2, hidden=64)
+    lengths = [37, 30, 21, 12]
+
+    def run(loss_fn):
+        b = Bucketing(model, loss_fn, cache=GraphCache(TrainerOptions(), model, loss_fn))
+        return b.pad(varlen_batch(lengths), train=True), b.pad(varlen_batch(lengths), train=False)
+
+    first = run(None)
+    assert checked == [48, 48]
+    again = run(None)
+    assert checked == [48, 48]  # nothing checked again
+    for a, b in zip(first, again, strict=True):
+        assert b.length == a.length == 37 and b.batch["input_ids"].shape == (4, 48)
+        assert dict(b.seq_axes) == dict(a.seq_axes)
+    assert dict(again[1].seq_axes) == {"logits": (1,)}
+    for _ in (1, 2):  # refused, and warned, the second time from the cache
+        with pytest.warns(UserWarning, match="padding changed the loss"):
+            refused, _ = run(_mean_logits)
+        assert refused.length is None and refused.batch["input_ids"].shape == (4, 37)
+    assert checked == [48, 48, 48, 48]  # its two layouts (training, evaluation) once each
