@@ -40,6 +40,7 @@ from ortrain.core.errors import ExportError, LossShapeError, first_line
 from ortrain.core.roles import GraphIO, Role
 from ortrain.export_aten import aten_translations
 from ortrain.export_attention import draw_attention_dropout
+from ortrain.export_casts import unchanged_module_casts
 from ortrain.export_decompositions import exporter_decompositions
 from ortrain.export_functional import functional_for_export
 from ortrain.export_hints import without_value_hints
@@ -608,7 +609,12 @@ def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProg
     (data-dependent shapes stop both); the segments take such a model apart instead."""
     # On failure torch.export prints its partial FX graph to stderr (pages for a model);
     # the ExportError that follows names the cause.
-    with without_value_hints(), functional_for_export(), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        without_value_hints(),
+        unchanged_module_casts(),
+        functional_for_export(),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         program = torch.export.export(traced, flat, strict=False)
     mark_stop_gradients(program)
     wrap_scalar_operands(program)

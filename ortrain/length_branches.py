@@ -61,6 +61,8 @@ def branch_free_lengths(
     from torch.export import Dim
 
     from ortrain.export import _quiet_torch_logs
+    from ortrain.export_casts import unchanged_module_casts
+    from ortrain.export_hints import without_value_hints
     from ortrain.python_state import kept
     from ortrain.verify import in_mode, no_kv_cache, restoring
 
@@ -77,6 +79,8 @@ def branch_free_lengths(
             warnings.catch_warnings(),
             _quiet_torch_logs(),
             contextlib.redirect_stdout(None),
+            without_value_hints(),  # (as the graph's own export: ortrain/export.py)
+            unchanged_module_casts(),
         ):
             warnings.simplefilter("ignore")
             program = torch.export.export(wrapper, tensors, dynamic_shapes=(dims,), strict=False)
