@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ortrain.export import LossFn, call_arguments, step_loss
+from ortrain.forked import ForkedJob, can_fork
 
 LOWEST = 2  # torch specializes sizes 0 and 1: a symbolic length starts at 2
 # The trace's child takes the CPU the graph's build and the first-step check (whose eager
@@ -158,17 +159,14 @@ class BranchRegions:
         self._pending[(key, to)] = _Trace(trace, what, padded, self.cache, module)
 
     def finish(self, key: tuple, to: int) -> Region:
-        """The range that holds ``to`` (waits for its trace)."""
+        """The range that holds ``to`` (waits for its trace; UNKNOWN where none was
+        started, or a kept range did not hold ``to``)."""
         region = self.known(key, to)
         if region is None:
-            region = self._pending.pop((key, to)).result()
+            trace = self._pending.pop((key, to), None)
+            region = trace.result() if trace is not None else UNKNOWN
             self.regions.setdefault(key, []).append(region)
         return region
-
-    def cancel(self) -> None:
-        for trace in self._pending.values():
-            trace.cancel()
-        self._pending.clear()
 
 
 def _region(found: Region | None) -> Region:
@@ -186,8 +184,6 @@ class _Trace:
         cache: GraphCache | None,
         module: torch.nn.Module,
     ) -> None:
-        from ortrain.forked import ForkedJob, can_fork
-
         self.trace, self.what, self.padded, self.cache = trace, what, padded, cache
         tensors = [*module.parameters(), *module.buffers()]
         self.job = (
