@@ -112,7 +112,7 @@ def bucket_lengths(max_length: int) -> list[int]:
 PadFn = Callable[[torch.Tensor, int], torch.Tensor]
 # a padded batch -> its training graph's padding proof (verdict, detail); None: no graph;
 # ("pending", why): its graph is building (ortrain/background_build.py), asked again later
-Prove = Callable[[dict[str, Any]], "tuple[str, str] | None"]
+Prove = Callable[[dict[str, Any], Callable[[], None]], "tuple[str, str] | None"]
 
 
 def _constant(value: int) -> PadFn:
@@ -316,7 +316,7 @@ class Bucketing:
             self._graphs.setdefault(key, set()).add(to)
             return Padded(batch)
         if verdict is None and proof_first and prove is not None and key not in self.proofs:
-            proof = prove(plan.apply(batch, to))
+            proof = prove(plan.apply(batch, to), lambda: None)
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)
         if verdict is None:
@@ -332,19 +332,24 @@ class Bucketing:
         if not verdict.exact:
             return Padded(batch)
         # the Python branches' trace (6.) runs in its own process while the padded batch's
-        # graph builds: a batch outside the bucket's range leaves that graph to the
-        # lengths inside it (a model that branches on the length: rare)
+        # graph builds (once eager's timed reference step has ended): a batch outside the
+        # bucket's range leaves that graph to the lengths inside it (a model that
+        # branches on the length: rare)
         padded = plan.apply(batch, to)
         upper = self._max if self._max is not None else 1 << 20
         device = next(self.module.parameters()).device
-        self.branches.start(key, _on(padded, device), list(plan.pads), upper, train)
+
+        def trace() -> None:  # (a no-op once started)
+            self.branches.start(key, _on(padded, device), list(plan.pads), upper, train)
+
         if prove is not None and key not in self.proofs:
-            proof = prove(padded)
+            proof = prove(padded, trace)
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)  # its graph builds in the background: unpadded meanwhile
             verdict = self._proven(key, proof, plan, train)
             if not verdict.exact:
                 return Padded(batch)
+        trace()
         if not self._same_branches(key, plan, to, upper):
             return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)

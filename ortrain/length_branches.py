@@ -26,9 +26,6 @@ from ortrain.export import LossFn, call_arguments, step_loss
 from ortrain.forked import ForkedJob, can_fork
 
 LOWEST = 2  # torch specializes sizes 0 and 1: a symbolic length starts at 2
-# The trace's child takes the CPU the graph's build and the first-step check (whose eager
-# step is timed) leave: on few cores it runs once the check's child has ended.
-NICE = 19
 
 
 class _Loss(torch.nn.Module):
@@ -120,9 +117,11 @@ class BranchRegions:
     A range is traced once (``branch_free_lengths``) and kept in the graph cache beside
     the graphs (a second run does not trace again). The trace is a ``torch.export`` of
     the whole forward, as long as the graph's own export: it runs in a forked child
-    (``ortrain/forked.py``, lowest priority) started before the padded batch's graph
-    builds, so the two run side by side, and dynamo's tracing state stays out of the
-    training process.
+    (``ortrain/forked.py``) started while the padded batch's graph builds (after the
+    first-step check's timed eager step, which it would slow), so the two run side by
+    side, and dynamo's tracing state stays out of the training process. (Not at a lower
+    priority: on a machine kept busy by other processes, the ranks of one machine,
+    such a child would wait for all of them while its trainer waits for it.)
     Where a job cannot fork (CUDA), it runs here when its answer is asked for."""
 
     def __init__(
@@ -187,7 +186,7 @@ class _Trace:
         self.trace, self.what, self.padded, self.cache = trace, what, padded, cache
         tensors = [*module.parameters(), *module.buffers()]
         self.job = (
-            ForkedJob(trace, what="tracing the forward with a symbolic length", nice=NICE)
+            ForkedJob(trace, what="tracing the forward with a symbolic length")
             if can_fork(tensors)
             else None
         )
