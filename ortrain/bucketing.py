@@ -50,9 +50,7 @@ sees:
    and cannot see. The forward is traced once with the length symbolic
    (``ortrain/length_branches.py``): a batch is padded only within the range of
    lengths that take the bucket length's branches (a trace that fails leaves 3. alone).
-   The trace runs in a forked child while the padded batch's graph builds (a batch
-   outside the range runs at its own length, the padded graph left to the lengths
-   inside it), and its range is kept in the graph cache.
+   Its range is kept in the graph cache: a later run does not trace again.
 """
 
 from __future__ import annotations
@@ -112,7 +110,7 @@ def bucket_lengths(max_length: int) -> list[int]:
 PadFn = Callable[[torch.Tensor, int], torch.Tensor]
 # a padded batch -> its training graph's padding proof (verdict, detail); None: no graph;
 # ("pending", why): its graph is building (ortrain/background_build.py), asked again later
-Prove = Callable[[dict[str, Any], Callable[[], None]], "tuple[str, str] | None"]
+Prove = Callable[[dict[str, Any]], "tuple[str, str] | None"]
 
 
 def _constant(value: int) -> PadFn:
@@ -316,7 +314,7 @@ class Bucketing:
             self._graphs.setdefault(key, set()).add(to)
             return Padded(batch)
         if verdict is None and proof_first and prove is not None and key not in self.proofs:
-            proof = prove(plan.apply(batch, to), lambda: None)
+            proof = prove(plan.apply(batch, to))
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)
         if verdict is None:
@@ -329,36 +327,27 @@ class Bucketing:
                     f"{verdict.reason}; each length builds its own graph",
                     stacklevel=4,
                 )
-        if not verdict.exact:
+        if not verdict.exact or not self._same_branches(key, batch, plan, to, train):
             return Padded(batch)
-        # the Python branches' trace (6.) runs in its own process while the padded batch's
-        # graph builds (once eager's timed reference step has ended): a batch outside the
-        # bucket's range leaves that graph to the lengths inside it (a model that
-        # branches on the length: rare)
         padded = plan.apply(batch, to)
-        upper = self._max if self._max is not None else 1 << 20
-        device = next(self.module.parameters()).device
-
-        def trace() -> None:  # (a no-op once started)
-            self.branches.start(key, _on(padded, device), list(plan.pads), upper, train)
-
         if prove is not None and key not in self.proofs:
-            proof = prove(padded, trace)
+            proof = prove(padded)
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)  # its graph builds in the background: unpadded meanwhile
             verdict = self._proven(key, proof, plan, train)
             if not verdict.exact:
                 return Padded(batch)
-        trace()
-        if not self._same_branches(key, plan, to, upper):
-            return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)
         return Padded(padded, plan.length, verdict.seq_axes)
 
-    def _same_branches(self, key: tuple, plan: Layout, to: int, upper: int) -> bool:
+    def _same_branches(
+        self, key: tuple, batch: Mapping[str, Any], plan: Layout, to: int, train: bool
+    ) -> bool:
         """Whether the batch's length and ``to`` take the same Python branches of the
         forward (``ortrain/length_branches.py``), traced once per range."""
-        lo, hi = self.branches.finish(key, to)
+        upper = self._max if self._max is not None else 1 << 20
+        padded = _on(plan.apply(batch, to), next(self.module.parameters()).device)
+        lo, hi = self.branches.region(key, padded, list(plan.pads), upper, train)
         if (lo, hi) not in (UNKNOWN, (LOWEST, upper)) and (key, lo, hi) not in self._told:
             self._told.add((key, lo, hi))
             warnings.warn(

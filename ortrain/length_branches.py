@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from ortrain.export import LossFn, call_arguments, step_loss
-from ortrain.forked import ForkedJob, can_fork
 
 LOWEST = 2  # torch specializes sizes 0 and 1: a symbolic length starts at 2
 
@@ -112,17 +111,10 @@ UNKNOWN: Region = (1, 1 << 62)  # a trace that failed: nothing is known, padding
 
 
 class BranchRegions:
-    """Per batch layout, the ranges of lengths that take the same Python branches.
-
-    A range is traced once (``branch_free_lengths``) and kept in the graph cache beside
-    the graphs (a second run does not trace again). The trace is a ``torch.export`` of
-    the whole forward, as long as the graph's own export: it runs in a forked child
-    (``ortrain/forked.py``) started while the padded batch's graph builds (after the
-    first-step check's timed eager step, which it would slow), so the two run side by
-    side, and dynamo's tracing state stays out of the training process. (Not at a lower
-    priority: on a machine kept busy by other processes, the ranks of one machine,
-    such a child would wait for all of them while its trainer waits for it.)
-    Where a job cannot fork (CUDA), it runs here when its answer is asked for."""
+    """Per batch layout, the ranges of lengths that take the same Python branches, each
+    traced once (``branch_free_lengths``, in this process: its imports and caches are
+    then the build children's too) and kept in the graph cache beside the graphs, so a
+    later run does not trace again."""
 
     def __init__(
         self, module: torch.nn.Module, loss_fn: LossFn | None, cache: GraphCache | None
@@ -131,83 +123,27 @@ class BranchRegions:
         self.loss_fn = loss_fn
         self.cache = cache
         self.regions: dict[tuple, list[Region]] = {}
-        self._pending: dict[tuple, _Trace] = {}
 
-    def known(self, key: tuple, to: int) -> Region | None:
-        """The traced range of layout ``key`` that holds the length ``to``, if any."""
-        return next((r for r in self.regions.get(key, ()) if r[0] <= to <= r[1]), None)
-
-    def start(
+    def region(
         self, key: tuple, padded: dict[str, Any], seq_keys: Sequence[str], upper: int, train: bool
-    ) -> None:
-        """Begin finding the range of ``padded``'s length (a no-op where it is known or
-        being traced)."""
+    ) -> Region:
+        """The range of layout ``key`` that holds ``padded``'s length (UNKNOWN where its
+        trace failed)."""
         to = int(padded[seq_keys[0]].shape[1])
-        if self.known(key, to) is not None or (key, to) in self._pending:
-            return
+        ranges = self.regions.setdefault(key, [])
+        found = next((r for r in ranges if r[0] <= to <= r[1]), None)
+        if found is not None:
+            return found
         what = f"length-branches/{'train' if train else 'eval'}/{upper}"
         kept = self.cache.recall(what, padded) if self.cache is not None else None
         if kept is not None:
-            self.regions.setdefault(key, []).append(_region(kept[0]))
-            return
-        module, loss_fn = self.module, self.loss_fn
-
-        def trace() -> Region | None:
-            return branch_free_lengths(module, loss_fn, padded, seq_keys, upper, train)
-
-        self._pending[(key, to)] = _Trace(trace, what, padded, self.cache, module)
-
-    def finish(self, key: tuple, to: int) -> Region:
-        """The range that holds ``to`` (waits for its trace; UNKNOWN where none was
-        started, or a kept range did not hold ``to``)."""
-        region = self.known(key, to)
-        if region is None:
-            trace = self._pending.pop((key, to), None)
-            region = trace.result() if trace is not None else UNKNOWN
-            self.regions.setdefault(key, []).append(region)
-        return region
-
-
-def _region(found: Region | None) -> Region:
-    return UNKNOWN if found is None else (int(found[0]), int(found[1]))
-
-
-class _Trace:
-    """One range being traced: in a forked child where the module's tensors allow."""
-
-    def __init__(
-        self,
-        trace: Callable[[], Region | None],
-        what: str,
-        padded: dict[str, Any],
-        cache: GraphCache | None,
-        module: torch.nn.Module,
-    ) -> None:
-        self.trace, self.what, self.padded, self.cache = trace, what, padded, cache
-        tensors = [*module.parameters(), *module.buffers()]
-        self.job = (
-            ForkedJob(trace, what="tracing the forward with a symbolic length")
-            if can_fork(tensors)
-            else None
-        )
-
-    def result(self) -> Region:
-        job, self.job = self.job, None
-        try:
-            found = job.result() if job is not None else self.trace()
-        except Exception:  # (the trace catches its own errors: a child that died) unknown
-            return UNKNOWN
-        if self.cache is not None:
-            self.cache.remember(self.what, self.padded, found)
-        return _region(found)
-
-    def cancel(self) -> None:
-        if self.job is not None:
-            job, self.job = self.job, None
-            job.cancel()
-
-    def __del__(self) -> None:  # a trainer let go while its trace runs: not wanted
-        try:
-            self.cancel()
-        except Exception:  # (interpreter shutdown)
-            pass
+            traced = kept[0]
+        else:
+            traced = branch_free_lengths(self.module, self.loss_fn, padded, seq_keys, upper, train)
+            if self.cache is not None:
+                self.cache.remember(what, padded, traced)
+        found = UNKNOWN if traced is None else (int(traced[0]), int(traced[1]))
+        if not found[0] <= to <= found[1]:  # (a kept range of another length: unknown)
+            found = UNKNOWN
+        ranges.append(found)
+        return found

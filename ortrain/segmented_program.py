@@ -10,7 +10,7 @@ read them (``ortrain/segments/grads.py``); the update runs after the backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -78,7 +78,7 @@ class SegmentedProgram:
         """Segments compile on their first step (a recording forward finds them)."""
         return None
 
-    def padding_proof(self, batch: dict[str, Any], meanwhile: Callable[[], None]) -> None:
+    def padding_proof(self, batch: dict[str, Any]) -> None:
         """No whole training graph to analyse: the eager check decides alone."""
         return None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -201,14 +201,10 @@ class WholeProgram:
         first step is checked against eager as any graph's)."""
         return self.graphs.find_train(batch) or self._build(batch)
 
-    def padding_proof(
-        self, batch: dict[str, Any], meanwhile: Callable[[], None]
-    ) -> tuple[str, str]:
+    def padding_proof(self, batch: dict[str, Any]) -> tuple[str, str]:
         """Whether padding reaches the loss of ``batch``'s training graph (built here if
         it is not: the step runs on it next, with eager's reference step taken before the
-        build as a step takes it); a graph where it does is dropped. ``meanwhile()`` runs
-        once eager's reference step (timed, for ``eager_if_faster``) has ended, while the
-        graph builds: work that would slow that step's timing, started beside the build."""
+        build as a step takes it); a graph where it does is dropped."""
         compiled = self.graphs.find_train(batch)
         if compiled is None and self.background is not None:
             if self._in_background(batch):
@@ -216,7 +212,6 @@ class WholeProgram:
             compiled = self.graphs.find_train(batch)  # arrived just now
         if compiled is None:
             reference = self._early_reference(batch)
-            meanwhile()
             compiled = self._build(batch, reference=reference)
             if reference is not None:
                 self._references[signature(batch)] = reference
