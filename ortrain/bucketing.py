@@ -418,6 +418,7 @@ class Bucketing:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and train]
         params = [p for _, p in named]
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        from ortrain.core.own_hooks import users_hooks_paused
         from ortrain.python_state import kept
         from ortrain.verify import in_mode, no_dropout, restoring
 
@@ -432,6 +433,7 @@ class Bucketing:
                 no_dropout(),
                 restoring(list(module.buffers())),
                 kept(module, self.loss_fn),  # a buffer assigned anew, Python attributes
+                users_hooks_paused(params),  # a look, not a step: a hook that logs sees none
             ):
                 real = self._run(batch, params)
                 padded = self._run(plan.apply(batch, to), params)

@@ -790,6 +790,47 @@ def test_gradient_hooks_on_parameters_run_as_in_eager(hooks):
     assert len(said) == 1 and "gradient hooks" in said[0] and "register_hook" in said[0]
 
 
+def test_a_logging_hook_sees_each_step_once_as_in_eager():
+    """A hook that logs (``wandb.watch`` puts such hooks on parameters) runs once per
+    parameter and step, as in eager: the padding check of each new length (bucketing's
+    two eager looks, ``torch.autograd.grad``) is not a step and runs with it paused."""
+    from tests.conftest import gpt2
+
+    seen: dict[str, list[float]] = {"ortrain": [], "eager": []}
+
+    def make(side: str):
+        def build() -> torch.nn.Module:
+            model = gpt2(layers=1, hidden=32, vocab=64)
+            model.transformer.h[0].mlp.c_fc.weight.register_hook(
+                lambda g: seen[side].append(float(g.norm()))
+            )
+            return model
+
+        return build
+
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for length in (8, 6, 7, 8):  # each new length below a bucket checks its padding
+        ids = torch.randint(1, 64, (2, length), generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    model, ref = make("ortrain")(), make("eager")()
+    trainer = ORTTrainer(model, _sgd(model.parameters()))
+    opt = _sgd(ref.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in batches:
+            got = trainer.train_step(**batch)
+            loss = ref(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=0)
+    assert trainer.segments is not None  # the hook's parameter trains through autograd
+    assert trainer.bucketing.verdicts, "no padding check ran"
+    assert len(seen["ortrain"]) == len(seen["eager"]) == len(batches)
+    torch.testing.assert_close(seen["ortrain"], seen["eager"], rtol=1e-4, atol=0)
+
+
 def test_gradient_hooks_with_fallback_off_are_refused():
     model = _clip_by_value(_Hooked())
     trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions(fallback="off"))
