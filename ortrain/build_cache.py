@@ -302,6 +302,7 @@ class _Fingerprint:
             return f"method({type(owner).__qualname__},{self.function(fn.__func__, depth, path)})"
         code = getattr(fn, "__code__", None)
         module = getattr(fn, "__module__", None)
+        module = module if isinstance(module, str) else None
         if module:
             self.code_modules.add(module)
         name = f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
@@ -334,8 +335,12 @@ class _Fingerprint:
         for c in cls.__mro__:
             if c is torch.nn.Module or c is object:
                 break
-            self.code_modules.add(c.__module__)
-            if is_user_code(c.__module__) and id(c) not in self.seen:
+            # a class made at run time may have no module (``__module__`` None): where it
+            # came from is unknown, so its methods' code is hashed as a script's would be
+            name = c.__module__ if isinstance(c.__module__, str) else None
+            if name is not None:
+                self.code_modules.add(name)
+            if (name is None or is_user_code(name)) and id(c) not in self.seen:
                 self.seen[id(c)] = "<class>"
                 for k, v in sorted(vars(c).items()):
                     f = getattr(v, "__func__", getattr(v, "fget", v))

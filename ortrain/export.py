@@ -387,7 +387,12 @@ def _attention_dropout(module: torch.nn.Module) -> float:
 def _eager_attention_for_dropout(module: torch.nn.Module, train: bool):
     """Export a training graph of an sdpa model with attention dropout through HF's eager
     attention (same math, and its dropout is exported), then switch back."""
-    switch = train and _attention_dropout(module) > 0 and hasattr(module, "set_attn_implementation")
+    switch = (
+        train
+        and module.training
+        and _attention_dropout(module) > 0
+        and hasattr(module, "set_attn_implementation")
+    )
     if switch:
         try:
             module.set_attn_implementation("eager")

@@ -547,8 +547,8 @@ class ProgramContext:
         """Whether a sub-module went into or out of evaluation mode since the last training
         step (a BatchNorm frozen or thawed): the graphs were exported with the old modes,
         so the training graphs are dropped (built again, and checked) and the graph cache
-        keys the new modes. The first call says once that a module in evaluation mode
-        trains in training mode."""
+        keys the new modes. The first call says once that a model in evaluation mode
+        trains in it (as eager does: easy to miss after ``from_pretrained``)."""
         flags = self._flags()
         if flags is not None and flags == self._mode_flags:
             return False  # every module's flag as it was: no names made
@@ -557,9 +557,9 @@ class ProgramContext:
         if self._modes is None and not self.module.training:
             warnings.warn(
                 f"ortrain: {type(self.module).__name__} is in evaluation mode; train_step "
-                "trains it in training mode (dropout on, BatchNorm on batch statistics) as "
-                "model.train() would. Call model.train() before training; sub-modules put in "
-                "evaluation mode after it (a frozen BatchNorm) stay in it",
+                "trains it in that mode, as eager PyTorch would (dropout off, BatchNorm on "
+                "its running statistics, which stay as they are). Call model.train() before "
+                "training for training mode",
                 stacklevel=4,
             )
         changed = self._modes is not None and modes != self._modes

@@ -440,11 +440,9 @@ def no_dropout(fixed: bool = False) -> Iterator[_NoDropout]:
 
 
 def eval_children(module: torch.nn.Module) -> tuple[str, ...]:
-    """The sub-modules a training step runs in evaluation mode: those its user put there
-    (a frozen BatchNorm) while ``module`` itself trains; none when ``module`` is in
-    evaluation mode (a training step trains it whole)."""
-    if not module.training:
-        return ()
+    """The modules a training step runs in evaluation mode, as eager would: those its user
+    put there (a frozen BatchNorm; every one, ``""`` the model itself, after
+    ``model.eval()``)."""
     return tuple(name for name, m in module.named_modules() if not m.training)
 
 
@@ -466,12 +464,12 @@ def no_kv_cache(module: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def in_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
-    """``module`` in training or evaluation mode inside, as it was after. A training graph
-    is the training-mode forward whatever mode the module is in; a module in training
-    mode keeps the modes its user gave its sub-modules (``eval_children``)."""
+    """Inside: ``training``, the modes a training step runs ``module`` in, which are its
+    user's (``eval_children``: eager trains a module in evaluation mode in that mode);
+    else evaluation mode throughout. Every module's mode as it was after."""
     modes = {m: m.training for m in module.modules()}
-    if not (training and module.training):
-        module.train(training)
+    if not training:
+        module.eval()
     try:
         yield
     finally:

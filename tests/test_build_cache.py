@@ -459,6 +459,27 @@ def test_fingerprint_of_code_without_a_file():
     assert cell("2", ".relu()") != base  # the forward's code
 
 
+def test_fingerprint_of_a_class_without_a_module():
+    """An object of a class made at run time with no module (``__module__`` None) that the
+    forward reads: the model is keyed (its methods' code hashed), not a crash that stops
+    training with the graph cache on."""
+    from ortrain.build_cache import model_fingerprint
+
+    def make(scale: float) -> torch.nn.Module:
+        def apply(self, x):
+            return x * scale
+
+        kind = type("_Scaler", (), {"apply": apply})
+        kind.__module__ = None
+        net = Net()
+        net.scaler = kind()
+        return net
+
+    base = model_fingerprint(make(2.0), None)
+    assert model_fingerprint(make(2.0), None) == base
+    assert model_fingerprint(make(3.0), None) != base  # what its method reads
+
+
 def test_fingerprint_is_stable_across_an_eager_forward():
     from ortrain.build_cache import model_fingerprint
 

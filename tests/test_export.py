@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import copy
 import os
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -116,21 +118,34 @@ def test_batch_norm_running_statistics_are_graph_outputs():
 
 
 def test_sync_batch_norm_in_training_is_named_and_nothing_changes():
-    """SyncBatchNorm would share statistics across ranks, which ortrain does not do: the
-    trainer names the layer, leaves the module's mode and weights alone, and an eval graph
-    (no update) still builds."""
-    model = _BatchNormNet(torch.nn.SyncBatchNorm).eval()
+    """SyncBatchNorm in training mode would share statistics across ranks, which ortrain
+    does not do: the trainer names the layer, leaves the module's mode and weights alone,
+    and an eval graph (no update) still builds. In evaluation mode it is a BatchNorm on its
+    running statistics and trains as eager does."""
+    model = _BatchNormNet(torch.nn.SyncBatchNorm).train()
+    ref = copy.deepcopy(model).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opts = TrainerOptions(fallback="off")  # the refusal (eager itself refuses it on CPU)
     trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opts)
     x, y = torch.randn(16, 6), torch.randint(0, 2, (16,))
     with pytest.raises(ExportError, match=r"SyncBatchNorm 'norm' is not supported in training"):
         trainer.train_step(x, y)
-    assert not model.training and not model.norm.training
+    assert model.training and model.norm.training
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     out = trainer.eval_step(x, y)
-    torch.testing.assert_close(out["loss"], model(x, y), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(out["loss"], ref(x, y), rtol=1e-5, atol=1e-6)
+    model.eval()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = ref(x, y)
+    want.backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "trains it in evaluation mode"
+        torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=1e-6)
+    for (k, v), r in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(v, r, rtol=1e-5, atol=1e-6, msg=k)
 
 
 _GARBAGE_SESSION = """

@@ -543,16 +543,18 @@ def test_an_embedding_with_max_norm_runs_in_eager_with_its_cause_named():
 
 
 @pytest.mark.slow
-def test_segments_train_in_training_mode_whatever_the_modules_mode():
-    """A training graph is the training-mode forward whatever mode the module is in (an HF
-    Trainer leaves it in eval mode after evaluating): segments and their checks too."""
+def test_segments_train_a_model_in_evaluation_mode_in_it_as_eager_does():
+    """A model in evaluation mode (after an evaluation, or ``from_pretrained``) trains in
+    that mode as eager does: its segments and their checks too, BatchNorm on its running
+    statistics, which stay as they were."""
 
     def make():
         m = _Normed()
         m.eval()
         return m
 
-    model, ref = make(), _Normed()
+    model, ref = make(), make()
+    before = [b.clone() for b in model.buffers()]
     trainer = ORTTrainer(model, _sgd(model.parameters()))
     opt = _sgd(ref.parameters())
     for x, y in _batches(2):
@@ -561,9 +563,13 @@ def test_segments_train_in_training_mode_whatever_the_modules_mode():
         opt.step()
         opt.zero_grad()
         torch.testing.assert_close(trainer.train_step(x, y), want.detach(), rtol=1e-5, atol=0)
-    assert not model.training  # its mode is left as it was
-    for (k, b), r in zip(model.named_buffers(), ref.buffers()):  # training-mode statistics
-        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=k)
+    assert trainer.segments is not None and not model.training  # its mode is left as it was
+    for (k, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=k)
+    for (k, b), r, b0 in zip(model.named_buffers(), ref.buffers(), before):
+        torch.testing.assert_close(b, r, rtol=0, atol=0, msg=k)
+        if b.is_floating_point():
+            torch.testing.assert_close(b, b0, rtol=0, atol=0, msg=k)  # statistics untouched
 
 
 class _Reversible(torch.autograd.Function):

@@ -264,6 +264,7 @@ def test_predict_and_evaluate_without_labels_give_outputs_without_a_loss(tmp_pat
     assert labelled["eval_loss"] == pytest.approx(
         ref.evaluate(TokenData(4, seed=4))["eval_loss"], rel=1e-4
     )
+    ours.model.train()  # as Trainer.training_step does: evaluate left it in evaluation mode
     with pytest.raises(ExportError, match=r"loss=None.*labels="):
         ours._ort().train_step(input_ids=data.ids[:2])
 

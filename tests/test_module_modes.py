@@ -71,17 +71,81 @@ def test_frozen_batch_norm_and_dropout_train_like_eager_and_may_thaw(segmented: 
     assert (trainer.segments is not None) == segmented
 
 
-def test_a_model_in_evaluation_mode_trains_in_training_mode_with_a_warning() -> None:
-    model = _Net()
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segments"])
+def test_a_model_in_evaluation_mode_trains_as_eager_does_in_it(segmented: bool) -> None:
+    """``model.eval()`` before training (to turn dropout off, or a model as
+    ``from_pretrained`` returns it): eager trains it with dropout off and BatchNorm on its
+    running statistics, which stay; so does ortrain, with one warning that says so.
+    ``model.train()`` later builds again, in the user's modes (the Dropout kept in eval)."""
+    model = _Net(segmented)
     model.eval()
+    ref = copy.deepcopy(model)
+    stats = [model.bn.running_mean.clone(), model.bn.running_var.clone()]
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    builds = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, y in _batches(2):
-            trainer.train_step(x, y)
+        for i, (x, y) in enumerate(_batches(6)):
+            if i == 3:  # training mode from here, the Dropout left in evaluation mode
+                for m in (model, ref):
+                    m.train()
+                    m.drop.eval()
+            opt.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            opt.step()
+            got = trainer.train_step(x, y)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+            builds.append(trainer.build_count)
+            if i == 2:  # three steps in evaluation mode: the running statistics untouched
+                torch.testing.assert_close(model.bn.running_mean, stats[0], rtol=0, atol=0)
+                torch.testing.assert_close(model.bn.running_var, stats[1], rtol=0, atol=0)
     said = [w for w in caught if "is in evaluation mode" in str(w.message)]
-    assert len(said) == 1 and said[0].filename == __file__
-    assert not model.training and not model.bn.training  # left as the user set it
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    assert "dropout off" in str(said[0].message)
+    trainer.sync_to_module()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
+    for k in ("running_mean", "running_var"):  # updated by the last three steps only
+        torch.testing.assert_close(getattr(model.bn, k), getattr(ref.bn, k), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(model.bn.running_mean, stats[0])
+    assert model.training and not model.drop.training  # the user's modes, untouched
+    assert (trainer.segments is not None) == segmented
+    if not segmented:  # one graph in evaluation mode, one after model.train()
+        assert builds == [1, 1, 1, 2, 2, 2]
+
+
+def test_a_transformers_model_in_evaluation_mode_trains_as_eager_does_in_it() -> None:
+    """GPT-2 with its config's dropout (0.1 in three places) put in evaluation mode, as a
+    user does to compare runs or as ``from_pretrained`` leaves it: AdamW steps and an
+    evaluation as eager's, no dropout drawn."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=True
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), TrainerOptions())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            ids = torch.randint(0, 64, (2, 12), generator=g)
+            opt.zero_grad()
+            want = ref(input_ids=ids, labels=ids).loss
+            want.backward()
+            opt.step()
+            got = trainer.train_step(input_ids=ids, labels=ids)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=f"step {i}")
+        assert trainer.build_count == 1 and trainer.segments is None  # one training graph
+        out = trainer.eval_step(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=0)
+    assert trainer.build_count == 2  # and an eval graph
+    assert not model.training
 
 
 def test_a_new_sub_module_in_another_mode_builds_once_and_a_flip_after_it_again() -> None:

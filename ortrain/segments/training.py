@@ -83,8 +83,8 @@ class SegmentedTraining:
         self.steps = 0
 
     def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The training-mode forward's loss, whatever mode the module is in (as a training
-        graph computes it)."""
+        """The training step's forward's loss, in the modes the user gave the module (as a
+        training graph computes it)."""
         args, kwargs = call_arguments(self.module, batch)
         with no_kv_cache(self.module), in_mode(self.module, True):
             out = self.module(*args, **kwargs)
