@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -23,6 +24,11 @@ from tests import rank_processes
 ROOT = Path(__file__).resolve().parents[1]
 
 warnings.filterwarnings("ignore", category=UserWarning)
+
+# Nothing in a test run reads or writes the user's graph cache (~/.cache/ortrain/graphs):
+# not the tests (``_graph_cache`` below), nor a module or session fixture that builds
+# before them, nor a process they start.
+os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
 
 # Hypothesis keeps no example database and its other files (by default .hypothesis/ in the
 # checkout) in the temporary folder: the tests write nothing into the repository. A failing
@@ -372,12 +378,28 @@ def pytest_terminal_summary(terminalreporter) -> None:
         Path(path).write_text(json.dumps(_COSTS, indent=0))
 
 
+@pytest.fixture(scope="session")
+def _run_graph_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One graph cache for the run, shared by pytest-xdist's workers (their temporary
+    folders sit in one folder of the run)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "graph-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(autouse=True)
-def _no_graph_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test (and the processes it starts) builds its own graphs: no on-disk graph cache
-    shared between tests or with the user's; tests/test_build_cache.py turns it on in a
-    temporary folder."""
-    monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", "0")
+def _graph_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test (and the processes it starts) builds its own graphs, but for the tests of a
+    module marked ``shared_graphs`` (many trainers of the same few models) that do not
+    patch anything: those share the run's graph cache, as a user's runs share theirs; a
+    hit is checked against eager at its first step like a build. tests/test_build_cache.py
+    turns the cache on in folders of its own."""
+    shared = request.node.get_closest_marker("shared_graphs") is not None
+    if shared and "monkeypatch" not in inspect.signature(request.function).parameters:
+        monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", str(request.getfixturevalue("_run_graph_cache")))
+    else:
+        monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", "0")
 
 
 @pytest.fixture(autouse=True)

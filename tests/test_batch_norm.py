@@ -26,6 +26,8 @@ from ortrain.core.names import BATCH_STATISTICS
 from ortrain.core.roles import Role
 from tests.rank_processes import start_rank
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 STEPS = 8
 LOSS_RTOL = 1e-4
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5

@@ -21,6 +21,8 @@ from ortrain.loss_scaler import DynamicLossScale
 from ortrain.optim.from_torch import optimizer_spec
 from tests.unexportable import smoothed_cross_entropy
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 ACCUM = 2
 CLIP = 0.5
 

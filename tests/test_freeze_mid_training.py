@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import TrainableChangedError
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 
 class _Three(torch.nn.Module):
     def __init__(self):

@@ -27,6 +27,8 @@ from ortrain.hf_trainer import ORTHFTrainer, trainer_options
 from tests.conftest import bert_config, gpt2
 from tests.test_parity import drop_key_bias
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-4
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5

@@ -22,6 +22,8 @@ from torch import nn
 from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import UnsupportedOptimizerError
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 SCHEDULE = {"tau": 1.0}  # a module-level setting the loop anneals
 BETA = 1.0  # a module-level float read by the loss
 

@@ -25,6 +25,8 @@ from ortrain.loss_scaler import DynamicLossScale, LossScaler
 from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batches
 from tests.unexportable import smoothed_cross_entropy
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 LOW = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 F32 = ir.DataType.FLOAT
 

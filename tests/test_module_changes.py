@@ -21,6 +21,8 @@ from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import TrainableChangedError
 from ortrain.module_structure import changes, structure
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 
 class _Net(nn.Module):
     def __init__(self) -> None:

@@ -16,6 +16,8 @@ import torch
 
 from ortrain import ORTTrainer
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 STEPS, RESET_AT = 7, 4
 
 

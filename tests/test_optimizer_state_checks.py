@@ -22,6 +22,8 @@ import torch
 from ortrain import CheckpointError, ORTTrainer, TrainerOptions, checkpoint
 from ortrain.optim import Lamb
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 
 class Tiny(torch.nn.Module):
     def __init__(self) -> None:

@@ -12,6 +12,8 @@ import torch
 from ortrain import ORTTrainer, TrainerOptions
 from tests.conftest import bert_batches, bert_mlm, bert_pretraining, decay_groups, gpt2, lm_batches
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 LOSS_RTOL = 1e-4
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
 

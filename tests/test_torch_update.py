@@ -15,6 +15,8 @@ from tests.conftest import bert_batches, bert_mlm, decay_groups, gpt2, lm_batche
 from tests.test_parity import _check
 from tests.update_engines import assert_engines_agree, assert_overflow_changes_nothing
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 
 def adamw(m):
     return torch.optim.AdamW(decay_groups(m, 0.01), lr=2e-3, betas=(0.9, 0.98), eps=1e-6)

@@ -37,6 +37,8 @@ from tests.conftest import bert_batches, bert_mlm, gpt2, lm_batches
 from tests.test_forward_kernels import train_against_eager
 from tests.test_grad_kernels import _library
 
+pytestmark = pytest.mark.shared_graphs  # many trainers of the same few models
+
 F32 = TensorProto.FLOAT
 NAMES = ["P", "G", "M", "V", "H", "L"]
 
