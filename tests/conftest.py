@@ -25,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
-# Nothing in a test run reads or writes the user's graph cache (~/.cache/ortrain/graphs):
-# not the tests (``_graph_cache`` below), nor a module or session fixture that builds
-# before them, nor a process they start.
-os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
-
 # Hypothesis keeps no example database and its other files (by default .hypothesis/ in the
 # checkout) in the temporary folder: the tests write nothing into the repository. A failing
 # example is still printed with what reproduces it.
@@ -376,6 +371,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"{cpu:7.1f} s CPU {wall:7.1f} s wall  {nodeid}")
     if path := os.environ.get("ORTRAIN_TEST_COSTS"):  # every test's, as JSON
         Path(path).write_text(json.dumps(_COSTS, indent=0))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Nothing in a test run reads or writes the user's graph cache (~/.cache/ortrain/graphs):
+    not the tests (``_graph_cache``), nor a module or session fixture that builds before
+    them, nor a process they start. (Here, not at import: scripts the tests run import
+    this module for its models.)"""
+    os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session")
