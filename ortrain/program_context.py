@@ -547,8 +547,9 @@ class ProgramContext:
         """Whether a sub-module went into or out of evaluation mode since the last training
         step (a BatchNorm frozen or thawed): the graphs were exported with the old modes,
         so the training graphs are dropped (built again, and checked) and the graph cache
-        keys the new modes. The first call says once that a model in evaluation mode
-        trains in it (as eager does: easy to miss after ``from_pretrained``)."""
+        keys the new modes. Says when the model itself is in evaluation mode at the first
+        step or goes into it later: it trains in that mode as eager does, which is easy to
+        miss after ``from_pretrained`` or an evaluation."""
         flags = self._flags()
         if flags is not None and flags == self._mode_flags:
             return False  # every module's flag as it was: no names made
@@ -563,6 +564,16 @@ class ProgramContext:
                 stacklevel=4,
             )
         changed = self._modes is not None and modes != self._modes
+        if changed and "" in modes and "" not in self._modes:
+            # eager would train on in that mode without a word; after an evaluation it is
+            # most often a model.train() forgotten
+            warnings.warn(
+                f"ortrain: {type(self.module).__name__} went into evaluation mode since the "
+                "last training step; train_step trains it in that mode, as eager PyTorch "
+                "would (dropout off, BatchNorm on its running statistics). Call model.train() "
+                "after evaluating to train in training mode",
+                stacklevel=4,
+            )
         self._modes = modes
         if changed:
             self.graphs.clear_train()

@@ -76,7 +76,9 @@ def test_a_model_in_evaluation_mode_trains_as_eager_does_in_it(segmented: bool) 
     """``model.eval()`` before training (to turn dropout off, or a model as
     ``from_pretrained`` returns it): eager trains it with dropout off and BatchNorm on its
     running statistics, which stay; so does ortrain, with one warning that says so.
-    ``model.train()`` later builds again, in the user's modes (the Dropout kept in eval)."""
+    ``model.train()`` later builds again, in the user's modes (the Dropout kept in eval);
+    ``model.eval()`` after that (an evaluation, then no ``model.train()``) builds again and
+    says so."""
     model = _Net(segmented)
     model.eval()
     ref = copy.deepcopy(model)
@@ -86,11 +88,15 @@ def test_a_model_in_evaluation_mode_trains_as_eager_does_in_it(segmented: bool) 
     builds = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, (x, y) in enumerate(_batches(6)):
+        for i, (x, y) in enumerate(_batches(8)):
             if i == 3:  # training mode from here, the Dropout left in evaluation mode
                 for m in (model, ref):
                     m.train()
                     m.drop.eval()
+            if i == 6:  # evaluation mode again for the last two steps
+                for m in (model, ref):
+                    m.eval()
+                later = [model.bn.running_mean.clone(), model.bn.running_var.clone()]
             opt.zero_grad()
             want = ref(x, y)
             want.backward()
@@ -101,19 +107,23 @@ def test_a_model_in_evaluation_mode_trains_as_eager_does_in_it(segmented: bool) 
             if i == 2:  # three steps in evaluation mode: the running statistics untouched
                 torch.testing.assert_close(model.bn.running_mean, stats[0], rtol=0, atol=0)
                 torch.testing.assert_close(model.bn.running_var, stats[1], rtol=0, atol=0)
-    said = [w for w in caught if "is in evaluation mode" in str(w.message)]
-    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
-    assert "dropout off" in str(said[0].message)
+    said = [w for w in caught if "evaluation mode" in str(w.message)]
+    assert len(said) == 2, [str(w.message) for w in caught]
+    assert all(w.filename == __file__ and "dropout off" in str(w.message) for w in said)
+    assert "is in evaluation mode" in str(said[0].message)
+    assert "went into evaluation mode" in str(said[1].message)
     trainer.sync_to_module()
     for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
-    for k in ("running_mean", "running_var"):  # updated by the last three steps only
+    for k in ("running_mean", "running_var"):  # updated by steps 4 to 6 only
         torch.testing.assert_close(getattr(model.bn, k), getattr(ref.bn, k), rtol=1e-5, atol=1e-6)
     assert not torch.equal(model.bn.running_mean, stats[0])
-    assert model.training and not model.drop.training  # the user's modes, untouched
+    torch.testing.assert_close(model.bn.running_mean, later[0], rtol=0, atol=0)  # the last two
+    torch.testing.assert_close(model.bn.running_var, later[1], rtol=0, atol=0)
+    assert not model.training and not model.drop.training  # the user's modes, untouched
     assert (trainer.segments is not None) == segmented
-    if not segmented:  # one graph in evaluation mode, one after model.train()
-        assert builds == [1, 1, 1, 2, 2, 2]
+    if not segmented:  # a graph in evaluation mode, one after model.train(), one after eval()
+        assert builds == [1, 1, 1, 2, 2, 2, 3, 3]
 
 
 def test_a_transformers_model_in_evaluation_mode_trains_as_eager_does_in_it() -> None:
