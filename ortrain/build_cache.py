@@ -67,6 +67,7 @@ import torch
 
 from ortrain import nested_batch
 from ortrain.build_progress import BuildProgress
+from ortrain.core.errors import first_line
 
 try:
     import fcntl
@@ -528,7 +529,25 @@ class GraphCache:
 
     @property
     def enabled(self) -> bool:
-        return self.dir is not None
+        """Whether graphs are kept and loaded: a folder, and a key for the model. A model
+        whose key cannot be made (an object its forward reads that will not be looked
+        into) has its graphs built every time, with a warning: an optional cache is no
+        reason to stop training."""
+        if self.dir is None:
+            return False
+        if self._model_key is None:
+            try:
+                self._model_key = model_fingerprint(self.module, self.loss_fn)
+            except Exception as exc:
+                warnings.warn(
+                    f"ortrain: the graph cache is off for {type(self.module).__name__}: its "
+                    f"key could not be made ({type(exc).__name__}: {first_line(exc)}); its "
+                    "graphs are built, not kept",
+                    stacklevel=2,
+                )
+                self.dir = None
+                return False
+        return True
 
     def _base(self, graph: str, batch: Mapping[str, Any]) -> str:
         if self._model_key is None:  # once: the module keeps its structure while it trains
@@ -612,13 +631,13 @@ class GraphCache:
         graph) that ``remember`` kept, as a 1-tuple; None: not kept (or the cache off).
         Keyed like the graphs (the model's structure and code, the loss, the library
         versions), so what was found once holds until one of those changes."""
-        if self.dir is None:
+        if not self.enabled:
             return None
         found = self.load(self._base(what, batch))
         return (found["value"],) if isinstance(found, dict) and "value" in found else None
 
     def remember(self, what: str, batch: Mapping[str, Any], value: Any) -> None:
-        if self.dir is not None:
+        if self.enabled:
             self.store(self._base(what, batch), {"value": value})
 
     def store(self, key: str, value: Any) -> None:

@@ -127,7 +127,8 @@ class TrainerOptions:
         branches. True: ``$XDG_CACHE_HOME/ortrain/graphs`` (default
         ``~/.cache/ortrain/graphs``; ``ORTRAIN_GRAPH_CACHE=<dir>`` moves it, ``=0`` turns
         it off); a path: that folder; False: off. Entries are checked by a content hash; a
-        damaged one is rebuilt with a warning. Processes that miss the same entry at
+        damaged one is rebuilt with a warning, and a model whose key cannot be made
+        trains uncached, with a warning. Processes that miss the same entry at
         once (the ranks of one machine) build it once: the first holds a lock beside
         the entry, the others wait for it and load what it wrote. Off with
         ``save_graphs_dir``.
