@@ -108,12 +108,14 @@ def _object_scalars(
 
 
 def _plain_object(value: Any) -> bool:
-    """An object of plain attributes a forward may read settings from (a config)."""
-    return (
-        hasattr(value, "__dict__")
-        and not callable(value)
-        and not isinstance(value, (torch.Tensor, type, types.ModuleType))
-    )
+    """An object of plain attributes a forward may read settings from (a config); not one
+    whose attributes will not be read (a proxy whose ``__dict__`` raises)."""
+    try:
+        if not isinstance(vars(value), dict):
+            return False
+    except Exception:
+        return False
+    return not callable(value) and not isinstance(value, (torch.Tensor, type, types.ModuleType))
 
 
 def _size(v: Any) -> int:
