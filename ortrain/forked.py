@@ -27,6 +27,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -91,6 +92,7 @@ def _child(job: Callable[[], T], write_fd: int, out_fd: int, spill_fd: int | Non
     # RNG state whenever CUDA is available; after the parent asked torch for the device
     # count (torch.cuda.is_available()), CUDA cannot start in a forked child.
     torch.cuda.is_available = lambda: False
+    _compile_in_this_thread()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -108,6 +110,21 @@ def _child(job: Callable[[], T], write_fd: int, out_fd: int, spill_fd: int | Non
     with os.fdopen(out_fd, "wb", closefd=False) as f:
         f.write(data)
     os.write(write_fd, DONE)
+
+
+def _compile_in_this_thread() -> None:
+    """Make inductor compile synchronously in a forked child. A model holding a
+    ``torch.compile``'d module compiles again in the child (the first step's eager
+    reference, a new shape); inductor would hand that to the thread pool the parent
+    started, whose threads do not exist after the fork, and wait on it forever. Torch
+    resets its process pools at a fork, not that thread pool."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:  # inductor never ran in the parent: it starts clean here
+        return
+    config.compile_threads = 1
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
 
 
 def _preload() -> None:

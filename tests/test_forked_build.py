@@ -226,3 +226,91 @@ def test_training_process_never_imports_the_graph_libraries():
     assert lines["HEAVY"] == "-", lines["HEAVY"]
     # what it imported while it waited for the first build, for the children after it
     assert lines["PRELOADED"] == ",".join(PRELOAD_WHILE_WAITING), lines["PRELOADED"]
+
+
+_COMPILED_SUBMODULE = """
+import copy, os, warnings
+import torch
+import torch._inductor.config as inductor_config
+import ortrain
+from ortrain.forked import call_forked
+
+inductor_config.fx_graph_cache = False  # compile for real, not from a disk cache
+inductor_config.compile_threads = 2  # its thread pool, whatever the machine's cores
+torch.manual_seed(0)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(16, 32)
+        block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                    torch.nn.LayerNorm(32))
+        self.block = torch.compile(block)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x, y=None):
+        return self.head(self.block(self.emb(x)))
+
+
+model = Model()
+reference = copy.deepcopy(model)
+with torch.no_grad():  # the user ran it before: inductor's compile pool has its threads
+    model(torch.randn(3, 16))
+import torch._inductor.async_compile as async_compile
+print("POOL", async_compile.AsyncCompile.pool.cache_info().currsize)
+
+# a job in a forked child that compiles again (another rank of input)
+parent = os.getpid()
+wide = torch.randn(2, 5, 32)
+pid, out = call_forked(lambda: (os.getpid(), model.block(wide).detach()), what="test job")
+print("CHILD", pid != parent, torch.equal(out, model.block(wide).detach()))
+
+# the first step's eager check runs the model (so its compiled module) in a child
+x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+def loss_fn(out, batch):
+    return torch.nn.functional.cross_entropy(out, batch["y"])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer = ortrain.ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 loss_fn=loss_fn)
+    losses = [trainer.train_step(x=x, y=y).item() for _ in range(3)]
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+eager = []
+for _ in range(3):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    optimizer.step()
+    eager.append(loss.item())
+trainer.sync_to_module()
+worst = max((a - b).abs().max().item() / (b.abs().max().item() + 1e-12)
+            for a, b in zip(model.parameters(), reference.parameters()))
+print("LOSSES", *losses)
+print("EAGER", *eager)
+print("PARAMS", worst)
+print("FAILED", sum("child process failed" in str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.slow
+def test_a_model_holding_a_compiled_module_builds_in_a_child_without_hanging(tmp_path):
+    """A ``torch.compile``'d module compiles again in a forked child (the first step's
+    eager reference, a new shape); inductor's compile thread pool from the parent has
+    no threads there, so that compile waited forever until the job's timeout."""
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_IN_PROCESS")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    env["ORTRAIN_EXPORT_TIMEOUT"] = "120"  # a hang comes back as a fallback, not 30 min
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_SUBMODULE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert lines["POOL"] == "1"  # the case this is about: the parent's pool exists
+    assert lines["CHILD"] == "True True"  # ran in the child, same values as here
+    assert lines["FAILED"] == "0", proc.stderr[-3000:]
+    losses = [float(v) for v in lines["LOSSES"].split()]
+    eager = [float(v) for v in lines["EAGER"].split()]
+    assert losses == pytest.approx(eager, rel=1e-5)
+    assert float(lines["PARAMS"]) < 1e-5
