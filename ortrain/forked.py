@@ -59,6 +59,13 @@ START_TIMEOUT_S = 30.0
 PRELOAD_WHILE_WAITING = ("ml_dtypes",)
 _preloaded = [False]
 FORK_TRIES = 3
+# A started child that gains no CPU time for this long while asleep (not runnable, not in
+# the disk, no process of its own running) waits on something that will not come: most
+# often a lock or a pool's worker that a thread of this process held or ran at the fork,
+# which the child does not have. It is killed and the job runs here, instead of after the
+# build's whole timeout. A child starved by a busy machine stays runnable, so waits on.
+STALL_S = 120.0
+POLL_S = 5.0
 IN_PROCESS_ENV = "ORTRAIN_BUILD_IN_PROCESS"
 _IN_PROCESS = (IN_PROCESS_ENV, "ORTRAIN_EXPORT_IN_PROCESS")
 
@@ -72,6 +79,28 @@ def can_fork(tensors: Iterable[torch.Tensor]) -> bool:
     if torch.cuda.is_initialized():
         return False
     return all(t.device.type == "cpu" for t in tensors)
+
+
+def _progress(pid: int) -> tuple[int, ...] | None:
+    """What changes while a process works: its CPU ticks (its threads' and its reaped
+    children's), or a state other than asleep (running, runnable, in the disk), or the
+    processes it started that still run; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    state, ticks = fields[0], sum(int(v) for v in fields[11:15])
+    if state != "S":
+        return (ticks, time.monotonic_ns())  # never equal twice: counts as progress
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = tuple(int(c) for c in f.read().split())
+    except OSError:
+        children = ()
+    if children:
+        return (ticks, time.monotonic_ns())
+    return (ticks,)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -178,6 +207,19 @@ class ForkedJob(Generic[T]):
         self.began = time.monotonic()
         self.status: int | None = None
         self.cancelled = False
+        self.stalled = False
+        self.progress: tuple[int, ...] | None = None
+        self.progress_at: float | None = None
+
+    def _stalled(self, now: float) -> bool:
+        """Whether the started child has been asleep without progress for ``STALL_S``."""
+        sample = _progress(self.pid)
+        if sample is None:  # no /proc here: only the timeout applies
+            return False
+        if sample != self.progress or self.progress_at is None:
+            self.progress, self.progress_at = sample, now
+            return False
+        return now - self.progress_at >= STALL_S
 
     def done(self) -> bool:
         """Whether the child has sent everything (or died, or ran out of time: ``result``
@@ -220,6 +262,14 @@ class ForkedJob(Generic[T]):
                 "lose the training state with it. Free memory (a smaller batch or model), "
                 f"or set {IN_PROCESS_ENV}=1 to build in this process anyway"
             )
+        if not sent and self.stalled:
+            warnings.warn(
+                f"{self.what} in a child process made no progress for {STALL_S:.0f} s "
+                "(asleep on a lock or a worker thread that the fork did not copy); "
+                "running it in this process",
+                stacklevel=3,
+            )
+            return self.job()
         if not sent:  # the child died, hung or crashed: run it here
             warnings.warn(
                 f"{self.what} in a child process failed (wait status {self.status}); running "
@@ -270,11 +320,15 @@ class ForkedJob(Generic[T]):
                     self._start()
                     continue
                 return True
+            if self.started and self._stalled(now):
+                self.stalled = True
+                self.cancel()
+                return True
             if wait_s is None and self.started and not _preloaded[0]:
                 _preloaded[0] = True
                 _preload()
                 continue  # the time it took counts against the child's
-            left = limit - now if wait_s is None else min(wait_s, limit - now)
+            left = min(POLL_S, limit - now) if wait_s is None else min(wait_s, limit - now)
             if not select.select([self.fd], [], [], left)[0]:
                 if wait_s is not None:
                     return False

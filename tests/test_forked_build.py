@@ -179,6 +179,72 @@ def test_a_child_stuck_inside_the_fork_is_forked_again(tmp_path):
     assert "running it in this process" not in out.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc (Linux)")
+def test_a_child_asleep_on_a_lock_nobody_holds_is_run_here(monkeypatch):
+    """A lock a thread of this process held at the fork stays held in the child forever:
+    the job is killed once it made no progress for STALL_S and runs here (whose thread
+    let go of the lock meanwhile), not after the build's whole timeout."""
+    import threading
+    import time
+
+    import ortrain.forked as forked
+
+    monkeypatch.setattr(forked, "STALL_S", 2.0)
+    monkeypatch.setattr(forked, "POLL_S", 0.2)
+    lock, held, release = threading.Lock(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait()
+
+    def job() -> int:
+        with lock:
+            return os.getpid()
+
+    began = time.monotonic()
+    running = ForkedJob(job, what="test job")
+    release.set()
+    thread.join()
+    with pytest.warns(UserWarning, match="made no progress for 2 s"):
+        pid = running.result()
+    assert pid == os.getpid()
+    assert 2.0 <= time.monotonic() - began < 20
+    assert running.stalled and running.status is not None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc (Linux)")
+def test_a_child_that_computes_or_waits_on_its_own_process_is_not_stalled(monkeypatch):
+    """Progress is CPU time, a state other than asleep, or a process of the child's
+    still running (a compiler it started): neither job is taken for stuck."""
+    import time
+
+    import ortrain.forked as forked
+
+    monkeypatch.setattr(forked, "STALL_S", 0.5)
+    monkeypatch.setattr(forked, "POLL_S", 0.1)
+
+    def compute() -> int:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pass
+        return os.getpid()
+
+    def wait_on_own_process() -> int:
+        subprocess.run(["sleep", "2"], check=True)
+        return os.getpid()
+
+    for job in (compute, wait_on_own_process):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "running it in this process"
+            pid = call_forked(job, what="test job")
+        assert pid != os.getpid(), job.__name__
+
+
 def test_can_fork_respects_the_switches(monkeypatch):
     import torch
 
