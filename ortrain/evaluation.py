@@ -22,7 +22,7 @@ from ortrain.core.names import GradientError
 from ortrain.program_context import ProgramContext
 from ortrain.python_state import describe
 from ortrain.runtime.binder import bind_eval_graph
-from ortrain.step_errors import run_failed
+from ortrain.step_errors import from_onnxruntime, run_failed
 from ortrain.verify import Tolerance, compare, report
 from ortrain.whole_graph import CompiledGraph, signature
 
@@ -31,6 +31,7 @@ class Evaluation:
     def __init__(self, ctx: ProgramContext):
         self.ctx = ctx
         self.in_eager: set[tuple] = set()  # signatures whose graph failed or disagreed
+        self.autocast_said: set[tuple] = set()  # signatures evaluated under autocast
 
     def outputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The model's outputs on ``batch`` by key (host tensors)."""
@@ -42,6 +43,16 @@ class Evaluation:
         if ctx.dtype_cause:  # parameters other than float32: the model runs in eager
             return ctx.eager.outputs(batch)
         sig = signature(batch)
+        device = ctx.device.type
+        if torch.is_autocast_enabled(device):  # eager computes in autocast's dtypes
+            if sig not in self.in_eager | self.autocast_said:
+                self._in_eager(
+                    sig,
+                    f"eval_step runs inside torch.autocast({device!r}, "
+                    f"{torch.get_autocast_dtype(device)}), whose casts a graph does not make",
+                    keep=False,
+                )
+            return ctx.eager.outputs(batch)
         if ctx.eager.stateful and sig not in self.in_eager:  # a graph would freeze them
             said = describe(ctx.eager.stateful, type(ctx.module).__name__)
             self._in_eager(sig, f"its forward changes Python attributes on every call ({said})")
@@ -50,10 +61,14 @@ class Evaluation:
         with ctx.on_stream():
             try:
                 compiled = self._graph(batch)
-            except (ExportError, GradientError, PassError) as exc:
-                if ctx.options.fallback == "off":
+            except Exception as exc:
+                refused = from_onnxruntime(exc)  # a kernel it lacks for these types
+                if ctx.options.fallback == "off" or not (
+                    refused or isinstance(exc, (ExportError, GradientError, PassError))
+                ):
                     raise
-                self._in_eager(sig, f"{type(exc).__name__}: {first_line(exc)}")
+                said = "ONNX Runtime refused the graph" if refused else type(exc).__name__
+                self._in_eager(sig, f"{said}: {first_line(exc)}")
                 return ctx.eager.outputs(batch)
             keep = compiled.bind_batch(batch, ctx.device)
             try:
@@ -97,8 +112,10 @@ class Evaluation:
         ctx.graphs.add_eval(batch, compiled)
         return compiled
 
-    def _in_eager(self, sig: tuple, cause: str) -> None:
-        self.in_eager.add(sig)
+    def _in_eager(self, sig: tuple, cause: str, keep: bool = True) -> None:
+        """Warn that ``sig``'s evaluation runs in eager; ``keep``: from now on (else the
+        warning is said once and the next call outside the cause builds its graph)."""
+        (self.in_eager if keep else self.autocast_said).add(sig)
         warnings.warn(
             f"ortrain: {type(self.ctx.module).__name__}'s evaluation runs in eager PyTorch for "
             f"this batch shape: {cause}",

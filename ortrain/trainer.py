@@ -153,6 +153,8 @@ class ORTTrainer(TrainerState, TrainerViews):
         program = self._program
         micro_step = self._ctx.state.micro_step
         try:
+            if isinstance(program, WholeProgram):
+                program.refuse_autocast()
             return program.step(self._padded(raw, program))
         except NotOneGraph as exc:
             own = self._ctx.eager.fails(raw, grad=True)

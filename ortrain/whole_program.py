@@ -138,6 +138,24 @@ class WholeProgram:
             return self.trial.run(sig, self.trial.route(sig), self._graph_step, batch)
         return self._graph_step(batch)
 
+    def refuse_autocast(self) -> None:
+        """A step inside the user's ``torch.autocast`` computes in autocast's dtypes in
+        eager; a graph computes in those it was built for. Segments run such a step in
+        eager (``segments/calls.py``), so the model trains as segments from here on.
+        Asked before the batch is padded, whose proof may build a graph."""
+        device = self.ctx.device.type
+        if not torch.is_autocast_enabled(device):
+            return
+        why = (
+            f"train_step runs inside torch.autocast({device!r}, "
+            f"{torch.get_autocast_dtype(device)}), whose casts a graph does not make: steps "
+            "inside it run in eager PyTorch, as without ortrain (for compiled half precision, "
+            "call train_step outside autocast with TrainerOptions(mixed_precision=...))"
+        )
+        if self.ctx.options.fallback == "off":
+            raise ExportError(f"{type(self.ctx.module).__name__}: {why}")
+        raise NotOneGraph(why, ExportError(why))
+
     def _graph_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """A micro-step of ``batch`` on its training graph (built or loaded here unless
         it is; its first step checked against eager)."""
