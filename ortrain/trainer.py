@@ -28,7 +28,7 @@ import torch
 from ortrain.batch_input import BatchInput
 from ortrain.bucketing import Bucketing
 from ortrain.build import StageRecord
-from ortrain.core.errors import OrtrainError, TrainableChangedError
+from ortrain.core.errors import BatchError, OrtrainError, TrainableChangedError
 from ortrain.evaluation import Evaluation, StepOutputs
 from ortrain.export import LossFn
 from ortrain.memory_estimate import storage_bytes
@@ -133,6 +133,14 @@ class ORTTrainer(TrainerState, TrainerViews):
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward + backward (+ optimizer update at the end of an accumulation window)."""
+        if not torch.is_grad_enabled():
+            # eager's loss.backward() raises there; refused before anything runs
+            raise BatchError(
+                "train_step called with gradients off (inside torch.no_grad(), "
+                "torch.inference_mode() or torch.set_grad_enabled(False)), where eager's "
+                "loss.backward() raises; call it outside, or eval_step for a forward "
+                "without an update; nothing was applied"
+            )
         with self._ctx.on_stream():
             return self._train_step(args, kwargs)
 

@@ -958,6 +958,31 @@ def test_a_loss_that_reaches_no_parameter_is_refused_as_eager_refuses_it(det):
     assert (trainer.segments is not None) == det
 
 
+@pytest.mark.parametrize("off", ["no_grad", "inference_mode", "set_grad_enabled"])
+def test_a_step_with_gradients_off_is_refused_as_eager_refuses_its_backward(off):
+    """Inside ``torch.no_grad()`` (and the like) eager's backward raises; the graph has
+    no such mode and trained on (no_grad) or blamed the loss (inference_mode)."""
+    model = _Detached(False)
+    trainer = ORTTrainer(model, _sgd(model.parameters()), TrainerOptions())
+    x, y = torch.randn(3, 4), torch.randn(3)
+    trainer.train_step(x, y, False)
+    before = [p.detach().clone() for p in model.parameters()]
+    context = {
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "set_grad_enabled": lambda: torch.set_grad_enabled(False),
+    }[off]
+    with context():
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            model(x, y, False).backward()  # eager
+        with pytest.raises(BatchError, match=r"gradients off \(inside torch.no_grad\(\)"):
+            trainer.train_step(x, y, False)
+    trainer.sync_to_module()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    trainer.train_step(x, y, False)  # outside it again: trains
+    assert not torch.equal(next(model.parameters()), before[0])
+
+
 class _WideOutputPadding(torch.nn.Module):
     """A ConvTranspose2d whose output_padding is past its stride (torch allows it below
     the dilation); ONNX Runtime's kernel refuses to run it."""
