@@ -73,15 +73,27 @@ def _clone_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def trainer_state_dict(
-    training: TrainingState, opt_state: Mapping[str, torch.Tensor] | None = None
+    training: TrainingState,
+    opt_state: Mapping[str, torch.Tensor] | None = None,
+    *,
+    saved: bool = True,
+    window: bool = False,
 ) -> dict[str, Any]:
     """``opt_state``: full per-parameter optimizer state, where ``training``'s is not
-    (ZeRO-1 gathers its shards); default ``training.opt_state``."""
+    (ZeRO-1 gathers its shards); default ``training.opt_state``. ``saved``: the state
+    leaves the trainer (a checkpoint, ``state_dict()``), not only its optimizer;
+    ``window``: with an open accumulation window's gradients (one process: they are all
+    here), else the window is not kept (see ``_window_start``)."""
     st = training
     opt_state = st.opt_state if opt_state is None else opt_state
     st.sync_to_module()
     model = _clone_model_state(training.module)
-    extra: dict[str, Any] = {"step": st.step, "micro_step": st.micro_step}
+    extra: dict[str, Any] = {"step": st.step}
+    if window and st.micro_step and st.grads:
+        extra["micro_step"] = st.micro_step
+        extra["window_grads"] = {n: g.detach().clone() for n, g in st.grads.items()}
+    else:
+        extra["micro_step"] = _window_start(st, saved)
     if st.scaler is not None:
         extra["loss_scaler"] = st.scaler.state_dict()
     if training.spec.kind == EAGER:  # the optimizer keeps its state: its own state dict
@@ -92,6 +104,27 @@ def trainer_state_dict(
         "optimizer": optimizer_state_dict(training, opt_state),
         "ortrain": extra,
     }
+
+
+def _window_start(training: TrainingState, saved: bool) -> int:
+    """The micro-step a state saved without its window's gradients resumes at: 0.
+    Mid-window the parameters are still the window's start; resuming at the saved
+    micro-step would end the window on fewer micro-batches' gradients (divided by the
+    whole window's count). As in eager, where ``.grad`` is in no state dict, the resumed
+    run starts a window, and this warns that those micro-batches are not in it (ranks
+    hold their own partial sums: a distributed state is saved so)."""
+    st = training
+    window = st.accumulation
+    if saved and st.micro_step:
+        warnings.warn(
+            f"ortrain: state saved at micro-step {st.micro_step} of a {window}-micro-step "
+            "accumulation window: its gradients so far are not saved, so a run resumed "
+            "from it starts a new window without those micro-batches; save after a "
+            "window's last micro-step (trainer.micro_step == 0) or after "
+            "trainer.apply_update()",
+            stacklevel=4,
+        )
+    return 0
 
 
 def optimizer_state_dict(
@@ -203,9 +236,12 @@ def load_trainer_state_dict(
     state: Mapping[str, Any],
     *,
     opt_state: MutableMapping[str, torch.Tensor] | None = None,
+    window: bool = False,
 ) -> None:
     """``opt_state``: where the full per-parameter optimizer state goes (ZeRO-1 passes an
-    empty dict and keeps its shard of it); default the trainer's state's."""
+    empty dict and keeps its shard of it); default the trainer's state's. ``window``: an
+    open accumulation window saved with its gradients resumes (one process; ranks would
+    each add them), else it starts anew."""
     st = training
     opt_state = st.opt_state if opt_state is None else opt_state
     if not isinstance(state, Mapping) or "model" not in state or "optimizer" not in state:
@@ -229,19 +265,48 @@ def load_trainer_state_dict(
             except (ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"the optimizer's state: {exc}") from exc
             ours = state.get("ortrain", {})
-            st.set_counters(int(ours.get("step", 0)), int(ours.get("micro_step", 0)))
+            st.set_counters(int(ours.get("step", 0)), _load_window(training, ours, window))
             scaler_state = ours.get("loss_scaler")
             if st.scaler is not None and scaler_state is not None:
                 st.scaler.load_state_dict(scaler_state)
             return
         _load_moments(training, opt, opt_state)
         step = int(state.get("ortrain", {}).get("step", max(_steps(opt))))
-        st.set_counters(step, int(state.get("ortrain", {}).get("micro_step", 0)))
+        st.set_counters(step, _load_window(training, state.get("ortrain", {}), window))
         scaler_state = state.get("ortrain", {}).get("loss_scaler")
         if st.scaler is not None and scaler_state is not None:
             st.scaler.load_state_dict(scaler_state)
         for g, saved in zip(training.optimizer.param_groups, opt["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _load_window(training: TrainingState, ours: Mapping[str, Any], window: bool) -> int:
+    """The micro-step to resume at, the open window's gradients added to the sums when
+    that window's micro-step ends (``TrainingState.window_grads``); a window that cannot
+    resume (saved without them, another window length, ranks) starts anew, with a
+    warning."""
+    micro = int(ours.get("micro_step", 0))
+    grads = ours.get("window_grads")
+    training.window_grads = None
+    if not micro:
+        return 0
+    if grads is None or not window or micro >= training.accumulation:
+        why = (
+            "without its gradients"
+            if grads is None
+            else "into ranks that would each add its gradients"
+            if not window
+            else f"for a window of more than {training.accumulation} micro-steps"
+        )
+        warnings.warn(
+            f"ortrain: the checkpoint was saved at micro-step {micro} of an accumulation "
+            f"window; loaded {why}, training resumes at a new window's start",
+            stacklevel=5,
+        )
+        return 0
+    training.zero_grads()  # a window this trainer had open is not the checkpoint's
+    training.window_grads = dict(grads)
+    return micro
 
 
 def _steps(opt: Mapping[str, Any]) -> list[float]:
@@ -494,12 +559,13 @@ def check_keys(payload: Mapping[str, Any], required: frozenset[str], path: Path)
         )
 
 
-def save(training: TrainingState, path: str | os.PathLike) -> None:
+def save(training: TrainingState, path: str | os.PathLike, *, window: bool = False) -> None:
+    """``window``: with an open accumulation window's gradients (one process)."""
     payload = {
         "format": FORMAT,
         "model_class": type(training.module).__name__,
         "optimizer_kind": training.spec.kind,
-        "state": trainer_state_dict(training),
+        "state": trainer_state_dict(training, window=window),
     }
     write_file(payload, path)
 

@@ -799,7 +799,7 @@ class ProgramContext:
             hook.remove()
         self._optimizer_hooks = []
         self._resets = None
-        self.optimizer.load_state_dict(trainer_state_dict(st)["optimizer"])
+        self.optimizer.load_state_dict(trainer_state_dict(st, saved=False)["optimizer"])
         self.spec = dataclasses.replace(
             self.spec, kind=EAGER, source=type(self.optimizer).__name__, why_eager=why
         )
@@ -828,12 +828,14 @@ class ProgramContext:
         of its accumulation window."""
         st = self.state
         if self.options.check_finite and not math.isfinite(float(loss)):
+            st.window_grads = None  # the window starts over: a loaded one's sums too
             discarded, st.micro_step = st.micro_step, 0  # its gradients are in the sums
             raise NonFiniteLossError(
                 f"loss is {float(loss)} at optimizer step {int(st.step_tensor)}; the update "
                 "was not applied and parameters/optimizer state are unchanged"
                 f"{window_restarts(discarded)}"
             )
+        st.take_window_grads()
         st.micro_step += 1
         if st.micro_step == self.options.grad_accumulation_steps:
             st.micro_step = 0

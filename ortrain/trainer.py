@@ -295,6 +295,7 @@ class ORTTrainer(TrainerState, TrainerViews):
         if self.micro_step == 0:
             return
         self.micro_step = 0  # the in-backward update needs accumulation 1: never open here
+        self._ctx.state.take_window_grads()  # a loaded window's sums, if no step took them
         with self._ctx.on_stream():
             self._ctx.apply_update()
 

@@ -74,20 +74,20 @@ class TrainerState:
         self.state.adopt_rebound()
         if self.reducer is not None:
             return self.reducer.state_dict(self.state)
-        return checkpoint.trainer_state_dict(self.state)
+        return checkpoint.trainer_state_dict(self.state, window=True)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self.reducer is not None:
             return self.reducer.load_state_dict(self.state, state)
-        checkpoint.load_trainer_state_dict(self.state, state)
+        checkpoint.load_trainer_state_dict(self.state, state, window=True)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         self.state.adopt_rebound()
         if self.reducer is not None:
             return self.reducer.save_checkpoint(self.state, path)
-        checkpoint.save(self.state, path)
+        checkpoint.save(self.state, path, window=True)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         if self.reducer is not None:
             return self.reducer.load_checkpoint(self.state, path)
-        sharded_checkpoint.load_any(self.state, path)
+        sharded_checkpoint.load_any(self.state, path, window=True)

@@ -220,10 +220,11 @@ def read_any(training: TrainingState, path: str | os.PathLike) -> dict[str, Any]
     return checkpoint.read(training, path)
 
 
-def load_any(training: TrainingState, path: str | os.PathLike) -> None:
+def load_any(training: TrainingState, path: str | os.PathLike, *, window: bool = False) -> None:
+    """``window``: one process (an open accumulation window resumes)."""
     state = read_any(training, path)
     with checkpoint.naming(path):
-        checkpoint.load_trainer_state_dict(training, state)
+        checkpoint.load_trainer_state_dict(training, state, window=window)
 
 
 def load(training: TrainingState, sharded: ShardedState, path: str | os.PathLike) -> None:

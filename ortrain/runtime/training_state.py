@@ -103,6 +103,9 @@ class TrainingState:
     # parameters kept other than whole (ZeRO-3: this rank's stretch of them)
     shard_params: list[torch.Tensor] = dataclasses.field(default_factory=list)
     micro_step: int = 0
+    # a loaded checkpoint's open accumulation window: its gradient sums so far, added to
+    # this process's at the end of the micro-step that follows (``take_window_grads``)
+    window_grads: dict[str, torch.Tensor] | None = None
     # buffers a whole-model graph's session is bound to (``binder.py``): one the module
     # replaces by another shape cannot follow it there
     graph_buffers: set[str] = dataclasses.field(default_factory=set)
@@ -231,6 +234,17 @@ class TrainingState:
     def adopt_grads(self, views: Mapping[str, torch.Tensor]) -> None:
         """Gradients of these parameters live in these tensors (views of a flat buffer)."""
         self.grads.update(views)
+
+    def take_window_grads(self) -> None:
+        """A loaded checkpoint's open window: its gradient sums added to this micro-step's
+        (then laid out, whatever the program or engine), before the window's update."""
+        saved, self.window_grads = self.window_grads, None
+        if not saved:
+            return
+        with torch.no_grad():
+            for name, g in self.grads.items():
+                if name in saved:
+                    g.add_(saved[name].to(g.device, g.dtype))
 
     def adopt_opt_state(self, states: dict[str, torch.Tensor], *, replace: bool = False) -> None:
         """Optimizer state tensors by ``state_key``; ``replace``: these are all of it (ZeRO-1:
