@@ -360,6 +360,7 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "prefetched": getattr(reducer, "prefetched_numel", 0),
         "buckets_reused": reducer.bucket_pool.reused,  # type: ignore[union-attr]
         "buckets_kept": reducer.bucket_pool.free_numel,  # type: ignore[union-attr]
+        "buckets_made": reducer.bucket_pool.made,  # type: ignore[union-attr]
         "gathers_reused": getattr(getattr(reducer, "gather_pool", None), "reused", 0),
         "outputs_reused": segments.model.outputs.reused if segments.model.outputs else 0,
         "tied_rows_added": segments.model.tied.added_count,

@@ -101,6 +101,7 @@ def test_a_residual_stack_trains_like_eager_with_one_block_graph():
     kinds = {s.module: s.kind for s in trainer.program.segments}
     assert kinds["blocks"] == "cut" and all(kinds[b] == "compiled" for b in blocks)
     assert "compiled  blocks.3" in seg.explain()
+    assert seg.pooled_losses == 0  # a label-smoothed loss: eager's own cross-entropy
 
 
 def test_bert_is_cut_at_its_layers_and_trains_like_eager():
@@ -141,6 +142,9 @@ def test_bert_is_cut_at_its_layers_and_trains_like_eager():
     layers = [f"bert.encoder.layer.{i}" for i in range(3)]
     assert all(name in seg.model.compiled for name in layers)
     assert len({id(r) for n in layers for r in seg.model.runners[n].values()}) == 1
+    # the loss's buffers pooled (segments/pooled_loss.py), reused from the second step on
+    assert seg.pooled_losses == 3
+    assert seg.model.loss_pool is not None and seg.model.loss_pool.reused >= 4
 
 
 def test_repeated_blocks_are_the_same_shaped_children_of_containers():

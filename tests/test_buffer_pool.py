@@ -37,6 +37,23 @@ def test_a_buffer_something_else_still_reads_is_not_reused():
     assert torch.equal(kept, torch.ones(10))  # what the view reads is untouched
 
 
+def test_a_buffer_given_back_while_viewed_is_handed_out_once_the_view_goes():
+    pool = BufferPool(torch.device("cpu"))
+    a, other = pool.take(256), pool.take(256)  # two at once: the pool may keep two
+    pool.give(other)
+    del other
+    ptr = a.data_ptr()
+    view = a[16:32].view(4, 4)  # autograd holds a gradient view until the step ends
+    pool.give(a)
+    del a
+    assert pool.free_numel == 512  # kept, not dropped
+    b = pool.take(256)  # the view still reads it: the other one
+    assert b.data_ptr() != ptr and pool.reused == 1
+    del view
+    c = pool.take(256)  # nothing else reads it now
+    assert c.data_ptr() == ptr and pool.reused == 2
+
+
 def test_a_buffer_whose_view_outlives_the_give_is_not_reused():
     pool = BufferPool(torch.device("cpu"))
     a = pool.take(64)

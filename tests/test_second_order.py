@@ -58,6 +58,23 @@ class _Maml(nn.Module):
         return nn.functional.mse_loss(pred, yq)
 
 
+class _MamlClassifier(nn.Module):
+    """Second-order MAML on a classifier: cross-entropy losses inside and outside
+    (eager's own cross-entropy, not the segments' pooled one: ``segments/pooled_loss.py``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(2, 16), nn.Linear(16, 3)
+
+    def forward(self, xs, ys, xq, yq):
+        inner = nn.functional.cross_entropy(self.l2(torch.tanh(self.l1(xs))), ys)
+        params = [self.l1.weight, self.l1.bias, self.l2.weight, self.l2.bias]
+        grads = torch.autograd.grad(inner, params, create_graph=True)
+        w1, b1, w2, b2 = (p - 0.1 * g for p, g in zip(params, grads))
+        logits = nn.functional.linear(torch.tanh(nn.functional.linear(xq, w1, b1)), w2, b2)
+        return nn.functional.cross_entropy(logits, yq)
+
+
 class _Pinn(nn.Module):
     """u(x) with the residual of u'' + u = 0 and a boundary term."""
 
@@ -101,6 +118,10 @@ def _batches(name: str, n: int) -> list[dict[str, torch.Tensor]]:
                     "eps": torch.rand(8, 1, generator=g),
                 }
             )
+        elif name == "maml-ce":
+            xs, xq = torch.randn(6, 2, generator=g), torch.randn(6, 2, generator=g)
+            ys, yq = torch.randint(0, 3, (6,), generator=g), torch.randint(0, 3, (6,), generator=g)
+            out.append({"xs": xs, "ys": ys, "xq": xq, "yq": yq})
         elif name == "maml":
             xs, xq = torch.rand(5, 1, generator=g) * 6 - 3, torch.rand(5, 1, generator=g) * 6 - 3
             a = torch.rand(1, generator=g) + 0.5
@@ -110,7 +131,7 @@ def _batches(name: str, n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-_MODELS = {"penalty": _GradientPenalty, "maml": _Maml, "pinn": _Pinn}
+_MODELS = {"penalty": _GradientPenalty, "maml": _Maml, "maml-ce": _MamlClassifier, "pinn": _Pinn}
 
 
 def _eager_losses(model: nn.Module, batches: list[dict]) -> list[float]:

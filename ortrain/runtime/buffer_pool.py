@@ -55,17 +55,19 @@ class BufferPool:
         self.out_numel = 0  # elements handed out and not given back
         self.peak_numel = 0  # most elements handed out at once so far
         self.reused = 0  # buffers handed out again (a benchmark's and a test's figure)
+        self.made: dict[int, int] = {}  # buffers made, by size (a test's figure)
         _POOLS.add(self)
 
     def take(self, numel: int, zero: bool = False) -> torch.Tensor:
         """A buffer of ``numel`` elements (zeros with ``zero``, else whatever it held)."""
-        kept = self._free.get(numel)
+        kept = self._free.get(numel, [])
+        # the latest given back that nothing else refers to any more (one still read
+        # stays kept until its reader lets go)
+        at = next((i for i in range(len(kept) - 1, -1, -1) if self._sole(kept[i])), None)
         buf = None
-        while kept and buf is None:
-            cand = kept.pop()
+        if at is not None:
+            buf = kept.pop(at)
             self.free_numel -= numel
-            if self._sole(cand):
-                buf = cand
         if buf is not None:
             self.reused += 1
             if zero:
@@ -74,6 +76,7 @@ class BufferPool:
             self.peak_numel = max(self.peak_numel, self.out_numel + numel)
             self._evict(self.peak_numel - self.out_numel - numel)
             buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self.made[numel] = self.made.get(numel, 0) + 1
             populate(buf)
             if zero:
                 buf.zero_()
@@ -84,8 +87,11 @@ class BufferPool:
         """``buf`` (from ``take``) is no longer used by its taker."""
         numel = buf.numel()
         self.out_numel -= numel
-        if _USERS is None or not self._sole(buf):
-            return  # something else still reads it: it goes when that does
+        if _USERS is None:
+            return  # no buffer can be proved free: it goes when its last user does
+        # Kept even where something else still refers to it: autograd holds the views
+        # that a backward's gradients were written into until the step's graph goes,
+        # after their bucket has landed. ``take`` hands it out only once it is sole.
         self._free.setdefault(numel, []).append(buf)
         self.free_numel += numel
         self._evict(self.peak_numel - self.out_numel)

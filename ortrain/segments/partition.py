@@ -467,6 +467,10 @@ class SegmentedModel:
         # every runner's output tensors, reused step to step (``reuse_outputs``; on CUDA
         # torch's allocator caches them)
         self.outputs = ReusePool() if reuse_outputs and device.type == "cpu" else None
+        # the eager cross-entropy's buffers (``pooled_loss.py``; on CUDA torch caches them):
+        # a pool of their own, whose peak is theirs (in the outputs' pool they would
+        # count against the segments' peak and push out the tied table's gradient)
+        self.loss_pool = ReusePool() if device.type == "cpu" else None
         self.tied = TiedGradients()
         self._read_in_eager: frozenset[str] = frozenset()
         self.adopt(plan)

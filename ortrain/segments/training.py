@@ -34,6 +34,7 @@ from ortrain.segments.partition import (
     plan_segments,
     record_calls,
 )
+from ortrain.segments.pooled_loss import pooled_cross_entropy
 from ortrain.segments.runner import ParamHome, RowsSink
 from ortrain.verify import Tolerance, in_mode, no_kv_cache
 
@@ -81,6 +82,7 @@ class SegmentedTraining:
         self.verify_seconds = 0.0
         self.step_seconds = 0.0  # forward + backward of the steps so far
         self.steps = 0
+        self.pooled_losses = 0  # cross-entropies computed over pooled buffers (``pooled_loss``)
 
     def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """The training step's forward's loss, in the modes the user gave the module (as a
@@ -215,8 +217,11 @@ class SegmentedTraining:
         assert self.model is not None
         start = time.perf_counter()
         self.model.tally.held = 0  # what an earlier step saved is gone with its graph
-        with self.model.active():
+        # a forward that differentiates its outputs again keeps eager's own cross-entropy
+        pool = None if self.recorded is None or self.recorded.twice else self.model.loss_pool
+        with self.model.active(), pooled_cross_entropy(pool) as route:
             loss = self.loss(batch)
+            self.pooled_losses += route.calls if route is not None else 0
             if loss.dim() != 0:
                 raise LossShapeError(
                     "the loss must be a scalar (0-dim or one element) tensor, got "
