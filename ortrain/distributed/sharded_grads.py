@@ -327,18 +327,20 @@ class ShardedGradients(ShardedState):
         """Where ``param``'s gradient of this micro-step goes: a view of its bucket of the
         parameter's shape, for a graph to write it into (its arrival then copies nothing,
         and no gradient-sized output is made beside the bucket). None outside a
-        micro-step, for a parameter handed one already in it (a module called twice: its
-        second gradient is added), and for one whose gradient is its bucket already."""
+        micro-step and for a parameter handed one already in it (a module called twice:
+        its second gradient is added). A parameter that is a bucket of its own (a tied
+        table) gets it too: its memory is the pool's, kept from step to step, where the
+        graph's own output would be made afresh on every step."""
         name = self._name_of.get(id(param))
         if not self._armed or name is None or name in self.reached or name in self._homed:
             return None
         k = self._bucket_of[name]
         if k not in self._position or self._position[k] < self._next:
             return None
-        if self.buckets[k].names == (name,):
-            return None
         if k not in self._open:
-            self._open[k] = self._take_bucket(self.buckets[k].numel)
+            # a graph writes its output whole: a bucket of one parameter needs no zeros
+            alone = self.buckets[k].names == (name,)
+            self._open[k] = self._take_bucket(self.buckets[k].numel, zero=not alone)
             self._count_held()
         self._homed.add(name)
         return self._home_view(name)
@@ -484,8 +486,8 @@ class ShardedGradients(ShardedState):
             del every
             self.reduce_seconds += time.perf_counter() - started
 
-    def _take_bucket(self, numel: int) -> torch.Tensor:
-        buf = self.bucket_pool.take(numel, zero=True)
+    def _take_bucket(self, numel: int, zero: bool = True) -> torch.Tensor:
+        buf = self.bucket_pool.take(numel, zero=zero)
         self._pooled.add(id(buf))
         return buf
 

@@ -496,11 +496,10 @@ class SegmentFunction(torch.autograd.Function):
             for p in runner.grad_params:
                 if p in parts_out or p in into or p in routed:
                     continue
-                param = ctx.module.get_parameter(p)
-                if id(param) not in tied.eligible:  # a tied table's rows go into its gradient
-                    home_t = grad_home(param)
-                    if home_t is not None:
-                        homes[p] = home_t
+                # (a tied table's too: the other segment's rows are added into it)
+                home_t = grad_home(ctx.module.get_parameter(p))
+                if home_t is not None:
+                    homes[p] = home_t
         in_grads, param_grads = runner.backward(
             ctx.module, ctx.n_inputs, read, list(tensors[n:]), grads, into, parts_out, homes
         )
