@@ -29,16 +29,17 @@ class _Residual(torch.nn.Module):
 class _Stack(torch.nn.Module):
     """A residual MLP stack with a head of another shape and a loss in its forward."""
 
-    def __init__(self, depth: int = 4, dim: int = 16, classes: int = 5):
+    def __init__(self, depth: int = 4, dim: int = 16, classes: int = 5, smoothing: float = 0.05):
         super().__init__()
         torch.manual_seed(0)
+        self.smoothing = smoothing
         self.embed = torch.nn.Linear(6, dim)
         self.blocks = torch.nn.Sequential(*[_Residual(dim) for _ in range(depth)])
         self.head = torch.nn.Linear(dim, classes)
 
     def forward(self, x, y):
         logits = self.head(self.blocks(self.embed(x)))
-        return torch.nn.functional.cross_entropy(logits, y, label_smoothing=0.05)
+        return torch.nn.functional.cross_entropy(logits, y, label_smoothing=self.smoothing)
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -104,8 +105,20 @@ def test_a_residual_stack_trains_like_eager_with_one_block_graph():
     assert seg.pooled_losses == 0  # a label-smoothed loss: eager's own cross-entropy
 
 
-def test_bert_is_cut_at_its_layers_and_trains_like_eager():
+def test_a_small_loss_is_routed_to_the_pool_on_the_first_step_only():
+    trainer = _train_like_eager(_Stack(smoothing=0.0), _batches(3), lambda m, b: m(*b))
+    seg = trainer.segments
+    assert seg is not None
+    # 12 x 5 logits: the heap's pages, nothing to gain; the mode costs every eager call
+    assert seg.pooled_losses == 1 and not seg.route_losses
+
+
+def test_bert_is_cut_at_its_layers_and_trains_like_eager(monkeypatch):
     from transformers import BertConfig, BertForSequenceClassification
+
+    from ortrain.segments import pooled_loss
+
+    monkeypatch.setattr(pooled_loss, "WORTH_BYTES", 0)  # its small loss pooled on every step
 
     torch.manual_seed(0)
     cfg = BertConfig(

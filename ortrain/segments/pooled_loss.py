@@ -124,11 +124,18 @@ def _pooled_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor,
     return logits, target, ignore_index, reduction
 
 
+# Logits below this come from the C heap's reused pages, not fresh mappings: routing
+# them gains nothing, and the mode costs every torch call of the eager code about a
+# microsecond (``SegmentedTraining`` keeps it only where a routed call reaches this)
+WORTH_BYTES = 1 << 20
+
+
 class _Route(TorchFunctionMode):
     def __init__(self, pool: ReusePool) -> None:
         super().__init__()
         self.pool = pool
         self.calls = 0  # calls routed to the pooled loss (a test's figure)
+        self.largest = 0  # bytes of the largest logits routed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -136,8 +143,13 @@ class _Route(TorchFunctionMode):
             found = _pooled_call(args, kwargs)
             if found is not None:
                 self.calls += 1
+                self.largest = max(self.largest, found[0].nbytes)
                 return PooledCrossEntropy.apply(*found, self.pool)
         return func(*args, **kwargs)
+
+    def worth_it(self) -> bool:
+        """Whether a call routed here had logits large enough to gain from the pool."""
+        return self.largest >= WORTH_BYTES
 
 
 @contextlib.contextmanager

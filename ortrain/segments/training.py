@@ -83,6 +83,7 @@ class SegmentedTraining:
         self.step_seconds = 0.0  # forward + backward of the steps so far
         self.steps = 0
         self.pooled_losses = 0  # cross-entropies computed over pooled buffers (``pooled_loss``)
+        self.route_losses = True  # until a step's routed losses were too small to gain
 
     def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """The training step's forward's loss, in the modes the user gave the module (as a
@@ -217,11 +218,16 @@ class SegmentedTraining:
         assert self.model is not None
         start = time.perf_counter()
         self.model.tally.held = 0  # what an earlier step saved is gone with its graph
-        # a forward that differentiates its outputs again keeps eager's own cross-entropy
-        pool = None if self.recorded is None or self.recorded.twice else self.model.loss_pool
+        # a forward that differentiates its outputs again keeps eager's own cross-entropy;
+        # after the first step, only a model whose loss gained from the pool keeps it
+        pool = self.model.loss_pool if self.route_losses else None
+        if self.recorded is None or self.recorded.twice:
+            pool = None
         with self.model.active(), pooled_cross_entropy(pool) as route:
             loss = self.loss(batch)
-            self.pooled_losses += route.calls if route is not None else 0
+            if route is not None:
+                self.pooled_losses += route.calls
+                self.route_losses = route.worth_it()
             if loss.dim() != 0:
                 raise LossShapeError(
                     "the loss must be a scalar (0-dim or one element) tensor, got "
