@@ -79,3 +79,32 @@ def test_the_outermost_repeated_block_is_the_group():
     groups = block_of(model, names)
     assert groups["outer.1.0.weight"] == "outer.1"  # not "outer.1.0", a block inside it
     assert groups["inner.0.bias"] == "inner.0"
+
+
+def test_a_bucket_taken_without_zeros_is_zeroed_where_no_gradient_was_written():
+    """A block's bucket handed to its backward graph unzeroed (the graph writes its
+    outputs whole) goes out with zeros in the layout's alignment gaps and under the
+    parameters this micro-step did not reach, the reached gradients untouched."""
+    import types
+
+    from ortrain.distributed.sharded_grads import ShardedGradients
+
+    shapes = {"a.weight": (3, 5), "a.bias": (3,), "b.weight": (7,), "b.bias": (2,)}
+    layout = FlatLayout.build(shapes, align=16)
+    (bucket,) = make_buckets(layout, layout.numel)
+    buf = torch.full((bucket.numel,), float("nan"))  # what the pool's memory held before
+    entries = {e.name: e for e in layout.entries}
+    reached = {"a.weight", "b.weight"}
+    for n in reached:
+        e = entries[n]
+        buf[e.offset : e.stop] = torch.arange(e.numel, dtype=torch.float32) + 1
+    fake = types.SimpleNamespace(_entries=entries, reached=reached)
+    ShardedGradients._zero_unwritten(fake, bucket, buf)  # type: ignore[arg-type]
+    for n, e in entries.items():
+        want = torch.arange(e.numel, dtype=torch.float32) + 1 if n in reached else 0.0
+        torch.testing.assert_close(buf[e.offset : e.stop], torch.as_tensor(want).expand(e.numel))
+    written = torch.zeros(bucket.numel, dtype=torch.bool)
+    for n in reached:
+        written[entries[n].offset : entries[n].stop] = True
+    assert layout.numel > sum(e.numel for e in entries.values())  # gaps exist
+    assert (buf[~written] == 0).all()

@@ -210,6 +210,7 @@ class ShardedGradients(ShardedState):
         self._flying: collections.deque[tuple[int, torch.Tensor, InFlight]] = collections.deque()
         self.bucket_pool = BufferPool(comm.device)  # the buckets, reused step to step
         self._pooled: set[int] = set()  # ids of the open or flying buckets taken from it
+        self._unzeroed: set[int] = set()  # open buckets taken without zeros (``grad_home``)
         self._next = 0  # the position in ``_order`` of the next bucket to go out
         self._armed = False
         self.reached: set[str] = set()  # parameters with a gradient in this micro-step
@@ -294,6 +295,7 @@ class ShardedGradients(ShardedState):
         parameters that got one."""
         self.reached = set()
         self._homed.clear()
+        self._unzeroed.clear()
         self._waiting = list(self._expected)
         self._next = 0
         self._rows.clear()
@@ -338,9 +340,10 @@ class ShardedGradients(ShardedState):
         if k not in self._position or self._position[k] < self._next:
             return None
         if k not in self._open:
-            # a graph writes its output whole: a bucket of one parameter needs no zeros
-            alone = self.buckets[k].names == (name,)
-            self._open[k] = self._take_bucket(self.buckets[k].numel, zero=not alone)
+            # not zeroed: a graph writes its outputs whole, and what no gradient wrote is
+            # zeroed when the bucket goes out (``_zero_unwritten``)
+            self._open[k] = self._take_bucket(self.buckets[k].numel, zero=False)
+            self._unzeroed.add(k)
             self._count_held()
         self._homed.add(name)
         return self._home_view(name)
@@ -412,6 +415,22 @@ class ShardedGradients(ShardedState):
         del grad
         self._send()
 
+    def _zero_unwritten(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        """Zeros in a bucket taken without them wherever no gradient of this micro-step
+        was written: the gaps between its parameters (the layout's alignment) and the
+        parameters not reached (sent as zeros, as an eager rank's missing ``.grad`` adds
+        nothing to the sum)."""
+        at = bucket.start
+        for name in bucket.names:
+            e = self._entries[name]
+            if e.offset > at:
+                buf[at - bucket.start : e.offset - bucket.start].zero_()
+            if name not in self.reached:
+                buf[e.offset - bucket.start : e.stop - bucket.start].zero_()
+            at = max(at, e.stop)
+        if bucket.stop > at:
+            buf[at - bucket.start :].zero_()
+
     def _count_held(self) -> None:
         held = sum(t.numel() for t in self._open.values())
         held += sum(buf.numel() for _, buf, _ in self._flying)
@@ -429,6 +448,9 @@ class ShardedGradients(ShardedState):
             buf = self._open.pop(k, None)
             if buf is None:  # no gradient here on this rank: the others may have some
                 buf = self._take_bucket(bucket.numel)
+            elif k in self._unzeroed:
+                self._unzeroed.discard(k)
+                self._zero_unwritten(bucket, buf)
             while len(self._flying) >= IN_FLIGHT:
                 self._land()
             started = time.perf_counter()
