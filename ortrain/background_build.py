@@ -46,6 +46,34 @@ class Arrived:
     hit: bool  # loaded from the graph cache
 
 
+def start_build(ctx: ProgramContext, batch: dict[str, Any], nice: int = 0) -> ForkedJob:
+    """``batch``'s training graph (built, or loaded from the graph cache) started in a
+    forked child, not waited for; ``collect_build`` takes its result."""
+    job = ctx.graphs.train_job(batch, ctx.settings())
+    cache, parent = ctx.graph_cache, os.getpid()
+
+    def in_child() -> tuple[ForwardSource, tuple, BuiltGraph, bool]:
+        if os.getpid() != parent:  # (run here instead where the child failed)
+            os.environ[IN_PROCESS_ENV] = "1"  # the child is the build's process
+        hits = cache.hits
+        forward, rows, built = job()
+        return forward, rows, built, cache.hits > hits
+
+    return ForkedJob(in_child, what="building the ONNX graph", nice=nice)
+
+
+def collect_build(
+    ctx: ProgramContext, batch: dict[str, Any], job: ForkedJob
+) -> tuple[tuple, BuiltGraph, bool]:
+    """What ``start_build`` built (waited for), adopted as ``graphs.build_train`` adopts
+    its own: (label rows, graph, whether it came from the graph cache). Raises what the
+    build raised."""
+    forward, rows, built, hit = job.result()
+    if hit:  # counted in the child
+        ctx.graph_cache.hits += 1
+    return ctx.graphs.adopt_train(batch, forward, rows, built, hit)
+
+
 class BackgroundBuild:
     """At most one training graph building in a forked child; eager steps meanwhile."""
 
@@ -67,19 +95,8 @@ class BackgroundBuild:
         return can_fork([*st.params.values(), *st.buffers.values()])
 
     def start(self, batch: dict[str, Any]) -> None:
-        ctx = self.ctx
-        job = ctx.graphs.train_job(batch, ctx.settings())
-        cache, parent = ctx.graph_cache, os.getpid()
-
-        def in_child() -> tuple[ForwardSource, tuple, BuiltGraph, bool]:
-            if os.getpid() != parent:  # (run here instead where the child failed)
-                os.environ[IN_PROCESS_ENV] = "1"  # the child is the build's process
-            hits = cache.hits
-            forward, rows, built = job()
-            return forward, rows, built, cache.hits > hits
-
         self._batch = batch
-        self._job = ForkedJob(in_child, what="building the ONNX graph", nice=NICE)
+        self._job = start_build(self.ctx, batch, nice=NICE)
 
     def arrived(self) -> Arrived | None:
         """The build started before, if it has ended (else None, at once); raises what the
@@ -88,10 +105,7 @@ class BackgroundBuild:
         if job is None or batch is None or not job.done():
             return None
         self._job = self._batch = None
-        forward, rows, built, hit = job.result()
-        if hit:  # counted in the child
-            self.ctx.graph_cache.hits += 1
-        rows, built, hit = self.ctx.graphs.adopt_train(batch, forward, rows, built, hit)
+        rows, built, hit = collect_build(self.ctx, batch, job)
         return Arrived(batch, rows, built, hit)
 
     def wait(self) -> None:

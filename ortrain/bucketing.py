@@ -56,9 +56,10 @@ sees:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +109,27 @@ def bucket_lengths(max_length: int) -> list[int]:
 
 
 PadFn = Callable[[torch.Tensor, int], torch.Tensor]
+# a padded batch's graph started early -> what drops it (``WholeProgram.start_early``)
+Start = Callable[[dict[str, Any]], Callable[[], None]]
+
+
+def _nothing() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def _one_thread_fewer(fewer: bool) -> Iterator[None]:
+    """Torch's threads less one while a forked child computes beside: OpenMP's team would
+    wait at every barrier for the thread that lost its core to the child."""
+    threads = torch.get_num_threads()
+    if fewer and threads > 1:
+        torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 # a padded batch -> its training graph's padding proof (verdict, detail); None: no graph;
 # ("pending", why): its graph is building (ortrain/background_build.py), asked again later
 Prove = Callable[[dict[str, Any]], "tuple[str, str] | None"]
@@ -294,12 +316,15 @@ class Bucketing:
         train: bool,
         prove: Prove | None = None,
         proof_first: bool = False,
+        start: Start | None = None,
     ) -> Padded:
         """``batch`` padded to its bucket where that is exact. ``prove``: the training
         graph of a padded batch, built, says whether padding mixes into the loss (3.);
         asked once per layout. ``proof_first``: its graph builds in the background, so it
         is asked before the eager check, which runs once the graph has arrived (a layout's
-        batches run unpadded until then)."""
+        batches run unpadded until then). ``start``: the padded batch's graph started
+        before a layout's first eager check and length trace, which run while it builds
+        (what it returns drops it where the batch is not padded after all)."""
         if self.mode == "off":
             return Padded(batch)
         plan = layout(batch, self._pad_id)
@@ -317,17 +342,20 @@ class Bucketing:
             proof = prove(plan.apply(batch, to))
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)
-        if verdict is None:
-            verdict = self.verdicts[key] = self._checked(batch, plan, to, train)
-            if not verdict.exact:
-                side = {"left": "left-padded ", "holes": "masked (with holes) "}.get(plan.side, "")
-                warnings.warn(
-                    f"ortrain: {side}batches with {', '.join(sorted(plan.pads))} are not padded "
-                    f"to bucket lengths ({'training' if train else 'evaluation'}): "
-                    f"{verdict.reason}; each length builds its own graph",
-                    stacklevel=4,
-                )
-        if not verdict.exact or not self._same_branches(key, batch, plan, to, train):
+        drop = _nothing
+        if verdict is None and start is not None and not proof_first and key not in self.proofs:
+            if self._sync is not None:  # (the children see the weights as they are now)
+                self._sync()
+            drop = start(plan.apply(batch, to))
+        early = drop is not _nothing
+        try:
+            verdict = self._verdict(key, verdict, batch, plan, to, train, early)
+            same = verdict.exact and self._same_branches(key, batch, plan, to, train)
+        except BaseException:
+            drop()
+            raise
+        if not same:
+            drop()
             return Padded(batch)
         padded = plan.apply(batch, to)
         if prove is not None and key not in self.proofs:
@@ -339,6 +367,32 @@ class Bucketing:
                 return Padded(batch)
         self._graphs.setdefault(key, set()).add(to)
         return Padded(padded, plan.length, verdict.seq_axes)
+
+    def _verdict(
+        self,
+        key: tuple,
+        verdict: Verdict | None,
+        batch: Mapping[str, Any],
+        plan: Layout,
+        to: int,
+        train: bool,
+        early: bool,
+    ) -> Verdict:
+        """The layout's verdict, checked here (3.) the first time (``early``: beside the
+        graph started for it, on one thread fewer); a refusal warns once."""
+        if verdict is not None:
+            return verdict
+        with _one_thread_fewer(early):
+            verdict = self.verdicts[key] = self._checked(batch, plan, to, train)
+        if not verdict.exact:
+            side = {"left": "left-padded ", "holes": "masked (with holes) "}.get(plan.side, "")
+            warnings.warn(
+                f"ortrain: {side}batches with {', '.join(sorted(plan.pads))} are not padded "
+                f"to bucket lengths ({'training' if train else 'evaluation'}): "
+                f"{verdict.reason}; each length builds its own graph",
+                stacklevel=5,
+            )
+        return verdict
 
     def _same_branches(
         self, key: tuple, batch: Mapping[str, Any], plan: Layout, to: int, train: bool

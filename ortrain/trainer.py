@@ -268,8 +268,9 @@ class ORTTrainer(TrainerState, TrainerViews):
 
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:
         first = getattr(program, "background", None) is not None  # its proof comes later
+        start = getattr(program, "start_early", None)
         return self.bucketing.pad(
-            batch, train=True, prove=program.padding_proof, proof_first=first
+            batch, train=True, prove=program.padding_proof, proof_first=first, start=start
         ).batch
 
     @torch.no_grad()

@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from ortrain.background_build import PENDING, BackgroundBuild
+from ortrain.background_build import PENDING, BackgroundBuild, collect_build, start_build
 from ortrain.build import BuiltGraph
 from ortrain.core.errors import (
     BatchError,
@@ -34,6 +34,8 @@ from ortrain.core.errors import (
 from ortrain.core.names import GradientError, UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER
 from ortrain.eager_steps import unsupported
+from ortrain.first_step import PendingReference
+from ortrain.forked import ForkedJob, can_fork
 from ortrain.optim.from_torch import group_values
 from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
@@ -54,6 +56,10 @@ if TYPE_CHECKING:
 # of the model's tensors (its gradients and a graph's in each child) and a spare
 BESIDE_MODEL_COPIES = 6
 BESIDE_SPARE = 1 << 30
+
+
+def _nothing() -> None:
+    pass
 
 
 def _available_bytes() -> int | None:
@@ -92,6 +98,10 @@ class WholeProgram:
         # (the settings they were built with, the result or what the build raised)
         self._prebuilt: dict[tuple, tuple[Any, Any]] = {}
         self._fresh: set[tuple] = set()  # built anew at their next build (not the cache's)
+        # graphs and their eager reference steps started before the step knows it takes
+        # them (``start_early``), by signature: (the reference, the build, its settings)
+        self._started: dict[tuple, tuple[PendingReference, ForkedJob | None, Any]] = {}
+        self.started_early = self.dropped_early = 0  # graphs so started, and so dropped
         # graphs built while steps run in eager (TrainerOptions.background_build)
         self.background: BackgroundBuild | None = None
         if ctx.options.background_build:
@@ -410,10 +420,16 @@ class WholeProgram:
         if not self.ctx.options.verify or self.graphs.has_train(batch):
             return None
         gated = self.trial is not None and self.trial.gated
-        beside = self.background is None and _cores() > 1 and self._room_beside()
-        pending = self.ctx.eager.start_reference(batch, timed=gated, beside=beside)
-        if pending.forked and beside:
-            self._build_beside(batch)
+        started = self._started.pop(signature(batch), None)
+        if started is not None:
+            pending, job, settings = started
+            if job is not None:
+                self._collect(batch, job, settings)
+        else:
+            beside = self.background is None and _cores() > 1 and self._room_beside()
+            pending = self.ctx.eager.start_reference(batch, timed=gated, beside=beside)
+            if pending.forked and beside:
+                self._build_beside(batch)
         # "auto"'s gate: eager's step and forward timed warm in the same child
         reference, times = pending.finish() if gated else (pending.finish(), None)
         if times is not None:
@@ -431,6 +447,51 @@ class WholeProgram:
         model = sum(t.nbytes for t in (*st.params.values(), *st.buffers.values()))
         free = _available_bytes()
         return free is None or free > BESIDE_MODEL_COPIES * model + BESIDE_SPARE
+
+    def start_early(self, batch: dict[str, Any]) -> Callable[[], None]:
+        """``batch``'s eager reference step and training graph started now, each in a
+        forked child, while this process still works out whether the step runs on
+        ``batch`` (bucketing's eager check and length trace of a padded batch: Python on
+        one core while the build's child takes the other). ``padding_proof`` takes them;
+        the function returned drops them where the step does not."""
+        sig = signature(batch)
+        if (
+            not self.ctx.options.verify
+            or self.background is not None
+            or sig in self._started
+            or self.graphs.has_train(batch)
+            or _cores() < 2
+            or not can_fork([*self.ctx.state.params.values(), *self.ctx.state.buffers.values()])
+            or not self._room_beside()
+        ):
+            return _nothing
+        gated = self.trial is not None and self.trial.gated
+        pending = self.ctx.eager.start_reference(batch, timed=gated, beside=True)
+        job, settings = None, self.ctx.settings()
+        if pending.forked:  # (where eager's step cannot fork, neither can the build)
+            job = start_build(self.ctx, batch)
+            self.started_early += 1
+        self._started[sig] = (pending, job, settings)
+
+        def drop() -> None:
+            if self._started.get(sig) is not None and self._started[sig][0] is pending:
+                del self._started[sig]
+                if job is not None:
+                    job.cancel()
+                    self.dropped_early += 1
+                if pending.job is not None:
+                    pending.job.cancel()
+
+        return drop
+
+    def _collect(self, batch: dict[str, Any], job: ForkedJob, settings: Any) -> None:
+        """A graph ``start_early`` started, waited for: ``_build`` takes it (or raises
+        what its build raised) as one built beside."""
+        try:
+            result: Any = collect_build(self.ctx, batch, job)
+        except Exception as exc:
+            result = exc
+        self._prebuilt[signature(batch)] = (settings, result)
 
     def _build_beside(self, batch: dict[str, Any]) -> None:
         """``batch``'s training graph built (its own forked child) while eager's reference

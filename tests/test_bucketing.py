@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortrain import ORTTrainer, TrainerOptions
+from ortrain import ORTTrainer, TrainerOptions, whole_program
 from ortrain.bucketing import (
     BORROW_LIMIT,
     IGNORE_INDEX,
@@ -257,7 +257,8 @@ def test_eval_outputs_cut_back_to_the_batch_length():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["inexact", "off"])
-def test_refused_batches_build_one_graph_per_shape(case):
+def test_refused_batches_build_one_graph_per_shape(case, monkeypatch):
+    monkeypatch.setattr(whole_program, "_cores", lambda: 2)  # (a test worker has one thread)
     model = gpt2(layers=1, hidden=32)
     options = TrainerOptions(bucketing="off" if case == "off" else "auto")
     loss_fn = (lambda out, batch: out.logits.mean()) if case == "inexact" else None
@@ -273,6 +274,11 @@ def test_refused_batches_build_one_graph_per_shape(case):
         assert len(refusals) == (case == "inexact" and n == 20 and trainer.step == 1)
     assert trainer.build_count == 2
     assert graph_lengths(trainer) == {20, 24}
+    # "inexact": the padded batch's graph, started while the eager check ran, was dropped
+    program = trainer._program
+    assert (program.started_early, program.dropped_early) == (
+        (1, 1) if case == "inexact" else (0, 0)
+    )
     verdicts = trainer.bucketing.verdicts
     assert len(verdicts) == (case == "inexact") and not any(v.exact for v in verdicts.values())
 
@@ -290,7 +296,8 @@ def packed_batches(steps: int, lo: int, hi: int, seed: int, vocab: int = 512) ->
 
 
 @pytest.mark.slow
-def test_unmasked_causal_batches_are_bucketed_and_train_like_eager():
+def test_unmasked_causal_batches_are_bucketed_and_train_like_eager(monkeypatch):
+    monkeypatch.setattr(whole_program, "_cores", lambda: 2)  # (a test worker has one thread)
     batches = packed_batches(24, 6, 60, seed=5)
     lengths = {b["input_ids"].shape[1] for b in batches}
     assert len(lengths) >= 15
@@ -300,6 +307,9 @@ def test_unmasked_causal_batches_are_bucketed_and_train_like_eager():
     (key,) = trainer.bucketing.verdicts
     assert key[2] == "unmasked" and trainer.bucketing.verdicts[key].exact
     assert trainer.bucketing.proofs[key] == ("exact", "")
+    # the first padded batch's graph started before the layout's eager check and length
+    # trace, and was the one its step ran on
+    assert (trainer._program.started_early, trainer._program.dropped_early) == (1, 0)
 
 
 def test_an_unmasked_encoder_is_not_padded():
