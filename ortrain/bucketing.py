@@ -51,6 +51,11 @@ sees:
    (``ortrain/length_branches.py``): a batch is padded only within the range of
    lengths that take the bucket length's branches (a trace that fails leaves 3. alone).
    Its range is kept in the graph cache: a later run does not trace again.
+7. A layout's first padded batch starts its graph's build and eager's reference step for
+   the first-step check (each in a forked child) before the eager check (3.) and the
+   trace (6.), which run here meanwhile, on one thread fewer: the build's export is the
+   longest of them, and the others cost the first step nothing. A layout they refuse
+   drops the build (``WholeProgram.start_early``).
 """
 
 from __future__ import annotations
