@@ -207,14 +207,21 @@ def test_the_page_lists_no_wrong_outcome_and_only_expected_refusals():
 
 # ----------------------------------------------------------------------------- 4. training
 @pytest.fixture
-def _short_build_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+def _spec_builds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A spec's build takes seconds: a forked build child that hangs is given up (and the
-    build run in process) after two minutes, not conftest's ten."""
+    build run in process) after two minutes, not conftest's ten. Builds and the first
+    step's eager reference run in this process (``ORTRAIN_BUILD_IN_PROCESS``): the table
+    checks each layer's graph, and the forked-build tests and every end-to-end test check
+    the children; each fork of a test worker costs about 0.15 s of system time, a fifth
+    of this table's. Not for a lazy module, whose first call materializes its parameters
+    in whichever process makes it (``first_step.EagerSide._build_lazy_buffers``)."""
     monkeypatch.setenv("ORTRAIN_EXPORT_TIMEOUT", "120")
+    if "Lazy" not in request.node.callspec.params["spec_id"]:
+        monkeypatch.setenv("ORTRAIN_BUILD_IN_PROCESS", "1")
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_short_build_timeout")
+@pytest.mark.usefixtures("_spec_builds")
 @pytest.mark.parametrize("spec_id", [s.id for s in SPECS])
 def test_spec_trains_like_eager(spec_id):
     outcome = train_against_eager(catalog.spec_by_id(spec_id))
