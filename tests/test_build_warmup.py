@@ -32,18 +32,22 @@ def test_leaves_the_switch_the_rng_and_the_cache_as_they_were(before, tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_fresh_process_ends_with_the_first_export_s_modules():
+def test_a_fresh_process_ends_with_the_first_export_s_modules_frozen():
     # in a fresh process: this one was warmed before its first test (tests/conftest.py)
     code = (
         "import sys\n"
         "from ortrain.build_warmup import warm_builds\n"
         "names = ('torch.onnx._internal.exporter._core', 'torch.export._trace', "
         "'ortrain.graph_passes.training_pipeline')\n"
+        "import gc\n"
         "print([n in sys.modules for n in names])\n"
         "warm_builds()\n"
         "print([n in sys.modules for n in names])\n"
+        "print(gc.get_freeze_count() > len(gc.get_objects()))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     ).stdout.split("\n")
     assert out[:2] == ["[False, False, False]", "[True, True, True]"], out
+    # what the warm-up left is frozen: later full collections do not walk it again
+    assert out[2] == "True", out
