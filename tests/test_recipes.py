@@ -26,6 +26,10 @@ from ortrain.recipes.masking import IGNORE_INDEX, mask_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--no-progress", "--peak-tflops", "0.1"]  # no matmul probe where it is not checked
+# An interrupted run, its resumption and the uninterrupted run build the same graphs: they
+# share the run's graph cache, as a user's runs share theirs (each hit checked against
+# eager at its first step like a build; the resumed losses are compared bit for bit).
+pytestmark = pytest.mark.shared_graphs
 
 
 @pytest.fixture(scope="module", autouse=True)
