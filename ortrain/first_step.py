@@ -121,6 +121,7 @@ class EagerSide:
         tol: Tolerance,
         *,
         exact: bool,
+        half: torch.dtype | None = None,
         any_rank: Callable[[bool], bool] = bool,
     ):
         self.module = module
@@ -128,6 +129,7 @@ class EagerSide:
         self.device = device
         self.tol = tol
         self.exact = exact  # float32 graphs: mismatches get a float64 second look
+        self.half = half  # mixed precision's dtype: mismatches get a look under autocast
         self.any_rank = any_rank
         self.seconds = 0.0  # first-step checks so far
         self.trusted = ""  # why the last check compared nothing (eager's unfixed draws)
@@ -368,6 +370,7 @@ class EagerSide:
             state.loss,
             exact=self.exact,
             reference=reference,
+            half=None if self.half is None else (self.device.type, self.half),
         )
         self.seconds += seconds
         if draws.unverified:  # eager drew what no check can fix: trusted, as said

@@ -234,6 +234,7 @@ class ProgramContext:
             self.device,
             Tolerance.of(mp),
             exact=mp is None,
+            half={"fp16": torch.float16, "bf16": torch.bfloat16}.get(mp or ""),
             any_rank=bool if comm is None else comm.any,
         )
         # a state the optimizer already has (eager steps before the trainer, a checkpoint

@@ -89,6 +89,11 @@ _TOLERANCES = {
 # eager reference than float32 eager is (``confirm``): deep stacks of normalizations and
 # ReLUs leave both float32 results about 1e-3 from the exact gradient.
 EXACT_FACTOR = 10.0
+# A mixed-precision mismatch stands only if the graph is this many times further from
+# float32 eager than eager under ``torch.autocast`` in the same dtype is (``confirm``):
+# half precision moves some models' gradients beyond the tolerance in eager as much as in
+# the graph (attention without a 1/sqrt(d) scale), a wrong rule only the graph's.
+HALF_FACTOR = 2.0
 # ``beyond_kinks``: each parameter times (1 + KINK_NUDGE * N(0, 1)), about 8 float32 ulps,
 # in each of KINK_PROBES float64 steps; the graph's gradients must be KINK_FACTOR times
 # further from the exact ones than the farthest nudged step's, or KINK_CEILING of a
@@ -688,6 +693,16 @@ def as_float64(value: Any) -> Any:
     return pytree.tree_map(cast, value)
 
 
+def in_autocast_run(half: tuple[str, torch.dtype], run: Callable[[], T]) -> T | None:
+    """``run()`` inside ``torch.autocast`` on ``half`` (device type, dtype); None where
+    autocast cannot run it (no such autocast on that device, an op without its kernel)."""
+    try:
+        with torch.autocast(half[0], dtype=half[1]):
+            return run()
+    except Exception:
+        return None
+
+
 def graph_step_mismatches(
     loss_of: Any,
     module: torch.nn.Module,
@@ -700,15 +715,18 @@ def graph_step_mismatches(
     loss: torch.Tensor,
     exact: bool = True,
     reference: EagerStep | None = None,
+    half: tuple[str, torch.dtype] | None = None,
 ) -> tuple[list[Mismatch], Draws, float]:
     """A whole training graph's first step against eager: ``run()`` runs the graph once
     (its batch bound), after which ``loss`` holds its loss and ``read_grads()`` its
     gradients of the parameters ``names``; every tensor in ``written`` is put back
     afterwards. ``loss_of(module)`` is eager's loss of the step's batch (in the module's
     dtype); ``exact``: a float32 graph's mismatches get a float64 second look
-    (``confirm``). ``reference``: eager's step taken already (before the graph was built,
-    ``eager_loss_and_grads`` over at least ``names``). Returns (mismatches, what eager
-    drew, seconds): where eager drew what has no fixed value, no comparison (none)."""
+    (``confirm``); ``half``: a mixed-precision graph's get one in eager under autocast
+    in that (device type, dtype). ``reference``: eager's step taken already (before the
+    graph was built, ``eager_loss_and_grads`` over at least ``names``). Returns
+    (mismatches, what eager drew, seconds): where eager drew what has no fixed value, no
+    comparison (none)."""
     start = time.perf_counter()
     earlier = 0.0 if reference is None else reference[3]  # its seconds, counted here too
     if reference is None:
@@ -733,9 +751,21 @@ def graph_step_mismatches(
         got = dict(read_grads())
         bad_loss = compare({"loss": got_loss}, {"loss": want_loss}, tol.loss)
         bad = compare(got, want, tol.grad, tol.floor)
-        second_look = bool(bad_loss or bad) and exact
+        second_look = bool(bad_loss or bad) and (exact or half is not None)
         got = {n: g.detach().clone() for n, g in got.items()} if second_look else {}
-    if second_look:
+    if second_look and half is not None:
+        with kept(module):
+            in_half = in_autocast_run(
+                half, lambda: eager_loss_and_grads(lambda: loss_of(module), module, names)
+            )
+        if in_half is not None:
+            loss16, grads16, _, _ = in_half
+            bad_loss = confirm(
+                bad_loss, {"loss": got_loss}, {"loss": loss16}, {"loss": want_loss}, tol.loss,
+                HALF_FACTOR,
+            )  # fmt: skip
+            bad = confirm(bad, got, grads16, want, tol.grad, HALF_FACTOR)
+    elif second_look:
         module64 = in_float64(module)
         exact_step = in_float64_run(
             lambda: eager_loss_and_grads(lambda: loss_of(module64), module64, names)
