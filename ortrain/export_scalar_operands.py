@@ -11,6 +11,10 @@ Each such number becomes ``aten.scalar_tensor(value)`` of the dtype torch gives 
 number (``bool`` for a bool, ``int64`` for an int, the default float dtype for a float),
 which promotes against the other operands as the number did: a 0-dim tensor does not
 raise a dimensioned operand's dtype within its category, as a number does not.
+
+``1.0 - mask`` (XLNet's input mask) is recorded as ``aten.rsub.Scalar(mask, 1.0)``, which
+the exporter's decompositions turn into ``aten.sub.Tensor(1.0, mask)``, the same failure
+one step later: it becomes ``aten.rsub.Tensor(mask, scalar_tensor(1.0))``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ def wrap_scalar_operands(program: torch.export.ExportedProgram) -> int:
         op = node.target
         if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
             continue
+        if op is torch.ops.aten.rsub.Scalar:
+            # (self, other, alpha=1): the same call with ``other`` a tensor, alpha kept
+            alpha = node.args[2] if len(node.args) > 2 else node.kwargs.get("alpha", 1)
+            node.target = op = torch.ops.aten.rsub.Tensor
+            node.args, node.kwargs = node.args[:2], {} if alpha == 1 else {"alpha": alpha}
         args = list(node.args)
         for i in _tensor_positions(op):
             value = args[i] if i < len(args) else None

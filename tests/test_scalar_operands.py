@@ -25,7 +25,9 @@ class _NumbersFirst(torch.nn.Module):
         b = torch.div(1.0, h * h + 3)
         c = torch.mul(3, h)
         n = torch.add(2, k)  # an int number and an int tensor stay int64
-        return (h * m + a * b + c * n + torch.pow(2.0, h.tanh())).sum()
+        keep = 1.0 - (k > 0).long()  # XLNet's input mask: aten.rsub.Scalar
+        r = torch.rsub(h, 2.0, alpha=0.5)
+        return (h * m + a * b + c * n + torch.pow(2.0, h.tanh()) + r * keep).sum()
 
 
 def _batches(n: int) -> list[dict[str, torch.Tensor]]:
@@ -63,6 +65,8 @@ class _Mixed(torch.nn.Module):
             torch.sub(3, x),
             torch.mul(True, x),
             torch.where(x > 0, x, 0.5),  # where.ScalarOther: a number argument, left alone
+            1.0 - x,  # aten.rsub.Scalar: made rsub.Tensor
+            torch.rsub(x, 2, alpha=3),
         )
 
 
@@ -77,9 +81,11 @@ def test_wrapped_numbers_promote_as_the_numbers_did(dtype: torch.dtype) -> None:
     program = torch.export.export(mixed, (x,))
     want = program.module()(x)
     wrapped = wrap_scalar_operands(program)
-    assert wrapped == (2 if dtype is torch.bool else 3)
+    assert wrapped == (2 if dtype is torch.bool else 5)
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.scalar_tensor.default) == wrapped
+    assert torch.ops.aten.rsub.Scalar not in targets
+    assert targets.count(torch.ops.aten.rsub.Tensor) == (0 if dtype is torch.bool else 2)
     got = program.module()(x)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype
