@@ -16,8 +16,6 @@ from ortrain import ORTTrainer, TrainerOptions
 from ortrain.core.errors import VerificationError
 from ortrain.verify import Tolerance
 
-pytestmark = pytest.mark.slow  # real T5 graphs, built cold
-
 
 def _t5() -> torch.nn.Module:
     import transformers
@@ -49,6 +47,7 @@ def _grads(model: torch.nn.Module, batch: dict, half: bool) -> dict[str, torch.T
     return {n: p.grad.double() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # four steps of two trainers
 def test_half_precision_noise_beyond_the_tolerance_is_eagers_too() -> None:
     base = _t5()
     batches = _batches(4)
