@@ -800,6 +800,51 @@ def scenario_layer_drop(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+T5_STEPS = 3
+
+
+def t5_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank's slice of 4 sequences a step (T5's loss: a mean over the label tokens,
+    the same count on every rank)."""
+    g = torch.Generator().manual_seed(7)
+    per = 4 // world
+    out = []
+    for _ in range(T5_STEPS):
+        ids = torch.randint(3, 64, (4, 10), generator=g)
+        labels = torch.randint(3, 64, (4, 6), generator=g)
+        mine = slice(rank * per, (rank + 1) * per)
+        out.append({"input_ids": ids[mine], "labels": labels[mine]})
+    return out
+
+
+def train_t5(stage: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    """Tiny T5: one table read by the encoder, the decoder and the tied head."""
+    import transformers
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.0, use_cache=False,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = TrainerOptions(zero_stage=stage, intra_op_threads=1, reduce_bucket_mb=0.001)
+    trainer = ORTTrainer(model, opt, options)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_t5(rank: int, world: int, out: Path) -> dict[str, Any]:
+    stage = _stage()
+    trainer, losses = train_t5(stage, t5_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / f"t5_{stage}_params.pt")
+    assert trainer.segments is not None and trainer.segments.model is not None
+    return {"losses": losses, "added_in_place": trainer.segments.model.tied.added_count}
+
+
 def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
     stage = _stage()
     tag = f"zero{stage}_{world}"
@@ -836,6 +881,7 @@ def main() -> None:
         "rmsprop": scenario_rmsprop,
         "frozen": scenario_frozen,
         "layer_drop": scenario_layer_drop,
+        "t5": scenario_t5,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

@@ -42,12 +42,14 @@ from tests.dist_worker import (
     micro_batches,
     reorder_batches,
     run,
+    t5_batches,
     train_eager_reads,
     train_frozen,
     train_layer_drop,
     train_reordered,
     train_rmsprop,
     train_shared,
+    train_t5,
     train_tempered,
 )
 from tests.rank_processes import Rank, start_rank
@@ -401,6 +403,22 @@ def test_a_block_called_twice_trains_as_one_process(tmp_path, stage):
         # the modules called once land in place every micro-step; the shared block's sum
         # of two gradients lands wherever autograd added them (in its bucket or copied)
         assert once * len(losses) <= r["written_in_place"] <= (once + shared) * len(losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_t5s_table_read_three_times_trains_as_one_process(tmp_path, stage):
+    """T5's one embedding table is read by the encoder, the decoder and the tied head:
+    the decoder embedding's rows go into the head's gradient (a bucket's view), to which
+    autograd then adds the encoder's, into a new tensor. Before, the check that the rows
+    were not lost took that for a loss and stopped the step. Losses and parameters equal
+    one process on the combined batches."""
+    trainer, losses = train_t5(0, t5_batches(0, 1))
+    env = {"ORTRAIN_TEST_STAGE": str(stage)}
+    results = finish(launch("t5", tmp_path, **env), tmp_path, "t5")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / f"t5_{stage}_params.pt"), trainer.module)
+    assert all(r["added_in_place"] >= len(losses) for r in results), results
 
 
 @pytest.mark.slow

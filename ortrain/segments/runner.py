@@ -560,7 +560,10 @@ class TiedGradients:
     backward is remembered (weakly: autograd holds it until the last one is added), and the
     rows segment adds into it in place (``accumulate.py``) instead of making a table-sized
     tensor of its own for autograd to add. A parameter's pre-hook checks that the tensor
-    autograd accumulates is the one the rows went into.
+    autograd accumulates is the one the rows went into, or that a third segment's
+    gradient came after the rows (encoder, decoder and head of a T5 share one table):
+    autograd added it to the one holding the rows, in place or (a bucket's view under
+    ZeRO-2/3) into a new tensor.
 
     With a ``sink`` (ZeRO-2/3's reducer) a tied parameter that no eager code reads and
     whose every gradient comes in pieces (the embedding's rows, the head's product factors
@@ -575,6 +578,7 @@ class TiedGradients:
         self.routed: dict[int, str] = {}  # id -> the model's name, for the sink
         self._made: dict[int, weakref.ref[torch.Tensor]] = {}
         self._into: dict[int, int] = {}  # id -> data_ptr of the tensor the rows went into
+        self._added_to: set[int] = set()  # ids whose gradient with the rows got another
         self._hooked: set[int] = set()
         self.added_count = 0  # rows added in place so far (a test's figure)
 
@@ -587,7 +591,9 @@ class TiedGradients:
     def _checker(self, key: int) -> Callable[[torch.Tensor], None]:
         def check(grad: torch.Tensor) -> None:
             ptr = self._into.pop(key, None)
-            if ptr is not None and grad.data_ptr() != ptr:
+            summed = key in self._added_to
+            self._added_to.discard(key)
+            if ptr is not None and grad.data_ptr() != ptr and not summed:
                 raise RuntimeError(
                     "ortrain: a tied parameter's gradient was replaced after a segment added "
                     "its embedding rows into it (the rows would be lost); train with "
@@ -598,6 +604,8 @@ class TiedGradients:
 
     def offer(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         key = id(param)
+        if key in self._into:  # autograd adds it to the gradient holding the rows
+            self._added_to.add(key)
         if key in self.eligible and key not in self._made and grad.is_contiguous():
             self._made[key] = weakref.ref(grad)
 
@@ -619,3 +627,4 @@ class TiedGradients:
         """After a backward: what it made is autograd's no more."""
         self._made.clear()
         self._into.clear()
+        self._added_to.clear()
