@@ -455,16 +455,17 @@ def eval_children(module: torch.nn.Module) -> tuple[str, ...]:
 def no_kv_cache(module: torch.nn.Module) -> Iterator[None]:
     """A Hugging Face model's key/value cache off while it trains as segments: its layers
     would otherwise take and fill a cache object (for generation, not for the loss), which
-    no compiled graph can take."""
-    config = getattr(module, "config", None)
-    if not getattr(config, "use_cache", False):
-        yield
-        return
-    config.use_cache = False
+    no compiled graph can take. Every sub-module's config: an encoder-decoder's decoder
+    holds a copy of its own (T5)."""
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
+    on = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for config in on:
+        config.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in on:
+            config.use_cache = True
 
 
 @contextlib.contextmanager

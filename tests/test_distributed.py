@@ -419,6 +419,11 @@ def test_t5s_table_read_three_times_trains_as_one_process(tmp_path, stage):
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / f"t5_{stage}_params.pt"), trainer.module)
     assert all(r["added_in_place"] >= len(losses) for r in results), results
+    # the cache off in the decoder's config too: its blocks take no cache object and
+    # compile whole (before, each split down to its layers' pieces)
+    for r in results:
+        assert any(n.startswith("decoder") for n in r["compiled"]), r["compiled"]
+        assert not any(".layer." in n for n in r["compiled"]), r["compiled"]
 
 
 @pytest.mark.slow
