@@ -458,9 +458,14 @@ def no_kv_cache(module: torch.nn.Module) -> Iterator[None]:
     no compiled graph can take. Every sub-module's config: an encoder-decoder's decoder
     holds a copy of its own (T5)."""
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
-    on = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
-    for config in on:
-        config.use_cache = False
+    on = []
+    for config in configs.values():
+        if getattr(config, "use_cache", False) is True:
+            try:
+                config.use_cache = False
+            except (AttributeError, TypeError, dataclasses.FrozenInstanceError):
+                continue  # a user's own read-only config: left as it is
+            on.append(config)
     try:
         yield
     finally:

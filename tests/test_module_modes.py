@@ -187,3 +187,30 @@ def test_a_new_sub_module_in_another_mode_builds_once_and_a_flip_after_it_again(
         builds.append(trainer.build_count)
     # built at step 0, again at the new module (step 2), again at the freeze (step 5)
     assert builds == [1, 1, 2, 2, 2, 3, 3]
+
+
+def test_the_cache_is_off_in_every_config_while_segments_run() -> None:
+    """``no_kv_cache``: every distinct config of the model's sub-modules (T5's decoder keeps
+    a copy of its own) asks for no cache inside and for it again after; a read-only
+    config of the user's is left as it is."""
+    import dataclasses
+
+    from ortrain.verify import no_kv_cache
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        use_cache: bool = True
+
+    @dataclasses.dataclass
+    class Plain:
+        use_cache: bool = True
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    shared, own, frozen = Plain(), Plain(), Frozen()
+    model.config = shared  # type: ignore[assignment]
+    model[0].config = shared  # type: ignore[assignment]
+    model[1].config = own  # type: ignore[assignment]
+    model[2].config = frozen  # type: ignore[assignment]
+    with no_kv_cache(model):
+        assert (shared.use_cache, own.use_cache, frozen.use_cache) == (False, False, True)
+    assert (shared.use_cache, own.use_cache, frozen.use_cache) == (True, True, True)
