@@ -41,6 +41,7 @@ from ortrain.core.roles import GraphIO, Role
 from ortrain.export_aten import aten_translations
 from ortrain.export_attention import draw_attention_dropout
 from ortrain.export_casts import unchanged_module_casts
+from ortrain.export_checkpoints import reentrant_checkpoints_inline
 from ortrain.export_decompositions import exporter_decompositions
 from ortrain.export_functional import functional_for_export
 from ortrain.export_hints import without_value_hints
@@ -618,6 +619,7 @@ def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProg
         without_value_hints(),
         unchanged_module_casts(),
         functional_for_export(),
+        reentrant_checkpoints_inline(),
         contextlib.redirect_stderr(io.StringIO()),
     ):
         program = torch.export.export(traced, flat, strict=False)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ortrain.core.errors import VerificationError
+from ortrain.eager_grads import grads_of
 from ortrain.fixed_draws import FixedDraws
 from ortrain.python_state import kept
 from ortrain.spill import LoadedOnRead, Spilled, SpillFile
@@ -621,11 +622,7 @@ def _eager_loss_and_grads(
     with written_grads(list(params.values())) as written:
         with restoring(list(module.buffers())), no_dropout(fixed) as mode, torch.enable_grad():
             loss = loss_of()
-            grads = (
-                torch.autograd.grad(loss, wrt, allow_unused=True)
-                if wrt and loss.requires_grad
-                else (None,) * len(wrt)
-            )
+            grads = grads_of([loss], wrt) if wrt and loss.requires_grad else (None,) * len(wrt)
     by_name = dict(zip(params, written, strict=True))
     found = dict(zip(names, with_written(grads, [by_name[n] for n in names])))
     return loss.detach(), found, mode.draws, time.perf_counter() - start

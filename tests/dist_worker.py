@@ -20,6 +20,7 @@ eager_reads ZeRO-3 on a model whose eager code reads parameters (its root's forw
 rmsprop data parallel with an optimizer ortrain does not compile (its own step, in eager)
 layer_drop data parallel of a model that skips blocks at random: the same coins on every
         rank, then each rank its own
+reentrant ZeRO-2 of a model whose blocks run inside reentrant activation checkpoints
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -864,6 +865,68 @@ def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"losses": losses}
 
 
+class CheckpointedBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+
+class Checkpointed(torch.nn.Module):
+    """Blocks called through ``torch.utils.checkpoint`` with ``use_reentrant=True`` (what
+    older transformers' ``gradient_checkpointing_enable`` did): their forward runs under
+    ``no_grad``, and again in the backward."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, blocks: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(CheckpointedBlock(width) for _ in range(blocks))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+REENTRANT_STEPS = 5
+
+
+def reentrant_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    per = 4 // world
+    mine = slice(rank * per, (rank + 1) * per)
+    out = []
+    for _ in range(REENTRANT_STEPS):
+        ids = torch.randint(0, 32, (4, 6), generator=g)
+        out.append({"ids": ids[mine], "labels": torch.roll(ids, -1, 1)[mine]})
+    return out
+
+
+def train_reentrant(stage: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    torch.manual_seed(0)
+    model = Checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = TrainerOptions(zero_stage=stage, intra_op_threads=1, reduce_bucket_mb=0.001)
+    trainer = ORTTrainer(model, opt, options)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_reentrant(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses = train_reentrant(2, reentrant_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / "reentrant_params.pt")
+    assert trainer.segments is not None and trainer.segments.model is not None
+    return {"losses": losses, "compiled": sorted(trainer.segments.model.compiled)}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -887,6 +950,7 @@ def main() -> None:
         "frozen": scenario_frozen,
         "layer_drop": scenario_layer_drop,
         "t5": scenario_t5,
+        "reentrant": scenario_reentrant,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

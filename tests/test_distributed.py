@@ -40,12 +40,14 @@ from tests.dist_worker import (
     make_trainer,
     make_zero2,
     micro_batches,
+    reentrant_batches,
     reorder_batches,
     run,
     t5_batches,
     train_eager_reads,
     train_frozen,
     train_layer_drop,
+    train_reentrant,
     train_reordered,
     train_rmsprop,
     train_shared,
@@ -424,6 +426,21 @@ def test_t5s_table_read_three_times_trains_as_one_process(tmp_path, stage):
     for r in results:
         assert any(n.startswith("decoder") for n in r["compiled"]), r["compiled"]
         assert not any(".layer." in n for n in r["compiled"]), r["compiled"]
+
+
+def test_reentrant_checkpoints_compile_their_blocks_under_zero2(tmp_path):
+    """Blocks inside reentrant activation checkpoints, cut into segments by ZeRO-2. The
+    check of a block took eager's gradients with ``backward()`` (``.grad()`` is refused
+    there), and ZeRO-2's hook took them into its buckets: the check saw none, and each
+    block split down to its layers. Now the blocks compile whole, and losses and
+    parameters equal one process on the combined batches."""
+    trainer, losses = train_reentrant(0, reentrant_batches(0, 1))
+    results = finish(launch("reentrant", tmp_path), tmp_path, "reentrant")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "reentrant_params.pt"), trainer.module)
+    for r in results:
+        assert {"blocks.0", "blocks.1"} <= set(r["compiled"]), r["compiled"]
+        assert not any(n.startswith("blocks.0.") for n in r["compiled"]), r["compiled"]
 
 
 @pytest.mark.slow

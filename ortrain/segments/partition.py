@@ -40,6 +40,7 @@ import torch
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import ExportError, OrtrainError, first_line
 from ortrain.core.names import GradientError
+from ortrain.eager_grads import grads_of
 from ortrain.param_dtypes import other_dtype
 from ortrain.python_state import kept
 from ortrain.rank_memory import MemoryTally
@@ -200,9 +201,7 @@ def _eager_call_once(
             (o, s.to(o.dtype)) for o, s in zip(outs, seeds) if s is not None and o.requires_grad
         ]
         grads = (
-            torch.autograd.grad(
-                [o for o, _ in pairs], wrt, [s for _, s in pairs], allow_unused=True
-            )
+            grads_of([o for o, _ in pairs], wrt, [s for _, s in pairs])
             if pairs and wrt
             else [None] * len(wrt)
         )
