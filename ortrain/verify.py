@@ -367,6 +367,13 @@ class Draws:
     unverified: tuple[str, ...] = ()
 
 
+def _forward_pass() -> bool:
+    """Whether no backward is running: an activation checkpoint's recompute (in the
+    backward) replays its forward's dropouts, which eager drew once and the graph draws
+    once."""
+    return torch._C._current_autograd_node() is None
+
+
 class _NoDropout(TorchFunctionMode):
     """Eager dropout as the identity; counts the sites that would have drawn. Its
     ``fixed`` mode gives eager's other draws their fixed values."""
@@ -384,7 +391,7 @@ class _NoDropout(TorchFunctionMode):
         """``func(*args, **kwargs)`` without its dropout."""
         if getattr(func, "__name__", "") in _RNNS and not kwargs and len(args) > 6:
             args, sites = _rnn_without_dropout(tuple(args))
-            self.sites += sites
+            self.sites += sites if _forward_pass() else 0
             return func(*args)
         name = getattr(func, "__name__", "")
         if func in _DROPOUTS or name in _F_DROPOUTS:
@@ -395,13 +402,13 @@ class _NoDropout(TorchFunctionMode):
                 return func(*args, **kwargs)
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            if training and float(p) > 0:
+            if training and float(p) > 0 and _forward_pass():
                 self.sites += 1
             return args[0] if args else kwargs["input"]
         if getattr(func, "__name__", "") == "scaled_dot_product_attention":
             p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             if float(p) > 0:
-                self.sites += 1
+                self.sites += _forward_pass()
                 if len(args) > 4:
                     args = (*args[:4], 0.0, *args[5:])
                 else:

@@ -866,13 +866,15 @@ def scenario_zero2_resume(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 class CheckpointedBlock(torch.nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, dropout: float = 0.0):
         super().__init__()
         self.norm = torch.nn.LayerNorm(width)
         self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(dropout)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+        # the dropout mid-block: a recompute that stops early still reaches it
+        return h + self.down(self.drop(torch.nn.functional.gelu(self.up(self.norm(h)))))
 
 
 class Checkpointed(torch.nn.Module):
@@ -880,18 +882,22 @@ class Checkpointed(torch.nn.Module):
     older transformers' ``gradient_checkpointing_enable`` did): their forward runs under
     ``no_grad``, and again in the backward."""
 
-    def __init__(self, vocab: int = 32, width: int = 16, blocks: int = 2):
+    def __init__(
+        self, vocab: int = 32, width: int = 16, blocks: int = 2, *, dropout: float = 0.0,
+        reentrant: bool = True,
+    ):  # fmt: skip
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, width)
-        self.blocks = torch.nn.ModuleList(CheckpointedBlock(width) for _ in range(blocks))
+        self.blocks = torch.nn.ModuleList(CheckpointedBlock(width, dropout) for _ in range(blocks))
         self.head = torch.nn.Linear(width, vocab)
+        self.reentrant = reentrant
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         h = self.embed(ids)
         for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=True)
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 

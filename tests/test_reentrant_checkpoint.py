@@ -1,16 +1,19 @@
-"""Reentrant activation checkpoints (``torch.utils.checkpoint(..., use_reentrant=True)``).
+"""Activation checkpoints (``torch.utils.checkpoint``) in the model's forward.
 
-Their forward runs under ``no_grad`` and again in the backward, and they refuse
-``torch.autograd.grad``, which ortrain's checks against eager used: the first step's
-check raised torch's error. The export now traces the function they wrap
-(``ortrain/export_checkpoints.py``), and the checks take eager's gradients through them
-(``ortrain/eager_grads.py``). ZeRO-2's side: ``tests/test_distributed.py``.
+Reentrant ones (``use_reentrant=True``) run their forward under ``no_grad`` and again in
+the backward, and refuse ``torch.autograd.grad``, which ortrain's checks against eager
+used: the first step's check raised torch's error. The export now traces the function
+they wrap (``ortrain/export_checkpoints.py``), and the checks take eager's gradients
+through them (``ortrain/eager_grads.py``). ZeRO-2's side: ``tests/test_distributed.py``.
+Either kind's recompute replays its forward's dropouts, which the check counted as sites
+the graph had lost.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -64,3 +67,21 @@ def test_grads_through_a_reentrant_checkpoint_are_autograds_and_fire_no_hook():
         torch.testing.assert_close(g, w)
     assert params[0].grad is held and params[1].grad is None and x.grad is None
     assert not fired
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_dropout_inside_checkpoints_is_not_taken_for_lost_dropout(reentrant):
+    """A checkpoint's recompute replays the dropouts of its forward (the same masks): the
+    check counted them as eager's draws, saw more than the graph's, and called the
+    export's dropout lost (the model fell back to segments). One graph now, drawing each
+    site once a step."""
+    torch.manual_seed(0)
+    model = Checkpointed(dropout=0.2, reentrant=reentrant)
+    trainer = ORTTrainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), TrainerOptions(graph_cache=False)
+    )
+    losses = [trainer.train_step(**b).item() for b in reentrant_batches(0, 1)]
+    assert trainer.program.whole and trainer.build_count == 1, trainer.program
+    ops = [n.op_type for n in trainer.train_graphs[0].graph]
+    assert ops.count("Dropout") == 2, ops  # one per block
+    assert all(torch.isfinite(torch.tensor(losses)))
