@@ -28,6 +28,9 @@ import torch.distributed as dist
 from ortrain.core.errors import RankFailureError
 from ortrain.distributed.health import RankHealth
 
+# what torch's DistributedDataParallel broadcasts at once when it syncs a module's state
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+
 
 def backend_for(device: torch.device) -> str:
     """The torch.distributed backend for tensors on ``device``."""
@@ -128,19 +131,37 @@ class Comm:
             dist.broadcast(t, src=self.global_ranks[0], group=self.group_for(t))
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Group rank 0's values of ``tensors`` to every rank, in place; one broadcast per
-        device and dtype (gloo has no bool: those travel as bytes)."""
+        """Group rank 0's values of ``tensors`` to every rank, in place (gloo has no bool:
+        those travel as bytes). A contiguous tensor of ``BROADCAST_BUCKET_BYTES`` or more
+        goes as it is; the others of one device and dtype together, through buckets of
+        about that size (a copy of a whole model would be the largest allocation of a
+        ZeRO rank's start)."""
         by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             t = t.view(torch.uint8) if t.dtype == torch.bool else t
+            if t.is_contiguous() and t.nbytes >= BROADCAST_BUCKET_BYTES:
+                self.broadcast(t)
+                continue
             by_dtype.setdefault((t.device, t.dtype), []).append(t)
         for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self.broadcast(flat)
-            offset = 0
+            bucket: list[torch.Tensor] = []
+            held = 0
             for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+                bucket.append(t)
+                held += t.nbytes
+                if held >= BROADCAST_BUCKET_BYTES:
+                    self._broadcast_together(bucket)
+                    bucket, held = [], 0
+            if bucket:
+                self._broadcast_together(bucket)
+
+    def _broadcast_together(self, tensors: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.broadcast(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
