@@ -165,7 +165,9 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         options = TrainerOptions(
             zero_stage=STAGES[backend], intra_op_threads=args.threads, verify=not args.no_verify
         )
+        start = time.perf_counter()
         trainer = ORTTrainer(model, opt, options)
+        start_s = time.perf_counter() - start
 
         def step(b: dict[str, torch.Tensor]) -> float:
             return float(trainer.train_step(**b))
@@ -186,6 +188,7 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
             fully_shard(block)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        start_s = 0.0
         model.train()
 
         def step(b: dict[str, torch.Tensor]) -> float:
@@ -210,7 +213,9 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
+        start = time.perf_counter()
         ddp = DistributedDataParallel(model)
+        start_s = time.perf_counter() - start
         if backend == "torch-zero":
             opt = ZeroRedundancyOptimizer(
                 ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01
@@ -271,6 +276,7 @@ def run_rank(backend: str, w: Workload, args: argparse.Namespace) -> dict[str, A
     dist.all_reduce(mean_first)
     result = {
         "rank": rank,
+        "start_s": start_s,
         "first_step_s": first_s,
         "build_s": build_s,
         "median_step_s": statistics.median(times),
@@ -354,11 +360,11 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         f"{params / 1e6:.1f}M parameters; {WORLD} ranks x {w.batch}x{w.seq} tokens; AdamW",
         "",
         "| backend | rank | ms/step | waits ms/step | page faults k / sys ms per step "
-        "| first step s (build s) | peak RSS MiB "
+        "| start s | first step s (build s) | peak RSS MiB "
         "| built / first step / steps peak MiB | steady RSS MiB "
         "| parameters MiB | optimizer state MiB | gradients MiB | peak / data parallel "
         "| first loss (rank mean) | later losses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dp = results.get("ortrain-dp") or results.get("torch-ddp")
     if dp and any("stopped" in r for r in dp):
@@ -366,11 +372,12 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
     for b, ranks in results.items():
         for r in ranks:
             if "stopped" in r:
-                lines.append(f"| {b} | {r['rank']} | stopped: {r['stopped']} |" + " - |" * 12)
+                lines.append(f"| {b} | {r['rank']} | stopped: {r['stopped']} |" + " - |" * 13)
                 continue
             lines.append(
                 f"| {b} | {r['rank']} | {r['median_step_s'] * 1e3:.0f} | {waits(r)} "
                 f"| {r.get('faults_per_step', 0) / 1e3:.1f} / {r.get('sys_ms_per_step', 0):.0f} "
+                f"| {r.get('start_s', 0.0):.1f} "
                 f"| {r['first_step_s']:.1f} ({r.get('build_s', 0.0):.1f}) "
                 f"| {r['peak_rss_mib']:.0f} | {phases(r)} | {r['steady_rss_mib']:.0f} "
                 f"| {r.get('params_mib', 0):.1f} | {r['opt_state_mib']:.1f} "
@@ -384,7 +391,9 @@ def report(results: dict[str, list[dict[str, Any]]], w: Workload, command: str) 
         "per timed step, the time spent waiting on ZeRO-3's parameter gathers / on ZeRO-2/3's "
         "gradient-bucket reduces; page faults / sys: per timed step, the minor page faults "
         "(pages of fresh allocations touched) and the kernel's CPU time; "
-        "first step (build): the first step's wall time, and of it the time before its own "
+        "start: the trainer's (or DDP's) construction (ZeRO lays out and broadcasts the "
+        "parameters there); first step (build): the first step's wall time, and of it the "
+        "time before its own "
         "compute (the segments' recording forward, builds and checks against eager; a whole "
         "graph's export, passes, session and check); "
         "peak RSS: ru_maxrss (for ortrain it includes the one-off export); built / first "

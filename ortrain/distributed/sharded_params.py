@@ -367,18 +367,6 @@ class ShardedParams(ShardedGradients):
             return
         self.gather_pool.give(buf)
 
-    def _flat_buffer(self, numel: int) -> torch.Tensor:
-        """On CPU the flat parameters live in an anonymous mapping of their own, so that
-        sharding can hand the pages beyond this rank's stretch back to the system where
-        they lie instead of copying the stretch out (``_shard_params``)."""
-        if self.comm.device.type != "cpu" or numel == 0:
-            return super()._flat_buffer(numel)
-        # private: a forked child (builds, checks) sees a copy-on-write view as of plain
-        # memory, and handed-back pages are freed (a shared mapping's would stay)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self._mapping = mmap.mmap(-1, numel * 4, flags=flags)  # zero-filled
-        return torch.frombuffer(self._mapping, dtype=torch.float32, count=numel)
-
     def _shard_params(self) -> None:
         """Once planned: keep this rank's stretch, drop the rest of the whole buffer."""
         flat = self.flat_params

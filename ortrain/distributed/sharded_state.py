@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import mmap
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,15 @@ class ShardedState:
         self.stateful: set[str] = set()
 
     def _flat_buffer(self, numel: int) -> torch.Tensor:
-        """The flat parameters' buffer (zeros)."""
-        return torch.zeros(numel, device=self.comm.device)
+        """The flat parameters' buffer (zeros). On CPU an anonymous mapping of its own: its
+        pages come zeroed from the system and are first written by the parameters' copy
+        (``torch.zeros`` would write the whole buffer once more before it); private, so a
+        forked child (builds, checks) sees a copy-on-write view as of plain memory, and
+        pages handed back are freed (ZeRO-3 hands back those beyond its stretch)."""
+        if self.comm.device.type != "cpu" or numel == 0:
+            return torch.zeros(numel, device=self.comm.device)
+        self._mapping = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(self._mapping, dtype=torch.float32, count=numel)
 
     def _param_piece(self, start: int, stop: int) -> torch.Tensor:
         """Flat parameter elements ``[start, stop)`` of this rank's shard, as the update
