@@ -33,7 +33,7 @@ import torch
 
 from ortrain.core.errors import CheckpointError, first_line
 from ortrain.core.names import state_key
-from ortrain.core.optimizer_spec import EAGER
+from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER
 from ortrain.optim.state_check import check_counters, check_optimizer_state
 from ortrain.safe_files import atomic_write
 
@@ -148,7 +148,7 @@ def optimizer_state_dict(
         }
         if not tensors:
             continue
-        if training.spec.kind != "sgd":
+        if training.spec.counts_steps:
             tensors["step"] = torch.tensor(float(st.step))
         state[idx] = tensors
     groups = []
@@ -582,7 +582,14 @@ def read(training: TrainingState, path: str | os.PathLike) -> dict[str, Any]:
     # saved after the update moved to the optimizer's own step (layers frozen for a
     # while, a LayerDrop): torch's format, checked against this trainer's optimizer when
     # loaded, and the update moves there again where its steps are uneven
-    if saved != training.spec.kind and not (saved == EAGER and training.spec.kind != EAGER):
+    # both in torch's format: an elementwise optimizer's state saved under ZeRO, loaded by
+    # one process where its step keeps its own, or the other way
+    torch_format = {saved, training.spec.kind} == {EAGER, SHARDED_EAGER}
+    if (
+        saved != training.spec.kind
+        and not (saved == EAGER and training.spec.kind != EAGER)
+        and not torch_format
+    ):
         raise CheckpointError(
             f"{path} holds {payload['optimizer_kind']} optimizer state, this trainer uses "
             f"{training.spec.kind}"

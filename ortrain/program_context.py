@@ -223,6 +223,7 @@ class ProgramContext:
         # torch.distributed (torchrun): data parallel or ZeRO-1/2/3 (ortrain.distributed);
         # None single-process. ZeRO-1 moves the trainable parameters into a flat buffer.
         self.reducer: Reducer | None = join_process_group(self.state, options)
+        self.spec = self.state.spec  # (ZeRO runs an elementwise optimizer's step on pieces)
         # every training Dropout's training_mode (prepare/dropout_switch.py): off only while
         # a first step is checked against eager; on the host, where ONNX Runtime reads it
         self.dropout_on = torch.ones((), dtype=torch.bool)
@@ -239,7 +240,8 @@ class ProgramContext:
         )
         # a state the optimizer already has (eager steps before the trainer, a checkpoint
         # loaded into it) is the state the compiled update starts from, as eager's would
-        prior = self.optimizer.state_dict() if self.optimizer.state else None
+        # (not one that took no step: Adagrad's, made with it, which the update makes too)
+        prior = self.optimizer.state_dict() if _stepped(self.optimizer) else None
         self._to_torch = False  # ``hand_state_to_torch``: a load that goes to torch's state
         self._handed: int | None = None  # the step the state was handed to torch at
         self._handed_versions: list[tuple[torch.Tensor, int]] = []
@@ -849,3 +851,13 @@ class ProgramContext:
         self.state.finish_update()
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.state`` holds what a step made: an entry without a ``step``
+    count (SGD's momentum) or with one above zero."""
+    for entry in optimizer.state.values():
+        step = entry.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False

@@ -21,6 +21,9 @@ rmsprop data parallel with an optimizer ortrain does not compile (its own step, 
 layer_drop data parallel of a model that skips blocks at random: the same coins on every
         rank, then each rank its own
 reentrant ZeRO-2 of a model whose blocks run inside reentrant activation checkpoints
+elementwise ZeRO-1/2/3 (ORTRAIN_TEST_STAGE) with an optimizer ortrain does not compile
+        that works element by element (ORTRAIN_TEST_OPT): its own step on the shard; a
+        sharded checkpoint after two optimizer steps (ORTRAIN_TEST_RESUME: resumed from it)
 
 The same loop runs single-process in the test (``world=1``) on the combined batches.
 Each rank's model starts from a different seed: the trainer must broadcast rank 0's.
@@ -933,6 +936,72 @@ def scenario_reentrant(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"losses": losses, "compiled": sorted(trainer.segments.model.compiled)}
 
 
+# torch optimizers ortrain does not compile whose update works element by element: under
+# ZeRO their own step runs over each rank's pieces (``ortrain/optim/sharded_eager.py``)
+ELEMENTWISE_OPTIMIZERS = {
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(
+        ps, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.01
+    ),
+    "amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.01),
+}
+ELEMENTWISE_SAVE_AT = 4  # micro-steps: two optimizer steps
+
+
+def train_elementwise(
+    stage: int,
+    seed: int,
+    batches: list[dict],
+    opt: str,
+    *,
+    save: Path | None = None,
+    load: Path | None = None,
+) -> tuple[ORTTrainer, list[float]]:
+    """Reordered (blocks in order) with accumulation, clipping and an LR schedule; ``save``:
+    a checkpoint (and the schedule's state) after ``ELEMENTWISE_SAVE_AT`` micro-steps;
+    ``load``: resume from one there."""
+    model = Reordered(seed)
+    optimizer = ELEMENTWISE_OPTIMIZERS[opt](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    options = TrainerOptions(
+        zero_stage=stage,
+        intra_op_threads=1,
+        reduce_bucket_mb=0.001,
+        max_grad_norm=0.5,
+        grad_accumulation_steps=ACCUM,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its update runs in eager: said once)
+        trainer = ORTTrainer(model, optimizer, options, loss_fn=lambda out, batch: out)
+    start = 0
+    if load is not None:
+        trainer.load_checkpoint(load / "ckpt")
+        sched.load_state_dict(torch.load(load / "sched.pt", weights_only=True))
+        start = ELEMENTWISE_SAVE_AT
+    losses = []
+    for i in range(start, len(batches)):
+        losses.append(trainer.train_step(**batches[i]).item())
+        if (i + 1) % ACCUM == 0:
+            sched.step()
+        if save is not None and i + 1 == ELEMENTWISE_SAVE_AT:
+            trainer.save_checkpoint(save / "ckpt")
+            if trainer.reducer is None or trainer.reducer.comm.rank == 0:  # type: ignore[attr-defined]
+                torch.save(sched.state_dict(), save / "sched.pt")
+    return trainer, losses
+
+
+def scenario_elementwise(rank: int, world: int, out: Path) -> dict[str, Any]:
+    opt, batches = os.environ["ORTRAIN_TEST_OPT"], reorder_batches(rank, world)
+    resume = bool(os.environ.get("ORTRAIN_TEST_RESUME"))
+    where = {"load": out} if resume else {"save": out}
+    seed = rank + (50 if resume else 0)  # rank 0's is broadcast; a load replaces it
+    trainer, losses = train_elementwise(_stage(), seed, batches, opt, **where)  # type: ignore[arg-type]
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / f"elementwise{'_resumed' if resume else ''}_params.pt")
+    return {"losses": losses, "engine": trainer.program.update}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -957,6 +1026,7 @@ def main() -> None:
         "layer_drop": scenario_layer_drop,
         "t5": scenario_t5,
         "reentrant": scenario_reentrant,
+        "elementwise": scenario_elementwise,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

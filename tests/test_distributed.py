@@ -29,6 +29,7 @@ from ortrain.runtime.flat_layout import FlatLayout
 from tests.dist_worker import (
     ACCUM,
     CLIP,
+    ELEMENTWISE_SAVE_AT,
     RESUME_AT,
     STEPS,
     ZERO2_TOTAL,
@@ -45,6 +46,7 @@ from tests.dist_worker import (
     run,
     t5_batches,
     train_eager_reads,
+    train_elementwise,
     train_frozen,
     train_layer_drop,
     train_reentrant,
@@ -505,6 +507,37 @@ def test_data_parallel_with_an_optimizer_ortrain_does_not_compile(tmp_path):
     assert all(r["engine"] == "eager" for r in results)
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / "rmsprop_params.pt"), trainer.module)
+
+
+@pytest.mark.parametrize(
+    ("stage", "opt"),
+    [
+        pytest.param(1, "adagrad", marks=pytest.mark.slow),
+        (2, "rmsprop"),
+        pytest.param(3, "amsgrad", marks=pytest.mark.slow),
+    ],
+)
+def test_zero_runs_an_elementwise_optimizer_s_own_step_on_its_shard(tmp_path, stage, opt):
+    """Adagrad, RMSprop (centered, momentum) and Adam with amsgrad under ZeRO-1/2/3: their
+    own step on each rank's pieces, with accumulation, clipping and an LR schedule, equal to
+    one process on the combined batches; the sharded checkpoint the ranks wrote resumes in
+    one process (torch's format, into the optimizer's own state) to the same end."""
+    batches = reorder_batches(0, 1)
+    trainer, losses = train_elementwise(0, 0, batches, opt)
+    assert trainer.program.update == "eager"
+    env = {"ORTRAIN_TEST_STAGE": str(stage), "ORTRAIN_TEST_OPT": opt}
+    results = finish(launch("elementwise", tmp_path, **env), tmp_path, "elementwise")
+    assert all(r["engine"] == "zero-eager" for r in results)
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "elementwise_params.pt"), trainer.module)
+    resumed, rest = train_elementwise(0, 7, batches, opt, load=tmp_path)
+    assert_losses(rest, losses[ELEMENTWISE_SAVE_AT:])
+    assert_params({n: p.detach() for n, p in resumed.module.named_parameters()}, trainer.module)
+    # and under ZeRO on 3 ranks (the shards' state laid out anew, the step counts lent)
+    env["ORTRAIN_TEST_RESUME"] = "1"
+    results = finish(launch("elementwise", tmp_path, 3, **env), tmp_path, "elementwise")
+    assert_losses(rank_mean(results, "losses"), losses[ELEMENTWISE_SAVE_AT:])
+    assert_params(torch.load(tmp_path / "elementwise_resumed_params.pt"), trainer.module)
 
 
 @pytest.mark.slow

@@ -104,7 +104,9 @@ def test_a_graph_that_refuses_the_update_in_the_backward():
 
 
 def test_every_engine_has_the_interface():
-    assert set(ENGINES) == {"graph", "zero1", "zero-torch", "kernels", "torch", "backward", "eager"}
+    assert set(ENGINES) == {
+        *("graph", "zero1", "zero-torch", "zero-eager", "kernels", "torch", "backward", "eager")
+    }
     for name, cls in ENGINES.items():
         assert cls.name == name
         assert cls.in_backward == (name == "backward")

@@ -19,12 +19,12 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from ortrain.core.errors import UnsupportedOptimizerError
-from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER, OptimizerSpec
 from ortrain.graph_passes.infra.emitter import Emitter
 from ortrain.graph_passes.training.optimizer.update_graph import UpdateGraph, build_update_graph
 
 F = ir.DataType.FLOAT
-ELEMENTWISE = ("adam", "adamw", "sgd")
+ELEMENTWISE = ("adam", "adamw", "sgd", SHARDED_EAGER)
 
 
 def check_shardable(spec: OptimizerSpec) -> None:

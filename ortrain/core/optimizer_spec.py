@@ -9,10 +9,16 @@ import dataclasses
 # PyTorch over ortrain's parameters and gradients (``EagerUpdate`` in
 # ``ortrain/runtime/update_engines.py``), and it keeps its own state.
 EAGER = "eager"
+# Under ZeRO, an optimizer of torch's whose update is elementwise (RMSprop, Adagrad, Adam
+# with amsgrad, ...): its own ``step()`` runs over this rank's shard pieces, and its
+# per-element state (``OptimizerSpec.state``) is laid out in ZeRO's flat buffers like the
+# compiled kinds' (``ortrain/optim/sharded_eager.py``).
+SHARDED_EAGER = "sharded-eager"
 
 # Per-group hyperparameters fed to the update graph each step (read from param_groups).
 HYPERPARAMETERS = {
     EAGER: (),
+    SHARDED_EAGER: (),  # its own step reads its param groups
     "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     "lamb": ("lr", "beta1", "beta2", "eps", "weight_decay"),
@@ -44,12 +50,24 @@ class OptimizerSpec:
     # kind EAGER: the optimizer's class, and why its update is not compiled
     source: str = ""
     why_eager: str = ""
+    # kind SHARDED_EAGER: its per-element state, whether it counts steps per parameter
+    # (torch's ``step``), and each group's flags (bool keys) its state names rest on
+    state: tuple[str, ...] = ()
+    stepped: bool = True
+    flags: tuple[tuple[tuple[str, bool], ...], ...] = ()
 
     @property
     def hyperparameters(self) -> tuple[str, ...]:
         return HYPERPARAMETERS[self.kind]
 
+    @property
+    def counts_steps(self) -> bool:
+        """Whether torch's state of it holds a ``step`` per parameter (SGD's has none)."""
+        return self.stepped if self.kind == SHARDED_EAGER else self.kind != "sgd"
+
     def state_names(self, group: GroupSpec) -> tuple[str, ...]:
+        if self.kind == SHARDED_EAGER:
+            return self.state
         if self.kind == "sgd" and not group.momentum:
             return ()
         return STATE_NAMES[self.kind]

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
+
+from ortrain.core.optimizer_spec import EAGER
 
 if TYPE_CHECKING:
     from ortrain.distributed.comm import Comm
@@ -46,11 +49,16 @@ def make_reducer(training: TrainingState, options: TrainerOptions, comm: Comm) -
     from ortrain.distributed.data_parallel import DataParallel, DataParallelConfig
     from ortrain.distributed.fingerprint import agree_on_start
     from ortrain.distributed.sharded_state import ShardedState
+    from ortrain.optim.sharded_eager import sharded_eager_spec
 
     if comm.device != training.device:
         raise ValueError(f"the trainer runs on {training.device}, its collectives on {comm.device}")
     # Ranks holding other models/options stop here, all alike, before anything moves.
     agree_on_start(training, options, comm)
+    fp32 = all(training.params[n].dtype == torch.float32 for n in training.trainable)
+    if options.zero_stage and training.spec.kind == EAGER and fp32:
+        # an optimizer of torch's that works element by element: its step on the pieces
+        training.spec = sharded_eager_spec(training.spec, training.optimizer)
     buckets = bucket_numel(options.reduce_bucket_mb)
     if options.zero_stage == 3:
         from ortrain.distributed.sharded_params import ShardedParams

@@ -30,6 +30,7 @@ import torch
 
 from ortrain import checkpoint
 from ortrain.core.errors import CheckpointError
+from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER
 from ortrain.runtime.flat_layout import FlatLayout
 from ortrain.safe_files import atomic_write
 
@@ -150,6 +151,7 @@ def _manifest(
         "format": FORMAT,
         "model_class": type(training.module).__name__,
         "optimizer_kind": spec.kind,
+        "counts_steps": spec.counts_steps,  # torch's state holds a step per parameter
         "world_size": sharded.world_size,
         "step": training.step,
         "layout": sharded.config.layout.to_json(),
@@ -181,7 +183,10 @@ def read_manifest(training: TrainingState, path: str | os.PathLike) -> dict[str,
             f"sharded checkpoint {path} is damaged: {MANIFEST} fails its checksum"
         )
     checkpoint.check_keys(manifest, MANIFEST_KEYS, path / MANIFEST)
-    if manifest["optimizer_kind"] != training.spec.kind:
+    kinds = {manifest["optimizer_kind"], training.spec.kind}
+    # (an elementwise optimizer's state saved under ZeRO loads into its own step: torch's
+    # format once consolidated)
+    if len(kinds) > 1 and kinds != {EAGER, SHARDED_EAGER}:
         raise CheckpointError(
             f"{path} holds {manifest['optimizer_kind']} optimizer state, this trainer uses "
             f"{training.spec.kind}"
@@ -197,12 +202,13 @@ def consolidate(path: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, 
     parts = [_load(path / f, SHARD_KEYS)["state"] for f in manifest["shards"]]
     views = {s: layout.views(torch.cat([p[s] for p in parts])) for s in manifest["state_names"]}
     step = torch.tensor(float(manifest["step"]))
+    counts_steps = manifest.get("counts_steps", manifest["optimizer_kind"] != "sgd")
     opt: dict[int, dict[str, torch.Tensor]] = {}
     for idx, name in enumerate(manifest["index_names"]):
         names = manifest["state_of"].get(name)
         if names:
             opt[idx] = {s: views[s][name].clone() for s in names}
-            if manifest["optimizer_kind"] != "sgd":  # as torch's Adam-type state
+            if counts_steps:  # as torch's Adam-type state
                 opt[idx]["step"] = step.clone()
     state["optimizer"]["state"] = opt
     return state

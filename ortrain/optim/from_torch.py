@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ortrain.core.errors import UnsupportedOptimizerError
-from ortrain.core.optimizer_spec import EAGER, GroupSpec, OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER, GroupSpec, OptimizerSpec
 from ortrain.optim.lamb import Lamb
-
-
-def _own_step(optimizer: torch.optim.Optimizer, base: type) -> str:
-    """Where a subclass has its own ``step()`` (which a compiled update would never run):
-    which class; "" where the update is ``base``'s."""
-    for cls in type(optimizer).__mro__:
-        if cls is base:
-            return ""
-        step = cls.__dict__.get("step")  # torch wraps step() in a profiling hook: unwrap
-        if step is not None and inspect.unwrap(step) is not inspect.unwrap(base.step):
-            return cls.__qualname__
-    return ""
-
+from ortrain.optim.own_step import own_step
+from ortrain.optim.sharded_eager import changed_flags
 
 # optimizers whose own step cannot run on ortrain's gradients, and why
 _CANNOT = {
@@ -68,7 +56,7 @@ def _kind(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
     kinds = ((Lamb, "lamb"), (torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"))
     for base, kind in (*kinds, (torch.optim.SGD, "sgd")):
         if isinstance(optimizer, base):
-            own = _own_step(optimizer, base)
+            own = own_step(optimizer, base)
             if own:
                 return EAGER, f"{own} overrides step()"
             if kind == "adam" and optimizer.defaults.get("decoupled_weight_decay", False):
@@ -165,6 +153,13 @@ def check_groups(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
             f"its gradients and update are laid out for those; {fix}"
         )
     if spec.kind == EAGER:  # the optimizer's own step() reads its groups as they are
+        return
+    if spec.kind == SHARDED_EAGER:  # so does it under ZeRO, its state laid out by flags
+        if changed := changed_flags(optimizer, spec):
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__}: {', '.join(changed)} changed {made}; ZeRO laid "
+                f"out the state the step keeps for what they were then; {fix}"
+            )
         return
     for gi, (group, gs) in enumerate(zip(optimizer.param_groups, spec.groups, strict=True)):
         where = f"{type(optimizer).__name__} param group {gi}"

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ortrain.core.errors import CheckpointError, UnsupportedOptimizerError
-from ortrain.core.optimizer_spec import EAGER, OptimizerSpec
+from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER, OptimizerSpec
 from ortrain.optim.from_torch import group_spec
 
 _NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "lamb": "Lamb"}
@@ -162,17 +162,20 @@ def check_optimizer_state(
     ours = optimizer.param_groups
     if len(saved_groups) != len(ours):
         raise _fail(f"{len(saved_groups)} param groups, the optimizer has {len(ours)}")
-    if spec.kind == EAGER:  # its own state dict: torch's load_state_dict checks the rest
+    own = spec.kind in (EAGER, SHARDED_EAGER)  # torch's own step reads its groups
+    if own:
         for gi, (saved, group) in enumerate(zip(saved_groups, ours, strict=True)):
             n = len(saved.get("params", ())) if isinstance(saved, Mapping) else None
             if n != len(group["params"]):
                 raise _fail(
                     f"param group {gi} holds {n} parameters, the optimizer's {len(group['params'])}"
                 )
+    if spec.kind == EAGER:  # its own state dict: torch's load_state_dict checks the rest
         return
     group_of: list[int] = []  # index -> its group
     for gi, (saved, group) in enumerate(zip(saved_groups, ours, strict=True)):
-        _check_group(spec.kind, gi, saved, group, spec.groups[gi])
+        if not own:
+            _check_group(spec.kind, gi, saved, group, spec.groups[gi])
         group_of += [gi] * len(group["params"])
     for idx, entry in state.items():
         i = idx if isinstance(idx, int) and not isinstance(idx, bool) else None
@@ -197,10 +200,11 @@ def _check_entry(
     where = f"optimizer state of parameter {name} (index {index})"
     if not isinstance(entry, Mapping):
         raise _fail(f"{where} is a {type(entry).__name__}, not a dict")
-    expected = [*(("step",) if spec.kind != "sgd" else ()), *spec.state_names(group)]
+    expected = [*(("step",) if spec.counts_steps else ()), *spec.state_names(group)]
     if set(entry) != set(expected):
+        whose = _NAMES.get(spec.kind, spec.source.rsplit(".", 1)[-1])
         raise _fail(
-            f"{where}: expected {', '.join(expected) or 'none'} ({_NAMES[spec.kind]}'s), got "
+            f"{where}: expected {', '.join(expected) or 'none'} ({whose}'s), got "
             f"{', '.join(sorted(map(str, entry))) or 'none'}"
         )
     for s, t in entry.items():

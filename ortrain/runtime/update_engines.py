@@ -21,7 +21,10 @@ engines (``TrainerOptions.update_engine``):
    bound by ``ortrain/distributed/sharded_state.py``, run between its collectives;
 6. "zero-torch" (``ShardTorchUpdate``): torch's fused Adam/AdamW kernels over the pieces
    of this rank's shard (ZeRO-1, -2 and -3 on CPU), between the same collectives: no
-   update graph to build, one pass over each piece.
+   update graph to build, one pass over each piece;
+7. "zero-eager" (``ShardEagerUpdate``): under ZeRO, an elementwise torch optimizer's own
+   ``step()`` over this rank's pieces (``ortrain/optim/sharded_eager.py``);
+8. "eager" (``EagerUpdate``): any other optimizer's own ``step()`` over whole tensors.
 
 ``choose_engine`` decides from the options, the device, the optimizer, the process group
 and one build fact (a gradient graph that could not take the update in its backward).
@@ -44,8 +47,9 @@ from ortrain.core.names import (
     hyper_name,
     state_key,
 )
-from ortrain.core.optimizer_spec import EAGER
+from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER
 from ortrain.core.roles import Role
+from ortrain.optim.sharded_eager import hyperparameters, make_like
 from ortrain.runtime import kernels
 from ortrain.runtime.flat_update import flatten_update
 from ortrain.runtime.fused_update import (
@@ -373,6 +377,102 @@ class ShardTorchUpdate(_AfterBackward):
         st.record_update(self.found_inf == 0)
 
 
+class ShardEagerUpdate(_AfterBackward):
+    """ZeRO's update by an elementwise torch optimizer's own ``step()`` over this rank's pieces
+    (kind ``SHARDED_EAGER``: ``ortrain/optim/sharded_eager.py``).
+
+    A second optimizer of the user's class holds this rank's pieces of the parameters as leaf
+    tensors that share the flat buffer's storage, each piece's gradient a view of the reduced
+    gradient shard; its per-element state is made views of ZeRO's flat state buffers once it
+    exists (the first update makes it as torch would, e.g. Rprop's step sizes at ``lr``), and
+    its ``step`` counters are the trainer's. Before each update the user's param groups'
+    hyperparameters are copied over (schedulers change those).
+    """
+
+    name: ClassVar[str] = "zero-eager"
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        super().__init__(state, env)
+        self.optimizer: torch.optim.Optimizer | None = None
+        # per piece: (leaf, its flat state views)
+        self.pieces: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+
+    @property
+    def _reducer(self) -> ShardReducer:
+        reducer = self.env.reducer
+        assert reducer is not None and hasattr(reducer, "shard_pieces")
+        return reducer  # type: ignore[return-value]
+
+    def prepare(self) -> bool:
+        st = self.state
+        assert st.optimizer is not None
+        groups: list[list[torch.Tensor]] = [[] for _ in st.optimizer.param_groups]
+        self.pieces = []
+        for pc in self._reducer.shard_pieces(st):
+            leaf = pc.param.detach().requires_grad_(True)  # the flat buffer's storage
+            leaf.grad = pc.grad
+            groups[pc.group].append(leaf)
+            self.pieces.append((leaf, pc.state))
+        self.optimizer = make_like(st.optimizer, groups)
+        return False
+
+    def step(self, values: Any, grad_scale: float) -> None:
+        self._reducer.update(lambda: self._run(grad_scale))
+
+    def _run(self, grad_scale: float) -> None:
+        st, opt = self.state, self.optimizer
+        assert opt is not None and st.optimizer is not None
+        grads = [leaf.grad for leaf, _ in self.pieces if leaf.grad is not None]
+        with torch.no_grad():
+            if grad_scale != 1.0 and grads:
+                torch._foreach_mul_(grads, grad_scale)
+            finite = torch.ones((), dtype=torch.bool, device=st.device)
+            if st.checks_gradients:  # every rank reads the same global norm: all decide alike
+                norm = self._reducer.global_sq_norm().sqrt()
+                finite = torch.isfinite(norm)
+                if st.max_grad_norm is not None:
+                    st.record_grad_norm(norm)
+                    coef = torch.clamp(st.max_grad_norm / (norm + 1e-6), max=1.0)
+                    if grads:
+                        torch._foreach_mul_(grads, coef)
+            if not bool(finite):  # nothing changes; the loss scale backs off
+                st.record_update(finite)
+                return
+        for mine, theirs in zip(opt.param_groups, st.optimizer.param_groups, strict=True):
+            mine.update(hyperparameters(theirs))
+        self._lend_state()
+        opt.step()
+        self._take_state()
+        st.record_update(finite)
+
+    def _lend_state(self) -> None:
+        """Once the trainer has taken a step (or loaded one), each piece's state is the flat
+        buffers' views and the trainer's step count; before, torch makes its own."""
+        st, opt = self.state, self.optimizer
+        assert opt is not None
+        if st.step == 0:
+            return
+        step = float(st.step)
+        for leaf, views in self.pieces:
+            state = opt.state[leaf]
+            state.update(views)
+            if st.spec.counts_steps:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+    def _take_state(self) -> None:
+        """What the step made or wrote anew goes into (and becomes a view of) the flat
+        buffers, so checkpoints and the memory report see it."""
+        opt = self.optimizer
+        assert opt is not None
+        for leaf, views in self.pieces:
+            state = opt.state[leaf]
+            for s, view in views.items():
+                new = state.get(s)
+                if new is not None and new is not view:
+                    view.copy_(new)
+                    state[s] = view
+
+
 class _FlatKernels(_AfterBackward):
     """Kernels over the state's flat gradient (and moment) buffers: no update graph."""
 
@@ -572,6 +672,7 @@ ENGINES: dict[str, type[UpdateEngine]] = {
         GraphUpdate,
         ShardUpdate,
         ShardTorchUpdate,
+        ShardEagerUpdate,
         KernelUpdate,
         TorchUpdate,
         BackwardUpdate,
@@ -634,7 +735,8 @@ def choose_engine(f: EngineFacts) -> str:
     4. ZeRO-1, -2 and -3: "auto" on CPU with Adam/AdamW: torch's kernels over the shard;
        otherwise the shard's update graph; "auto" on CUDA in a single process: the kernels
        when built and they cover the optimizer; "auto" on CPU in a single process: torch's
-       kernels for Adam/AdamW; otherwise the update graph.
+       kernels for Adam/AdamW; otherwise the update graph. An elementwise optimizer ortrain
+       does not compile, under ZeRO: its own step over the shard ("zero-eager").
     """
     req, single = f.requested, f.zero_stage is None
     if f.kind == EAGER:  # the optimizer's own step() (EagerUpdate)
@@ -645,6 +747,13 @@ def choose_engine(f: EngineFacts) -> str:
                 "use update_engine='auto'"
             )
         return "eager"
+    if f.kind == SHARDED_EAGER:  # ZeRO: its own step() over the shard's pieces
+        if req not in ("auto", "graph"):
+            raise UnsupportedOptimizerError(
+                f"TrainerOptions.update_engine={req!r}: under ZeRO this optimizer's own "
+                "step() runs over the shard's pieces in eager PyTorch: use 'auto'"
+            )
+        return "zero-eager"
     if req == "kernels":
         check_supported(f.kind)
         if not single:
