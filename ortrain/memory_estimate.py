@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ortrain.core.errors import UnsupportedOptimizerError
 from ortrain.core.optimizer_spec import EAGER
 from ortrain.distributed.shard_config import IN_FLIGHT
 
@@ -76,11 +77,16 @@ def _states_per_param(optimizer: torch.optim.Optimizer | str) -> int:
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     spec = optimizer_spec(optimizer, {id(p): str(i) for i, p in enumerate(params)})
-    if spec.kind == EAGER:
-        raise ValueError(
-            f"estimate_memory: {spec.source} keeps a state ortrain does not lay out (its own "
-            "step() runs in eager PyTorch): name the optimizer's kind as a string instead"
-        )
+    if spec.kind == EAGER:  # its own step: which state, read off a step on a probe
+        from ortrain.optim.sharded_eager import sharded_eager_spec
+
+        try:
+            spec = sharded_eager_spec(spec, optimizer)
+        except UnsupportedOptimizerError as exc:
+            raise ValueError(
+                f"estimate_memory: {spec.source} keeps a state ortrain cannot size ({exc}): "
+                "name the optimizer's kind as a string instead"
+            ) from None
     per_group = [len(spec.state_names(g)) for g in spec.groups]
     return max(per_group, default=0)
 

@@ -46,6 +46,28 @@ def test_a_single_process_holds_what_was_estimated(make_opt, states, engine):
     assert "optimizer state" in held.format() and f"{held.total / 2**20:.1f}" in held.format()
 
 
+def test_an_optimizer_s_own_step_is_sized_by_the_state_it_keeps():
+    """RMSprop (centered, momentum) keeps three tensors the size of each parameter, and
+    a step count each; Adafactor's factored moments are not sized, and it says so."""
+    model = gpt2(layers=1, hidden=32, vocab=64)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
+    est = estimate_memory(model, optimizer=opt)
+    with pytest.warns(UserWarning, match="own step"):
+        trainer = ORTTrainer(model, opt, TrainerOptions(intra_op_threads=1))
+    trainer.train_step(**lm_batches(1, batch=2, vocab=64)[0])
+    psi = sum(p.numel() for p in model.parameters())
+    assert est.optimizer_state == 4 * 3 * psi
+    counts = len(opt.state)  # a float32 step per parameter
+    assert counts == len(list(model.parameters()))
+    assert trainer.state_bytes().optimizer_state == est.optimizer_state + 4 * counts
+    assert estimate_memory(model, 4, 2, optimizer=opt).optimizer_state == 4 * 3 * psi // 4
+    import transformers
+
+    factored = transformers.optimization.Adafactor(model.parameters(), lr=1e-3, relative_step=False)
+    with pytest.raises(ValueError, match="Adafactor keeps a state ortrain cannot size"):
+        estimate_memory(model, optimizer=factored)
+
+
 def test_stages_shard_what_the_zero_papers_say():
     """Per rank at N ranks, Adam: data parallel 16 bytes per parameter, ZeRO-1 4 + 4 + 8/N,
     ZeRO-2 4 + 4/N + 8/N (plus the buckets in flight)."""
