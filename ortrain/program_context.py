@@ -25,7 +25,7 @@ import dataclasses
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -241,7 +241,7 @@ class ProgramContext:
         # a state the optimizer already has (eager steps before the trainer, a checkpoint
         # loaded into it) is the state the compiled update starts from, as eager's would
         # (not one that took no step: Adagrad's, made with it, which the update makes too)
-        prior = self.optimizer.state_dict() if _stepped(self.optimizer) else None
+        prior = self.optimizer.state_dict() if _stepped(self.optimizer.state.values()) else None
         self._to_torch = False  # ``hand_state_to_torch``: a load that goes to torch's state
         self._handed: int | None = None  # the step the state was handed to torch at
         self._handed_versions: list[tuple[torch.Tensor, int]] = []
@@ -342,7 +342,8 @@ class ProgramContext:
                 ours = {k: v for k, v in state.get("state", {}).items() if k not in kept}
                 checkpoint.load_optimizer_state_dict(self.state, {**state, "state": ours})
                 return {**state, "state": kept}
-            if state.get("state"):
+            # (one that took no step passes: Adagrad's own, which accelerate loads back)
+            if _stepped(state.get("state", {}).values()):
                 raise CheckpointError(f"optimizer.load_state_dict() of a state: {where}")
             return state
 
@@ -853,11 +854,11 @@ class ProgramContext:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-def _stepped(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.state`` holds what a step made: an entry without a ``step``
+def _stepped(entries: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether an optimizer's state entries hold what a step made: one without a ``step``
     count (SGD's momentum) or with one above zero."""
-    for entry in optimizer.state.values():
-        step = entry.get("step")
+    for entry in entries:
+        step = entry.get("step") if isinstance(entry, Mapping) else None
         if step is None or float(step) > 0:
             return True
     return False

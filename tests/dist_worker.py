@@ -973,6 +973,8 @@ def train_elementwise(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (its update runs in eager: said once)
         trainer = ORTTrainer(model, optimizer, options, loss_fn=lambda out, batch: out)
+    # as accelerate's wrapping does (Adagrad's state, made with it, took no step)
+    optimizer.load_state_dict(optimizer.state_dict())
     start = 0
     if load is not None:
         trainer.load_checkpoint(load / "ckpt")

@@ -76,13 +76,13 @@ def sharded_eager_spec(spec: OptimizerSpec, optimizer: torch.optim.Optimizer) ->
     """``spec`` (kind EAGER) as kind ``SHARDED_EAGER``; raises ``UnsupportedOptimizerError``
     naming why where the optimizer's update cannot run on pieces of tensors."""
     name = spec.source or type(optimizer).__qualname__
-    known = ", ".join(c.__name__ for c in _ELEMENTWISE)
     if _elementwise_class(optimizer) is None:
         raise UnsupportedOptimizerError(
             f"ZeRO (TrainerOptions.zero_stage>=1) updates each rank's pieces of the "
-            f"parameters; {name} runs its own step() ({spec.why_eager}), which ortrain can "
-            f"run on pieces only for torch's optimizers that work element by element "
-            f"({known}, Lamb compiled): use zero_stage=0 (data parallel) or one of those"
+            f"parameters; {name} runs its own step() ({spec.why_eager}), and ortrain runs an "
+            "optimizer's own step on pieces only for torch's that work element by element "
+            "(Adagrad, Adadelta, Adamax, RAdam, RMSprop, Rprop; Adam, AdamW and SGD with any "
+            "flags): use zero_stage=0 (data parallel), or one of those"
         )
     # one step on a probe: which state it keeps (torch makes it at the first step)
     probe = [torch.zeros(3, requires_grad=True) for _ in optimizer.param_groups]
