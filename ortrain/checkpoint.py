@@ -143,7 +143,7 @@ def optimizer_state_dict(
             continue  # frozen, or no update yet: torch has no state either
         tensors = {
             s: opt_state[state_key(s, name)].clone()
-            for s in training.spec.state_names(group)
+            for s in (*training.spec.state_names(group), *training.spec.scalars)
             if state_key(s, name) in opt_state
         }
         if not tensors:

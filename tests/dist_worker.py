@@ -944,6 +944,9 @@ ELEMENTWISE_OPTIMIZERS = {
         ps, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.01
     ),
     "amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.01),
+    # numbers per parameter besides the step count: mu_product; eta and mu
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, momentum_decay=0.01),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=2e-2, t0=1, lambd=0.1),
 }
 ELEMENTWISE_SAVE_AT = 4  # micro-steps: two optimizer steps
 

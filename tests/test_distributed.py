@@ -515,11 +515,14 @@ def test_data_parallel_with_an_optimizer_ortrain_does_not_compile(tmp_path):
         pytest.param(1, "adagrad", marks=pytest.mark.slow),
         (2, "rmsprop"),
         pytest.param(3, "amsgrad", marks=pytest.mark.slow),
+        pytest.param(3, "nadam", marks=pytest.mark.slow),
+        pytest.param(1, "asgd", marks=pytest.mark.slow),
     ],
 )
 def test_zero_runs_an_elementwise_optimizer_s_own_step_on_its_shard(tmp_path, stage, opt):
-    """Adagrad, RMSprop (centered, momentum) and Adam with amsgrad under ZeRO-1/2/3: their
-    own step on each rank's pieces, with accumulation, clipping and an LR schedule, equal to
+    """Adagrad, RMSprop (centered, momentum), Adam with amsgrad, NAdam and ASGD (numbers
+    per parameter besides the step count) under ZeRO-1/2/3: their own step on each rank's
+    pieces, with accumulation, clipping and an LR schedule, equal to
     one process on the combined batches; the sharded checkpoint the ranks wrote resumes in
     one process (torch's format, into the optimizer's own state) to the same end."""
     batches = reorder_batches(0, 1)

@@ -27,37 +27,48 @@ def _spec(opt: torch.optim.Optimizer, model: torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("make", "state", "stepped"),
+    ("make", "state", "stepped", "scalars"),
     [
+        (
+            lambda ps: torch.optim.NAdam(ps, decoupled_weight_decay=True, weight_decay=0.1),
+            {"exp_avg", "exp_avg_sq"},
+            True,
+            ("mu_product",),
+        ),
+        (lambda ps: torch.optim.ASGD(ps, t0=2), {"ax"}, True, ("eta", "mu")),
         (
             lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True),
             {"square_avg", "momentum_buffer", "grad_avg"},
             True,
+            (),
         ),
-        (lambda ps: torch.optim.RMSprop(ps), {"square_avg"}, True),
+        (lambda ps: torch.optim.RMSprop(ps), {"square_avg"}, True, ()),
         (
             lambda ps: torch.optim.Adam(ps, amsgrad=True),
             {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
             True,
+            (),
         ),
-        (lambda ps: torch.optim.Adagrad(ps, lr_decay=0.1), {"sum"}, True),
-        (lambda ps: torch.optim.Rprop(ps), {"prev", "step_size"}, True),
-        (lambda ps: torch.optim.Adadelta(ps), {"square_avg", "acc_delta"}, True),
-        (lambda ps: torch.optim.Adamax(ps), {"exp_avg", "exp_inf"}, True),
+        (lambda ps: torch.optim.Adagrad(ps, lr_decay=0.1), {"sum"}, True, ()),
+        (lambda ps: torch.optim.Rprop(ps), {"prev", "step_size"}, True, ()),
+        (lambda ps: torch.optim.Adadelta(ps), {"square_avg", "acc_delta"}, True, ()),
+        (lambda ps: torch.optim.Adamax(ps), {"exp_avg", "exp_inf"}, True, ()),
         (
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, maximize=True),
             {"momentum_buffer"},
             False,
+            (),
         ),
     ],
 )
-def test_elementwise_optimizers_keep_their_state_per_element(make, state, stepped):
+def test_elementwise_optimizers_keep_their_state_per_element(make, state, stepped, scalars):
     model = _model()
     opt = make(model.parameters())
     spec = _spec(opt, model)
     assert spec.kind == SHARDED_EAGER
     assert set(spec.state) == state and len(spec.state) == len(state)
     assert spec.stepped is stepped and spec.counts_steps is stepped
+    assert spec.scalars == scalars  # numbers per parameter only its steps change
     assert spec.hyperparameters == ()  # its own step reads its param groups
     assert all(spec.state_names(g) == spec.state for g in spec.groups)
     # the probe stepped an optimizer of its own (Adagrad makes its state when made)
@@ -86,8 +97,6 @@ def test_a_copy_over_pieces_steps_as_the_optimizer_on_whole_tensors():
 @pytest.mark.parametrize(
     ("make", "why"),
     [
-        (lambda ps: torch.optim.NAdam(ps), "NAdam keeps 'mu_product' per parameter"),
-        (lambda ps: torch.optim.ASGD(ps), "ASGD keeps 'eta' per parameter"),
         (
             lambda ps: transformers.optimization.Adafactor(ps, lr=1e-3, relative_step=False),
             r"Adafactor runs its own step\(\).*element by element",

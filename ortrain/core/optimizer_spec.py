@@ -50,9 +50,11 @@ class OptimizerSpec:
     # kind EAGER: the optimizer's class, and why its update is not compiled
     source: str = ""
     why_eager: str = ""
-    # kind SHARDED_EAGER: its per-element state, whether it counts steps per parameter
-    # (torch's ``step``), and each group's flags (bool keys) its state names rest on
+    # kind SHARDED_EAGER: its per-element state, its other numbers per parameter (NAdam's
+    # ``mu_product``: alike on every piece), whether it counts steps per parameter (torch's
+    # ``step``), and each group's flags (bool keys) its state names rest on
     state: tuple[str, ...] = ()
+    scalars: tuple[str, ...] = ()
     stepped: bool = True
     flags: tuple[tuple[tuple[str, bool], ...], ...] = ()
 

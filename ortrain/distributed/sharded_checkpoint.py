@@ -67,7 +67,12 @@ class ShardedState(Protocol):
     def load_state_dict(self, training: TrainingState, state: Mapping[str, Any]) -> None: ...
 
     def load_shards(
-        self, training: TrainingState, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+        self,
+        training: TrainingState,
+        base: Mapping[str, Any],
+        shard: Mapping,
+        stateful: set[str],
+        scalars: Mapping[str, Mapping[str, float]],
     ) -> None: ...
 
 
@@ -158,6 +163,8 @@ def _manifest(
         "state_names": list(sharded.config.state_names),
         "index_names": checkpoint.index_names(training),
         "state_of": state_of,
+        # an optimizer's own numbers per parameter (NAdam's mu_product), every rank's alike
+        "scalars": sharded.scalars if training.step > 0 else {},
         "model": model,
         "shards": shards,
     }
@@ -210,6 +217,9 @@ def consolidate(path: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, 
             opt[idx] = {s: views[s][name].clone() for s in names}
             if counts_steps:  # as torch's Adam-type state
                 opt[idx]["step"] = step.clone()
+        numbers = manifest.get("scalars", {}).get(name)
+        if numbers:
+            opt.setdefault(idx, {}).update({s: torch.tensor(v) for s, v in numbers.items()})
     state["optimizer"]["state"] = opt
     return state
 
@@ -255,4 +265,5 @@ def load(training: TrainingState, sharded: ShardedState, path: str | os.PathLike
             raise CheckpointError(f"{manifest['shards'][sharded.config.rank]}: no {n}-element {s}")
     base = _load(path / manifest["model"], MODEL_KEYS)
     with checkpoint.naming(path):
-        sharded.load_shards(training, base, shard["state"], set(manifest["state_of"]))
+        scalars = manifest.get("scalars", {})
+        sharded.load_shards(training, base, shard["state"], set(manifest["state_of"]), scalars)

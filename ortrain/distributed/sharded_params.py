@@ -535,10 +535,15 @@ class ShardedParams(ShardedGradients):
             super().load_state_dict(training, state)
 
     def load_shards(
-        self, training: TrainingState, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+        self,
+        training: TrainingState,
+        base: Mapping[str, Any],
+        shard: Mapping,
+        stateful: set[str],
+        scalars: Mapping[str, Mapping[str, float]],
     ) -> None:
         with self.materialized(write_back=True):
-            super().load_shards(training, base, shard, stateful)
+            super().load_shards(training, base, shard, stateful, scalars)
 
     def save_checkpoint(self, training: TrainingState, path: str | os.PathLike) -> None:
         with self.materialized():

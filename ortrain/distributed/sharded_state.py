@@ -57,6 +57,7 @@ class ShardPiece:
     param: torch.Tensor
     grad: torch.Tensor
     state: dict[str, torch.Tensor]  # optimizer state name -> its piece
+    name: str = ""  # the parameter's
 
 
 class ShardedState:
@@ -90,6 +91,9 @@ class ShardedState:
         # Parameters whose optimizer state is live: those with gradients, and those a
         # loaded checkpoint had state for (before the first step says which get gradients).
         self.stateful: set[str] = set()
+        # an optimizer's own step on the pieces (``ShardEagerUpdate``): its numbers per
+        # parameter besides the step count (NAdam's ``mu_product``), alike on every rank
+        self.scalars: dict[str, dict[str, float]] = {}
 
     def _flat_buffer(self, numel: int) -> torch.Tensor:
         """The flat parameters' buffer (zeros). On CPU an anonymous mapping of its own: its
@@ -154,6 +158,7 @@ class ShardedState:
                 self._param_piece(pc.start, pc.stop),
                 self.grad_shard[pc.start - lo : pc.stop - lo],
                 {s: buf[pc.start - lo : pc.stop - lo] for s, buf in self.state.items()},
+                pc.name,
             )
             for pc in pieces
         ]
@@ -228,6 +233,8 @@ class ShardedState:
             for g in training.spec.groups:
                 if s in training.spec.state_names(g):
                     out.update({state_key(s, p): views[p] for p in g.params if p in self.stateful})
+        for p, numbers in self.scalars.items():
+            out.update({state_key(s, p): torch.tensor(v) for s, v in numbers.items()})
         return out
 
     def state_dict(self, training: TrainingState) -> dict[str, Any]:
@@ -243,6 +250,7 @@ class ShardedState:
         """Load a full state dict (any world size wrote it): keep this rank's shard of it."""
         full: dict[str, torch.Tensor] = {}
         checkpoint.load_trainer_state_dict(training, state, opt_state=full)
+        self.scalars = _scalars_of(full, training.spec.scalars, self.config.layout.names)
         self.stateful = {
             p
             for p in self.config.layout.names
@@ -257,11 +265,17 @@ class ShardedState:
                     buf[self.config.local(pc)].copy_(src)
 
     def load_shards(
-        self, training: TrainingState, base: Mapping[str, Any], shard: Mapping, stateful: set[str]
+        self,
+        training: TrainingState,
+        base: Mapping[str, Any],
+        shard: Mapping,
+        stateful: set[str],
+        scalars: Mapping[str, Mapping[str, float]],
     ) -> None:
         """Load a sharded checkpoint written with this layout: this rank's shard as is."""
         checkpoint.load_trainer_state_dict(training, base, opt_state={})
         self.stateful = set(stateful)
+        self.scalars = {p: {s: float(v) for s, v in n.items()} for p, n in scalars.items()}
         for s, buf in self.state.items():
             buf.copy_(shard[s])
 
@@ -305,3 +319,15 @@ def _chunked_spec(spec: OptimizerSpec, chunks: list[_Chunk]) -> OptimizerSpec:
         for g in spec.groups
     )
     return dataclasses.replace(spec, groups=groups)
+
+
+def _scalars_of(
+    full: Mapping[str, torch.Tensor], names: tuple[str, ...], params: list[str]
+) -> dict[str, dict[str, float]]:
+    """The numbers per parameter ``names`` in a full state (``ShardedState.scalars``)."""
+    out: dict[str, dict[str, float]] = {}
+    for p in params:
+        got = {s: float(full[state_key(s, p)]) for s in names if state_key(s, p) in full}
+        if got:
+            out[p] = got
+    return out

@@ -7,9 +7,12 @@ on the whole tensors. That holds for the torch classes in ``_ELEMENTWISE`` (a su
 that keeps their ``step()``), not for one that reads a whole tensor (a norm, a matrix's
 rows: LAMB's trust ratio, Adafactor's factored moments) or for one whose class ortrain
 does not know. Their state, read off one step on a probe tensor, must be per-element
-tensors and at most a ``step`` count: those tensors live in ZeRO's flat state buffers
+tensors, a ``step`` count and numbers per parameter that only the steps change (NAdam's
+``mu_product``, ASGD's ``eta`` and ``mu``): the tensors live in ZeRO's flat state buffers
 (so checkpoints are sharded, and gathered into torch's format, as the compiled kinds'),
-the count is the trainer's step.
+the count is the trainer's step, and the numbers, alike on every piece of a parameter,
+are kept per parameter by the reducer (every rank steps a piece of every parameter, an
+empty one where its shard holds none, so every rank has them all).
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def sharded_eager_spec(spec: OptimizerSpec, optimizer: torch.optim.Optimizer) ->
             f"raised {type(exc).__name__}: {exc}"
         ) from exc
     state: dict[str, None] = {}
+    scalars: dict[str, None] = {}
     stepped = False
     for p in probe:
         for s, t in trial.state[p].items():
@@ -104,17 +108,24 @@ def sharded_eager_spec(spec: OptimizerSpec, optimizer: torch.optim.Optimizer) ->
                 stepped = True
             elif isinstance(t, torch.Tensor) and tuple(t.shape) == (3,):
                 state[s] = None
+            elif isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point():
+                scalars[s] = None  # a number per parameter its step alone changes
             else:
                 is_tensor = isinstance(t, torch.Tensor)
                 what = f"shape {tuple(t.shape)}" if is_tensor else type(t).__name__
                 raise UnsupportedOptimizerError(
                     f"ZeRO (TrainerOptions.zero_stage>=1): {name} keeps {s!r} per parameter "
-                    f"({what} for a parameter of 3 elements), "
-                    "not one value per element: a shard holds pieces of parameters, which "
-                    "would each keep their own; use zero_stage=0 (data parallel)"
+                    f"({what} for a parameter of 3 elements), neither one value per element "
+                    "nor one number: a shard holds pieces of parameters, which would each "
+                    "keep their own; use zero_stage=0 (data parallel)"
                 )
     return dataclasses.replace(
-        spec, kind=SHARDED_EAGER, state=tuple(state), stepped=stepped, flags=_flags(optimizer)
+        spec,
+        kind=SHARDED_EAGER,
+        state=tuple(state),
+        scalars=tuple(scalars),
+        stepped=stepped,
+        flags=_flags(optimizer),
     )
 
 

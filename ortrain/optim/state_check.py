@@ -200,7 +200,8 @@ def _check_entry(
     where = f"optimizer state of parameter {name} (index {index})"
     if not isinstance(entry, Mapping):
         raise _fail(f"{where} is a {type(entry).__name__}, not a dict")
-    expected = [*(("step",) if spec.counts_steps else ()), *spec.state_names(group)]
+    steps = ("step",) if spec.counts_steps else ()
+    expected = [*steps, *spec.state_names(group), *spec.scalars]
     if set(entry) != set(expected):
         whose = _NAMES.get(spec.kind, spec.source.rsplit(".", 1)[-1])
         raise _fail(
@@ -212,6 +213,10 @@ def _check_entry(
             if whole_number(t) is None:
                 shown = float(t) if isinstance(t, torch.Tensor) and t.numel() == 1 else t
                 raise _fail(f"{where}: step must be a whole number >= 0, got {shown}")
+            continue
+        if s in spec.scalars:  # a number per parameter (NAdam's mu_product)
+            if not isinstance(t, torch.Tensor) or t.numel() != 1 or not t.is_floating_point():
+                raise _fail(f"{where}: '{s}' is not a one-element floating-point tensor")
             continue
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise _fail(f"{where}: '{s}' is not a floating-point tensor")

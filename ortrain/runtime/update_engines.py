@@ -299,6 +299,8 @@ class ShardReducer(Protocol):
 
     def global_sq_norm(self) -> torch.Tensor: ...
 
+    scalars: dict[str, dict[str, float]]  # (an optimizer's own numbers per parameter)
+
     def update(self, run_update: Callable[[], None]) -> None: ...
 
 
@@ -385,8 +387,10 @@ class ShardEagerUpdate(_AfterBackward):
     tensors that share the flat buffer's storage, each piece's gradient a view of the reduced
     gradient shard; its per-element state is made views of ZeRO's flat state buffers once it
     exists (the first update makes it as torch would, e.g. Rprop's step sizes at ``lr``), and
-    its ``step`` counters are the trainer's. Before each update the user's param groups'
-    hyperparameters are copied over (schedulers change those).
+    its ``step`` counters are the trainer's, its other numbers per parameter (NAdam's
+    ``mu_product``) the reducer's ``scalars``: for those every rank steps a piece of every
+    parameter, empty where its shard holds none. Before each update the user's param
+    groups' hyperparameters are copied over (schedulers change those).
     """
 
     name: ClassVar[str] = "zero-eager"
@@ -394,8 +398,8 @@ class ShardEagerUpdate(_AfterBackward):
     def __init__(self, state: TrainingState, env: EngineEnv):
         super().__init__(state, env)
         self.optimizer: torch.optim.Optimizer | None = None
-        # per piece: (leaf, its flat state views)
-        self.pieces: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        # per piece: (its parameter, the leaf, its flat state views)
+        self.pieces: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]] = []
 
     @property
     def _reducer(self) -> ShardReducer:
@@ -406,13 +410,24 @@ class ShardEagerUpdate(_AfterBackward):
     def prepare(self) -> bool:
         st = self.state
         assert st.optimizer is not None
+        assert st.optimizer is not None and st.grad_params is not None
         groups: list[list[torch.Tensor]] = [[] for _ in st.optimizer.param_groups]
         self.pieces = []
         for pc in self._reducer.shard_pieces(st):
             leaf = pc.param.detach().requires_grad_(True)  # the flat buffer's storage
             leaf.grad = pc.grad
             groups[pc.group].append(leaf)
-            self.pieces.append((leaf, pc.state))
+            self.pieces.append((pc.name, leaf, pc.state))
+        if st.spec.scalars:  # every parameter's numbers on every rank: an empty piece
+            held = {name for name, _, _ in self.pieces}
+            group_of = {p: gi for gi, g in enumerate(st.spec.groups) for p in g.params}
+            for name in st.grad_params:
+                if name not in held and name in group_of:
+                    leaf = torch.zeros(0, device=st.device).requires_grad_(True)
+                    leaf.grad = torch.zeros(0, device=st.device)
+                    groups[group_of[name]].append(leaf)
+                    empty = {s: torch.zeros(0, device=st.device) for s in st.spec.state}
+                    self.pieces.append((name, leaf, empty))
         self.optimizer = make_like(st.optimizer, groups)
         return False
 
@@ -422,7 +437,7 @@ class ShardEagerUpdate(_AfterBackward):
     def _run(self, grad_scale: float) -> None:
         st, opt = self.state, self.optimizer
         assert opt is not None and st.optimizer is not None
-        grads = [leaf.grad for leaf, _ in self.pieces if leaf.grad is not None]
+        grads = [leaf.grad for _, leaf, _ in self.pieces if leaf.grad is not None]
         with torch.no_grad():
             if grad_scale != 1.0 and grads:
                 torch._foreach_mul_(grads, grad_scale)
@@ -453,24 +468,29 @@ class ShardEagerUpdate(_AfterBackward):
         if st.step == 0:
             return
         step = float(st.step)
-        for leaf, views in self.pieces:
+        scalars = self._reducer.scalars
+        for name, leaf, views in self.pieces:
             state = opt.state[leaf]
             state.update(views)
             if st.spec.counts_steps:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
+            for s, v in scalars.get(name, {}).items():
+                state[s] = torch.tensor(v, dtype=torch.float32)
 
     def _take_state(self) -> None:
         """What the step made or wrote anew goes into (and becomes a view of) the flat
         buffers, so checkpoints and the memory report see it."""
-        opt = self.optimizer
+        opt, names = self.optimizer, self.state.spec.scalars
         assert opt is not None
-        for leaf, views in self.pieces:
+        for name, leaf, views in self.pieces:
             state = opt.state[leaf]
             for s, view in views.items():
                 new = state.get(s)
                 if new is not None and new is not view:
                     view.copy_(new)
                     state[s] = view
+            if names:
+                self._reducer.scalars[name] = {s: float(state[s]) for s in names if s in state}
 
 
 class _FlatKernels(_AfterBackward):
