@@ -753,6 +753,31 @@ def test_a_torchscript_sub_module_runs_in_eager():
     assert trainer.segments is not None and trainer.segments.model.compiled == ["head"]
 
 
+class _CompiledInside(torch.nn.Module):
+    """A ``torch.compile``'d block in a model that trains as segments (its Det has no
+    gradient rule): dynamo traced the segment's runner with fake tensors, which ONNX
+    Runtime could not bind."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.body = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()))
+        self.det = _Det(16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        h = self.body(self.inp(x))
+        return F.cross_entropy(self.head(h), y) + 0.01 * self.det(h).mean()
+
+
+def test_a_compiled_sub_module_of_a_segmented_model_trains_like_eager():
+    trainer = train_like_eager(_CompiledInside, _batches(3))
+    assert trainer.segments is not None
+    compiled = trainer.segments.model.compiled
+    assert "head" in compiled and any(n.startswith("body") for n in compiled), compiled
+
+
 class _Hooked(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

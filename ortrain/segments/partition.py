@@ -123,8 +123,10 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
         handles.append(m.register_forward_hook(post, with_kwargs=True))
     start = time.perf_counter()
     try:
-        # a look, not a step: no statistics update, no Python attribute advanced
-        with restoring(list(module.buffers())), kept(module):
+        # a look, not a step: no statistics update, no Python attribute advanced; a
+        # torch.compile'd sub-module runs as its eager self (under dynamo its modules' hooks
+        # would see fake tensors, or none)
+        with restoring(list(module.buffers())), kept(module), _dynamo_off(module):
             run()
     finally:
         for h in handles:
@@ -133,6 +135,26 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
     return Recorded(
         dict(calls), dict(training), dict(seconds), total, order, frozenset(twice.names)
     )
+
+
+@contextlib.contextmanager
+def _dynamo_off(module: torch.nn.Module) -> Iterator[None]:
+    """Each ``torch.compile``'d sub-module calls its module as it is for the duration
+    (its compiled code, once made, runs whatever dynamo's config says)."""
+    held = []
+    for m in module.modules():
+        inner = getattr(m, "_orig_mod", None)
+        if type(m).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+            held.append((m, m.__dict__.get("forward")))
+            m.forward = inner.__call__
+    try:
+        yield
+    finally:
+        for m, forward in held:
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
 
 
 def _original_forward(module: torch.nn.Module) -> Callable[..., Any]:
@@ -621,7 +643,9 @@ class SegmentedModel:
             )
             return runner.graphs.result.build(list(outs)), False
 
-        return forward
+        # a module inside a torch.compile'd one: dynamo would trace the runner's sessions
+        # with fake tensors; it calls the segment as it is instead (a graph break)
+        return torch._dynamo.disable(forward)
 
     def _build(self, name: str, call: Call, training: bool) -> SegmentRunner | None:
         """A signature first seen now: plan that module alone for it (eager if it fails)."""
