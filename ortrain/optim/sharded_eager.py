@@ -84,15 +84,17 @@ def sharded_eager_spec(spec: OptimizerSpec, optimizer: torch.optim.Optimizer) ->
             f"ZeRO (TrainerOptions.zero_stage>=1) updates each rank's pieces of the "
             f"parameters; {name} runs its own step() ({spec.why_eager}), and ortrain runs an "
             "optimizer's own step on pieces only for torch's that work element by element "
-            "(Adagrad, Adadelta, Adamax, RAdam, RMSprop, Rprop; Adam, AdamW and SGD with any "
-            "flags): use zero_stage=0 (data parallel), or one of those"
+            "(Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop; Adam, AdamW and "
+            "SGD with any flags): use zero_stage=0 (data parallel), or one of those"
         )
-    # one step on a probe: which state it keeps (torch makes it at the first step)
-    probe = [torch.zeros(3, requires_grad=True) for _ in optimizer.param_groups]
+    # one step on a probe: which state it keeps (torch makes it at the first step), on
+    # the parameters' device (flags such as capturable need it)
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+    probe = [torch.zeros(3, device=device, requires_grad=True) for _ in optimizer.param_groups]
     try:
         trial = make_like(optimizer, [[p] for p in probe])
         for p in probe:
-            p.grad = torch.ones(3)
+            p.grad = torch.ones(3, device=device)
         trial.step()
     except Exception as exc:  # its own constructor's or step's reason
         raise UnsupportedOptimizerError(

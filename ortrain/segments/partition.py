@@ -137,16 +137,21 @@ def record_calls(module: torch.nn.Module, run: Callable[[], Any]) -> Recorded:
     )
 
 
+def _is_compiled_wrapper(m: torch.nn.Module) -> bool:
+    """A ``torch.compile``'d module (dynamo's wrapper around ``m._orig_mod``)."""
+    inner = getattr(m, "_orig_mod", None)
+    return type(m).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module)
+
+
 @contextlib.contextmanager
 def _dynamo_off(module: torch.nn.Module) -> Iterator[None]:
     """Each ``torch.compile``'d sub-module calls its module as it is for the duration
     (its compiled code, once made, runs whatever dynamo's config says)."""
     held = []
     for m in module.modules():
-        inner = getattr(m, "_orig_mod", None)
-        if type(m).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+        if _is_compiled_wrapper(m):
             held.append((m, m.__dict__.get("forward")))
-            m.forward = inner.__call__
+            m.forward = m._orig_mod.__call__
     try:
         yield
     finally:
@@ -419,6 +424,8 @@ def plan_segments(
                     raise _Mismatched(why)
                 if (why := refuse_twice(name, recorded.twice)) is not None:
                     raise _Mismatched(why)
+                if _is_compiled_wrapper(m):  # its module, a child, compiles in its place
+                    raise _Mismatched("a torch.compile'd module: its own module is tried")
                 plans.append(compile_module(name, m))
                 return
             except (ExportError, GradientError, Uncompilable, _Mismatched, OrtrainError) as exc:
