@@ -83,6 +83,9 @@ _GRAIN = 16
 # (summation order of larger products), far below what a change of semantics moves.
 CHECK_RTOL = 1e-5
 CHECK_FAILED = "the eager check failed"  # (not kept: the failure need not be the model's)
+# eager fails on the batch as given: no verdict on the layout (its next batch is checked),
+# the batch runs as given and its step raises eager's error
+EAGER_FAILS = "eager fails on the batch itself"
 # Batches a bucket without a graph runs padded into a longer one that has a graph, before
 # it gets its own: a build costs tens of steps on small models, each borrowed step wastes
 # a fraction of one.
@@ -388,7 +391,10 @@ class Bucketing:
         if verdict is not None:
             return verdict
         with _one_thread_fewer(early):
-            verdict = self.verdicts[key] = self._checked(batch, plan, to, train)
+            verdict = self._checked(batch, plan, to, train)
+        if verdict.reason.startswith(EAGER_FAILS):  # a bad batch says nothing of the layout
+            return verdict
+        self.verdicts[key] = verdict
         if not verdict.exact:
             side = {"left": "left-padded ", "holes": "masked (with holes) "}.get(plan.side, "")
             warnings.warn(
@@ -466,7 +472,7 @@ class Bucketing:
             exact, reason, axes = kept[0]
             return Verdict(bool(exact), str(reason), {str(k): tuple(v) for k, v in axes.items()})
         verdict = self._check(batch, plan, to, train)
-        if cache is not None and not verdict.reason.startswith(CHECK_FAILED):
+        if cache is not None and not verdict.reason.startswith((CHECK_FAILED, EAGER_FAILS)):
             cache.remember(what, padded, (verdict.exact, verdict.reason, dict(verdict.seq_axes)))
         return verdict
 
@@ -494,11 +500,13 @@ class Bucketing:
                 kept(module, self.loss_fn),  # a buffer assigned anew, Python attributes
                 users_hooks_paused(params),  # a look, not a step: a hook that logs sees none
             ):
+                stage = EAGER_FAILS
                 real = self._run(batch, params)
+                stage = CHECK_FAILED
                 padded = self._run(plan.apply(batch, to), params)
         except Exception as exc:  # the unpadded step will raise its own error, if any
             why = f"{type(exc).__name__}: {first_line(exc)}"
-            return Verdict(False, f"{CHECK_FAILED} ({why})")
+            return Verdict(False, f"{stage} ({why})")
         return compare(real, padded, plan.length, to, [n for n, _ in named])
 
     def _run(

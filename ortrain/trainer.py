@@ -42,6 +42,7 @@ from ortrain.runtime.heap import trim_heap
 from ortrain.runtime.training_state import refuse_lazy
 from ortrain.segmented_program import SegmentedProgram
 from ortrain.segments.training import SegmentedTraining
+from ortrain.step_errors import note_failed_step
 from ortrain.trainer_state import TrainerState
 from ortrain.trainer_views import TrainerViews
 from ortrain.whole_graph import NotOneGraph
@@ -160,10 +161,12 @@ class ORTTrainer(TrainerState, TrainerViews):
         self._follow_python_values()
         program = self._program
         micro_step = self._ctx.state.micro_step
+        padded = raw
         try:
             if isinstance(program, WholeProgram):
                 program.refuse_autocast()
-            return program.step(self._padded(raw, program))
+            padded = self._padded(raw, program)
+            return program.step(padded)
         except NotOneGraph as exc:
             own = self._ctx.eager.fails(raw, grad=True)
             if own is not None and not isinstance(own, OrtrainError):
@@ -187,6 +190,9 @@ class ORTTrainer(TrainerState, TrainerViews):
                     # the model's own forward fails (not ortrain's reading of its output)
                     raise exc.eager_fails_too(own, type(self.module).__name__) from own
                 raise exc.error from eager
+        except Exception as exc:
+            note_failed_step(exc, self.module, raw, padded)
+            raise
 
     def _can_lay_out_anew(self) -> bool:
         """Whether a change of which parameters require grad can be taken here: at an

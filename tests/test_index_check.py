@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -68,6 +69,65 @@ def test_gpt2_negative_and_too_large_token_ids(gpt2_trained):
     ids[0, 7] = VOCAB
     bad = {"input_ids": ids, "labels": batch["labels"]}
     _assert_rejected(trainer, model, bad, "input_ids", VOCAB, "[0, 7]", f"[0, {VOCAB})")
+
+
+def test_positions_past_the_position_table_raise_eager_s_error_naming_the_module():
+    """A sequence longer than GPT-2's position table: the positions come from its length,
+    not from a batch value, so eager's own IndexError is what stops the step (the first
+    step's check runs eager). It says in which module of the model it was raised and the
+    batch as given, and nothing of the trainer's state or open window changed."""
+    model = gpt2(layers=1, hidden=32, vocab=VOCAB)
+    trainer = _trainer(model)
+    trainer.train_step(**lm_batches(1, batch=2, seq=16, vocab=VOCAB)[0])  # the window open
+    long = lm_batches(1, batch=2, seq=70, vocab=VOCAB)[0]  # n_positions is 64
+    with pytest.raises(IndexError):
+        model(**long)
+    before, micro, step = _snapshot(trainer), trainer.micro_step, trainer.step
+    with pytest.raises(IndexError) as err, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train_step(**long)
+    # a batch eager refuses says nothing of whether padding its layout is exact
+    assert not [w for w in caught if "not padded to bucket lengths" in str(w.message)]
+    assert all(v.exact for v in trainer.bucketing.verdicts.values())
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "raised in eager PyTorch by transformer.wpe (Embedding) in GPT2LMHeadModel's" in notes
+    assert "on the batch it ran (input_ids: [2, 70] int64" in notes, notes
+    assert "eager training fails on it too" in notes
+    assert (trainer.micro_step, trainer.step) == (micro, step)
+    after = _snapshot(trainer)
+    for k, t in before.items():
+        assert torch.equal(after[k], t), k
+
+
+def test_an_error_raised_in_ortrain_s_own_code_is_not_put_on_the_model():
+    """Only an error the model's own code raised is said to be the model's: one raised
+    inside ortrain (a bug of ours, called from a forward) gets no such note."""
+    from ortrain.step_errors import batch_shapes, note_failed_step
+
+    class Calls(torch.nn.Module):
+        def __init__(self, fail) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+            self.fail = fail
+
+        def forward(self, x):
+            return self.fail(self.inner(x))
+
+    def ours(_):
+        return batch_shapes(None)  # raises inside ortrain.step_errors
+
+    def theirs(h):
+        return h[5]  # raises in torch, called from the model's forward
+
+    batch = {"x": torch.zeros(1, 2)}
+    for fail, named in ((ours, False), (theirs, True)):
+        model = Calls(fail)
+        with pytest.raises(Exception) as err:
+            model(**batch)
+        note_failed_step(err.value, model, batch, batch)
+        notes = "\n".join(getattr(err.value, "__notes__", []))
+        assert ("raised in eager PyTorch by the root module (Calls)" in notes) == named, notes
+        assert ("eager training fails on it too" in notes) == named
 
 
 def test_gpt2_negative_label_but_not_ignore_index(gpt2_trained):
