@@ -48,12 +48,14 @@ def run_failed(
     ``discarded`` micro-steps of the accumulation window were thrown away with it."""
     shapes = batch_shapes(batch)
     applied = (
-        f"{updated} of {params} parameters were updated in the backward before it failed"
+        f"; {updated} of {params} parameters were updated in the backward before it failed"
         if updated
-        else "no update was applied"
+        else "; no update was applied"
     )
+    if graph == "eval":  # (it updates nothing)
+        applied = ""
     return BatchError(
-        f"the {graph} graph failed on this batch ({shapes}); {applied}"
+        f"the {graph} graph failed on this batch ({shapes}){applied}"
         f"{window_restarts(discarded)}: {first_line(exc)}"
     )
 
