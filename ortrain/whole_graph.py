@@ -287,11 +287,21 @@ def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
         if values
         else ""
     )
+    from ortrain.bucketing import layout
+
+    why = layout(batch, 0)
+    unpadded = (
+        f" This batch is not one it pads ({why}): it knows the inputs input_ids, "
+        "attention_mask, labels (padded with -100), token_type_ids and position_ids; "
+        "name yours so, or pad them yourself."
+        if isinstance(why, str)
+        else ""
+    )
     warnings.warn(
         f"ortrain has built training graphs for {count} batch signatures (latest: {shapes}); "
         "each new shape is exported and compiled again and keeps its own session. "
         "bucketing='auto' pads right-padded batches with an attention_mask and -100 labels "
         "to a few lengths by itself; other batches: pad them to a few lengths, e.g. "
-        f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).{advice}",
+        f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).{unpadded}{advice}",
         stacklevel=7,
     )

@@ -492,6 +492,7 @@ def test_many_batch_shapes_warn_once_per_doubling():
     assert [len(w) for w in warned] == [0, 0, 0, 1, 0, 0, 0]
     assert "4 batch signatures" in warned[3][0] and "input_ids: [2, 11]" in warned[3][0]
     assert "pad_to_multiple_of" in warned[3][0] and "Python values" not in warned[3][0]
+    assert "not one it pads" not in warned[3][0]  # (bucketing="off" here: it could)
 
 
 class _Tempered(torch.nn.Module):
@@ -520,6 +521,8 @@ def test_a_python_number_argument_that_changes_is_named_in_the_warning():
         and "tau=2.5" in said[0]
         and "Python values passed to the forward (tau)" in said[0]
     )
+    # and why bucketing does not pad such batches: it goes by the inputs' names
+    assert "not one it pads (no attention_mask and no 2-D integer input_ids)" in said[0]
 
 
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])
