@@ -25,6 +25,7 @@ Usage::
     PYTHONPATH=. python benchmarks/bench_varlen.py                 # 200 steps, batch 8
     PYTHONPATH=. python benchmarks/bench_varlen.py --steps 24 --backends torch,ortrain
     PYTHONPATH=. python benchmarks/bench_varlen.py --steps 24 --no-mask   # packed, no mask
+    PYTHONPATH=. python benchmarks/bench_varlen.py --steps 24 --no-mask --model nanogpt
 """
 
 from __future__ import annotations
@@ -79,23 +80,76 @@ def make_batches(rows: list[list[int]], steps: int, batch: int, pad: int, seed: 
     return out
 
 
-def make_packed_batches(rows: list[list[int]], steps: int, batch: int, seed: int) -> list[Batch]:
+def make_packed_batches(
+    rows: list[list[int]], steps: int, batch: int, seed: int, nanogpt: bool = False
+) -> list[Batch]:
     """Batches without a mask whose length changes every step (``--no-mask``): the same
     lengths as ``make_batches`` draws, each row a run of that many tokens of the corpus's
-    paragraphs laid end to end (packed data): every token real, labels the ids."""
+    paragraphs laid end to end (packed data): every token real, labels the ids (nanoGPT:
+    ``idx`` and ``targets``, the next tokens, as its ``get_batch`` makes them)."""
     g = torch.Generator().manual_seed(seed)
     stream = torch.tensor([t for r in rows for t in r])
     out = []
     for _ in range(steps):
         pick = [rows[int(i)] for i in torch.randint(0, len(rows), (batch,), generator=g)]
         n = max(len(r) for r in pick)
-        starts = torch.randint(0, len(stream) - n, (batch,), generator=g)
+        starts = torch.randint(0, len(stream) - n - 1, (batch,), generator=g)
         ids = torch.stack([stream[int(s) : int(s) + n] for s in starts])
-        out.append({"input_ids": ids, "labels": ids.clone()})
+        if nanogpt:
+            nxt = torch.stack([stream[int(s) + 1 : int(s) + n + 1] for s in starts])
+            out.append({"idx": ids, "targets": nxt})
+        else:
+            out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
 
+class NanoGPT(torch.nn.Module):
+    """``--model nanogpt``: nanoGPT's ``model.py`` shape, written by hand as its users
+    write it: ``forward(idx, targets)`` returning ``(logits, loss)``, targets -1 skipped,
+    causal attention through ``scaled_dot_product_attention``, a tied head."""
+
+    def __init__(self, vocab: int, block_size: int, layers: int, width: int, heads: int):
+        super().__init__()
+        nn = torch.nn
+        self.block_size, self.heads = block_size, heads
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(block_size, width)
+        self.blocks = nn.ModuleList(self._block(width) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    @staticmethod
+    def _block(width: int) -> torch.nn.ModuleDict:
+        nn = torch.nn
+        return nn.ModuleDict({
+            "ln_1": nn.LayerNorm(width), "c_attn": nn.Linear(width, 3 * width),
+            "c_proj": nn.Linear(width, width), "ln_2": nn.LayerNorm(width),
+            "c_fc": nn.Linear(width, 4 * width), "mlp_proj": nn.Linear(4 * width, width),
+        })  # fmt: skip
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        import torch.nn.functional as F
+
+        b, t = idx.shape
+        assert t <= self.block_size, f"sequence {t} > block size {self.block_size}"
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            q, k, v = blk["c_attn"](blk["ln_1"](x)).chunk(3, dim=2)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["c_proj"](y.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["mlp_proj"](F.gelu(blk["c_fc"](blk["ln_2"](x))))
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
 def make_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
+    if args.model == "nanogpt":
+        torch.manual_seed(0)
+        return NanoGPT(vocab, args.max_len, args.layers, args.hidden, args.heads)
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
@@ -127,7 +181,8 @@ def run(backend: str, model: torch.nn.Module, batches: list[Batch], lr: float) -
         t = time.perf_counter()
         if trainer is None:
             opt.zero_grad()
-            loss = model(**batch).loss
+            out = model(**batch)
+            loss = out[1] if isinstance(out, tuple) else out.loss
             loss.backward()
             opt.step()
         else:
@@ -168,7 +223,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--graph-cache", action="store_true", help="keep ortrain's on-disk cache on")
     p.add_argument("--no-mask", action="store_true", help="packed batches, no attention_mask")
+    p.add_argument(
+        "--model", choices=("gpt2", "nanogpt"), default="gpt2",
+        help="transformers' GPT-2, or nanoGPT's hand-written shape (packed: --no-mask)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.model == "nanogpt" and not args.no_mask:
+        p.error("--model nanogpt takes packed batches without a mask: add --no-mask")
     if not args.graph_cache:
         os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
     if args.threads:
@@ -180,13 +241,17 @@ def main(argv: list[str] | None = None) -> None:
 
     rows, vocab, pad = paragraphs(args.corpus_mb, args.max_len, args.min_len)
     if args.no_mask:
-        batches = make_packed_batches(rows, args.steps, args.batch, args.seed)
+        batches = make_packed_batches(
+            rows, args.steps, args.batch, args.seed, args.model == "nanogpt"
+        )
     else:
         batches = make_batches(rows, args.steps, args.batch, pad, args.seed)
-    lengths = [b["input_ids"].shape[1] for b in batches]
-    real = sum(int(b.get("attention_mask", b["input_ids"] * 0 + 1).sum()) for b in batches)
+    ids = "idx" if args.model == "nanogpt" else "input_ids"
+    lengths = [b[ids].shape[1] for b in batches]
+    real = sum(int(b.get("attention_mask", b[ids] * 0 + 1).sum()) for b in batches)
+    name = "nanoGPT" if args.model == "nanogpt" else "GPT-2"
     print(
-        f"GPT-2 {args.layers} layers x {args.hidden}, vocab {vocab}, batch {args.batch}, "
+        f"{name} {args.layers} layers x {args.hidden}, vocab {vocab}, batch {args.batch}, "
         f"{args.steps} steps{' without a mask (packed)' if args.no_mask else ''}; "
         f"{len(rows)} paragraphs of the recipe corpus; batch lengths "
         f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths):.0f}, "

@@ -15,12 +15,19 @@ sees:
    padded labels are skipped, so the loss and every gradient equal the unpadded batch's
    (up to float rounding).
 2. Batches without an ``attention_mask`` (packed or length-sorted data, a short last
-   batch) are padded the same way on the right of their ``input_ids``' length: exact for
-   a causal model whose loss skips -100 labels (no real position sees a later one), and
-   checked like any layout (3.), which refuses it for a bidirectional encoder. Not
-   bucketed (one graph per shape, as ``bucketing="off"``): an ``attention_mask`` that is
-   not 2-D 0/1, no mask and no 2-D integer ``input_ids``, a batch tensor with the length
-   on another axis or with an unknown name, non-integer labels.
+   batch) are padded the same way on the right of their token ids' length (``input_ids``,
+   else the first 2-D integer tensor): exact for a causal model whose loss skips the
+   padded labels (no real position sees a later one), and checked like any layout (3.),
+   which refuses it for a bidirectional encoder. A tensor of that length with a name the
+   rules above do not know (nanoGPT's ``idx`` and ``targets``) is padded as one eager
+   forward finds it read (``padding_roles.py``, once per layout): a loss's targets with
+   its ``ignore_index``, token ids with the pad token, floats with zeros. Such a layout is
+   padded from the second length it comes in on: data of one shape (the common case of a
+   hand-written loop) runs at its own length, with no check, trace or padded compute.
+   Not bucketed
+   (one graph per shape, as ``bucketing="off"``): an ``attention_mask`` that is not 2-D
+   0/1, no mask and no 2-D integer tensor, a batch tensor with the length on another
+   axis, non-integer labels.
 3. "Exact" is a claim about the model, so it is checked, not assumed: the first time a
    batch layout (its keys; right-padded, left-padded, a mask with holes, or no mask;
    training or evaluation) would be padded, the module runs eagerly on the batch and on
@@ -39,7 +46,12 @@ sees:
    with the node that mixes, and that graph dropped. A layout's verdict is kept in the
    graph cache (under the model's code and the padded batch's signature): a later run
    with the same bucket does not run the eager check again.
-4. A length whose bucket has no graph yet runs on a longer bucket's graph, up to
+4. Buckets stop at the model's position table (``max_position_embeddings``,
+   ``n_positions``, nanoGPT's ``block_size``), at the end of the traced range of lengths
+   (6.: an ``assert T <= block_size`` ends it), and below a length eager failed at: each
+   new bucket length of a layout is run once in eager (a forward) before batches go to
+   it, so a table nothing names does not fail the user's step.
+   A length whose bucket has no graph yet runs on a longer bucket's graph, up to
    ``BORROW_LIMIT`` times, then builds its own: a long tail of rare lengths costs no
    builds (padding further is as exact).
 5. ``eval_step``'s outputs are cut back to the batch's length on the axes that the check
@@ -73,6 +85,7 @@ from ortrain.core.errors import first_line
 from ortrain.core.names import LOSS_LABELS
 from ortrain.export import LossFn, call_arguments, other_outputs, step_loss
 from ortrain.length_branches import LOWEST, UNKNOWN, BranchRegions, GraphCache
+from ortrain.padding_roles import Pad, padding_values
 
 MODES = ("auto", "off")
 IGNORE_INDEX = -100  # torch's cross_entropy default, what HF losses and ortrain's label sites skip
@@ -138,12 +151,13 @@ def _one_thread_fewer(fewer: bool) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-# a padded batch -> its training graph's padding proof (verdict, detail); None: no graph;
-# ("pending", why): its graph is building (ortrain/background_build.py), asked again later
-Prove = Callable[[dict[str, Any]], "tuple[str, str] | None"]
+# a padded batch and what its learned tensors' padding holds (None: the names say it all)
+# -> its training graph's padding proof (verdict, detail); None: no graph; ("pending",
+# why): its graph is building (ortrain/background_build.py), asked again later
+Prove = Callable[[dict[str, Any], "Mapping[str, float | None] | None"], "tuple[str, str] | None"]
 
 
-def _constant(value: int) -> PadFn:
+def _constant(value: float) -> PadFn:
     def pad(t: torch.Tensor, extra: int) -> torch.Tensor:
         shape = (t.shape[0], extra, *t.shape[2:])
         return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
@@ -161,6 +175,10 @@ def _on(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def _device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters(), torch.empty(0)).device
+
+
 def _integer(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
@@ -174,6 +192,10 @@ class Layout:
     # "right": every row's mask is ones then zeros (or all ones); "left": zeros then ones;
     # "holes": any other mask; "unmasked": no attention_mask (causal models, packed data)
     side: str
+    # sequence-axis tensors whose padding is not known by name: learned (``padding_roles``)
+    learn: tuple[str, ...] = ()
+    # what the graph's padding proof may assume each padded tensor holds (None: anything)
+    holds: dict[str, float | None] = dataclasses.field(default_factory=dict)
 
     @property
     def right_padded(self) -> bool:
@@ -189,15 +211,21 @@ class Layout:
         return {k: self.pads[k](v, extra) if k in self.pads else v for k, v in batch.items()}
 
 
-def layout(batch: Mapping[str, Any], pad_id: int) -> Layout | str:
-    """The batch's padding plan, or why it cannot be padded."""
+def layout(
+    batch: Mapping[str, Any], pad_id: int, learned: Mapping[str, Pad] | None = None
+) -> Layout | str:
+    """The batch's padding plan, or why it cannot be padded. ``learned``: the padding of
+    batch tensors whose names say nothing (``padding_roles``); one not in it is in the
+    plan's ``learn`` (padded with zeros until learned)."""
     mask = batch.get(MASK)
-    if mask is None:  # unmasked: keyed by its input_ids
+    if mask is None:  # unmasked: keyed by its token ids (input_ids, else the first such)
         ids = batch.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or not _integer(ids):
-            return f"no {MASK} and no 2-D integer input_ids"
+        if ids is None:
+            ids = next((v for v in batch.values() if _token_ids(v)), None)
+        if not _token_ids(ids):
+            return f"no {MASK} and no 2-D integer tensor of token ids"
         b, n = ids.shape
-        return _plan(batch, b, n, pad_id, "unmasked")
+        return _plan(batch, b, n, pad_id, "unmasked", learned or {})
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         return f"no 2-D {MASK}"
     if not bool(((mask == 0) | (mask == 1)).all()):
@@ -209,44 +237,63 @@ def layout(batch: Mapping[str, Any], pad_id: int) -> Layout | str:
         side = "left"
     else:
         side = "holes"
-    return _plan(batch, b, n, pad_id, side)
+    return _plan(batch, b, n, pad_id, side, learned or {})
 
 
-def _plan(batch: Mapping[str, Any], b: int, n: int, pad_id: int, side: str) -> Layout | str:
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.ndim == 2 and _integer(v)
+
+
+def _plan(
+    batch: Mapping[str, Any],
+    b: int,
+    n: int,
+    pad_id: int,
+    side: str,
+    learned: Mapping[str, Pad],
+) -> Layout | str:
     pads: dict[str, PadFn] = {}
+    holds: dict[str, float | None] = {}
+    learn: list[str] = []  # (padded with zeros meanwhile)
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
             continue
         if v.ndim >= 2 and tuple(v.shape[:2]) == (b, n):
-            fn = _pad_fn(k, v, pad_id)
-            if isinstance(fn, str):
-                return fn
-            pads[k] = fn
+            if k in _NAMED:
+                if not _integer(v) and k != MASK:
+                    return f"'{k}' is {v.dtype}, not token ids"
+                value, holds[k] = _NAMED[k]
+                if k == "input_ids":
+                    value = holds[k] = pad_id
+                pads[k] = _continue_positions if k == "position_ids" else _constant(value)
+            elif k in learned:
+                pads[k] = _constant(learned[k])
+                holds[k] = learned[k]
+            else:
+                pads[k] = _constant(0)
+                learn.append(k)
         elif n in tuple(v.shape[1:]):
             return f"'{k}' {list(v.shape)} has the length {n} on an axis other than 1"
-    return Layout(n, pads, side)
+    return Layout(n, pads, side, tuple(learn), holds)
 
 
-def _pad_fn(key: str, t: torch.Tensor, pad_id: int) -> PadFn | str:
-    if key == MASK:
-        return _constant(0)
-    if not _integer(t):
-        return f"'{key}' is {t.dtype}, not token ids"
-    if key == "input_ids":
-        return _constant(pad_id)
-    if key in ("labels", LOSS_LABELS):
-        return _constant(IGNORE_INDEX)
-    if key == "token_type_ids":
-        return _constant(0)
-    if key == "position_ids":
-        return _continue_positions
-    return f"no padding rule for batch input '{key}'"
+# the padding of batch tensors named as transformers names them: (value, what the graph's
+# proof may assume it holds: None, anything); input_ids: the model's pad token
+_NAMED: dict[str, tuple[int, int | None]] = {
+    MASK: (0, 0),
+    "input_ids": (0, 0),
+    "labels": (IGNORE_INDEX, IGNORE_INDEX),
+    LOSS_LABELS: (IGNORE_INDEX, IGNORE_INDEX),
+    "token_type_ids": (0, None),
+    "position_ids": (0, None),  # continuing each row
+}
 
 
 def max_positions(module: torch.nn.Module) -> int | None:
-    """The longest sequence the model's position table holds (HF configs), else None."""
+    """The longest sequence the model's position table holds (HF configs, nanoGPT's and
+    minGPT's), else None."""
     cfg = getattr(module, "config", None)
-    for name in ("max_position_embeddings", "n_positions"):
+    for name in ("max_position_embeddings", "n_positions", "block_size"):  # (nanoGPT's last)
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -316,6 +363,12 @@ class Bucketing:
         self._cache = cache
         self.branches = BranchRegions(module, loss_fn, cache)
         self._told: set[tuple] = set()  # (layout, range) warned about
+        # per layout: the padding of tensors whose names say nothing (padding_roles.py)
+        self.learned: dict[tuple, dict[str, Pad]] = {}
+        # per layout: the shortest length its padded eager run failed at (not padded to)
+        self._fails: dict[tuple, int] = {}
+        self._ran: dict[tuple, set[int]] = {}  # per layout: lengths eager ran padded to
+        self._lengths: dict[tuple, set[int]] = {}  # per layout to learn: the lengths seen
 
     def pad(
         self,
@@ -339,15 +392,29 @@ class Bucketing:
         if isinstance(plan, str):
             return Padded(batch)
         key = plan.key(train)
+        holds = None  # (the names say what the padding holds)
+        if plan.learn:
+            if key not in self.learned:  # padded from its second length on (2.)
+                seen = self._lengths.setdefault(key, set())
+                seen.add(plan.length)
+                if len(seen) < 2:
+                    return Padded(batch)
+            learned = self._learned(key, batch, plan, train)
+            if learned is None:  # eager fails on the batch: it runs as given (and raises)
+                return Padded(batch)
+            plan = layout(batch, self._pad_id, learned)
+            assert not isinstance(plan, str)
+            holds = plan.holds
         verdict = self.verdicts.get(key)
         to = self.bucket(plan.length)
         if verdict is not None and verdict.exact:
             to = self._borrow(key, to)
+        to = self._capped(key, plan.length, to)
         if to == plan.length:  # its own bucket already
             self._graphs.setdefault(key, set()).add(to)
             return Padded(batch)
         if verdict is None and proof_first and prove is not None and key not in self.proofs:
-            proof = prove(plan.apply(batch, to))
+            proof = prove(plan.apply(batch, to), holds)
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)
         drop = _nothing
@@ -362,12 +429,12 @@ class Bucketing:
         except BaseException:
             drop()
             raise
-        if not same:
+        if not same or not self._runs_at(key, batch, plan, to, train):
             drop()
             return Padded(batch)
         padded = plan.apply(batch, to)
         if prove is not None and key not in self.proofs:
-            proof = prove(padded)
+            proof = prove(padded, holds)
             if proof is not None and proof[0] == "pending":
                 return Padded(batch)  # its graph builds in the background: unpadded meanwhile
             verdict = self._proven(key, proof, plan, train)
@@ -394,6 +461,10 @@ class Bucketing:
             verdict = self._checked(batch, plan, to, train)
         if verdict.reason.startswith(EAGER_FAILS):  # a bad batch says nothing of the layout
             return verdict
+        if verdict.reason.startswith(CHECK_FAILED):  # only this long (a table's end, an assert)
+            self._fail(key, plan, to, train, verdict.reason)
+            return verdict
+        self._ran.setdefault(key, set()).add(to)
         self.verdicts[key] = verdict
         if not verdict.exact:
             side = {"left": "left-padded ", "holes": "masked (with holes) "}.get(plan.side, "")
@@ -454,6 +525,55 @@ class Bucketing:
         self._borrowed[(key, own)] += 1
         return min(longer)
 
+    def _fail(self, key: tuple, plan: Layout, to: int, train: bool, why: str) -> None:
+        if to < self._fails.get(key, 1 << 62):
+            self._fails[key] = to
+            warnings.warn(
+                f"ortrain: batches with {', '.join(sorted(plan.pads))} are not padded to {to} "
+                f"or more ({'training' if train else 'evaluation'}): {why}",
+                stacklevel=6,
+            )
+
+    def _runs_at(
+        self, key: tuple, batch: Mapping[str, Any], plan: Layout, to: int, train: bool
+    ) -> bool:
+        """Whether eager runs the forward padded to ``to``, tried once per length before a
+        layout's batches go there (past a position table nothing names, every later
+        batch's step would fail where the user's own batch runs). Kept in the graph cache."""
+        if to in self._ran.get(key, set()):
+            return True
+        what = f"padding-runs/{'train' if train else 'eval'}/{plan.side}"
+        padded = _on(plan.apply(batch, to), _device(self.module))
+        if self._cache is None or self._cache.recall(what, padded) is None:
+            try:
+                self._forward(padded, train)
+            except Exception as exc:
+                try:  # a bad batch fails as given too: that says nothing of the length
+                    self._forward(_on(batch, _device(self.module)), train)
+                except Exception:
+                    return False
+                why = f"{CHECK_FAILED} ({type(exc).__name__}: {first_line(exc)})"
+                self._fail(key, plan, to, train, why)
+                return False
+            if self._cache is not None:
+                self._cache.remember(what, padded, True)
+        self._ran.setdefault(key, set()).add(to)
+        return True
+
+    def _forward(self, batch: Mapping[str, Any], train: bool) -> None:
+        with self._looking(train, []), torch.no_grad():
+            args, kwargs = call_arguments(self.module, batch)
+            step_loss(self.module(*args, **kwargs), batch, self.loss_fn)
+
+    def _capped(self, key: tuple, length: int, to: int) -> int:
+        """``to``, or less: no longer than the traced range of lengths that take
+        ``length``'s Python branches (6.: a model's ``assert T <= block_size`` ends one),
+        never as long as a length whose padded eager run failed (the batch unpadded)."""
+        for lo, hi in self.branches.regions.get(key, []):
+            if (lo, hi) != UNKNOWN and lo <= length <= hi < to:
+                to = hi
+        return length if to >= self._fails.get(key, 1 << 62) else to
+
     def bucket(self, length: int) -> int:
         """The length a batch of ``length`` tokens is padded to."""
         to = bucket_length(length)
@@ -477,29 +597,13 @@ class Bucketing:
         return verdict
 
     def _check(self, batch: Mapping[str, Any], plan: Layout, to: int, train: bool) -> Verdict:
-        if self._sync is not None:
-            self._sync()
-        module = self.module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and train]
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and train]
         params = [p for _, p in named]
-        devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
-        from ortrain.core.own_hooks import users_hooks_paused
-        from ortrain.python_state import kept
-        from ortrain.verify import in_mode, no_dropout, restoring
-
         try:
             # a training layout in training mode (batch statistics see the padding), dropout
             # off on both runs; the buffers a training forward updates are put back
-            batch = _on(batch, next(module.parameters(), torch.empty(0)).device)
-            with (
-                in_mode(module, train),
-                torch.random.fork_rng(devices=devices),
-                torch.set_grad_enabled(train),
-                no_dropout(),
-                restoring(list(module.buffers())),
-                kept(module, self.loss_fn),  # a buffer assigned anew, Python attributes
-                users_hooks_paused(params),  # a look, not a step: a hook that logs sees none
-            ):
+            with self._looking(train, params):
+                batch = _on(batch, _device(self.module))
                 stage = EAGER_FAILS
                 real = self._run(batch, params)
                 stage = CHECK_FAILED
@@ -508,6 +612,60 @@ class Bucketing:
             why = f"{type(exc).__name__}: {first_line(exc)}"
             return Verdict(False, f"{stage} ({why})")
         return compare(real, padded, plan.length, to, [n for n, _ in named])
+
+    @contextlib.contextmanager
+    def _looking(self, train: bool, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Eager runs of the module that leave no trace: the trainer's weights in it, its
+        mode as a step (``train``) runs it, no dropout, its random state, buffers, Python
+        attributes put back, the user's hooks on ``params`` not called."""
+        if self._sync is not None:
+            self._sync()
+        module = self.module
+        devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        from ortrain.core.own_hooks import users_hooks_paused
+        from ortrain.python_state import kept
+        from ortrain.verify import in_mode, no_dropout, restoring
+
+        with (
+            in_mode(module, train),
+            torch.random.fork_rng(devices=devices),
+            torch.set_grad_enabled(train),
+            no_dropout(),
+            restoring(list(module.buffers())),
+            kept(module, self.loss_fn),  # a buffer assigned anew, Python attributes
+            users_hooks_paused(params),  # a look, not a step: a hook that logs sees none
+        ):
+            yield
+
+    def _learned(
+        self, key: tuple, batch: Mapping[str, Any], plan: Layout, train: bool
+    ) -> dict[str, Pad] | None:
+        """The padding of the layout's tensors whose names say nothing: followed through
+        one eager forward and loss (``padding_roles.py``) the first time, kept in the
+        graph cache as the check's verdict is; None where eager fails on the batch."""
+        found = self.learned.get(key)
+        if found is not None:
+            return found
+        what = f"padding-values/{'train' if train else 'eval'}/{plan.side}"
+        signed = plan.apply(batch, self.bucket(plan.length))  # the bucket's signature
+        kept = self._cache.recall(what, signed) if self._cache is not None else None
+        if kept is not None:
+            found = dict(kept[0])
+        else:
+
+            def run(b: Mapping[str, Any]) -> None:
+                self._forward(b, train)
+
+            try:
+                found = padding_values(
+                    run, _on(batch, _device(self.module)), list(plan.learn), self._pad_id
+                )
+            except Exception:  # the step on this batch raises eager's error itself
+                return None
+            if self._cache is not None:
+                self._cache.remember(what, signed, found)
+        self.learned[key] = found
+        return found
 
     def _run(
         self, batch: Mapping[str, Any], params: Sequence[torch.Tensor]

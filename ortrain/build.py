@@ -121,12 +121,22 @@ def label_rows(sites: list[LabelSite], batch: Mapping[str, Any], headroom: bool 
         labels = batch.get(site.input)
         if isinstance(labels, torch.Tensor):
             labelled = int(torch.count_nonzero(labels != site.ignore_index))
-            if headroom:
-                labelled += math.ceil(2 * math.sqrt(labelled))
+            if headroom:  # and the rows of a padded tail: a longer batch fills them
+                labelled += math.ceil(2 * math.sqrt(labelled)) + _tail(labels, site.ignore_index)
             bucket = label_rows_bucket(labelled, site.rows)
             if bucket < site.rows:
                 rows.append((site.node, bucket))
     return tuple(rows)
+
+
+def _tail(labels: torch.Tensor, ignore: int) -> int:
+    """The labels in the trailing columns (axis 1) that every row ignores: right padding's."""
+    if labels.ndim < 2 or labels.shape[1] == 0:
+        return 0
+    columns = (labels != ignore).transpose(0, 1).reshape(labels.shape[1], -1).any(1)
+    real = torch.nonzero(columns)
+    last = int(real[-1]) + 1 if real.numel() else 0
+    return (labels.shape[1] - last) * (labels.numel() // labels.shape[1])
 
 
 def graph_for(sites: list[LabelSite], needed: tuple, built: Iterable[tuple]) -> tuple | None:
@@ -147,6 +157,15 @@ def graph_for(sites: list[LabelSite], needed: tuple, built: Iterable[tuple]) -> 
             if best_rows is None or total < best_rows:
                 best, best_rows = rows, total
     return best
+
+
+def holding(sites: list[LabelSite], needed: tuple, built: Iterable[tuple]) -> tuple | None:
+    """The built label-row choice with the fewest rows that holds ``needed`` at every
+    site, however many it spares; None: none does."""
+    full = {site.node: site.rows for site in sites}
+    need = {**full, **dict(needed)}
+    fits = [r for r in built if all(need[n] <= {**full, **dict(r)}[n] for n in full)]
+    return min(fits, key=lambda r: sum({**full, **dict(r)}.values()), default=None)
 
 
 class _Log:
@@ -297,19 +316,24 @@ def build_train(
 
 
 def padding_proof(
-    batch: Mapping[str, Any], ex: ExportedForward, pad_id: int = 0
+    batch: Mapping[str, Any],
+    ex: ExportedForward,
+    pad_id: int = 0,
+    holds: Mapping[str, float | None] | None = None,
 ) -> tuple[str, str]:
     """Whether padding ``batch``'s sequence axis as bucketing would changes the training
     forward's outputs (``ortrain/padding/``): (verdict, detail); ("", "") where the
-    batch has no sequence axis to pad."""
-    from ortrain.bucketing import IGNORE_INDEX, MASK, layout
+    batch has no sequence axis to pad, or where what a tensor's padding holds is learned
+    (``ortrain/padding_roles.py``) and not given in ``holds`` (the trainer proves it
+    then, on the export it keeps)."""
+    from ortrain.bucketing import layout
     from ortrain.padding import prove
 
     plan = layout(batch, pad_id)
-    if isinstance(plan, str):
+    if isinstance(plan, str) or (plan.learn and holds is None):
         return ("", "")
-    holds = {MASK: 0, "labels": IGNORE_INDEX, "input_ids": pad_id}
-    padded = {k: holds.get(k) for k in plan.pads}
+    said = plan.holds if holds is None else {**plan.holds, **holds}
+    padded = {k: said.get(k) for k in plan.pads}
     outputs = [v.name for v in ex.model.graph.outputs]
     return prove(ex.model, ex.io, outputs, padded, plan.length).as_tuple()
 

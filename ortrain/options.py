@@ -108,7 +108,13 @@ class TrainerOptions:
     bucketing: pad each batch's sequence axis on the right to one of a few bucket lengths
         (multiples of 16 up to 64, then four per doubling: 16, 32, 48, 64, 80, 96, 112,
         128, 160, ...) so variable-length data builds a few graphs instead of one per
-        length. Only where padding is exact: the first batch of each layout (its keys;
+        length. Tensors of the token ids' length are padded by name (``labels`` -100,
+        ``input_ids`` the pad token) or, named otherwise (nanoGPT's ``idx, targets``),
+        as one eager forward finds them read: a loss's targets with its
+        ``ignore_index``, others with the pad token, floats with zeros; never past the
+        model's position table (``max_position_embeddings``, ``n_positions``,
+        ``block_size``, an ``assert`` on the length, a length eager fails at). Only where
+        padding is exact: the first batch of each layout (its keys;
         right- or left-padded ``attention_mask``, one with holes, or none; -100-ignored
         labels) runs eagerly padded and unpadded once, a training layout in training
         mode without dropout, and is bucketed only where loss, gradients and outputs

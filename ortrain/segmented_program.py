@@ -78,7 +78,7 @@ class SegmentedProgram:
         """Segments compile on their first step (a recording forward finds them)."""
         return None
 
-    def padding_proof(self, batch: dict[str, Any]) -> None:
+    def padding_proof(self, batch: dict[str, Any], holds: object = None) -> None:
         """No whole training graph to analyse: the eager check decides alone."""
         return None
 

@@ -19,6 +19,7 @@ rows that hold the batch's.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import warnings
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain import nested_batch
-from ortrain.build import BuiltGraph, ForwardSource, StageRecord, graph_for, label_rows
+from ortrain.bucketing import BORROW_LIMIT
+from ortrain.build import BuiltGraph, ForwardSource, StageRecord, graph_for, holding, label_rows
 from ortrain.core.errors import first_line
 from ortrain.core.roles import Role
 from ortrain.index_check import check_batch
@@ -163,23 +165,31 @@ class WholeGraphs:
         self.train: dict[tuple, CompiledGraph] = {}  # by (signature, label rows)
         self.eval: dict[tuple, CompiledGraph] = {}  # by signature
         self.forwards: dict[tuple, ForwardSource] = {}  # by signature
+        self._borrowed: collections.Counter[tuple] = collections.Counter()
         self.count = 0  # graphs built or loaded (training and eval)
 
     def has_train(self, batch: Mapping[str, Any]) -> bool:
         sig = signature(batch)
         return any(s == sig for s, _ in self.train)
 
-    def find_train(self, batch: Mapping[str, Any]) -> CompiledGraph | None:
-        """The training graph ``batch`` runs on, if one is built."""
+    def find_train(self, batch: Mapping[str, Any], borrow: bool = False) -> CompiledGraph | None:
+        """The training graph ``batch`` runs on, if one is built. ``borrow`` (a step):
+        else one with more labelled rows than the batch needs, up to ``BORROW_LIMIT``
+        times per row count, as bucketing lends a longer length's graph (padded batches'
+        labelled rows vary with their real length: each count a build is too many)."""
         sig = signature(batch)
         forward = self.forwards.get(sig)
         if forward is None:
             return None
         built = [rows for s, rows in self.train if s == sig]
-        rows = graph_for(forward.sites, label_rows(forward.sites, batch), built)
+        needed = label_rows(forward.sites, batch)
+        rows = graph_for(forward.sites, needed, built)
         if rows is None:  # what a build for this batch would make, if it exists already
             target = label_rows(forward.sites, batch, headroom=True)
             rows = target if target in built else None
+            if rows is None and borrow and self._borrowed[(sig, target)] < BORROW_LIMIT:
+                rows = holding(forward.sites, needed, built)
+                self._borrowed[(sig, target)] += rows is not None
         return None if rows is None else self.train[(sig, rows)]
 
     def build_train(
@@ -291,17 +301,18 @@ def _warn_many_shapes(count: int, batch: Mapping[str, Any]) -> None:
 
     why = layout(batch, 0)
     unpadded = (
-        f" This batch is not one it pads ({why}): it knows the inputs input_ids, "
-        "attention_mask, labels (padded with -100), token_type_ids and position_ids; "
-        "name yours so, or pad them yourself."
+        f" This batch is not one it pads ({why}): it pads the tensors of a batch's "
+        "token ids' length (input_ids, else the first 2-D integer tensor), learning "
+        "which of them a loss's targets are; pad such batches yourself."
         if isinstance(why, str)
         else ""
     )
     warnings.warn(
         f"ortrain has built training graphs for {count} batch signatures (latest: {shapes}); "
         "each new shape is exported and compiled again and keeps its own session. "
-        "bucketing='auto' pads right-padded batches with an attention_mask and -100 labels "
-        "to a few lengths by itself; other batches: pad them to a few lengths, e.g. "
+        "bucketing='auto' pads batches to a few lengths by itself where that is exact "
+        "(right-padded or unmasked, a loss that skips the padded targets); other batches: "
+        "pad them to a few lengths, e.g. "
         f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64).{unpadded}{advice}",
         stacklevel=7,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -182,7 +182,7 @@ class WholeProgram:
                 self._keeps_python_state()
         for attempt in range(2):  # a cached graph that disagrees with eager is built anew
             fresh = attempt > 0
-            compiled = None if fresh else self.graphs.find_train(batch)
+            compiled = None if fresh else self.graphs.find_train(batch, borrow=True)
             if compiled is None:
                 compiled = self._build(batch, fresh, reference if ctx.options.verify else None)
             keep = compiled.bind_batch(batch, ctx.device)
@@ -229,10 +229,13 @@ class WholeProgram:
         first step is checked against eager as any graph's)."""
         return self.graphs.find_train(batch) or self._build(batch)
 
-    def padding_proof(self, batch: dict[str, Any]) -> tuple[str, str]:
+    def padding_proof(
+        self, batch: dict[str, Any], holds: Mapping[str, float | None] | None = None
+    ) -> tuple[str, str]:
         """Whether padding reaches the loss of ``batch``'s training graph (built here if
         it is not: the step runs on it next, with eager's reference step taken before the
-        build as a step takes it); a graph where it does is dropped."""
+        build as a step takes it); a graph where it does is dropped. ``holds``: what the
+        padding of tensors bucketing learned holds (proven here, on the export kept)."""
         compiled = self.graphs.find_train(batch)
         if compiled is None and self.background is not None:
             if self._in_background(batch):
@@ -243,10 +246,22 @@ class WholeProgram:
             compiled = self._build(batch, reference=reference)
             if reference is not None:
                 self._references[signature(batch)] = reference
-        if compiled.graph.padding[0] == "mixes":
+        proof = compiled.graph.padding if holds is None else self._learned_proof(batch, holds)
+        if proof[0] == "mixes":
             self.graphs.forget_train(compiled, batch)
             self._references.pop(signature(batch), None)
-        return compiled.graph.padding
+        return proof
+
+    def _learned_proof(self, batch: dict[str, Any], holds: Mapping[str, float | None]) -> tuple:
+        from ortrain.bucketing import pad_token_id
+        from ortrain.build import padding_proof, training_view
+        from ortrain.export import ExportedForward
+
+        forward = self.graphs.forwards.get(signature(batch))
+        if forward is None:
+            return ("", "")
+        ex = training_view(ExportedForward.from_wire(forward.wire))
+        return padding_proof(batch, ex, pad_token_id(self.ctx.module), holds)
 
     def _in_background(self, batch: dict[str, Any]) -> bool:
         """Whether ``batch`` runs in eager while a graph builds: a build that arrived is

@@ -92,14 +92,16 @@ def test_padding_values():
 @pytest.mark.parametrize(
     "change,why",
     [
-        (lambda b: (b.pop("attention_mask"), b.pop("input_ids")), "no attention_mask and no"),
+        (
+            lambda b: (b.pop("attention_mask"), b.update(input_ids=b["input_ids"].float())),
+            "no 2-D integer tensor",
+        ),
         (lambda b: b.update(attention_mask=b["attention_mask"][:, None]), "no 2-D"),
         (lambda b: b["attention_mask"].__setitem__((0, 0), 2), "other than 0 and 1"),
-        (lambda b: b.update(extra=torch.zeros(2, 6, dtype=torch.long)), "no padding rule"),
         (lambda b: b.update(bias=torch.zeros(2, 4, 6)), "on an axis other than 1"),
         (lambda b: b.update(labels=b["labels"].float()), "not token ids"),
     ],
-    ids=["no-mask", "3d-mask", "mask-values", "unknown-key", "length-axis", "float-labels"],
+    ids=["no-mask", "3d-mask", "mask-values", "length-axis", "float-labels"],
 )
 def test_layouts_left_unbucketed(change, why):
     batch = varlen_batch([6, 4])

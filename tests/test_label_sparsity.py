@@ -192,18 +192,26 @@ def _tag_batches(n: int, labelled: list[int], seed: int = 3) -> list[dict[str, t
         ids = torch.randint(0, 64, (4, 16), generator=g)
         tags = torch.full((64,), -1)
         k = labelled[i % len(labelled)]
-        rows = torch.randperm(64, generator=g)[:k]
+        # the last position labelled: a tail that every row ignores is padding's (its rows
+        # kept in a new graph: a longer batch fills them)
+        rows = torch.cat([torch.tensor([63]), torch.randperm(63, generator=g)[: k - 1]])
         tags[rows] = torch.randint(0, 300, (k,), generator=g)
         out.append({"ids": ids, "tags": tags.reshape(4, 16)})
     return out
 
 
-def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
+@pytest.mark.parametrize("limit", [None, 2])
+def test_trainer_matches_eager_and_builds_one_graph_per_bucket(limit, monkeypatch):
+    from ortrain import whole_graph
+
+    if limit is not None:
+        monkeypatch.setattr(whole_graph, "BORROW_LIMIT", limit)
     torch.manual_seed(0)
     eager = TaggerHead()
     model = copy.deepcopy(eager)
     # buckets of 4 rows, built with 2 sqrt(n) headroom: 5 labels build 12 rows (5 + 5),
-    # 9 run on it, 3 build 8 (3 + 4: 12 would spare more than one bucket), 64 all rows
+    # 9 run on it, 64 all rows; 3 would build 8 (3 + 4: 12 spares more than one bucket),
+    # but borrows the 12 rows' graph ``BORROW_LIMIT`` times first (three times here)
     batches = _tag_batches(12, labelled=[5, 9, 3, 64])
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -218,7 +226,8 @@ def test_trainer_matches_eager_and_builds_one_graph_per_bucket():
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-    assert sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs) == [8, 12, 64]
+    rows = sorted(_rows(g, "Softmax")[0] for g in trainer.train_graphs)
+    assert rows == ([12, 64] if limit is None else [8, 12, 64])
 
 
 @pytest.mark.slow
@@ -281,3 +290,23 @@ def test_bert_mlm_decoder_runs_on_the_masked_rows():
     # Decoder GEMM, softmax and their gradients: only the gathered rows.
     assert len(wide) >= 3 and all(s[0] == cap for s in wide), wide
     assert _ops(graph)["TopK"] == 1
+
+
+def test_a_right_padded_batch_builds_for_the_rows_its_padding_may_hold():
+    """Bucketing pads labels with the ignore index: a longer batch of the same bucket fills
+    the padded tail, so a new graph keeps its rows (the rows of a tail that every row
+    ignores); ``holding`` lends any graph with enough rows."""
+    from ortrain.build import holding, label_rows
+    from ortrain.core.names import LabelSite
+
+    site = LabelSite("a", "la", -1, 64)  # labels [4, 16], rows in steps of 4
+    labels = torch.randint(0, 9, (4, 16))
+    labels[:, 10:] = -1  # the padded tail: 24 rows
+    labels[0, :3] = -1  # ignored inside the data: not a tail
+    assert label_rows([site], {"la": labels}) == (("a", 40),)  # 37 labelled
+    # 37 + 2 sqrt(37) + the tail's 24: every row
+    assert label_rows([site], {"la": labels}, headroom=True) == ()
+    labels[:, 15] = 2  # a real label in the last column: no tail
+    assert label_rows([site], {"la": labels}, headroom=True) == (("a", 56),)  # 41 + 13
+    assert holding([site], (("a", 20),), [(("a", 56),), (("a", 24),), ()]) == (("a", 24),)
+    assert holding([site], (("a", 60),), [(("a", 56),)]) is None

@@ -109,6 +109,27 @@ def test_transformers_attention_is_proven_exact(case):
     assert proof_of(model, batch) == ("exact", "")
 
 
+@pytest.mark.parametrize("length", [48, 100])
+def test_a_causal_mask_left_unfolded_is_proven_exact(length):
+    """nanoGPT's ``is_causal`` attention: a small causal mask is exported folded to a
+    constant, a large one as ``Where(Equal(Trilu(ones)))``; both are followed."""
+    from tests.test_loss_outputs import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, n_layer=1))
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "idx": torch.randint(0, 96, (2, length), generator=g),
+        "targets": torch.randint(0, 96, (2, length), generator=g),
+    }
+    ex = training_view(export_forward(model, batch, train=True))
+    assert any(n.op_type == "Trilu" for n in ex.model.graph) == (length == 100)
+    assert padding_proof(batch, ex, 0, {"idx": None, "targets": -1}) == ("exact", "")
+    # the same graph with targets padded by a value the loss does not skip: mixes
+    verdict, why = padding_proof(batch, ex, 0, {"idx": None, "targets": 0})
+    assert verdict == "mixes" and "ignore_index" in why
+
+
 def test_labels_that_do_not_skip_the_padding_mix_in():
     # a token-level loss whose ignore_index is not what bucketing pads labels with
     class Tagger(torch.nn.Module):

@@ -522,7 +522,7 @@ def test_a_python_number_argument_that_changes_is_named_in_the_warning():
         and "Python values passed to the forward (tau)" in said[0]
     )
     # and why bucketing does not pad such batches: it goes by the inputs' names
-    assert "not one it pads (no attention_mask and no 2-D integer input_ids)" in said[0]
+    assert "not one it pads (no attention_mask and no 2-D integer tensor of token ids)" in said[0]
 
 
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])

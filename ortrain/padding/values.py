@@ -218,6 +218,10 @@ def fold(node: ir.Node, ins: list[Val | None]) -> list[np.ndarray | None] | None
         if op == "Transpose":
             perm = int_attr(node, "perm")
             return [np.transpose(arrays[0], perm)]
+        if op == "Trilu":  # a causal mask the exporter left unfolded (too large to fold)
+            k = int(arrays[1].reshape(-1)[0]) if len(arrays) > 1 else 0
+            upper = node.attributes.get_int("upper", 1)
+            return [np.triu(arrays[0], k) if upper else np.tril(arrays[0], k)]
         fn = {
             "Add": np.add,
             "Sub": np.subtract,
