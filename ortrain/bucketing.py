@@ -297,7 +297,8 @@ def max_positions(module: torch.nn.Module) -> int | None:
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    return None
+    value = getattr(module, "block_size", None)  # minGPT keeps it on the model
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def pad_token_id(module: torch.nn.Module) -> int:
