@@ -501,6 +501,65 @@ def scenario_reorder(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+class TokenBlocks(torch.nn.Module):
+    """Token embeddings, two per-token blocks and a head: batches of any length."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(20, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2)
+        )
+        self.out = torch.nn.Linear(16, 20)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return torch.nn.functional.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+
+
+NEW_SHAPE_LENGTHS = (6, 6, 9, 9, 12)
+
+
+def new_shape_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """Six rows a step, cut among the ranks; the length changes after the first step."""
+    g = torch.Generator().manual_seed(6)
+    per = 6 // world
+    out = []
+    for n in NEW_SHAPE_LENGTHS:
+        ids, y = (
+            torch.randint(0, 20, (6, n), generator=g),
+            torch.randint(0, 20, (6, n), generator=g),
+        )
+        out.append(
+            {"ids": ids[rank * per : (rank + 1) * per], "y": y[rank * per : (rank + 1) * per]}
+        )
+    return out
+
+
+def train_new_shapes(stage: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    model = TokenBlocks(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # bucketing off: every length is a call signature of its own
+    options = TrainerOptions(
+        zero_stage=stage, segments="blocks", intra_op_threads=1, bucketing="off"
+    )
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_new_shapes(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses = train_new_shapes(3, new_shape_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / "new_shapes_params.pt")
+    segments = trainer.segments
+    assert segments is not None and segments.model is not None
+    return {"losses": losses, "compiled": sorted(segments.model.compiled)}
+
+
 class SharedBlock(torch.nn.Module):
     """A block applied twice in one forward, apart (ALBERT-style sharing): two calls of one
     segment, its parameters' gradients added from both backwards."""
@@ -1025,6 +1084,7 @@ def main() -> None:
         "reorder": scenario_reorder,
         "shared": scenario_shared,
         "tempered": scenario_tempered,
+        "new_shapes": scenario_new_shapes,
         "eager_reads": scenario_eager_reads,
         "rmsprop": scenario_rmsprop,
         "frozen": scenario_frozen,

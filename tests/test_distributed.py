@@ -387,6 +387,22 @@ def test_zero3_prefetch_follows_a_changing_block_order(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero3_batches_of_a_new_length_after_the_first_step_train_as_one_process(tmp_path):
+    """A length first seen after the first step is a new call signature of the compiled
+    blocks: each plans it with the module's own forward (not the gathering one, whose
+    collectives and gathers ran inside the export's trace and left a meta tensor in the
+    parameter: the step raised). Losses and parameters equal one process."""
+    from tests.dist_worker import new_shape_batches, train_new_shapes
+
+    trainer, losses = train_new_shapes(0, new_shape_batches(0, 1))
+    results = finish(launch("new_shapes", tmp_path), tmp_path, "new_shapes")
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "new_shapes_params.pt"), trainer.module)
+    for r in results:
+        assert {"blocks.0", "blocks.1"} <= set(r["compiled"]), r["compiled"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3], ids=["zero3"])
 def test_a_block_called_twice_trains_as_one_process(tmp_path, stage):
     """A block applied twice in a forward, apart (weight sharing): its segment's backward

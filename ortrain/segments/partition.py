@@ -658,12 +658,31 @@ class SegmentedModel:
         """A signature first seen now: plan that module alone for it (eager if it fails)."""
         if not training:
             return None  # evaluation-mode calls run in eager
-        plan = self.replan(name, call, training)
+        with self._own_forwards():
+            plan = self.replan(name, call, training)
         mine = [p for p in plan.modules if p.name == name and p.status == "compiled"]
         if not mine:
             return None
         index = next(iter(mine[0].graphs.values()))
         return self._runner(plan.graphs[index])
+
+    @contextlib.contextmanager
+    def _own_forwards(self) -> Iterator[None]:
+        """Inside ``active``: the modules' own forwards back, for a plan that exports and
+        checks a module as it is. Its patched forward would gather ZeRO-3's parameters
+        inside the exporter's trace (fake buffers assigned to the real parameters) and
+        run collectives in a forked build's child."""
+        patched = {}
+        for name in self.runners:
+            m = self.module.get_submodule(name)
+            forward = m.__dict__.pop("forward", None)
+            if forward is not None:
+                patched[name] = (m, forward)
+        try:
+            yield
+        finally:
+            for m, forward in patched.values():
+                m.forward = forward  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
