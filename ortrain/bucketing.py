@@ -444,6 +444,54 @@ class Bucketing:
         self._graphs.setdefault(key, set()).add(to)
         return Padded(padded, plan.length, verdict.seq_axes)
 
+    def needs_eager(self, batch: Mapping[str, Any], *, train: bool) -> bool:
+        """Whether ``pad`` would run the module in eager on ``batch`` (the layout's check,
+        its padding values, the length trace, a new bucket length's forward): nothing
+        known yet, in this process or the graph cache. Changes nothing. ZeRO-3 asks it
+        first, as those runs need every parameter whole on every rank."""
+        if self.mode == "off":
+            return False
+        plan = layout(batch, self._pad_id)
+        if isinstance(plan, str):
+            return False
+        key = plan.key(train)
+        cache = self._cache
+        kind = "train" if train else "eval"
+        if plan.learn:
+            learned = self.learned.get(key)
+            if learned is None:
+                if len(self._lengths.get(key, set()) | {plan.length}) < 2:
+                    return False
+                signed = plan.apply(batch, self.bucket(plan.length))
+                kept = cache.recall(f"padding-values/{kind}/{plan.side}", signed) if cache else None
+                if kept is None:
+                    return True
+                learned = dict(kept[0])
+            plan = layout(batch, self._pad_id, learned)
+            assert not isinstance(plan, str)
+        verdict = self.verdicts.get(key)
+        to = self.bucket(plan.length)
+        if verdict is not None and verdict.exact:
+            to = self._lender(key, to)
+        to = self._capped(key, plan.length, to)
+        if to == plan.length:
+            return False
+        padded = plan.apply(batch, to)
+        if verdict is None:
+            kept = cache.recall(f"padding-check/{kind}/{plan.side}", padded) if cache else None
+            if kept is None:
+                return True
+            verdict = Verdict(bool(kept[0][0]), str(kept[0][1]))
+        if not verdict.exact:
+            return False
+        upper = self._max if self._max is not None else 1 << 20
+        padded = _on(padded, _device(self.module))
+        if not self.branches.known(key, padded, list(plan.pads), upper, train):
+            return True
+        if to in self._ran.get(key, set()):
+            return False
+        return cache is None or cache.recall(f"padding-runs/{kind}/{plan.side}", padded) is None
+
     def _verdict(
         self,
         key: tuple,
@@ -519,11 +567,17 @@ class Bucketing:
         """``own``, or the smallest longer length that has a graph already while ``own`` has
         none and has borrowed fewer than ``BORROW_LIMIT`` times (rare lengths never pay a
         build; a common one gets its graph after a bounded waste)."""
+        to = self._lender(key, own)
+        if to != own:
+            self._borrowed[(key, own)] += 1
+        return to
+
+    def _lender(self, key: tuple, own: int) -> int:
+        """The length ``_borrow`` would pad to (counting nothing)."""
         graphs = self._graphs.get(key, set())
         longer = [n for n in graphs if n > own]
         if own in graphs or not longer or self._borrowed[(key, own)] >= BORROW_LIMIT:
             return own
-        self._borrowed[(key, own)] += 1
         return min(longer)
 
     def _fail(self, key: tuple, plan: Layout, to: int, train: bool, why: str) -> None:

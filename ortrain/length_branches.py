@@ -124,6 +124,16 @@ class BranchRegions:
         self.cache = cache
         self.regions: dict[tuple, list[Region]] = {}
 
+    def known(
+        self, key: tuple, padded: dict[str, Any], seq_keys: Sequence[str], upper: int, train: bool
+    ) -> bool:
+        """Whether ``region`` answers for ``padded`` without a trace."""
+        to = int(padded[seq_keys[0]].shape[1])
+        if any(r[0] <= to <= r[1] for r in self.regions.get(key, [])):
+            return True
+        what = f"length-branches/{'train' if train else 'eval'}/{upper}"
+        return self.cache is not None and self.cache.recall(what, padded) is not None
+
     def region(
         self, key: tuple, padded: dict[str, Any], seq_keys: Sequence[str], upper: int, train: bool
     ) -> Region:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ortrain.batch_input import BatchInput
-from ortrain.bucketing import Bucketing
+from ortrain.bucketing import Bucketing, Padded
 from ortrain.build import StageRecord
 from ortrain.core.errors import BatchError, OrtrainError, TrainableChangedError
 from ortrain.evaluation import Evaluation, StepOutputs
@@ -275,9 +275,20 @@ class ORTTrainer(TrainerState, TrainerViews):
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:
         first = getattr(program, "background", None) is not None  # its proof comes later
         start = getattr(program, "start_early", None)
-        return self.bucketing.pad(
-            batch, train=True, prove=program.padding_proof, proof_first=first, start=start
-        ).batch
+        whole_if_any = getattr(self._ctx.reducer, "whole_if_any", None)
+        if whole_if_any is None or self.bucketing.mode == "off":
+            return self.bucketing.pad(
+                batch, train=True, prove=program.padding_proof, proof_first=first, start=start
+            ).batch
+        # ZeRO-3: a rank holds shards; bucketing's eager runs gather every parameter, on
+        # every rank at once where any rank needs them (a vote each micro-step)
+        needed = self.bucketing.needs_eager(batch, train=True)
+        with whole_if_any(needed) as whole:
+            if needed and not whole:
+                return batch
+            return self.bucketing.pad(
+                batch, train=True, prove=program.padding_proof, proof_first=first, start=start
+            ).batch
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> StepOutputs:
@@ -288,7 +299,10 @@ class ORTTrainer(TrainerState, TrainerViews):
         if self._ctx.reducer is None:  # (collectives under torch.distributed: train_step's)
             self._ctx.structure_changed()
             self._follow_python_values()  # a value set since the last step: built anew
-        padded = self.bucketing.pad(self._batch(args, kwargs), train=False)
+        batch = self._batch(args, kwargs)
+        # ZeRO-3 evaluates in eager (its parameters gathered): no graph to share a length
+        zero3 = hasattr(self._ctx.reducer, "whole_if_any")
+        padded = Padded(batch) if zero3 else self.bucketing.pad(batch, train=False)
         outputs = self._evaluation.outputs(padded.batch)
         if self._ctx.reducer is None:  # looked at above: what changed since, its forward did
             self._ctx.forward_ran()

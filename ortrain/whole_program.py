@@ -41,7 +41,7 @@ from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
 from ortrain.python_state import describe
 from ortrain.runtime.binder import bind_training_graph
-from ortrain.runtime.heap import trim_heap
+from ortrain.runtime.heap import available_bytes, trim_heap
 from ortrain.runtime.session import CudaGraphCaptureError, UnbindableError, register_cpu_arena
 from ortrain.speed_trial import SpeedTrial
 from ortrain.step_errors import failed_in_onnxruntime, from_onnxruntime, run_failed
@@ -60,18 +60,6 @@ BESIDE_SPARE = 1 << 30
 
 def _nothing() -> None:
     pass
-
-
-def _available_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (None: not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _cores() -> int:
@@ -180,34 +168,19 @@ class WholeProgram:
         if ctx.options.verify and st.grad_params is None:
             if ctx.eager.any_rank(bool(reference is not None and ctx.eager.stateful)):
                 self._keeps_python_state()
-        for attempt in range(2):  # a cached graph that disagrees with eager is built anew
-            fresh = attempt > 0
-            compiled = None if fresh else self.graphs.find_train(batch, borrow=True)
-            if compiled is None:
-                compiled = self._build(batch, fresh, reference if ctx.options.verify else None)
-            keep = compiled.bind_batch(batch, ctx.device)
-            if ctx.options.grad_accumulation_steps > 1 and st.micro_step == 0:
-                st.zero_grads()
-            if st.scaler is not None:
-                st.loss_scale.fill_(st.scaler.scale)
-            if ctx.engine.in_backward:  # this step's hyperparameters go into the graph
-                ctx.engine.before_run(group_values(ctx.optimizer, ctx.spec))
-            if compiled.verified or not ctx.options.verify:
-                break
-            checked = self._checks_out(compiled, batch, reference if attempt == 0 else None)
-            # eager's gradients and the check's copies, the model's size each, are freed:
-            # the heap hands their pages back rather than holding them for the run
-            reference = None
-            trim_heap()
-            if checked:
-                break
-            if not compiled.cache_hit:
-                raise AssertionError("unreachable: _checks_out raises for a built graph")
-            warnings.warn(
-                "ortrain: a graph from the graph cache disagrees with eager on its first step "
-                "(what the forward reads changed since it was stored); building it again",
-                stacklevel=4,
-            )
+        failed: NotOneGraph | VerificationError | None = None
+        try:
+            compiled, keep = self._checked_graph(batch, reference)
+        except (NotOneGraph, VerificationError) as exc:
+            failed = exc
+        comm = getattr(ctx.reducer, "comm", None)
+        # ranks build graphs of their own batches' shapes, at steps of their own: whether a
+        # graph failed its build or check is voted every micro-step (one all-reduce), so
+        # that every rank leaves the graphs together, as on the first step
+        if comm is not None and comm.any(failed is not None) and failed is None:
+            failed = self._elsewhere()
+        if failed is not None:
+            raise failed
         try:
             compiled.session.run()
         except CudaGraphCaptureError:  # its own message; the session restored the state
@@ -223,6 +196,49 @@ class WholeProgram:
         for new, buffer in compiled.buffer_updates:  # as eager: every micro-step updates
             buffer.copy_(new)
         return ctx.end_micro_step(st.loss.clone())
+
+    def _checked_graph(
+        self, batch: dict[str, Any], reference: EagerStep | None
+    ) -> tuple[CompiledGraph, object]:
+        """``batch``'s training graph, built or loaded unless it is, its batch bound (and
+        what keeps the binding), its first step checked against eager."""
+        ctx, st = self.ctx, self.ctx.state
+        for attempt in range(2):  # a cached graph that disagrees with eager is built anew
+            fresh = attempt > 0
+            compiled = None if fresh else self.graphs.find_train(batch, borrow=True)
+            if compiled is None:
+                compiled = self._build(batch, fresh, reference if ctx.options.verify else None)
+            keep = compiled.bind_batch(batch, ctx.device)
+            if ctx.options.grad_accumulation_steps > 1 and st.micro_step == 0:
+                st.zero_grads()
+            if st.scaler is not None:
+                st.loss_scale.fill_(st.scaler.scale)
+            if ctx.engine.in_backward:  # this step's hyperparameters go into the graph
+                ctx.engine.before_run(group_values(ctx.optimizer, ctx.spec))
+            if compiled.verified or not ctx.options.verify:
+                return compiled, keep
+            checked = self._checks_out(compiled, batch, reference if attempt == 0 else None)
+            # eager's gradients and the check's copies, the model's size each, are freed:
+            # the heap hands their pages back rather than holding them for the run
+            reference = None
+            trim_heap()
+            if checked:
+                return compiled, keep
+            if not compiled.cache_hit:
+                raise AssertionError("unreachable: _checks_out raises for a built graph")
+            warnings.warn(
+                "ortrain: a graph from the graph cache disagrees with eager on its first step "
+                "(what the forward reads changed since it was stored); building it again",
+                stacklevel=5,
+            )
+        raise AssertionError("unreachable: a graph built anew is checked or raises")
+
+    def _elsewhere(self) -> NotOneGraph | VerificationError:
+        """What a rank whose graph is fine raises where another rank's failed."""
+        bad = "another rank's training graph failed its build or its first step's check"
+        if self.ctx.options.fallback == "off":
+            return VerificationError(bad)
+        return NotOneGraph(bad, VerificationError(bad))
 
     def prepare(self, batch: dict[str, Any]) -> CompiledGraph:
         """``batch``'s training graph, built (or loaded) unless it is; bound, not run (its
@@ -460,7 +476,7 @@ class WholeProgram:
         initializers), and one after the other never needs both at once."""
         st = self.ctx.state
         model = sum(t.nbytes for t in (*st.params.values(), *st.buffers.values()))
-        free = _available_bytes()
+        free = available_bytes()
         return free is None or free > BESIDE_MODEL_COPIES * model + BESIDE_SPARE
 
     def start_early(self, batch: dict[str, Any]) -> Callable[[], None]:

@@ -21,6 +21,8 @@ rmsprop data parallel with an optimizer ortrain does not compile (its own step, 
 layer_drop data parallel of a model that skips blocks at random: the same coins on every
         rank, then each rank its own
 reentrant ZeRO-2 of a model whose blocks run inside reentrant activation checkpoints
+bucketed data parallel or ZeRO-2/3 (ORTRAIN_TEST_STAGE) with bucketing on, each rank a
+        length of its own every micro-step
 elementwise ZeRO-1/2/3 (ORTRAIN_TEST_STAGE) with an optimizer ortrain does not compile
         that works element by element (ORTRAIN_TEST_OPT): its own step on the shard; a
         sharded checkpoint after two optimizer steps (ORTRAIN_TEST_RESUME: resumed from it)
@@ -560,6 +562,47 @@ def scenario_new_shapes(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"losses": losses, "compiled": sorted(segments.model.compiled)}
 
 
+# per micro-step, each rank's length (ranks differ): the first as given, the rest padded
+BUCKETED_LENGTHS = ((6, 7), (6, 11), (13, 6), (10, 9), (12, 14), (5, 17), (20, 3), (8, 8))
+
+
+def bucketed_batches(world: int) -> list[list[dict[str, torch.Tensor]]]:
+    """Per micro-step, every rank's batch: three rows of that rank's length."""
+    g = torch.Generator().manual_seed(9)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 20, (3, n), generator=g)
+        return {"ids": ids, "y": torch.randint(0, 20, (3, n), generator=g)}
+
+    return [[batch(n) for n in lengths[:world]] for lengths in BUCKETED_LENGTHS]
+
+
+def scenario_bucketed(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Data parallel (one graph per length) or ZeRO-``ORTRAIN_TEST_STAGE`` (segments)
+    with bucketing on, ranks of other lengths each step."""
+    stage = _stage()
+    model = TokenBlocks(rank)  # rank 0's weights are broadcast
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    segments = "blocks" if stage >= 2 else "auto"
+    options = TrainerOptions(zero_stage=stage, segments=segments, intra_op_threads=1)
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    losses = [trainer.train_step(**per[rank]).item() for per in bucketed_batches(world)]
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / f"bucketed{stage}_params.pt")
+    if trainer.segments is None:  # the lengths of its graphs
+        graphs = trainer.train_graphs
+        lengths = {v.shape[1] for m in graphs for v in m.graph.inputs if v.name == "ids"}
+    else:  # of its first block's call signatures
+        assert trainer.segments.model is not None
+        lengths = {key[0] for key in trainer.segments.model.runners["blocks.0"]}
+    return {
+        "losses": losses,
+        "compiled": len(lengths),
+        "verdicts": [v.exact for v in trainer.bucketing.verdicts.values()],
+    }
+
+
 class SharedBlock(torch.nn.Module):
     """A block applied twice in one forward, apart (ALBERT-style sharing): two calls of one
     segment, its parameters' gradients added from both backwards."""
@@ -1085,6 +1128,7 @@ def main() -> None:
         "shared": scenario_shared,
         "tempered": scenario_tempered,
         "new_shapes": scenario_new_shapes,
+        "bucketed": scenario_bucketed,
         "eager_reads": scenario_eager_reads,
         "rmsprop": scenario_rmsprop,
         "frozen": scenario_frozen,

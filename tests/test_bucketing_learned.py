@@ -261,3 +261,33 @@ def test_a_bucket_past_a_table_nothing_names_is_not_padded_to():
         warnings.simplefilter("error")  # (no bound said)
         assert b.pad(bad, train=True).length is None
     assert b.pad(batch(26), train=True).batch["tokens"].shape == (2, 32)
+
+
+def test_needs_eager_says_beforehand_whether_pad_runs_the_module():
+    """ZeRO-3 asks ``needs_eager`` before ``pad`` (its ranks then gather every parameter
+    together): it must say yes exactly where ``pad`` will run the module (learning the
+    padding, the check, the trace, a new bucket length's forward), and change nothing."""
+    model = _Bounded(asserts=False)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    b = Bucketing(model, None)
+    g = torch.Generator().manual_seed(0)
+    said = []
+    for n in (10, 10, 20, 25, 20, 37, 12, 3, 30, 38, 12):
+        batch = {
+            "tokens": torch.randint(0, V, (2, n), generator=g),
+            "answers": torch.randint(0, V, (2, n), generator=g),
+        }
+        state = copy.deepcopy((b.learned, b.verdicts, b._lengths, b._borrowed, b._graphs))
+        needed = b.needs_eager(batch, train=True)
+        assert b.needs_eager(batch, train=True) == needed
+        assert copy.deepcopy((b.learned, b.verdicts, b._lengths, b._borrowed, b._graphs)) == state
+        before = len(calls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (38 is not padded past the table: it warns)
+            b.pad(batch, train=True)
+        assert needed == (len(calls) > before), (n, needed)
+        said.append(needed)
+    # the first length as given; the second learns, checks and traces; 37 tries the new
+    # bucket length 48 (past the table: it fails), so 38 runs as given without a try
+    assert said == [False, False, True, False, False, True, False, False, False, False, False]

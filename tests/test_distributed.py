@@ -403,6 +403,41 @@ def test_zero3_batches_of_a_new_length_after_the_first_step_train_as_one_process
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2, 3], ids=["dp", "zero2", "zero3"])
+def test_bucketing_pads_each_ranks_lengths(tmp_path, stage):
+    """Ranks whose batches have other lengths each micro-step (3 to 20, no mask, targets
+    with names bucketing learns): after a rank's first length, batches are padded to 16
+    and 32 (three lengths compiled, not eight), each rank building at steps of its own.
+    Under data parallel a graph's build and first-step check is voted each micro-step
+    (the check's vote ran on the building rank alone: gloo's sizes mismatched and the
+    process aborted); under ZeRO-2/3 the ranks agree on which tables' gradients go as
+    rows (rank 1's embedding has a second call signature a step before rank 0's: its
+    rows were routed and gathered there alone, and the ranks hung);
+    under ZeRO-3 a rank holds shards, so bucketing's eager runs gather every parameter
+    on every rank where any rank needs them. Each rank's loss equals eager's on its own
+    batch, and the parameters eager's trained on the mean of the ranks' losses."""
+    from tests.dist_worker import BUCKETED_LENGTHS, TokenBlocks, bucketed_batches
+
+    model = TokenBlocks(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for per in bucketed_batches(WORLD):
+        opt.zero_grad()
+        losses = [model(**b) for b in per]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        expected.append([loss.item() for loss in losses])
+    env = {"ORTRAIN_TEST_STAGE": str(stage)}
+    results = finish(launch("bucketed", tmp_path, **env), tmp_path, "bucketed")
+    for rank, r in enumerate(results):
+        assert_losses(r["losses"], [e[rank] for e in expected])
+        assert r["verdicts"] == [True], r["verdicts"]
+        assert len({n[rank] for n in BUCKETED_LENGTHS}) >= 7
+        assert r["compiled"] == 3, r  # its first length as given, then 16 and 32
+    assert_params(torch.load(tmp_path / f"bucketed{stage}_params.pt"), model)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3], ids=["zero3"])
 def test_a_block_called_twice_trains_as_one_process(tmp_path, stage):
     """A block applied twice in a forward, apart (weight sharing): its segment's backward

@@ -135,6 +135,11 @@ class _Sink:
     def route(self, rows: set[str], factors: set[str]) -> None:
         self.routes.append((set(rows), set(factors)))
 
+    def agree_routes(
+        self, routed: frozenset[str], rows: frozenset[str], factors: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        return routed, rows, factors  # (one rank)
+
     def add_rows(self, name: str, rows: torch.Tensor, updates: torch.Tensor) -> None:
         self.rows.setdefault(name, []).append((rows.clone(), updates.clone()))
 

@@ -198,6 +198,13 @@ class ShardedGradients(ShardedState):
         self._groups = block_of(training.module, layout.names)
         # parameters whose gradient comes outside autograd (``route``), in pieces
         self.routed: tuple[str, ...] = ()
+        # this rank's last offer of parameters to route, and what the ranks agreed on
+        self._offer: tuple[frozenset[str], ...] | None = None
+        self._agreed_routes: tuple[frozenset[str], frozenset[str], frozenset[str]] = (
+            frozenset(),
+            frozenset(),
+            frozenset(),
+        )
         self._row_params: frozenset[str] = frozenset()  # routed ones with rows
         self._factor_params: frozenset[str] = frozenset()  # routed ones with factors
         self._rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -250,6 +257,25 @@ class ShardedGradients(ShardedState):
         loss reaches (all until the first step says)."""
         reaching = self._reaching
         return sum(reaching is None or n in reaching for n in bucket.names)
+
+    def agree_routes(
+        self, routed: frozenset[str], rows: frozenset[str], factors: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        """The parameters every rank could route (each rank's batches build call
+        signatures of their own: what one rank could route another may not), with the
+        rows and factors any rank hands over (each gathers every rank's, its own
+        possibly none). One all-reduce a micro-step; an all-gather where a rank's offer
+        changed."""
+        offer = (routed, rows, factors)
+        if not self.comm.any(offer != self._offer):
+            return self._agreed_routes
+        self._offer = offer
+        every = self.comm.all_gather_object(offer)
+        names = frozenset.intersection(*(o[0] for o in every))
+        rows = frozenset().union(*(o[1] for o in every)) & names
+        factors = frozenset().union(*(o[2] for o in every)) & names
+        self._agreed_routes = (names, rows, factors)
+        return self._agreed_routes
 
     def route(self, rows: Collection[str], factors: Collection[str]) -> None:
         """The gradients of parameters ``rows`` and ``factors`` name come from now on only

@@ -49,6 +49,7 @@ import dataclasses
 import mmap
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +58,21 @@ import torch
 from ortrain.distributed.comm import Comm, InFlight
 from ortrain.distributed.sharded_grads import ShardedGradients
 from ortrain.runtime.buffer_pool import BufferPool
-from ortrain.runtime.heap import trim_heap
+from ortrain.runtime.heap import available_bytes, trim_heap
 
 if TYPE_CHECKING:
     from ortrain.runtime.training_state import TrainingState
+
+
+def _free_bytes(device: torch.device, ranks: int) -> int | None:
+    """Memory a rank may take: the device's free memory, or the host's available memory
+    shared by the ranks on it (``LOCAL_WORLD_SIZE``, else all of ``ranks``); None where
+    unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks) or ranks)
+    free = available_bytes()
+    return None if free is None else free // max(local, 1)
 
 
 def _release_outside(mapping: mmap.mmap, lo: int, hi: int) -> None:
@@ -133,6 +145,7 @@ class ShardedParams(ShardedGradients):
         # anything that reads them, the empty placeholder again when the micro-step ends
         self._standing: set[str] = set()
         self._nan = torch.full((1,), float("nan"), device=comm.device)
+        self._told_short = False  # bucketing's check had no room for whole parameters
 
     @property
     def sharded(self) -> bool:
@@ -457,6 +470,38 @@ class ShardedParams(ShardedGradients):
                 self._write_back([*names, *self.whole])
         finally:
             self._drop(names)
+
+    @contextlib.contextmanager
+    def whole_if_any(self, needed: bool) -> Iterator[bool]:
+        """Every parameter whole for the duration where any rank ``needed`` them (a
+        collective while sharded: every rank calls it alike, once a micro-step) and every
+        rank has room for them and as many gradients (an eager backward on them); yields
+        whether they are whole."""
+        if not self.sharded:
+            yield True
+            return
+        numel = self.config.layout.numel - self.config.layout.shard_numel
+        room = _free_bytes(self.comm.device, self.world_size)
+        short = room is not None and room < 2 * 4 * numel
+        votes = torch.tensor([float(needed), float(short)])
+        self.comm.all_reduce(votes)
+        if votes[0] == 0:
+            yield False
+            return
+        if votes[1] > 0:
+            if not self._told_short:
+                self._told_short = True
+                warnings.warn(
+                    f"ortrain: ZeRO-3: bucketing's eager check needs every parameter whole "
+                    f"with its gradient ({2 * 4 * numel / 2**30:.2f} GiB a rank) and a rank "
+                    "has less memory free: batches run at their own length (a call "
+                    "signature of the segments each)",
+                    stacklevel=4,
+                )
+            yield False
+            return
+        with self.materialized():
+            yield True
 
     def _write_back(self, names: list[str]) -> None:
         shard = self.param_shard

@@ -4,7 +4,8 @@ ZeRO-2/3 steps allocate and free gradient buckets, gathered parameters and segme
 outputs of many sizes from several threads (autograd, ONNX Runtime, gloo); glibc keeps
 what they free in per-thread arenas, so the resident size climbs step after step although
 the live bytes do not. Trimming once per optimizer step keeps the resident size at what is
-live. Elsewhere than glibc this does nothing.
+live. Elsewhere than glibc this does nothing. ``available_bytes``: the room the system
+has left, for what may only run where it fits.
 """
 
 from __future__ import annotations
@@ -33,3 +34,15 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (None: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -501,6 +501,8 @@ class SegmentedModel:
         self.loss_pool = ReusePool() if device.type == "cpu" else None
         self.tied = TiedGradients()
         self._read_in_eager: frozenset[str] = frozenset()
+        # what this rank would route (``_watch_tied``), until the ranks agree on it
+        self._proposed: tuple[dict[int, str], frozenset[str], frozenset[str]] | None = None
         self.adopt(plan)
 
     def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:
@@ -558,20 +560,35 @@ class SegmentedModel:
                     else:
                         factors.add(full)
         routed = {k: n for k, n in routed.items() if n not in whole}
-        if routed == self.tied.routed:
+        self._proposed = (routed, frozenset(rows - whole), frozenset(factors - whole))
+
+    def settle_routes(self) -> None:
+        """Before a backward: the tied parameters routed to the sink from now on, as
+        every rank agrees (``RowsSink.agree_routes``). What a rank could route depends on
+        the call signatures its own batches built (a head's factors are smaller than its
+        table only for few tokens; a second signature of an embedding makes it a maker
+        twice), while the collectives that land the pieces must be every rank's alike."""
+        sink = self.tied.sink
+        if sink is None or self._proposed is None:
             return
-        self.tied.routed = routed
-        self.tied.sink.route(rows - whole, factors - whole)
+        routed, rows, factors = self._proposed
+        names, rows, factors = sink.agree_routes(frozenset(routed.values()), rows, factors)
+        agreed = {k: n for k, n in routed.items() if n in names}
+        if agreed == self.tied.routed:
+            return
+        self.tied.routed = agreed
+        sink.route(rows, factors)
 
     def route_rows(self, sink: RowsSink, read_in_eager: Collection[str]) -> None:
         """ZeRO-2/3: tied parameters that only compiled segments read take their gradient
         to ``sink`` outside autograd (``TiedGradients``); ``read_in_eager``: the
         parameters eager code reads (autograd would make a gradient of them the sink
-        does not see)."""
+        does not see). Every rank calls it alike (the plan of the first micro-step)."""
         self._read_in_eager = frozenset(read_in_eager)
         self.tied.sink = sink
         self.tied.world_size = sink.world_size
         self._watch_tied()
+        self.settle_routes()
 
     def adopt(self, plan: Plan) -> None:
         made: dict[int, SegmentRunner] = {}

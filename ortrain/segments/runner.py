@@ -553,6 +553,13 @@ class RowsSink(Protocol):
         above: rows (of those in ``rows``) and product factors (``factors``)."""
         ...
 
+    def agree_routes(
+        self, routed: frozenset[str], rows: frozenset[str], factors: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        """What every rank routes, given what this one could (``routed``, of them those
+        with ``rows`` and with ``factors``): a collective, called alike on every rank."""
+        ...
+
 
 class TiedGradients:
     """Parameters whose gradient two compiled segments make, one of them by adding

@@ -239,6 +239,7 @@ class SegmentedTraining:
                     "has no grad_fn: eager's loss.backward() raises on it); no gradient was "
                     "taken and no update applied"
                 )
+            self.model.settle_routes()  # (a signature built in this forward may change them)
             try:
                 (loss * scale if scale is not None else loss).backward()
             finally:
