@@ -762,6 +762,42 @@ def test_zero2_and_3_world_of_one_train_as_one_process(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_clips_by_the_norm_torch_takes(world_of_one, monkeypatch, stage):
+    """The gradient norm ZeRO clips by is the one torch's ``clip_grad_norm_`` takes of the
+    same gradients, to float rounding, on tensors of a million elements (world size 1:
+    one shard holds them all). One reduction over the whole flat shard was off by over
+    1e-4 here, and by more on larger models."""
+    import ortrain.program_context as context_mod
+    from ortrain.distributed import make_reducer
+    from ortrain.distributed.comm import Comm
+
+    torch.manual_seed(0)
+    width = 1024
+    layers = [torch.nn.Linear(width, width) for _ in range(5)]
+    base = torch.nn.Sequential(*[m for lin in layers for m in (lin, torch.nn.Tanh())])
+    x, y = torch.randn(8, width), torch.randn(8, width)
+
+    ref = copy.deepcopy(base)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+
+    monkeypatch.setattr(
+        context_mod,
+        "join_process_group",
+        lambda s, o: make_reducer(s, o, Comm(None, 60.0, s.device)),
+    )
+    model = copy.deepcopy(base)
+    opts = TrainerOptions(zero_stage=stage, max_grad_norm=1.0, build_progress=False)
+    trainer = ORTTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opts,
+        loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch["y"]),
+    )  # fmt: skip
+    trainer.train_step(x, y=y)
+    assert trainer.last_grad_norm == pytest.approx(want, rel=2e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero2_and_3_bucket_variable_lengths(world_of_one, monkeypatch, stage):
     """Masked batches of many lengths under ZeRO-2 and ZeRO-3 (world size 1, gloo) are

@@ -4,10 +4,10 @@
    straddling a shard boundary has a piece on each rank). The update graph is the
    ordinary one over the pieces, since Adam, AdamW and SGD update element-wise; its
    optimizer-state inputs are pieces too, so moments exist only for the shard.
-2. Global-norm clipping needs the norm of all ranks' gradients: a partial-norm graph
-   computes the shard's sum of squares of the scaled gradients, the runtime sums those
-   over ranks (all-reduce), and the update graph takes the total as ``global_sq_norm``,
-   so every rank takes the same clipping decision.
+2. Global-norm clipping needs the norm of all ranks' gradients: the runtime takes the
+   shard's sum of squares of the scaled gradients (``sharded_state.shard_sq_norm``) and
+   sums those over ranks (all-reduce), and the update graph takes the total as
+   ``global_sq_norm``, so every rank takes the same clipping decision.
 3. LAMB's trust ratio needs whole-tensor norms of the parameter and of its update;
    it is rejected with ``UnsupportedOptimizerError`` (use zero_stage=0 for LAMB).
 """
@@ -20,7 +20,6 @@ import onnx_ir as ir
 
 from ortrain.core.errors import UnsupportedOptimizerError
 from ortrain.core.optimizer_spec import EAGER, SHARDED_EAGER, OptimizerSpec
-from ortrain.graph_passes.infra.emitter import Emitter
 from ortrain.graph_passes.training.optimizer.update_graph import UpdateGraph, build_update_graph
 
 F = ir.DataType.FLOAT
@@ -63,18 +62,3 @@ def build_shard_update_graph(
         global_sq_norm_input=clip_grad_norm or skip_nonfinite,
         skip_nonfinite=skip_nonfinite,
     )
-
-
-def build_partial_norm_graph(shard_numel: int) -> ir.Model:
-    """``partial_sq_norm = sum(grad_shard ** 2) * grad_scale ** 2`` (padding holds zeros)."""
-    grads = ir.Value(name="grad_shard", shape=ir.Shape([shard_numel]), type=ir.TensorType(F))
-    scale = ir.Value(name="grad_scale", shape=ir.Shape([]), type=ir.TensorType(F))
-    graph = ir.Graph([grads, scale], [], nodes=[], name="zero_partial_norm", opset_imports={"": 20})
-    em = Emitter(graph, "zero")
-    # Scaling the scalar sum instead of every element: no shard-sized temporary.
-    total = em.op("ReduceSumSquare", grads, keepdims=0, shape=())
-    out = em.op("Mul", total, em.op("Mul", scale, scale), shape=())
-    out.name = "partial_sq_norm"
-    em.flush_before(None)
-    graph.outputs.append(out)
-    return ir.Model(graph, ir_version=10, producer_name="ortrain")

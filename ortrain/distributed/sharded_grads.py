@@ -542,9 +542,7 @@ class ShardedGradients(ShardedState):
     # ------------------------------------------------------------------ the update
     def update(self, run_update: Callable[[], None]) -> None:
         self._make_room()
-        if self._norm is not None:  # the shard holds the reduced sums already
-            self._norm.run()
-            self.comm.all_reduce(self.sq_norm)
+        self._global_scaled_sq_norm()  # the shard holds the reduced sums already
         run_update()
         self.comm.all_gather(self.flat_params)
         trim_heap()

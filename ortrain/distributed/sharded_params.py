@@ -562,9 +562,7 @@ class ShardedParams(ShardedGradients):
 
     def update(self, run_update: Callable[[], None]) -> None:
         self._make_room()
-        if self._norm is not None:
-            self._norm.run()
-            self.comm.all_reduce(self.sq_norm)
+        self._global_scaled_sq_norm()  # the shard holds the reduced sums already
         run_update()  # writes this rank's stretch in place; the others gather it when used
         if self.whole:
             self._refresh_whole()

@@ -6,7 +6,8 @@ shard of it, and of the equally laid out flat gradient buffer. Per optimizer ste
 
     backward graph  -> flat gradients (views bound to ONNX Runtime)
     reduce-scatter  -> this rank's shard of the flat gradients holds their sum
-    partial norm    -> (clipping) sum of squares of the shard's scaled gradients
+    partial norm    -> (clipping) sum of squares of the shard's scaled gradients, a norm
+                       per tensor's piece as torch's ``clip_grad_norm_`` takes one per tensor
     all-reduce      -> (clipping) the global squared norm: every rank clips alike
     update graph    -> the shard's pieces only (graph_passes/training/zero.py), in place;
                        moments exist for the shard only
@@ -33,15 +34,10 @@ from ortrain.distributed import sharded_checkpoint
 from ortrain.distributed.comm import Comm
 from ortrain.distributed.shard_config import ShardConfig
 from ortrain.graph_passes.training.optimizer.update_graph import state_key
-from ortrain.graph_passes.training.zero import (
-    build_partial_norm_graph,
-    build_shard_update_graph,
-    check_shardable,
-)
+from ortrain.graph_passes.training.zero import build_shard_update_graph, check_shardable
 from ortrain.runtime.buffer_pool import release_kept
 from ortrain.runtime.flat_layout import UPDATE_CHAIN_NUMEL, Piece
 from ortrain.runtime.heap import trim_heap
-from ortrain.runtime.session import BoundSession
 from ortrain.runtime.zero_pages import is_lazy, lazy_zeros, populate
 
 if TYPE_CHECKING:
@@ -87,7 +83,7 @@ class ShardedState:
         self.lazy_state = is_lazy(comm.device)  # state and gradient shards (``memory_report``)
         self._state_untaken = self.lazy_state  # until the first update writes the state
         self.sq_norm = torch.zeros((), device=comm.device)
-        self._norm: BoundSession | None = None
+        self._norm_scale: torch.Tensor | None = None  # set where clipping or overflow needs it
         # Parameters whose optimizer state is live: those with gradients, and those a
         # loaded checkpoint had state for (before the first step says which get gradients).
         self.stateful: set[str] = set()
@@ -165,9 +161,17 @@ class ShardedState:
 
     def global_sq_norm(self) -> torch.Tensor:
         """The sum over ranks of the squares of the reduced gradient shards (a collective)."""
-        self.sq_norm.copy_(torch.linalg.vector_norm(self.grad_shard).square())
+        self.sq_norm.copy_(shard_sq_norm(self.grad_shard, self.config))
         self.comm.all_reduce(self.sq_norm)
         return self.sq_norm
+
+    def _global_scaled_sq_norm(self) -> None:
+        """``sq_norm`` = the squared norm of every rank's scaled gradients (a collective),
+        where the update clips or checks them."""
+        if self._norm_scale is not None:
+            self.sq_norm.copy_(shard_sq_norm(self.grad_shard, self.config))
+            self.sq_norm.mul_(self._norm_scale.square())
+            self.comm.all_reduce(self.sq_norm)
 
     def prepare_update(self, state: TrainingState, engine: GraphUpdate) -> bool:
         """Lay out the gradients and bind the shard's update graph as ``engine``'s session."""
@@ -195,13 +199,7 @@ class ShardedState:
         engine.bind(ug, params, grads, chunk_state, {"global_sq_norm": self.sq_norm})
 
         if clip or skip:  # both read the global sum of squares
-            norm = build_partial_norm_graph(cfg.layout.shard_numel)
-            engine.save_graph(norm, "update.zero1_partial_norm")
-            self._norm = engine.new_session(norm)  # the trainer's device and stream
-            self._norm.bind_inputs(
-                {"grad_shard": self.grad_shard, "grad_scale": state.scalars["grad_scale"]}
-            )
-            self._norm.bind_outputs({"partial_sq_norm": self.sq_norm})
+            self._norm_scale = state.scalars["grad_scale"]
         return True
 
     # ------------------------------------------------------------------ running
@@ -218,9 +216,7 @@ class ShardedState:
     def update(self, run_update: Callable[[], None]) -> None:
         self._make_room()
         self.comm.reduce_scatter(self.flat_grads)  # other ranks' shards: left undefined
-        if self._norm is not None:  # clipping/overflow check: every rank needs the global norm
-            self._norm.run()
-            self.comm.all_reduce(self.sq_norm)
+        self._global_scaled_sq_norm()  # clipping/overflow check: every rank needs it
         run_update()
         self.comm.all_gather(self.flat_params)
 
@@ -331,3 +327,17 @@ def _scalars_of(
         if got:
             out[p] = got
     return out
+
+
+def shard_sq_norm(shard: torch.Tensor, config: ShardConfig) -> torch.Tensor:
+    """The squared L2 norm of this rank's gradient shard, summed as torch's
+    ``clip_grad_norm_`` sums a model's: a norm per tensor (here this shard's piece of it),
+    then the norm of those norms. One reduction over the whole flat shard would not do:
+    its float accumulators lose digits with every million elements they add up (a shard
+    holds a model's worth of them), where torch's reduce one tensor each."""
+    lo = config.shard.start
+    views = [shard[pc.start - lo : pc.stop - lo] for pc in config.layout.pieces(config.rank)]
+    if not views:
+        return torch.zeros((), device=shard.device)
+    norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
+    return torch.linalg.vector_norm(norms).square()
