@@ -45,6 +45,7 @@ from ortrain.graph_passes.infra.pipeline import (
     format_table,
     run_pipeline,
 )
+from ortrain.graph_passes.infra.rule_index import by_root
 from ortrain.graph_passes.prepare.dropout_seed import seed_dropouts
 
 MS_DOMAIN = "com.microsoft"
@@ -65,7 +66,7 @@ class FusionPass:
 
     def __call__(self, model: ir.Model) -> int:
         rule_sets = self.rule_sets(model)
-        count = sum(rules.apply_to_model(model) for rules in rule_sets)
+        count = sum(by_root(rules).apply_to_model(model) for rules in rule_sets)
         if any(n.domain == MS_DOMAIN for n in model.graph):
             model.opset_imports.setdefault(MS_DOMAIN, 1)
         self.why_not = None

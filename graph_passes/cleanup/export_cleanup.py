@@ -27,6 +27,7 @@ from onnxscript.optimizer import _constant_folding
 
 from ortrain.graph_passes.cleanup.forward_cleanup import CLEANUP_RULES, not_random, quiet_folding
 from ortrain.graph_passes.cleanup.keep_input_names import KeepInputNamesPass
+from ortrain.graph_passes.infra.rule_index import by_root
 
 
 def clean_export(model: ir.Model) -> bool:
@@ -41,7 +42,7 @@ def clean_export(model: ir.Model) -> bool:
                     output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
                     should_fold=not_random,
                 ),
-                rewriter.RewritePass(CLEANUP_RULES),
+                rewriter.RewritePass(by_root(CLEANUP_RULES)),
                 common_passes.RemoveUnusedNodesPass(),
                 common_passes.RemoveUnusedFunctionsPass(),
                 common_passes.RemoveUnusedOpsetsPass(),

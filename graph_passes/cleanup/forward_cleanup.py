@@ -39,6 +39,7 @@ from onnxscript.rewriter.rules.common import _no_op, _redundant_scatter_nd
 from ortrain.core.names import RANDOM_OPS
 from ortrain.graph_passes.cleanup.keep_input_names import KeepInputNamesPass
 from ortrain.graph_passes.infra.constant_value import constant_tensor
+from ortrain.graph_passes.infra.rule_index import by_root
 
 FOLD_INPUT_LIMIT = 8192  # elements: larger constant inputs are not folded
 FOLD_OUTPUT_LIMIT = 1 << 20  # elements: folded results larger than this are not kept
@@ -64,7 +65,7 @@ def clean_forward(model: ir.Model) -> bool:
                     output_size_limit=FOLD_OUTPUT_LIMIT,
                     should_fold=not_random,
                 ),
-                rewriter.RewritePass(CLEANUP_RULES),
+                rewriter.RewritePass(by_root(CLEANUP_RULES)),
                 common_passes.RemoveUnusedNodesPass(),
                 common_passes.RemoveUnusedFunctionsPass(),
                 common_passes.RemoveUnusedOpsetsPass(),

@@ -9,6 +9,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from ortrain.graph_passes.infra.constant_value import constant_tensor
+from ortrain.graph_passes.infra.rule_index import by_root
 
 MS_DOMAIN = "com.microsoft"
 STANDARD = ("", "ai.onnx")
@@ -50,6 +51,7 @@ def apply(rules: pattern.RewriteRuleSet, model: ir.Model, max_rounds: int = 8) -
     """Apply ``rules`` until nothing matches (a rewrite can enable another: a Transpose
     folded into a MatMul, then its scale); returns the number of rewrites."""
     total = 0
+    rules = by_root(rules)
     for _ in range(max_rounds):
         count = rules.apply_to_model(model)
         total += count

@@ -24,6 +24,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from ortrain.graph_passes.fusions._common import MS_DOMAIN
+from ortrain.graph_passes.infra.rule_index import by_root
 
 # ``0.5 * x * (1 + f)`` in the three ways exporters associate the products: HF's
 # ``(x * 0.5) * (1 + f)``, TorchScript's ``(x * (1 + f)) * 0.5`` and ``x * ((1 + f) * 0.5)``
@@ -105,7 +106,7 @@ def fuse_gelu(model: ir.Model) -> int:
     if "Erf" not in ops and not {"Tanh", "Pow"} <= ops:
         return 0
     rules = rules_for(model)
-    count = rules.apply_to_model(model)
+    count = by_root(rules).apply_to_model(model)
     if count and rules is CONTRIB_RULES and MS_DOMAIN not in model.opset_imports:
         model.opset_imports[MS_DOMAIN] = 1
     return count

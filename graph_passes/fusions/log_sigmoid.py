@@ -12,6 +12,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from ortrain.graph_passes.infra.rule_index import by_root
+
 
 def _pattern(op, x):
     return op.Log(op.Sigmoid(x, _outputs=["sig"]))
@@ -35,4 +37,4 @@ RULES = pattern.RewriteRuleSet(
 
 def stable_log_sigmoid(model: ir.Model) -> int:
     """Returns the number of ``Log(Sigmoid(x))`` rewritten."""
-    return RULES.apply_to_model(model)
+    return by_root(RULES).apply_to_model(model)
