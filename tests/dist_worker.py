@@ -368,6 +368,7 @@ def scenario_zero2(rank: int, world: int, out: Path) -> dict[str, Any]:
         "buckets_kept": reducer.bucket_pool.free_numel,  # type: ignore[union-attr]
         "buckets_made": reducer.bucket_pool.made,  # type: ignore[union-attr]
         "gathers_reused": getattr(getattr(reducer, "gather_pool", None), "reused", 0),
+        "gathers_in_place": getattr(reducer, "gathered_in_place", 0),
         "outputs_reused": segments.model.outputs.reused if segments.model.outputs else 0,
         "tied_rows_added": segments.model.tied.added_count,
         "routed": list(reducer.routed),  # type: ignore[union-attr]

@@ -90,10 +90,17 @@ class _Gather:
     """Parameters gathered (or on their way) into one buffer."""
 
     def __init__(
-        self, names: list[str], lo: int, buf: torch.Tensor, flight: InFlight, pooled: bool
+        self,
+        names: list[str],
+        lo: int,
+        buf: torch.Tensor,
+        flight: InFlight,
+        pooled: bool,
+        held: int,
     ):
         self.names, self.lo, self.buf, self.flight = names, lo, buf, flight
         self.pooled = pooled  # from the pool, and back to it when done
+        self.held = held  # elements of memory of its own (none: a view of the shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +145,7 @@ class ShardedParams(ShardedGradients):
         self._following = False  # this micro-step has kept to the trace so far
         self._ahead: _Gather | None = None  # the prefetched gather, on its way
         self.prefetched_numel = 0  # parameter elements that arrived by prefetch so far
+        self.gathered_in_place = 0  # gathers within this rank's stretch: views of its shard
         self.whole: set[str] = set()  # read by eager code: whole on every rank (keep_whole)
         # dropped inside a micro-step, where autograd may yet accumulate a gradient into
         # them (a backward that reads no parameter does not gather them: an embedding's
@@ -311,6 +319,17 @@ class ShardedParams(ShardedGradients):
         # a micro-step's gathers recur every step: pooled; a whole model's for a
         # checkpoint or an evaluation is not kept past it
         pooled = self._armed
+        mine = self.config.shard
+        if pooled and mine.start <= lo and hi <= mine.stop:
+            # all of it in this rank's own stretch (a tied table at the layout's start,
+            # a block within one shard): the parameters are views of the shard, sent to
+            # the other ranks from there. The shard changes only in the update, after the
+            # micro-step has dropped them; a copy would add its size to the rank's peak
+            # (the tied table gathered for the head, where a ZeRO-3 step peaks).
+            buf = shard[lo - mine.start : hi - mine.start]
+            self.gathered_in_place += 1
+            flight = self.comm.start_broadcasts([(buf, self.config.rank)], "gather of parameters")
+            return _Gather(names, lo, buf, flight, pooled=False, held=0)
         if pooled:
             buf = self.gather_pool.take(hi - lo)
         else:
@@ -327,7 +346,7 @@ class ShardedParams(ShardedGradients):
         flight = self.comm.start_broadcasts(pieces, "gather of parameters")
         self._held += buf.numel()
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._held)
-        return _Gather(names, lo, buf, flight, pooled)
+        return _Gather(names, lo, buf, flight, pooled, held=buf.numel())
 
     def _finish(self, g: _Gather) -> None:
         """Wait for ``g`` and make its parameters views of its buffer."""
@@ -336,7 +355,7 @@ class ShardedParams(ShardedGradients):
         self.gather_seconds += time.perf_counter() - started
         fresh = [n for n in g.names if n not in self.gathered]
         if not fresh:
-            self._held -= g.buf.numel()
+            self._held -= g.held
             self._give_back(g.buf, g.pooled)
             return
         for name in fresh:
@@ -346,7 +365,7 @@ class ShardedParams(ShardedGradients):
             self._state.params[name] = view
             self.gathered.add(name)
             self._buffer_of[name] = id(g.buf)
-        self._buffers[id(g.buf)] = [g.buf, len(fresh), g.pooled]
+        self._buffers[id(g.buf)] = [g.buf, len(fresh), g.pooled, g.held]
 
     def _drop(self, names: list[str]) -> None:
         if not self.sharded:
@@ -365,7 +384,7 @@ class ShardedParams(ShardedGradients):
                 held[1] -= 1
                 if held[1] == 0:  # its last view gone: the buffer goes back to the pool
                     del self._buffers[key]
-                    self._held -= held[0].numel()
+                    self._held -= held[3]
                     self._give_back(held[0], held[2])
 
     def _give_back(self, buf: torch.Tensor, pooled: bool) -> None:
@@ -530,7 +549,7 @@ class ShardedParams(ShardedGradients):
                 self._set_trace(self._recording)
         finally:  # frozen or unreached ones a backward gathered, or a failed step's
             if self._ahead is not None:  # a failed step's: its buffer goes with it
-                self._held -= self._ahead.buf.numel()
+                self._held -= self._ahead.held
                 if self._ahead.pooled:  # a broadcast may still write it: not reused
                     self.gather_pool.forget(self._ahead.buf)
                 self._ahead = None
