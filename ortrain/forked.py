@@ -59,6 +59,12 @@ START_TIMEOUT_S = 30.0
 PRELOAD_WHILE_WAITING = ("ml_dtypes",)
 _preloaded = [False]
 FORK_TRIES = 3
+# A child makes one graph and exits. The export and the passes keep hundreds of thousands
+# of objects alive until the job ends: at Python's default (a young collection every 700
+# allocations) they are promoted within moments, and full collections over them come
+# again and again. Young collections this much rarer let most of them die young; what
+# cycles the job drops go a little later.
+CHILD_GC_THRESHOLD0 = 10_000
 # A started child that gains no CPU time for this long while asleep (not runnable, not in
 # the disk, no process of its own running) waits on something that will not come: most
 # often a lock or a pool's worker that a thread of this process held or ran at the fork,
@@ -116,6 +122,7 @@ def _child(job: Callable[[], T], write_fd: int, out_fd: int, spill_fd: int | Non
     # Nothing inherited may be finalized here: an ONNX Runtime session in uncollected
     # garbage would join its thread pool's threads, which do not exist after a fork.
     gc.freeze()
+    gc.set_threshold(CHILD_GC_THRESHOLD0, *gc.get_threshold()[1:])
     torch.set_num_threads(1)  # OpenMP's thread team does not survive a fork
     # Jobs run on CPU tensors only (can_fork), but torch.export saves and restores the CUDA
     # RNG state whenever CUDA is available; after the parent asked torch for the device

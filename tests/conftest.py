@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import os
@@ -19,6 +20,7 @@ import torch
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from ortrain.forked import CHILD_GC_THRESHOLD0
 from tests import rank_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,6 +381,10 @@ def pytest_configure(config: pytest.Config) -> None:
     them, nor a process they start. (Here, not at import: scripts the tests run import
     this module for its models.)"""
     os.environ["ORTRAIN_GRAPH_CACHE"] = "0"
+    # A worker makes and drops hundreds of models, trainers and graphs: young collections
+    # as rare as in a build child (ortrain/forked.py), not a full collection over all
+    # that it holds every few tests.
+    gc.set_threshold(CHILD_GC_THRESHOLD0, *gc.get_threshold()[1:])
 
 
 @pytest.fixture(scope="session")

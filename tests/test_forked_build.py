@@ -9,7 +9,13 @@ import warnings
 
 import pytest
 
-from ortrain.forked import PRELOAD_WHILE_WAITING, ForkedJob, call_forked, can_fork
+from ortrain.forked import (
+    CHILD_GC_THRESHOLD0,
+    PRELOAD_WHILE_WAITING,
+    ForkedJob,
+    call_forked,
+    can_fork,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
 
@@ -18,6 +24,22 @@ def test_result_comes_back_from_the_child():
     parent = os.getpid()
     pid, value = call_forked(lambda: (os.getpid(), [1, 2, 3]), what="test job")
     assert pid != parent and value == [1, 2, 3]
+
+
+def test_the_child_collects_young_objects_rarely_and_this_process_as_before():
+    """A build child's young collections are ``CHILD_GC_THRESHOLD0`` allocations apart
+    (its export's objects are not promoted and scanned over and over); the training
+    process keeps its own settings."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        child = call_forked(gc.get_threshold, what="test job")
+        assert child == (CHILD_GC_THRESHOLD0, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_a_started_job_is_polled_without_waiting():

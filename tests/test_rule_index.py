@@ -27,8 +27,8 @@ from tests.conftest import gpt2
 
 RULE_SETS = {
     "cleanup": pattern.RewriteRuleSet(list(CLEANUP_RULES)),
-    "gelu": gelu.RULES,
-    "gelu_contrib": gelu.CONTRIB_RULES,
+    "gelu": gelu.rule_set(contrib=False),
+    "gelu_contrib": gelu.rule_set(contrib=True),
     "matmul_transpose": matmul_transpose.RULES,
     "matmul_add": matmul_add.RULES,
     "bias_gelu": bias_gelu.RULES,

@@ -18,6 +18,7 @@ tanh form (the same formula).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import onnx_ir as ir
@@ -84,13 +85,23 @@ def _target(halved, one_plus):
     return target
 
 
-RULES = _rules(_tanh_replacement, _erf_replacement)
-CONTRIB_RULES = _rules(_tanh_contrib, _erf_contrib)
+@functools.cache
+def rule_set(contrib: bool) -> pattern.RewriteRuleSet:
+    """The commuted rules (132 per set), made when a model first has a GELU chain: a
+    tenth to a third of a second, which every process importing the passes paid for both
+    sets at import (a build child of a training process, ``ortrain optimize``)."""
+    if contrib:
+        return _rules(_tanh_contrib, _erf_contrib)
+    return _rules(_tanh_replacement, _erf_replacement)
+
+
+def _contrib(model: ir.Model) -> bool:
+    """ONNX ``Gelu`` from opset 20 on, ONNX Runtime's contrib ops before."""
+    return model.opset_imports.get("", 0) < 20
 
 
 def rules_for(model: ir.Model) -> pattern.RewriteRuleSet:
-    """ONNX ``Gelu`` from opset 20 on, ONNX Runtime's contrib ops before."""
-    return RULES if model.opset_imports.get("", 0) >= 20 else CONTRIB_RULES
+    return rule_set(_contrib(model))
 
 
 def _op_types(model: ir.Model) -> set[str]:
@@ -105,8 +116,8 @@ def fuse_gelu(model: ir.Model) -> int:
     ops = _op_types(model)
     if "Erf" not in ops and not {"Tanh", "Pow"} <= ops:
         return 0
-    rules = rules_for(model)
-    count = by_root(rules).apply_to_model(model)
-    if count and rules is CONTRIB_RULES and MS_DOMAIN not in model.opset_imports:
+    contrib = _contrib(model)
+    count = by_root(rule_set(contrib)).apply_to_model(model)
+    if count and contrib and MS_DOMAIN not in model.opset_imports:
         model.opset_imports[MS_DOMAIN] = 1
     return count
