@@ -49,7 +49,7 @@ from ortrain.export_losses import loss_translations
 from ortrain.export_ops import custom_translations, export_hint, known_cause
 from ortrain.export_scalar_operands import wrap_scalar_operands
 from ortrain.exporter_registry import cached_registry
-from ortrain.forked import call_forked, can_fork
+from ortrain.forked import call_forked, can_fork, run_here
 from ortrain.padding_rows import tag_padding_rows
 from ortrain.stop_gradient import mark_stop_gradients
 from ortrain.stop_gradient import translations as stop_gradient_translations
@@ -422,7 +422,7 @@ def export_forward(
     """
     export = functools.partial(export_here, module, batch, train, loss_fn, with_outputs)
     if not can_fork(_tensors(module, batch)):
-        return export()
+        return run_here(export)
     return ExportedForward.from_wire(call_forked(lambda: export().to_wire(), what="ONNX export"))
 
 

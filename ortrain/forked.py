@@ -21,6 +21,7 @@ non-CPU tensors.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -32,7 +33,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 import torch
@@ -171,6 +172,29 @@ def _preload() -> None:
             pass
 
 
+@contextlib.contextmanager
+def rarer_collections() -> Iterator[None]:
+    """Young collections ``CHILD_GC_THRESHOLD0`` allocations apart for the duration, then
+    the process's own setting again: a build that runs in this process (CUDA, or
+    ``ORTRAIN_BUILD_IN_PROCESS``) makes what a child's would, and full collections here
+    would walk everything the training process holds too."""
+    before = gc.get_threshold()
+    if before[0] == 0 or before[0] >= CHILD_GC_THRESHOLD0:  # off, or rarer already
+        yield
+        return
+    gc.set_threshold(CHILD_GC_THRESHOLD0, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def run_here(job: Callable[[], T]) -> T:
+    """``job()`` in this process, with a build child's collections."""
+    with rarer_collections():
+        return job()
+
+
 def call_forked(job: Callable[[], T], *, what: str) -> T:
     """``job()``, run in a forked child (see the module docstring)."""
     return ForkedJob(job, what=what).result()
@@ -276,14 +300,14 @@ class ForkedJob(Generic[T]):
                 "running it in this process",
                 stacklevel=3,
             )
-            return self.job()
+            return run_here(self.job)
         if not sent:  # the child died, hung or crashed: run it here
             warnings.warn(
                 f"{self.what} in a child process failed (wait status {self.status}); running "
                 "it in this process",
                 stacklevel=3,
             )
-            return self.job()
+            return run_here(self.job)
         with warnings.catch_warnings():
             # torch's pytree specs (a segment's call and result structure) warn about their
             # own pickled form on load; nothing the user can act on

@@ -46,7 +46,7 @@ from ortrain.core.own_hooks import users_hooks
 from ortrain.distributed import join_process_group
 from ortrain.export import LossFn
 from ortrain.first_step import EagerSide
-from ortrain.forked import call_forked, can_fork
+from ortrain.forked import call_forked, can_fork, run_here
 from ortrain.loss_scaler import LossScaler
 from ortrain.module_structure import StructureWatch
 from ortrain.optim.from_torch import (
@@ -759,7 +759,7 @@ class ProgramContext:
         tensors += [v for v in batch.values() if isinstance(v, torch.Tensor)]
         if can_fork(tensors):
             return call_forked(job, what="building the ONNX graph")
-        return job()
+        return run_here(job)
 
     def lay_out(self, grad_params: list[str]) -> None:
         """The first step's reached parameters: their gradients and the update laid out."""

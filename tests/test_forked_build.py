@@ -15,6 +15,7 @@ from ortrain.forked import (
     ForkedJob,
     call_forked,
     can_fork,
+    run_here,
 )
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
@@ -37,6 +38,57 @@ def test_the_child_collects_young_objects_rarely_and_this_process_as_before():
     try:
         child = call_forked(gc.get_threshold, what="test job")
         assert child == (CHILD_GC_THRESHOLD0, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_a_job_run_here_collects_as_a_child_would_and_the_setting_comes_back():
+    """Where a build cannot fork (CUDA, ``ORTRAIN_BUILD_IN_PROCESS``) it runs here with a
+    child's collections; the process's own setting is back after it, raised or not."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        assert run_here(gc.get_threshold) == (CHILD_GC_THRESHOLD0, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+
+        def fails() -> None:
+            raise ValueError("boom")
+
+        with pytest.raises(ValueError, match="boom"):
+            run_here(fails)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_a_build_in_this_process_exports_with_a_child_s_collections(monkeypatch):
+    import gc
+
+    import torch
+
+    import ortrain.build
+    from ortrain import ORTTrainer
+    from tests.conftest import gpt2, lm_batches
+
+    seen = []
+    real = ortrain.build.export_here
+
+    def recording(*args, **kwargs):
+        seen.append(gc.get_threshold()[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ortrain.build, "export_here", recording)
+    monkeypatch.setenv("ORTRAIN_BUILD_IN_PROCESS", "1")
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        model = gpt2(layers=1, hidden=32, vocab=64)
+        trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        trainer.train_step(**lm_batches(1, vocab=64, batch=2, seq=8)[0])
+        assert seen and set(seen) == {CHILD_GC_THRESHOLD0}
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*before)
