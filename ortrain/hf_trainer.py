@@ -71,6 +71,7 @@ FROM_ARGS = {
     "max_grad_norm": "max_grad_norm",
     "seed": "seed",
     "mixed_precision": "fp16 / bf16",
+    "broadcast_buffers": "ddp_broadcast_buffers",
 }
 
 
@@ -88,6 +89,8 @@ def trainer_options(args: Any, base: TrainerOptions | None = None) -> TrainerOpt
         "seed": args.seed,
         "mixed_precision": mixed,
     }
+    if getattr(args, "ddp_broadcast_buffers", None) is not None:  # None: DDP's default
+        derived["broadcast_buffers"] = args.ddp_broadcast_buffers
     default = TrainerOptions()
     for field, value in derived.items():
         own = getattr(base, field)

@@ -81,6 +81,12 @@ class TrainerOptions:
         group).
     dist_timeout: seconds a collective waits for the other ranks before
         ``RankFailureError`` names the rank that died or hangs.
+    broadcast_buffers: with ``torch.distributed``: after each optimizer update, rank 0's
+        buffers (BatchNorm's running statistics, anything a forward writes into a buffer)
+        go to every rank, as ``DistributedDataParallel(broadcast_buffers=True)`` gives
+        them to its next forward: the ranks' next forwards, evaluations and checkpoints
+        see rank 0's. False: each rank keeps the buffers its own batches made (DDP's
+        ``broadcast_buffers=False``).
     mixed_precision: "fp16" or "bf16": the graphs compute in half precision from copies
         of the fp32 master weights; the op lists are in
         ``graph_passes/precision/mixed_precision.py``. bf16 needs CUDA (the CPU execution
@@ -209,6 +215,7 @@ class TrainerOptions:
     zero_stage: int = 0
     process_group: Any = None  # torch.distributed.ProcessGroup
     dist_timeout: float = 300.0
+    broadcast_buffers: bool = True
     mixed_precision: str | None = None
     loss_scale: str | float | DynamicLossScale | None = "auto"
     optimize_graph: bool = True

@@ -850,8 +850,20 @@ class ProgramContext:
         values = group_values(self.optimizer, self.spec)
         self.engine.step(values, self.state.grad_scale(self.world_size))
         self.state.finish_update()
+        if self.reducer is not None and self.options.broadcast_buffers:
+            self._broadcast_buffers()
         # torch LR schedulers warn unless they see the optimizer step; ours runs in the graph.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank (``TrainerOptions.broadcast_buffers``). DDP
+        broadcasts them before each forward that follows a synchronised backward; after
+        the update is the same point for the next step's forward, and leaves no rank's
+        own statistics behind for an evaluation or a checkpoint between steps."""
+        self.state.adopt_rebound()  # a buffer the forward assigned anew: its value is newer
+        buffers = list(self.state.buffers.values())
+        if buffers:  # every rank alike: the ranks' modules were checked to match
+            self.reducer.comm.broadcast_tensors(buffers)  # type: ignore[union-attr]
 
 
 def _stepped(entries: Iterable[Mapping[str, Any]]) -> bool:

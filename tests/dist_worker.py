@@ -859,6 +859,76 @@ def train_frozen(batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
     return trainer, losses
 
 
+class NormNet(torch.nn.Module):
+    """A small CNN with BatchNorm: its running statistics are buffers every training
+    forward writes, from each rank's own batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 4),
+        )
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+def scenario_batch_norm(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """ZeRO-``ORTRAIN_TEST_STAGE`` (or data parallel) over a BatchNorm model beside torch's
+    DDP in the same group, ``broadcast_buffers`` as ``ORTRAIN_TEST_BROADCAST``: each rank's
+    batches scaled apart, so that their running statistics differ; an evaluation after."""
+    broadcast = os.environ.get("ORTRAIN_TEST_BROADCAST", "1") == "1"
+    torch.manual_seed(0)
+    model = NormNet()
+    ref = NormNet()
+    ref.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = [
+        {"x": torch.randn(4, 3, 8, 8, generator=g) * (1 + rank), "y": torch.randint(0, 4, (4,))}
+        for _ in range(4)
+    ]
+    options = TrainerOptions(zero_stage=_stage(), broadcast_buffers=broadcast, intra_op_threads=1)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref, broadcast_buffers=broadcast)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses, ref_losses = [], []
+    for b in batches:
+        losses.append(trainer.train_step(**b).item())
+        opt.zero_grad()
+        loss = ddp(**b)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    probe = {"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(7))}
+    probe["y"] = torch.arange(4)
+    evaluated = float(trainer.eval_step(**probe).loss)
+    ddp.eval()
+    with torch.no_grad():
+        ref_evaluated = float(ddp(**probe))  # DDP broadcasts its buffers before this forward
+    whole = whole_params(trainer)  # a collective under ZeRO-3
+    trainer.sync_to_module()
+    buffers = dict(model.named_buffers())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "eval": evaluated,
+        "ref_eval": ref_evaluated,
+        "buffer_diff": max(
+            float((buffers[n].double() - b.double()).abs().max()) for n, b in ref.named_buffers()
+        ),
+        "running_mean": buffers["net.1.running_mean"].tolist(),
+        "param_diff": max(
+            float((whole[n] - q.detach()).abs().max()) for n, q in ref.named_parameters()
+        ),
+    }
+
+
 def scenario_frozen(rank: int, world: int, out: Path) -> dict[str, Any]:
     trainer, losses = train_frozen(reorder_batches(rank, world))
     if rank == 0:
@@ -1133,6 +1203,7 @@ def main() -> None:
         "eager_reads": scenario_eager_reads,
         "rmsprop": scenario_rmsprop,
         "frozen": scenario_frozen,
+        "batch_norm": scenario_batch_norm,
         "layer_drop": scenario_layer_drop,
         "t5": scenario_t5,
         "reentrant": scenario_reentrant,

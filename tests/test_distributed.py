@@ -936,3 +936,24 @@ def test_options_validate_distributed_fields():
         TrainerOptions(zero_stage=4)
     with pytest.raises(ValueError, match="dist_timeout"):
         TrainerOptions(dist_timeout=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stage,broadcast", [(0, True), (3, True), (0, False)], ids=["dp", "zero3", "dp-own"]
+)
+def test_batch_norm_statistics_follow_ddp_broadcast_buffers(tmp_path, stage, broadcast):
+    """BatchNorm's running statistics, from each rank's own batches (scaled apart), as
+    torch's DDP in the same group keeps them: with ``broadcast_buffers`` every rank
+    evaluates with rank 0's, as DDP's evaluation forward (after its broadcast) does; without
+    it each rank keeps its own, as DDP(broadcast_buffers=False). The training losses and
+    parameters equal DDP's either way (training mode normalizes by the batch)."""
+    env = {"ORTRAIN_TEST_STAGE": str(stage), "ORTRAIN_TEST_BROADCAST": str(int(broadcast))}
+    results = finish(launch("batch_norm", tmp_path, **env), tmp_path, "batch_norm")
+    for r in results:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        assert r["param_diff"] < 1e-5
+        assert r["buffer_diff"] < 1e-5
+        assert r["eval"] == pytest.approx(r["ref_eval"], rel=1e-5)
+    means = [r["running_mean"] for r in results]
+    assert (means[0] == means[1]) == broadcast  # the ranks' own statistics differ

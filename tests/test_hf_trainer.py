@@ -535,6 +535,12 @@ def test_training_arguments_set_the_trainer_options(tmp_path):
     assert options.zero_stage == 1 and options.cpu_kernels == "onnxruntime"
     assert options.device == "cpu"
     assert trainer_options(arguments(tmp_path, max_grad_norm=0.25)).max_grad_norm == 0.25
+    assert options.broadcast_buffers  # ddp_broadcast_buffers unset: DDP's default
+    own = arguments(tmp_path, ddp_broadcast_buffers=False)
+    assert not trainer_options(own).broadcast_buffers
+    both = arguments(tmp_path, ddp_broadcast_buffers=True)
+    with pytest.raises(ValueError, match="ddp_broadcast_buffers"):
+        trainer_options(both, TrainerOptions(broadcast_buffers=False))
 
 
 # --------------------------------------------------------------------- torchrun
