@@ -308,13 +308,14 @@ WORLD = 2
 
 
 def _worker(out: Path, zero_stage: int) -> None:
-    """One rank: data parallel (or ZeRO-1) on its own batches; saves its losses, parameters,
-    buffers."""
+    """One rank: data parallel (or ZeRO-1) on its own batches, buffers not broadcast (DDP's
+    ``broadcast_buffers=False``; the default, rank 0's after each update, is checked beside
+    torch's DDP in tests/test_distributed.py); saves its losses, parameters, buffers."""
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = cnn2d()
-    options = TrainerOptions(intra_op_threads=1, zero_stage=zero_stage)
+    options = TrainerOptions(intra_op_threads=1, zero_stage=zero_stage, broadcast_buffers=False)
     trainer = ORTTrainer(model, adamw(model), options)
     losses = [trainer.train_step(**b).item() for b in batches(cnn2d, STEPS, seed=10 + rank)]
     trainer.sync_to_module()
@@ -378,7 +379,7 @@ def _eager_data_parallel() -> tuple[list[nn.Module], list[list[float]]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1], ids=["data_parallel", "zero1"])
-def test_data_parallel_keeps_per_rank_statistics(tmp_path: Path, zero_stage: int) -> None:
+def test_unbroadcast_buffers_keep_per_rank_statistics(tmp_path: Path, zero_stage: int) -> None:
     _launch(tmp_path, zero_stage)
     replicas, losses_ref = _eager_data_parallel()
     stats = []
@@ -395,7 +396,7 @@ def test_data_parallel_keeps_per_rank_statistics(tmp_path: Path, zero_stage: int
     assert not torch.equal(stats[0], stats[1])  # each rank's own statistics
 
 
-if __name__ == "__main__":  # a rank of test_data_parallel_keeps_per_rank_statistics
+if __name__ == "__main__":  # a rank of test_unbroadcast_buffers_keep_per_rank_statistics
     _worker(Path(sys.argv[1]), int(sys.argv[2]))
 
 
