@@ -55,8 +55,9 @@ DONE = b"\x02"
 START_TIMEOUT_S = 30.0
 # Imported here while this process first waits for a child (idle then; a background build
 # does not wait): every later child inherits it instead of importing it again. ONNX's
-# numpy types (a few MB) take half a second to import, most of what a cold child's
-# imports cost besides the exporter itself, which stays out of this process.
+# numpy types are a few MB, and some ml_dtypes releases take half a second to import
+# them (pyproject.toml excludes the one seen); the exporter itself stays out of this
+# process.
 PRELOAD_WHILE_WAITING = ("ml_dtypes",)
 _preloaded = [False]
 FORK_TRIES = 3
