@@ -425,6 +425,15 @@ def scenario_factored(rank: int, world: int, out: Path) -> dict[str, Any]:
     """ZeRO-``ORTRAIN_TEST_STAGE`` where the tied head's gradient goes as factors."""
     stage = _stage()
     trainer, sched = make_factored(stage, seed=rank, world=world)
+    table_gathers = [0]  # gathers that brought the whole tied table
+    if stage == 3:
+        start = trainer.reducer._start  # type: ignore[union-attr]
+
+        def counted(names: list[str]) -> Any:
+            table_gathers[0] += "transformer.wte.weight" in names
+            return start(names)
+
+        trainer.reducer._start = counted  # type: ignore[union-attr]
     losses = run(trainer, sched, factored_batches(rank, world, world), 0, STEPS * ACCUM)
     reducer = trainer.reducer
     result = {
@@ -433,6 +442,8 @@ def scenario_factored(rank: int, world: int, out: Path) -> dict[str, Any]:
         "routed": list(reducer.routed),  # type: ignore[union-attr]
         "rows_gathered": reducer.rows_gathered,  # type: ignore[union-attr]
         "factors_gathered": reducer.factors_gathered,  # type: ignore[union-attr]
+        "embedding_rows": getattr(reducer, "rows_gathered_numel", 0),
+        "table_gathers": table_gathers[0],
         "peak_open": reducer.peak_open_numel,  # type: ignore[union-attr]
         "table_numel": FACTORED_VOCAB * factored_width(world),
     }

@@ -28,6 +28,8 @@ from tests.dist_worker import (
     ACCUM,
     CLIP,
     ELEMENTWISE_SAVE_AT,
+    FACTORED_SEQ,
+    FACTORED_VOCAB,
     RESUME_AT,
     STEPS,
     ZERO2_TOTAL,
@@ -373,6 +375,13 @@ def test_a_tied_head_with_few_tokens_goes_as_factors(tmp_path, stage, world):
         assert r["routed"] == [table]
         assert r["factors_gathered"] == r["rows_gathered"] == END
         assert 0 < r["peak_open"] < r["table_numel"]
+        # the embedding's forward takes only the rows the ranks' tokens read (fewer than
+        # half the table; at 3 ranks some cut by the shards' edges), the head the whole
+        # table: one whole gather of it a micro-step
+        tokens = world * FACTORED_SEQ  # at most as many distinct rows per lookup
+        width = r["table_numel"] // FACTORED_VOCAB
+        assert 0 < r["embedding_rows"] <= 2 * END * tokens * width  # wte's and wpe's
+        assert r["table_gathers"] == END
 
 
 @pytest.mark.slow

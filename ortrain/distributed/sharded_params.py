@@ -56,6 +56,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain.distributed.comm import Comm, InFlight
+from ortrain.distributed.embedding_rows import (
+    rows_held,
+    table_of_rows,
+    takes_rows,
+    union_of_ids,
+    worth_rows,
+)
 from ortrain.distributed.sharded_grads import ShardedGradients
 from ortrain.runtime.buffer_pool import BufferPool
 from ortrain.runtime.heap import available_bytes, trim_heap
@@ -154,6 +161,10 @@ class ShardedParams(ShardedGradients):
         self._standing: set[str] = set()
         self._nan = torch.full((1,), float("nan"), device=comm.device)
         self._told_short = False  # bucketing's check had no room for whole parameters
+        # an embedding's forward takes only the rows its batch reads (``acquire_rows``):
+        # id(module) -> its weight's name while they are in place; elements so far
+        self._rows_of: dict[int, str] = {}
+        self.rows_gathered_numel = 0
 
     @property
     def sharded(self) -> bool:
@@ -201,12 +212,63 @@ class ShardedParams(ShardedGradients):
             if ahead_names:
                 self._ahead = self._start(ahead_names)
 
+    def acquire_rows(self, module: torch.nn.Module, ids: torch.Tensor) -> bool:
+        """For a plain embedding's forward: only the rows of its table that the ranks'
+        ``ids`` look up, gathered (``embedding_rows.py``; a collective: every rank calls
+        it alike). False where the whole table is to be acquired instead (rows not worth
+        it, the table gathered or on its way already, or not sharded)."""
+        if not self.sharded or not self._armed or not takes_rows(module):
+            return False
+        names = self._module_names(module)
+        if len(names) != 1 or names[0] in self.gathered:
+            return False
+        name = names[0]
+        e = self._entries[name]
+        shape = tuple(e.shape)
+        union = union_of_ids(self.comm, ids, name)
+        if len(shape) != 2 or not worth_rows(union, shape[0]):
+            return False
+        following = self._step_to(_Acquire(module, frozenset(), False))
+        if self._ahead is not None:  # on its way since the previous acquire
+            ahead, self._ahead = self._ahead, None
+            self._finish(ahead)
+            if following:
+                self.prefetched_numel += ahead.buf.numel()
+        shard = self.param_shard
+        assert shard is not None
+        rows = rows_held(union, shape[1], shard, e.offset, self.config.shard.start)
+        self.comm.all_reduce(rows)
+        table = table_of_rows(union, rows, shape)
+        self._params[name].data = table
+        self._state.params[name] = table
+        self._rows_of[id(module)] = name
+        self.rows_gathered_numel += rows.numel()
+        nxt = self._upcoming()
+        if following and nxt is not None and nxt.module is not module:
+            ahead_names = [n for n in nxt.names if n not in self.gathered]
+            if ahead_names:
+                self._ahead = self._start(ahead_names)
+        return True
+
+    def _drop_rows(self, module: torch.nn.Module) -> None:
+        """The rows ``acquire_rows`` put in ``module``'s weight, dropped (after its call)."""
+        name = self._rows_of.pop(id(module), None)
+        if name is None or name in self.gathered:  # gathered whole since (a tied head's)
+            return
+        stand_in = self._placeholder
+        if self._armed:  # autograd may yet accumulate into its shape
+            stand_in = self._nan.expand(self._entries[name].shape)
+            self._standing.add(name)
+        self._params[name].data = stand_in
+        self._state.params[name] = stand_in
+
     def release(self, module: torch.nn.Module) -> None:
         """Drop ``module``'s gathered parameters (after its forward), unless its own
         backward is the next to acquire them; those the next acquire reads stay. A tied
         table read by the embedding and again by the head is gathered for each: held
         between them, it would sit whole through every block's forward (where a rank's
         memory peaked), and its second gather travels while the last blocks compute."""
+        self._drop_rows(module)
         nxt = self._upcoming()
         if nxt is not None and nxt.module is module:
             return
@@ -555,6 +617,10 @@ class ShardedParams(ShardedGradients):
                 self._ahead = None
             self._following = False
             self._drop(list(self.gathered))
+            for name in self._rows_of.values():  # a call that ran in eager, or failed
+                if name not in self.gathered:
+                    self._standing.add(name)
+            self._rows_of.clear()
             for name in self._standing:  # between micro-steps: empty, as documented
                 if name not in self.gathered:
                     self._params[name].data = self._placeholder

@@ -40,6 +40,7 @@ import torch
 from ortrain.core.build_config import BuildConfig
 from ortrain.core.errors import ExportError, OrtrainError, first_line
 from ortrain.core.names import GradientError
+from ortrain.distributed.embedding_rows import takes_rows
 from ortrain.eager_grads import grads_of
 from ortrain.param_dtypes import other_dtype
 from ortrain.python_state import kept
@@ -632,7 +633,8 @@ class SegmentedModel:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.home is None:
                 return run(args, kwargs)[0]
-            self.home.acquire(m)
+            if not self._acquire_rows(m, args, kwargs):
+                self.home.acquire(m)
             in_eager = False
             try:
                 out, in_eager = run(args, kwargs)
@@ -670,6 +672,18 @@ class SegmentedModel:
         # a module inside a torch.compile'd one: dynamo would trace the runner's sessions
         # with fake tensors; it calls the segment as it is instead (a graph break)
         return torch._dynamo.disable(forward)
+
+    def _acquire_rows(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        """ZeRO-3: an embedding's call takes only the rows its ids read
+        (``ShardedParams.acquire_rows``, a collective: decided on what every rank's call
+        has alike, not on which signatures this rank has built); False where the module
+        is acquired whole."""
+        acquire_rows = getattr(self.home, "acquire_rows", None)
+        if acquire_rows is None or not takes_rows(m) or kwargs or len(args) != 1:
+            return False
+        if not isinstance(args[0], torch.Tensor):
+            return False
+        return bool(acquire_rows(m, args[0]))
 
     def _build(self, name: str, call: Call, training: bool) -> SegmentRunner | None:
         """A signature first seen now: plan that module alone for it (eager if it fails)."""
