@@ -234,15 +234,16 @@ class ShardedParams(ShardedGradients):
             self._finish(ahead)
             if following:
                 self.prefetched_numel += ahead.buf.numel()
-        shard = self.param_shard
-        assert shard is not None
-        rows = rows_held(union, shape[1], shard, e.offset, self.config.shard.start)
-        self.comm.all_reduce(rows)
-        table = table_of_rows(union, rows, shape)
-        self._params[name].data = table
-        self._state.params[name] = table
-        self._rows_of[id(module)] = name
-        self.rows_gathered_numel += rows.numel()
+        if name not in self.gathered:  # (else the whole table came by prefetch: read it)
+            shard = self.param_shard
+            assert shard is not None
+            rows = rows_held(union, shape[1], shard, e.offset, self.config.shard.start)
+            self.comm.all_reduce(rows)
+            table = table_of_rows(union, rows, shape)
+            self._params[name].data = table
+            self._state.params[name] = table
+            self._rows_of[id(module)] = name
+            self.rows_gathered_numel += rows.numel()
         nxt = self._upcoming()
         if following and nxt is not None and nxt.module is not module:
             ahead_names = [n for n in nxt.names if n not in self.gathered]
