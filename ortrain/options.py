@@ -38,8 +38,11 @@ class TrainerOptions:
         "backward": each parameter's Adam/AdamW update inside the gradient graph right
         after its gradient is made (CPU, one process, fp32, no accumulation, clipping or
         loss scaling): no gradient buffers at all (a gradient dies at its update, which
-        lowers the peak), and ``trainer.grads`` stays empty. "auto": "backward" where it
-        applies, else on CUDA the kernels when built, on CPU torch's kernels for
+        lowers the peak), and ``trainer.grads`` stays empty; under ZeRO-3 (CPU,
+        Adam/AdamW, fp32, no accumulation or clipping) each gradient bucket's stretch of
+        the rank's shard is updated with torch's kernels as its reduce lands ("zero-backward",
+        from the second step on): the gradient shard is not kept. "auto": "backward" where
+        it applies, else on CUDA the kernels when built, on CPU torch's kernels for
         Adam/AdamW in a single process and over each rank's shard under ZeRO, the graph
         otherwise. An optimizer whose update ortrain does not compile (another class than
         AdamW, Adam, SGD or Lamb, a subclass with its own ``step()``, ``amsgrad`` or

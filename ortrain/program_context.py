@@ -827,9 +827,9 @@ class ProgramContext:
             stacklevel=4,
         )
 
-    def end_micro_step(self, loss: torch.Tensor) -> torch.Tensor:
-        """A micro-step's loss counted (whichever program ran it); the update at the end
-        of its accumulation window."""
+    def refuse_nonfinite(self, loss: torch.Tensor) -> None:
+        """Raise where ``check_finite`` and the loss is NaN or infinite: the window starts
+        over, nothing updated."""
         st = self.state
         if self.options.check_finite and not math.isfinite(float(loss)):
             st.window_grads = None  # the window starts over: a loaded one's sums too
@@ -839,6 +839,12 @@ class ProgramContext:
                 "was not applied and parameters/optimizer state are unchanged"
                 f"{window_restarts(discarded)}"
             )
+
+    def end_micro_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-step's loss counted (whichever program ran it); the update at the end
+        of its accumulation window."""
+        st = self.state
+        self.refuse_nonfinite(loss)
         st.take_window_grads()
         st.micro_step += 1
         if st.micro_step == self.options.grad_accumulation_steps:

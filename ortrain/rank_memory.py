@@ -20,7 +20,10 @@ the process's own bytes, and the measured resident peak they should add up to:
     sessions         resident bytes that creating the ONNX Runtime sessions added
 
 ``total`` is their sum, except that the first step's whole parameters and a later step's
-buckets and gathers never coexist: the larger of the two is counted. On CPU a ZeRO rank's
+buckets and gathers never coexist: the larger of the two is counted. Where ZeRO-3 updates
+each bucket's stretch as it lands (update engine "zero-backward"), the gradient shard is
+held only up to the first update, which runs after its backward: the later steps count
+none. On CPU a ZeRO rank's
 optimizer-state and gradient shards take memory only when first written (the first
 update, the first backward: ``runtime/zero_pages.py``), so the first step's whole
 parameters are counted without them. A class the trainer
@@ -95,6 +98,7 @@ class RankMemory:
     measured_now: int
     graph: MemoryReport | None  # the whole-model gradient graph's plan, where there is one
     lazy_state: bool = False  # gradient and optimizer-state shards untaken at the first step
+    grads_released: bool = False  # the gradient shard went after the first update
 
     @classmethod
     def measure(
@@ -115,6 +119,7 @@ class RankMemory:
             gathered=4 * getattr(reducer, "peak_gathered_numel", 0),
             first_step=4 * getattr(reducer, "first_step_numel", 0),
             lazy_state=getattr(reducer, "lazy_state", False),
+            grads_released=getattr(reducer, "grads_released", False),
             activations=activations,
             sessions=sessions,
             measured_peak=peak_resident_bytes(),
@@ -128,10 +133,15 @@ class RankMemory:
         # first step's whole parameters are gone before any bucket or gather exists (the
         # plan is made on them, then they are sharded), so the larger of the two counts
         # (on CPU with the shards of gradients and state not yet taken)
+        # (and where the gradient shard goes after the first update, that update holds it
+        # with the optimizer state, and the later steps hold no gradients)
         s = self.states
-        steps = s.gradients + s.optimizer_state + self.buckets + self.gathered
+        grads = 0 if self.grads_released else s.gradients
+        steps = grads + s.optimizer_state + self.buckets + self.gathered
         first = self.first_step + (0 if self.lazy_state else s.gradients + s.optimizer_state)
-        return self.runtime + s.parameters + max(steps, first) + self.activations + self.sessions
+        update = s.gradients + s.optimizer_state
+        held = max(steps, first, update)
+        return self.runtime + s.parameters + held + self.activations + self.sessions
 
     @property
     def unaccounted(self) -> int:

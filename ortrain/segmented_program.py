@@ -10,11 +10,14 @@ read them (``ortrain/segments/grads.py``); the update runs after the backward.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Collection
 from typing import Any
 
 import torch
 
+from ortrain.core.errors import NonFiniteLossError
+from ortrain.optim.from_torch import group_values
 from ortrain.program import ProgramSegment, TrainingProgram
 from ortrain.program_context import ProgramContext
 from ortrain.segments.grads import Reached, bind_grads, take_grads, take_reduced
@@ -92,6 +95,13 @@ class SegmentedProgram:
         # the set each window reaches is followed (ZeRO-2/3 take the gradients themselves)
         if collecting is None and self._reached is None:
             self._reached = Reached(named, st.trainable)
+        # ZeRO-3's update in the backward (``ShardBackwardUpdate``) takes this step's
+        # hyperparameters now, and the loss is checked before its backward starts
+        begin = getattr(ctx.engine, "begin_micro_step", None)
+        if begin is not None:
+            begin(group_values(ctx.optimizer, ctx.spec), st.grad_scale(ctx.world_size))
+        landing = bool(getattr(ctx.engine, "landing", False))
+        self.training.before_backward = self._refuse_nonfinite if landing else None
         if st.micro_step == 0:
             st.zero_grads()  # torch accumulates into .grad: every window starts at 0
             if self._reached is not None:
@@ -105,8 +115,15 @@ class SegmentedProgram:
             with collecting() if collecting is not None else contextlib.nullcontext():
                 loss = self.training.forward_backward(ctx.eager.on_device(batch), scale)
             ctx.forward_ran()  # hooks the module's forward adds as it runs are its own
-        except Exception:
+        except Exception as exc:
             st.micro_step = 0  # the window starts over (its sums are incomplete)
+            done = getattr(ctx.engine, "updated_numel", 0) if landing else 0
+            if done:
+                exc.add_note(
+                    f"ortrain: this step's update runs in its backward (ZeRO-3, "
+                    f"update engine {ctx.engine.name!r}): {done} of this rank's parameter "
+                    "elements had taken it when the step failed"
+                )
             raise
         agreed: set[str] | None = None
         if collecting is None:
@@ -126,6 +143,25 @@ class SegmentedProgram:
             return ctx.end_micro_step(loss.detach().to(dtype, copy=True))
         finally:
             st.unreached = frozenset()
+
+    def _refuse_nonfinite(self, loss: torch.Tensor) -> None:
+        """Before a backward that updates as it goes: a NaN/Inf loss on any rank stops
+        the step on every rank (one all-reduce), before any gradient or update; where
+        ``check_finite`` is off, nothing is checked."""
+        ctx = self.ctx
+        if not ctx.options.check_finite:
+            return
+        bad = not math.isfinite(float(loss))
+        if not ctx.reducer.comm.any(bad):  # type: ignore[union-attr]
+            return
+        ctx.refuse_nonfinite(loss)  # this rank's own
+        st = ctx.state
+        st.window_grads, st.micro_step = None, 0
+        raise NonFiniteLossError(
+            f"the loss of another rank is NaN or infinite at optimizer step "
+            f"{int(st.step_tensor)}; the update was not applied and parameters/optimizer "
+            "state are unchanged"
+        )
 
     def _agreed(self) -> set[str]:
         """The parameters this window reached on any rank (one all-reduce of a mask under

@@ -23,6 +23,9 @@ layer_drop data parallel of a model that skips blocks at random: the same coins 
 reentrant ZeRO-2 of a model whose blocks run inside reentrant activation checkpoints
 bucketed data parallel or ZeRO-2/3 (ORTRAIN_TEST_STAGE) with bucketing on, each rank a
         length of its own every micro-step
+landing ZeRO-3 without clipping or accumulation: the update in the backward (or the
+        engine ORTRAIN_TEST_ENGINE names), a sharded checkpoint halfway
+detached ZeRO-3 of a model whose backward reads a weight after its gradient arrived
 elementwise ZeRO-1/2/3 (ORTRAIN_TEST_STAGE) with an optimizer ortrain does not compile
         that works element by element (ORTRAIN_TEST_OPT): its own step on the shard; a
         sharded checkpoint after two optimizer steps (ORTRAIN_TEST_RESUME: resumed from it)
@@ -1191,6 +1194,131 @@ def scenario_elementwise(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"losses": losses, "engine": trainer.program.update}
 
 
+LANDING_STEPS, LANDING_SAVE_AT = 20, 10  # optimizer steps (no accumulation); a checkpoint
+LANDING_LR = 2e-3
+
+
+def train_landing(
+    stage: int, seed: int, batches: list[dict], *, save: Path | None = None, **options: Any
+) -> tuple[ORTTrainer, list[float]]:
+    """GPT-2 with its tied table, AdamW in two decay groups and a warmup schedule, no
+    clipping and no accumulation: under ZeRO-3 each bucket's stretch is updated as it
+    lands (``ShardBackwardUpdate``); ``save``: a sharded checkpoint at LANDING_SAVE_AT."""
+    model = gpt2(layers=2, hidden=64, vocab=128, seed=seed)
+    opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=LANDING_LR, betas=(0.9, 0.98), eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    trainer = ORTTrainer(
+        model,
+        opt,
+        TrainerOptions(
+            zero_stage=stage,
+            intra_op_threads=1,
+            reduce_bucket_mb=ZERO2_BUCKET_MB,
+            segments="blocks",
+            **options,
+        ),
+    )
+    losses = []
+    for i, batch in enumerate(batches):
+        losses.append(trainer.train_step(**batch).item())
+        sched.step()
+        if save is not None and i + 1 == LANDING_SAVE_AT:
+            trainer.save_checkpoint(save)
+    return trainer, losses
+
+
+def landing_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    combined = lm_batches(LANDING_STEPS, batch=6, vocab=128, seed=13)
+    per = 6 // world
+    return [{k: v[rank * per : (rank + 1) * per] for k, v in b.items()} for b in combined]
+
+
+def scenario_landing(rank: int, world: int, out: Path) -> dict[str, Any]:
+    engine = os.environ.get("ORTRAIN_TEST_ENGINE", "auto")
+    trainer, losses = train_landing(
+        3, rank, landing_batches(rank, world), save=out / "landing_ckpt", update_engine=engine
+    )
+    reducer, update = trainer.reducer, trainer.update_engine
+    updated = getattr(update, "updated_numel", 0)  # by the last step
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / f"landing_{engine}_params.pt")
+    # a NaN loss on the last rank alone (every label skipped): every rank refuses the
+    # step before its backward, nothing updated
+    batch = landing_batches(rank, world)[0]
+    if rank == world - 1:
+        batch = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    refused = ""
+    try:
+        trainer.train_step(**batch)
+    except Exception as exc:  # the test names the type
+        refused = type(exc).__name__
+    after = whole_params(trainer)
+    return {
+        "refused": refused,
+        "unchanged_after_nan": all(torch.equal(after[n], whole[n]) for n in whole),
+        "losses": losses,
+        "engine": update.name,
+        "released": getattr(update, "released", False),
+        "updated_numel": updated,
+        "shard_numel": reducer.config.layout.shard_numel,  # type: ignore[union-attr]
+        # the gradient shard is never written after the first update: it reads zeros
+        "grad_shard_nonzero": int(reducer.grad_shard.count_nonzero()),  # type: ignore[union-attr]
+        "late_reads": sorted(reducer.late_reads),  # type: ignore[union-attr]
+        "memory_report": dict(trainer.memory_report().rows()),
+    }
+
+
+class DetachedFirst(torch.nn.Module):
+    """A projection called twice: first through its weight detached (its backward reads
+    the weight for the input's gradient, and adds none to it), then as usual. The
+    weight's gradient is complete after the second call's backward, before the first's."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(6, 16)
+        self.proj = Projection()
+        self.mid = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.inp(x), detached=True)
+        h = self.proj(self.mid(h), detached=False)
+        return torch.nn.functional.mse_loss(self.out(h), y)
+
+
+class Projection(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, h: torch.Tensor, detached: bool) -> torch.Tensor:
+        w = self.weight.detach() if detached else self.weight
+        return torch.tanh(h @ w)
+
+
+def train_detached(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+    model = DetachedFirst(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = TrainerOptions(zero_stage=stage, intra_op_threads=1, reduce_bucket_mb=0.001)
+    trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
+    return trainer, [trainer.train_step(**b).item() for b in batches]
+
+
+def scenario_detached(rank: int, world: int, out: Path) -> dict[str, Any]:
+    trainer, losses = train_detached(3, rank, reorder_batches(rank, world))
+    whole = whole_params(trainer)
+    if rank == 0:
+        torch.save(whole, out / "detached_params.pt")
+    return {
+        "losses": losses,
+        "engine": trainer.update_engine.name,
+        "late_reads": sorted(trainer.reducer.late_reads),  # type: ignore[union-attr]
+        "released": trainer.update_engine.released,  # type: ignore[attr-defined]
+    }
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -1219,6 +1347,8 @@ def main() -> None:
         "t5": scenario_t5,
         "reentrant": scenario_reentrant,
         "elementwise": scenario_elementwise,
+        "landing": scenario_landing,
+        "detached": scenario_detached,
     }[scenario]
     result = fn(rank, world, out)
     (out / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))

@@ -30,11 +30,14 @@ from tests.dist_worker import (
     ELEMENTWISE_SAVE_AT,
     FACTORED_SEQ,
     FACTORED_VOCAB,
+    LANDING_LR,
+    LANDING_SAVE_AT,
     RESUME_AT,
     STEPS,
     ZERO2_TOTAL,
     eager_reads_batches,
     factored_batches,
+    landing_batches,
     layer_drop_batches,
     make_factored,
     make_segmented,
@@ -45,9 +48,11 @@ from tests.dist_worker import (
     reorder_batches,
     run,
     t5_batches,
+    train_detached,
     train_eager_reads,
     train_elementwise,
     train_frozen,
+    train_landing,
     train_layer_drop,
     train_reentrant,
     train_reordered,
@@ -966,3 +971,59 @@ def test_batch_norm_statistics_follow_ddp_broadcast_buffers(tmp_path, stage, bro
         assert r["eval"] == pytest.approx(r["ref_eval"], rel=1e-5)
     means = [r["running_mean"] for r in results]
     assert (means[0] == means[1]) == broadcast  # the ranks' own statistics differ
+
+
+@pytest.fixture(scope="module")
+def landing_reference():
+    """One process on the combined batches: the 20 steps, and the last 10 of them resumed
+    from the ZeRO-3 ranks' checkpoint (``check``)."""
+    return train_landing(0, 0, landing_batches(0, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero3_updates_each_bucket_as_it_lands_as_one_process(tmp_path, landing_reference, world):
+    """ZeRO-3 without clipping, scaling or accumulation updates each gradient bucket's
+    stretch of a rank's shard as its reduce lands, inside the backward
+    (``ShardBackwardUpdate``): 20 AdamW steps (two decay groups, a warmup schedule, GPT-2's
+    tied table) end with losses and parameters equal to one process on the combined
+    batches; after the first update the gradient shard is handed back and never written
+    again (it reads zeros); the checkpoint taken halfway resumes in one process to the
+    same end. A NaN loss on one rank stops the step on every rank, nothing updated."""
+    results = finish(launch("landing", tmp_path, world=world), tmp_path, "landing")
+    ref, losses = landing_reference
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "landing_auto_params.pt"), ref.module)
+    for r in results:
+        assert r["engine"] == "zero-backward"
+        assert r["late_reads"] == []
+        assert r["released"] and r["grad_shard_nonzero"] == 0
+        # the last rank's NaN loss stops the step on every rank before its backward
+        assert r["refused"] == "NonFiniteLossError" and r["unchanged_after_nan"]
+        # the last step updated every element of the rank's pieces (the engine raises
+        # otherwise): at least its padded shard's parameters less the layout's gaps
+        assert 0 < r["updated_numel"] <= r["shard_numel"]
+    resumed, _ = train_landing(0, 0, [])
+    resumed.load_checkpoint(tmp_path / "landing_ckpt")
+    for group in resumed.optimizer.param_groups:
+        group["lr"] = LANDING_LR  # the warmup (5 steps) is over by the checkpoint
+    for batch in landing_batches(0, 1)[LANDING_SAVE_AT:]:
+        resumed.train_step(**batch)
+    assert int(resumed.state.step_tensor) == len(losses)
+    assert_params({n: p.detach() for n, p in resumed.module.named_parameters()}, ref.module)
+
+
+@pytest.mark.slow
+def test_zero3_a_weight_read_after_its_gradient_keeps_the_update_after_the_backward(tmp_path):
+    """A backward graph that reads a weight whose gradient arrived already (a projection
+    called first through its weight detached, then as usual): the first step sees it, and
+    the update runs after the backward (updated in the backward, the detached call's
+    backward would read the new weight). Parameters equal one process's."""
+    results = finish(launch("detached", tmp_path), tmp_path, "detached")
+    ref, losses = train_detached(0, 0, reorder_batches(0, 1))
+    assert_losses(rank_mean(results, "losses"), losses)
+    assert_params(torch.load(tmp_path / "detached_params.pt"), ref.module)
+    for r in results:
+        assert r["engine"] == "zero-backward"
+        assert r["late_reads"] == ["proj.weight"]
+        assert not r["released"]

@@ -60,6 +60,16 @@ def _facts(**changes: object) -> EngineFacts:
         # ZeRO on CPU: torch's kernels over the shard where they run the optimizer
         ({"zero_stage": 1}, "zero-torch"),
         ({"zero_stage": 3, "kind": "adam", "clipping": True}, "zero-torch"),
+        # ZeRO-3 without clipping, scaling or accumulation: each bucket's stretch updated
+        # as it lands, in the backward
+        ({"zero_stage": 3}, "zero-backward"),
+        ({"zero_stage": 3, "kind": "adam", "requested": "backward"}, "zero-backward"),
+        ({"zero_stage": 3, "accumulation": 2}, "zero-torch"),
+        ({"zero_stage": 3, "fp32": False}, "zero-torch"),
+        ({"zero_stage": 3, "cpu_kernels": False}, "zero-backward"),  # torch's kernels
+        ({"zero_stage": 3, "kind": "sgd"}, "zero1"),
+        ({"zero_stage": 2}, "zero-torch"),
+        ({"zero_stage": 3, "requested": "graph"}, "zero1"),
         ({"zero_stage": 2, "requested": "graph"}, "zero1"),
         ({"zero_stage": 1, "kind": "sgd"}, "zero1"),
         ({"zero_stage": 1, "kind": "lamb", "requested": "graph"}, "zero1"),
@@ -81,6 +91,12 @@ def test_choice(changes, engine):
         ({"requested": "kernels", "kind": "sgd"}, UnsupportedOptimizerError, "'kernels'"),
         ({"requested": "kernels", "zero_stage": 1}, ValueError, "single-process only"),
         ({"requested": "backward", "clipping": True}, ValueError, r"no clipping"),
+        ({"requested": "backward", "zero_stage": 2}, ValueError, r"ZeRO-2 needs ZeRO-3"),
+        (
+            {"requested": "backward", "zero_stage": 3, "accumulation": 4},
+            ValueError,
+            r"ZeRO-3 needs grad_accumulation_steps=1",
+        ),
         ({"requested": "backward", "zero_stage": 0, "kind": "lamb"}, ValueError, "Adam or AdamW"),
         ({"requested": "graph", "kind": "eager"}, UnsupportedOptimizerError, "own step"),
         ({"requested": "backward", "kind": "eager"}, UnsupportedOptimizerError, "own step"),
@@ -105,7 +121,8 @@ def test_a_graph_that_refuses_the_update_in_the_backward():
 
 def test_every_engine_has_the_interface():
     assert set(ENGINES) == {
-        *("graph", "zero1", "zero-torch", "zero-eager", "kernels", "torch", "backward", "eager")
+        *("graph", "zero1", "zero-torch", "zero-backward", "zero-eager", "kernels", "torch"),
+        *("backward", "eager"),
     }
     for name, cls in ENGINES.items():
         assert cls.name == name

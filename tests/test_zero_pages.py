@@ -2,7 +2,8 @@
 rank's optimizer-state and gradient shards, made with the trainer and first written at
 the first update and backward, are not resident before (ZeRO-3's planning step holds
 whole parameters then), and nothing that merely zeroes or checks them faults them in;
-``populate`` takes a buffer's pages in one call, its contents unchanged."""
+``populate`` takes a buffer's pages in one call, its contents unchanged; ``release``
+zeroes one and hands its whole pages back."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from ortrain.core.optimizer_spec import GroupSpec, OptimizerSpec
 from ortrain.runtime import zero_pages
 from ortrain.runtime.training_state import TrainingState
-from ortrain.runtime.zero_pages import lazy_zeros, populate
+from ortrain.runtime.zero_pages import lazy_zeros, populate, release
 from ortrain.verify import restoring
 
 CPU = torch.device("cpu")
@@ -95,3 +96,24 @@ def test_populate_takes_the_pages_in_one_call_and_keeps_the_contents() -> None:
     # a few pages come from the heap, resident already; a transposed view is not one range
     assert not populate(torch.empty(1024))
     assert not populate(torch.empty(2048, 2048).t())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(2) is Linux's")
+def test_release_hands_back_the_pages_and_reads_zeros() -> None:
+    """ZeRO-3's gradient shard after the first update where later ones run in the backward:
+    its pages go, the elements in pages it shares with its neighbours (a slice of the
+    mapping that does not start or end on a page) are zeroed instead, and all of it reads
+    zeros and takes memory again only where written."""
+    t = lazy_zeros(NUMEL, CPU)
+    t.fill_(3.0)
+    assert _resident(t) > 127
+    part = t[1000 : NUMEL - 1000]  # starts and ends inside a page
+    release(part)
+    assert _resident(t) < 1
+    assert t[:1000].eq(3.0).all() and t[NUMEL - 1000 :].eq(3.0).all()  # outside: kept
+    assert float(part.abs().max()) == 0.0
+    part[:8].add_(1.0)
+    assert part[:8].tolist() == [1.0] * 8 and float(part[8:].abs().max()) == 0.0
+    plain = torch.full((10,), 2.0)  # not a mapping: written with zeros
+    release(plain)
+    assert plain.tolist() == [0.0] * 10

@@ -227,6 +227,12 @@ class ShardedGradients(ShardedState):
         self._name_of = {id(params[n]): n for n in layout.names}
         self._homed: set[str] = set()  # given a view of their bucket in this micro-step
         self.written_in_place = 0  # gradients that arrived in their bucket (a test's figure)
+        # ZeRO-3's update in the backward (``ShardBackwardUpdate``): given each landed
+        # bucket's stretch of this rank's shard (its first flat element) and the summed
+        # gradient of it, which is then not added to the gradient shard
+        self.on_landing: Callable[[int, torch.Tensor], None] | None = None
+        self.landed: set[str] = set()  # parameters whose bucket landed in this micro-step
+        self.grads_released = False  # the gradient shard handed back (``memory_report``)
         self._hooks = [
             params[n].register_post_accumulate_grad_hook(own_hook(self._arrival(n)))
             for n in layout.names
@@ -320,6 +326,7 @@ class ShardedGradients(ShardedState):
         reduced as they arrive, the rest when it ends. ``reached`` then names the
         parameters that got one."""
         self.reached = set()
+        self.landed = set()
         self._homed.clear()
         self._unzeroed.clear()
         self._waiting = list(self._expected)
@@ -495,7 +502,11 @@ class ShardedGradients(ShardedState):
         bucket = self.buckets[k]
         lo, hi = self.config.layout.shard(self.config.rank)
         a, b = max(bucket.start, lo), min(bucket.stop, hi)
-        if a < b:
+        if self.on_landing is not None:
+            self.landed.update(bucket.names)
+            if a < b:
+                self.on_landing(a, buf[a - bucket.start : b - bucket.start])
+        elif a < b:
             dst = self.grad_shard[a - lo : b - lo]
             if self._shard_lazy:  # its first sums: read before written
                 populate(dst)
@@ -515,6 +526,9 @@ class ShardedGradients(ShardedState):
             width = max(1, e.numel // max(1, n_rows))
             a, b = max(lo, e.offset), min(hi, e.stop)
             dst = self.grad_shard[a - lo : b - lo] if a < b else None
+            landing = self.on_landing
+            if landing is not None and dst is not None:  # summed apart, then updated
+                dst = self._take_bucket(b - a)
             started = time.perf_counter()
             every: list[tuple[torch.Tensor, torch.Tensor]] = []
             if name in self._row_params:
@@ -532,6 +546,12 @@ class ShardedGradients(ShardedState):
                 for f, g in every if dst is not None else ():
                     add_product_in_range(dst, a - e.offset, width, f, g)
             del every
+            if landing is not None:
+                self.landed.add(name)
+                if dst is not None:
+                    landing(a, dst)
+                    self._pooled.discard(id(dst))
+                    self.bucket_pool.give(dst)
             self.reduce_seconds += time.perf_counter() - started
 
     def _take_bucket(self, numel: int, zero: bool = True) -> torch.Tensor:

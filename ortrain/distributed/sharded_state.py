@@ -54,6 +54,7 @@ class ShardPiece:
     grad: torch.Tensor
     state: dict[str, torch.Tensor]  # optimizer state name -> its piece
     name: str = ""  # the parameter's
+    start: int = 0  # its first element in the flat layout
 
 
 class ShardedState:
@@ -155,6 +156,7 @@ class ShardedState:
                 self.grad_shard[pc.start - lo : pc.stop - lo],
                 {s: buf[pc.start - lo : pc.stop - lo] for s, buf in self.state.items()},
                 pc.name,
+                pc.start,
             )
             for pc in pieces
         ]

@@ -21,7 +21,10 @@ engines (``TrainerOptions.update_engine``):
    bound by ``ortrain/distributed/sharded_state.py``, run between its collectives;
 6. "zero-torch" (``ShardTorchUpdate``): torch's fused Adam/AdamW kernels over the pieces
    of this rank's shard (ZeRO-1, -2 and -3 on CPU), between the same collectives: no
-   update graph to build, one pass over each piece;
+   update graph to build, one pass over each piece; "zero-backward"
+   (``ShardBackwardUpdate``, ZeRO-3 without clipping, scaling or accumulation): the same
+   kernels over each gradient bucket's stretch as its reduce lands, in the backward: no
+   gradient shard kept;
 7. "zero-eager" (``ShardEagerUpdate``): under ZeRO, an elementwise torch optimizer's own
    ``step()`` over this rank's pieces (``ortrain/optim/sharded_eager.py``);
 8. "eager" (``EagerUpdate``): any other optimizer's own ``step()`` over whole tensors.
@@ -32,6 +35,7 @@ and one build fact (a gradient graph that could not take the update in its backw
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
@@ -62,6 +66,7 @@ from ortrain.runtime.outside_steps import own_step
 from ortrain.runtime.session import BoundSession
 from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 from ortrain.runtime.training_state import TrainingState
+from ortrain.runtime.zero_pages import release
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -379,6 +384,124 @@ class ShardTorchUpdate(_AfterBackward):
         st.record_update(self.found_inf == 0)
 
 
+class ShardBackwardUpdate(ShardTorchUpdate):
+    """ZeRO-3: torch's fused Adam/AdamW over each bucket's stretch of this rank's shard as
+    soon as the bucket's reduce lands, inside the backward (``ShardedGradients
+    .on_landing``): the summed gradient is used where it lands and never kept, so after the
+    first update (which lays the pieces out and runs after its backward, as
+    "zero-torch") the gradient shard's pages go back and are not taken again. Needs what
+    makes a stretch's update independent of every other gradient: no clipping, no loss
+    scaling, no accumulation (``_zero_backward_needs``). A backward graph that reads a
+    parameter after its gradient arrived (``ShardedParams.late_reads``, seen at the first
+    step) keeps the update after the backward."""
+
+    name = "zero-backward"
+
+    def __init__(self, state: TrainingState, env: EngineEnv):
+        super().__init__(state, env)
+        # per piece of this rank's shard, by flat start: (start, stop, group, parameter
+        # (its storage's own version counter: gathered views of the shard that autograd
+        # holds are not "modified in place" by a stretch they do not read), exp_avg,
+        # exp_avg_sq)
+        self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._values: Values = []
+        self._divisor: torch.Tensor | None = None
+        self.landing = False  # this micro-step updates in its backward
+        self.updated_numel = 0  # elements updated so far in this micro-step
+        self.released = False  # the gradient shard's pages handed back
+
+    def prepare(self) -> bool:
+        super().prepare()
+        pieces = self._reducer.shard_pieces(self.state)
+        self._pieces = sorted(
+            (pc.start, pc.start + pc.param.numel(), pc.group, pc.param.data, *moments)
+            for pc in pieces
+            for moments in [(pc.state["exp_avg"], pc.state["exp_avg_sq"])]
+        )
+        return False
+
+    @property
+    def _active(self) -> bool:
+        reducer = self.env.reducer
+        return bool(self._pieces) and not getattr(reducer, "late_reads", True)
+
+    def begin_micro_step(self, values: Values, grad_scale: float) -> None:
+        """Before a micro-step's forward (and its window's zeroing of the gradients): its
+        buckets update their stretch as they land (from the second step on, the first
+        having laid the pieces out)."""
+        st = self.state
+        if self.released:  # it reads zeros until written again: nothing to zero
+            st.pristine_grads.add(id(self._reducer.grad_shard))  # type: ignore[attr-defined]
+        self.landing = self._active and int(st.step_tensor) > 0
+        self.released = self.released and self.landing
+        self._reducer.grads_released = self.released  # type: ignore[attr-defined]
+        self._reducer.on_landing = self._update_stretch if self.landing else None  # type: ignore[attr-defined]
+        if not self.landing:
+            return
+        self._values = values
+        self._divisor = None
+        if grad_scale != 1.0:  # torch's kernels divide by theirs
+            self._divisor = torch.full((), 1.0 / grad_scale, device=st.device)
+        self.step_t.fill_(float(st.step_tensor) + 1.0)
+        self.updated_numel = 0
+
+    def _update_stretch(self, first: int, grad: torch.Tensor) -> None:
+        """Flat elements [first, first + len(grad)) of this rank's shard: their summed
+        gradients landed. The pieces there (a bucket holds whole parameters: each piece
+        lies in it or not) take their update, group by group."""
+        stop = first + grad.numel()
+        lists: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        for start, end, group, param, avg, avg_sq in self._pieces[
+            bisect.bisect_left(self._pieces, (first,)) :
+        ]:
+            if start >= stop:
+                break
+            ps, gs, avgs, sqs = lists.setdefault(group, ([], [], [], []))
+            ps.append(param)
+            gs.append(grad[start - first : end - first])
+            avgs.append(avg)
+            sqs.append(avg_sq)
+            self.updated_numel += end - start
+        for group, (ps, gs, avgs, sqs) in lists.items():
+            hp = self._values[group]
+            self.kernel(
+                ps,
+                gs,
+                avgs,
+                sqs,
+                [],
+                [self.step_t] * len(ps),
+                lr=hp["lr"],
+                beta1=hp["beta1"],
+                beta2=hp["beta2"],
+                weight_decay=hp["weight_decay"],
+                eps=hp["eps"],
+                amsgrad=False,
+                maximize=False,
+                grad_scale=self._divisor,
+                found_inf=None,
+            )
+
+    def step(self, values: Values, grad_scale: float) -> None:
+        reducer = self._reducer
+        if not self.landing:
+            super().step(values, grad_scale)
+            if self._active:  # the next micro-steps update as they land: not written again
+                release(reducer.grad_shard)  # type: ignore[attr-defined]
+                self.released = reducer.grads_released = True  # type: ignore[attr-defined]
+            return
+        self.landing = False
+        reducer.on_landing = None  # type: ignore[attr-defined]
+        total = sum(end - start for start, end, *_ in self._pieces)
+        if self.updated_numel != total:  # every piece once, or the step is not a step
+            raise AssertionError(
+                f"ZeRO-3's update in the backward updated {self.updated_numel} of this "
+                f"rank's {total} elements"
+            )
+        st = self.state
+        reducer.update(lambda: st.record_update(torch.ones((), dtype=torch.bool)))
+
+
 class ShardEagerUpdate(_AfterBackward):
     """ZeRO's update by an elementwise torch optimizer's own ``step()`` over this rank's pieces
     (kind ``SHARDED_EAGER``: ``ortrain/optim/sharded_eager.py``).
@@ -692,6 +815,7 @@ ENGINES: dict[str, type[UpdateEngine]] = {
         GraphUpdate,
         ShardUpdate,
         ShardTorchUpdate,
+        ShardBackwardUpdate,
         ShardEagerUpdate,
         KernelUpdate,
         TorchUpdate,
@@ -743,13 +867,34 @@ def _backward_needs(f: EngineFacts) -> list[str]:
     return why
 
 
+def _zero_backward_needs(f: EngineFacts) -> list[str]:
+    """What ZeRO's update in the backward (``ShardBackwardUpdate``) needs and these facts
+    lack: each stretch's update must depend on its own gradients only."""
+    why = []
+    if f.zero_stage != 3:
+        why.append("ZeRO-3 (zero_stage=3)")
+    if f.device.type != "cpu":
+        why.append("device='cpu'")
+    if f.kind not in TORCH_KINDS:
+        why.append(f"Adam or AdamW (not {f.kind})")
+    if f.accumulation != 1:
+        why.append("grad_accumulation_steps=1")
+    if f.clipping:
+        why.append("no clipping (max_grad_norm=None)")
+    if not f.fp32:
+        why.append("fp32 training without loss scaling")
+    return why
+
+
 def choose_engine(f: EngineFacts) -> str:
     """The engine's name; raises where the requested engine cannot run these facts.
 
     1. "kernels" / "torch" requested: the optimizer must be theirs, in a single process
        (the kernels' library must be built);
-    2. "backward" requested: everything ``_backward_needs`` lists;
-    3. "auto": the update in the backward where it can run; where a graph refused it
+    2. "backward" requested: everything ``_backward_needs`` lists (under ZeRO:
+       ``_zero_backward_needs``, each bucket's stretch updated as it lands);
+    3. "auto": the update in the backward where it can run (one process, or ZeRO-3's
+       "zero-backward"); where a graph refused it
        (``refused``), the choice below, if no update was laid out yet (otherwise, and for
        "backward" requested, the refusal is raised);
     4. ZeRO-1, -2 and -3: "auto" on CPU with Adam/AdamW: torch's kernels over the shard;
@@ -795,6 +940,15 @@ def choose_engine(f: EngineFacts) -> str:
                 "training updates through the update graph (use 'graph' or 'auto')"
             )
         return "torch"
+    if f.zero_stage is not None and req in ("auto", "backward"):
+        zwhy = _zero_backward_needs(f)
+        if not zwhy:
+            return "zero-backward"
+        if req == "backward":
+            raise ValueError(
+                f"TrainerOptions.update_engine='backward' under ZeRO-{f.zero_stage} needs "
+                + ", ".join(zwhy)
+            )
     why = _backward_needs(f)
     if req == "backward" and why:
         raise ValueError("TrainerOptions.update_engine='backward' needs " + ", ".join(why))

@@ -82,3 +82,26 @@ def populate(t: torch.Tensor) -> bool:
     if ctypes.get_errno() == errno.EINVAL:
         _populating = False  # not this kernel: pages fault in as they are written
     return False
+
+
+_MADV_DONTNEED = 4
+
+
+def release(t: torch.Tensor) -> None:
+    """Zero ``t``, handing its whole pages back to the system where it is a ``lazy_zeros``
+    buffer (a private anonymous mapping: they read as zeros again and take memory only
+    when next written); the rest (elsewhere, all of it) is written with zeros."""
+    madvise = _madvise()
+    size = t.element_size()
+    if madvise is None or not is_lazy(t.device) or not t.is_contiguous() or t.numel() == 0:
+        t.zero_()
+        return
+    page = mmap.PAGESIZE
+    first = t.data_ptr()
+    start = -(-first // page) * page
+    stop = (first + t.numel() * size) // page * page
+    if stop <= start or madvise(start, stop - start, _MADV_DONTNEED) != 0:
+        t.zero_()
+        return
+    t[: (start - first) // size].zero_()  # the pages it shares with its neighbours
+    t[(stop - first) // size :].zero_()

@@ -82,6 +82,9 @@ class SegmentedTraining:
         self.verify_seconds = 0.0
         self.step_seconds = 0.0  # forward + backward of the steps so far
         self.steps = 0
+        # called with the loss before its backward (an update in the backward must not
+        # start on a loss the step will refuse)
+        self.before_backward: Callable[[torch.Tensor], None] | None = None
         self.pooled_losses = 0  # cross-entropies computed over pooled buffers (``pooled_loss``)
         self.route_losses = True  # until a step's routed losses were too small to gain
 
@@ -240,6 +243,8 @@ class SegmentedTraining:
                     "taken and no update applied"
                 )
             self.model.settle_routes()  # (a signature built in this forward may change them)
+            if self.before_backward is not None:
+                self.before_backward(loss)
             try:
                 (loss * scale if scale is not None else loss).backward()
             finally:
