@@ -22,8 +22,8 @@ the process's own bytes, and the measured resident peak they should add up to:
 ``total`` is their sum, except that the first step's whole parameters and a later step's
 buckets and gathers never coexist: the larger of the two is counted. Where ZeRO-3 updates
 each bucket's stretch as it lands (update engine "zero-backward"), the gradient shard is
-held only up to the first update, which runs after its backward: the later steps count
-none. On CPU a ZeRO rank's
+held only up to the first update, which runs after its backward and hands it back as it
+takes the optimizer state's pages: the later steps count none. On CPU a ZeRO rank's
 optimizer-state and gradient shards take memory only when first written (the first
 update, the first backward: ``runtime/zero_pages.py``), so the first step's whole
 parameters are counted without them. A class the trainer
@@ -133,13 +133,14 @@ class RankMemory:
         # first step's whole parameters are gone before any bucket or gather exists (the
         # plan is made on them, then they are sharded), so the larger of the two counts
         # (on CPU with the shards of gradients and state not yet taken)
-        # (and where the gradient shard goes after the first update, that update holds it
-        # with the optimizer state, and the later steps hold no gradients)
+        # (and where the gradient shard goes after the first update, that update hands
+        # it back piece by piece as it takes the optimizer state's pages, and the later
+        # steps hold no gradients)
         s = self.states
         grads = 0 if self.grads_released else s.gradients
         steps = grads + s.optimizer_state + self.buckets + self.gathered
         first = self.first_step + (0 if self.lazy_state else s.gradients + s.optimizer_state)
-        update = s.gradients + s.optimizer_state
+        update = max(s.gradients, s.optimizer_state)
         held = max(steps, first, update)
         return self.runtime + s.parameters + held + self.activations + self.sessions
 

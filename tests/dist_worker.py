@@ -25,6 +25,8 @@ bucketed data parallel or ZeRO-2/3 (ORTRAIN_TEST_STAGE) with bucketing on, each 
         length of its own every micro-step
 landing ZeRO-3 without clipping or accumulation: the update in the backward (or the
         engine ORTRAIN_TEST_ENGINE names), a sharded checkpoint halfway
+landing_table the same over a tied table whose gradient goes as factors, against the
+        update after the backward (max_grad_norm=inf)
 detached ZeRO-3 of a model whose backward reads a weight after its gradient arrived
 elementwise ZeRO-1/2/3 (ORTRAIN_TEST_STAGE) with an optimizer ortrain does not compile
         that works element by element (ORTRAIN_TEST_OPT): its own step on the shard; a
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -1269,6 +1272,40 @@ def scenario_landing(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+def scenario_landing_table(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """ZeRO-3 with AdamW and no clipping over a tied table whose head's gradient goes as
+    factors: updated as its stretches are summed ("zero-backward"), then again with
+    ``max_grad_norm=inf`` (the same kernels after the backward, "zero-torch") from the same
+    start on the same batches; each rank's parameters of both."""
+    batches = factored_batches(rank, world, world)
+    got: dict[str, Any] = {}
+    for tag, clip in (("auto", None), ("after", math.inf)):
+        model = gpt2(layers=2, hidden=factored_width(world), vocab=FACTORED_VOCAB, seed=rank)
+        opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=2e-3)
+        trainer = ORTTrainer(
+            model,
+            opt,
+            TrainerOptions(
+                zero_stage=3,
+                max_grad_norm=clip,
+                intra_op_threads=1,
+                reduce_bucket_mb=ZERO2_BUCKET_MB,
+            ),
+        )
+        losses = [trainer.train_step(**b).item() for b in batches]
+        reducer = trainer.reducer
+        got[tag] = {
+            "losses": losses,
+            "engine": trainer.update_engine.name,
+            "routed": list(reducer.routed),  # type: ignore[union-attr]
+            "stretches": reducer.routed_stretches,  # type: ignore[union-attr]
+            "late_reads": sorted(reducer.late_reads),  # type: ignore[union-attr]
+        }
+        whole = whole_params(trainer)
+        torch.save(whole, out / f"landing_table_{tag}_{rank}.pt")
+    return got
+
+
 class DetachedFirst(torch.nn.Module):
     """A projection called twice: first through its weight detached (its backward reads
     the weight for the input's gradient, and adds none to it), then as usual. The
@@ -1348,6 +1385,7 @@ def main() -> None:
         "reentrant": scenario_reentrant,
         "elementwise": scenario_elementwise,
         "landing": scenario_landing,
+        "landing_table": scenario_landing_table,
         "detached": scenario_detached,
     }[scenario]
     result = fn(rank, world, out)

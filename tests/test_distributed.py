@@ -1014,6 +1014,31 @@ def test_zero3_updates_each_bucket_as_it_lands_as_one_process(tmp_path, landing_
 
 
 @pytest.mark.slow
+def test_zero3_updates_a_factored_table_stretch_by_stretch(tmp_path):
+    """A 4096-token tied table whose head's gradient goes as factors, at 3 ranks (the
+    shards' edges inside the table): under the update in the backward each rank sums its
+    stretch of the table a bucket's worth of rows at a time and updates it before the next
+    (no table-sized buffer); losses and every rank's parameters equal the update after the
+    backward (the same kernels, ``max_grad_norm=inf``) from the same start."""
+    world = 3
+    results = finish(launch("landing_table", tmp_path, world=world), tmp_path, "landing_table")
+    table = "transformer.wte.weight"
+    for rank, r in enumerate(results):
+        auto, after = r["auto"], r["after"]
+        assert (auto["engine"], after["engine"]) == ("zero-backward", "zero-torch")
+        assert auto["routed"] == after["routed"] == [table]
+        assert after["stretches"] == 0
+        assert_losses(auto["losses"], after["losses"])
+        a = torch.load(tmp_path / f"landing_table_auto_{rank}.pt")
+        b = torch.load(tmp_path / f"landing_table_after_{rank}.pt")
+        for name in b:
+            assert_tensor(a[name], b[name], name)
+    # rank 0's stretch starts with the table: several stretches of it a step from the
+    # second on (the first updates after its backward)
+    assert results[0]["auto"]["stretches"] >= 2 * (STEPS * ACCUM - 1)
+
+
+@pytest.mark.slow
 def test_zero3_a_weight_read_after_its_gradient_keeps_the_update_after_the_backward(tmp_path):
     """A backward graph that reads a weight whose gradient arrived already (a projection
     called first through its weight detached, then as usual): the first step sees it, and

@@ -117,3 +117,21 @@ def test_release_hands_back_the_pages_and_reads_zeros() -> None:
     plain = torch.full((10,), 2.0)  # not a mapping: written with zeros
     release(plain)
     assert plain.tolist() == [0.0] * 10
+    release(plain.fill_(2.0), zero_rest=False)  # nothing to hand back, nothing written
+    assert plain.tolist() == [2.0] * 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(2) is Linux's")
+def test_release_of_pieces_keeps_the_pages_they_share() -> None:
+    """The first update before ZeRO-3's updates in the backward hands each parameter's
+    piece of the gradient shard back as it passes it (``zero_rest=False``): only whole
+    pages inside the piece go; the values in pages it shares with the next piece, not yet
+    read, stay."""
+    t = lazy_zeros(NUMEL, CPU)
+    t.copy_(torch.arange(NUMEL, dtype=torch.float32))
+    cut = 3 * 2**20 + 100  # not on a page
+    release(t[:cut], zero_rest=False)
+    assert _resident(t) < 128 - 11.9  # 12 MiB of its pages, less the one cut through
+    edge = 3 * 2**20  # the page the cut goes through starts here: kept whole
+    assert t[edge : cut + 5].tolist() == [float(i) for i in range(edge, cut + 5)]
+    assert float(t[:edge].abs().max()) == 0.0  # whole pages inside: zeros again

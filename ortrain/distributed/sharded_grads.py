@@ -211,6 +211,7 @@ class ShardedGradients(ShardedState):
         self._factors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.rows_gathered = 0  # routed parameters' rows gathered so far (a test's figure)
         self.factors_gathered = 0  # and their product factors
+        self.routed_stretches = 0  # stretches of them updated as they were summed (a test's)
         self._reaching: set[str] | None = None  # what the first step reached (``_expected``)
         self._lay_out_buckets()
         self._open: dict[int, torch.Tensor] = {}
@@ -517,41 +518,54 @@ class ShardedGradients(ShardedState):
 
     def _land_rows(self) -> None:
         """Every rank's rows and factors of each routed parameter, added where this rank's
-        shard holds them (the same collectives on every rank, in ``routed``'s order)."""
+        shard holds them (the same collectives on every rank, in ``routed``'s order).
+        Where the update runs as gradients land, they are summed a bucket's worth of rows
+        at a time into a pooled buffer, each stretch updated before the next is summed (a
+        whole table's stretch at once would be a table-sized buffer)."""
         lo, hi = self.config.layout.shard(self.config.rank)
         dtype, device = self.grad_shard.dtype, self.grad_shard.device
+        landing = self.on_landing
         for name in self.routed:
             e = self._entries[name]
             n_rows = e.shape[0] if e.shape else 1
             width = max(1, e.numel // max(1, n_rows))
             a, b = max(lo, e.offset), min(hi, e.stop)
-            dst = self.grad_shard[a - lo : b - lo] if a < b else None
-            landing = self.on_landing
-            if landing is not None and dst is not None:  # summed apart, then updated
-                dst = self._take_bucket(b - a)
             started = time.perf_counter()
-            every: list[tuple[torch.Tensor, torch.Tensor]] = []
+            rows_every: list[tuple[torch.Tensor, torch.Tensor]] = []
+            factors_every: list[tuple[torch.Tensor, torch.Tensor]] = []
             if name in self._row_params:
                 rows, updates = _stacked(self._rows.pop(name, []), width, dtype, device, True)
-                every = self.comm.all_gather_rows(rows, updates, f"rows of {name}'s gradient")
-                del rows, updates
+                got = self.comm.all_gather_rows(rows, updates, f"rows of {name}'s gradient")
+                rows_every = [(r.remainder(n_rows), u) for r, u in got]  # in rank order
+                del rows, updates, got
                 self.rows_gathered += 1
-                for r, u in every if dst is not None else ():  # in rank order
-                    add_rows_in_range(dst, a - e.offset, width, r.remainder(n_rows), u)
             if name in self._factor_params:
                 left, right = _stacked(self._factors.pop(name, []), (n_rows, width), dtype, device)
-                every = self.comm.all_gather_rows(left, right, f"factors of {name}'s gradient")
+                factors_every = self.comm.all_gather_rows(
+                    left, right, f"factors of {name}'s gradient"
+                )
                 del left, right
                 self.factors_gathered += 1
-                for f, g in every if dst is not None else ():
-                    add_product_in_range(dst, a - e.offset, width, f, g)
-            del every
-            if landing is not None:
-                self.landed.add(name)
-                if dst is not None:
-                    landing(a, dst)
+            step = b - a if landing is None else max(width, self._bucket_numel // width * width)
+            for c0 in range(a, b, max(step, 1)):
+                c1 = min(b, c0 + step)
+                if landing is None:
+                    dst = self.grad_shard[c0 - lo : c1 - lo]
+                else:
+                    dst = self._take_bucket(c1 - c0)
+                for r, u in rows_every:
+                    add_rows_in_range(dst, c0 - e.offset, width, r, u)
+                for f, g in factors_every:
+                    add_product_in_range(dst, c0 - e.offset, width, f, g)
+                if landing is not None:
+                    landing(c0, dst)
+                    self.routed_stretches += 1
                     self._pooled.discard(id(dst))
                     self.bucket_pool.give(dst)
+                del dst
+            del rows_every, factors_every
+            if landing is not None:
+                self.landed.add(name)
             self.reduce_seconds += time.perf_counter() - started
 
     def _take_bucket(self, numel: int, zero: bool = True) -> torch.Tensor:

@@ -83,6 +83,9 @@ class ShardedState:
         self.state = {s: lazy_zeros(n, comm.device) for s in self.config.state_names}
         self.lazy_state = is_lazy(comm.device)  # state and gradient shards (``memory_report``)
         self._state_untaken = self.lazy_state  # until the first update writes the state
+        # the first update takes the state's pages piece by piece itself (ZeRO-3's update
+        # in the backward hands the gradient shard back as it goes)
+        self.piecewise_state = False
         self.sq_norm = torch.zeros((), device=comm.device)
         self._norm_scale: torch.Tensor | None = None  # set where clipping or overflow needs it
         # Parameters whose optimizer state is live: those with gradients, and those a
@@ -212,8 +215,8 @@ class ShardedState:
             self._state_untaken = False
             release_kept()
             trim_heap()
-            for t in self.state.values():  # read before written: each page faulted twice
-                populate(t)
+            for t in () if self.piecewise_state else self.state.values():
+                populate(t)  # read before written: each page faulted twice otherwise
 
     def update(self, run_update: Callable[[], None]) -> None:
         self._make_room()

@@ -66,7 +66,7 @@ from ortrain.runtime.outside_steps import own_step
 from ortrain.runtime.session import BoundSession
 from ortrain.runtime.torch_update import TORCH_KINDS, TorchFusedUpdate
 from ortrain.runtime.training_state import TrainingState
-from ortrain.runtime.zero_pages import release
+from ortrain.runtime.zero_pages import populate, release
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -404,6 +404,7 @@ class ShardBackwardUpdate(ShardTorchUpdate):
         # holds are not "modified in place" by a stretch they do not read), exp_avg,
         # exp_avg_sq)
         self._pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._starts: list[int] = []  # their flat starts
         self._values: Values = []
         self._divisor: torch.Tensor | None = None
         self.landing = False  # this micro-step updates in its backward
@@ -412,12 +413,15 @@ class ShardBackwardUpdate(ShardTorchUpdate):
 
     def prepare(self) -> bool:
         super().prepare()
+        # the first update takes the state's pages piece by piece (``_update_handing_back``)
+        self._reducer.piecewise_state = True  # type: ignore[attr-defined]
         pieces = self._reducer.shard_pieces(self.state)
         self._pieces = sorted(
             (pc.start, pc.start + pc.param.numel(), pc.group, pc.param.data, *moments)
             for pc in pieces
             for moments in [(pc.state["exp_avg"], pc.state["exp_avg_sq"])]
         )
+        self._starts = [piece[0] for piece in self._pieces]
         return False
 
     @property
@@ -438,57 +442,86 @@ class ShardBackwardUpdate(ShardTorchUpdate):
         self._reducer.on_landing = self._update_stretch if self.landing else None  # type: ignore[attr-defined]
         if not self.landing:
             return
+        self._set_step(values, grad_scale)
+        self.updated_numel = 0
+
+    def _update_stretch(self, first: int, grad: torch.Tensor) -> None:
+        """Flat elements [first, first + len(grad)) of this rank's shard: their summed
+        gradients landed. The pieces there (whole ones for a bucket, parts of one for a
+        routed table summed a stretch at a time) take their update, group by group."""
+        stop = first + grad.numel()
+        lists: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        k = max(0, bisect.bisect_right(self._starts, first) - 1)  # the piece holding first
+        for start, end, group, param, avg, avg_sq in self._pieces[k:]:
+            if start >= stop:
+                break
+            a, b = max(start, first), min(end, stop)
+            if a >= b:
+                continue
+            ps, gs, avgs, sqs = lists.setdefault(group, ([], [], [], []))
+            ps.append(param[a - start : b - start])
+            gs.append(grad[a - first : b - first])
+            avgs.append(avg[a - start : b - start])
+            sqs.append(avg_sq[a - start : b - start])
+            self.updated_numel += b - a
+        for group, (ps, gs, avgs, sqs) in lists.items():
+            self._run_kernel(group, ps, gs, avgs, sqs)
+
+    def _run_kernel(self, group: int, *tensors: list[torch.Tensor]) -> None:
+        """One fused call over lists (parameters, gradients, exp_avg, exp_avg_sq)."""
+        hp = self._values[group]
+        self.kernel(
+            *tensors,
+            [],
+            [self.step_t] * len(tensors[0]),
+            lr=hp["lr"],
+            beta1=hp["beta1"],
+            beta2=hp["beta2"],
+            weight_decay=hp["weight_decay"],
+            eps=hp["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=self._divisor,
+            found_inf=None,
+        )
+
+    def _set_step(self, values: Values, grad_scale: float) -> None:
+        """This update's hyperparameters, divisor and 1-based step."""
+        st = self.state
         self._values = values
         self._divisor = None
         if grad_scale != 1.0:  # torch's kernels divide by theirs
             self._divisor = torch.full((), 1.0 / grad_scale, device=st.device)
         self.step_t.fill_(float(st.step_tensor) + 1.0)
-        self.updated_numel = 0
 
-    def _update_stretch(self, first: int, grad: torch.Tensor) -> None:
-        """Flat elements [first, first + len(grad)) of this rank's shard: their summed
-        gradients landed. The pieces there (a bucket holds whole parameters: each piece
-        lies in it or not) take their update, group by group."""
-        stop = first + grad.numel()
-        lists: dict[int, tuple[list[torch.Tensor], ...]] = {}
-        for start, end, group, param, avg, avg_sq in self._pieces[
-            bisect.bisect_left(self._pieces, (first,)) :
-        ]:
-            if start >= stop:
-                break
-            ps, gs, avgs, sqs = lists.setdefault(group, ([], [], [], []))
-            ps.append(param)
-            gs.append(grad[start - first : end - first])
-            avgs.append(avg)
-            sqs.append(avg_sq)
-            self.updated_numel += end - start
-        for group, (ps, gs, avgs, sqs) in lists.items():
-            hp = self._values[group]
-            self.kernel(
-                ps,
-                gs,
-                avgs,
-                sqs,
-                [],
-                [self.step_t] * len(ps),
-                lr=hp["lr"],
-                beta1=hp["beta1"],
-                beta2=hp["beta2"],
-                weight_decay=hp["weight_decay"],
-                eps=hp["eps"],
-                amsgrad=False,
-                maximize=False,
-                grad_scale=self._divisor,
-                found_inf=None,
-            )
+    def _update_handing_back(self) -> None:
+        """The update after a backward (the first step's), piece by piece: each piece's
+        optimizer-state pages are taken as it is updated and its gradient's pages handed
+        back after it, so that the gradient shard and the whole state are never resident
+        together (with the update in the backward after it, that moment was a run's
+        peak)."""
+        grad = self._reducer.grad_shard  # type: ignore[attr-defined]
+        lo = self._reducer.config.shard.start  # type: ignore[attr-defined]
+        for start, end, group, param, avg, avg_sq in self._pieces:
+            populate(avg)  # read before written: each page faulted twice otherwise
+            populate(avg_sq)
+            piece = grad[start - lo : end - lo]
+            self._run_kernel(group, [param], [piece], [avg], [avg_sq])
+            release(piece, zero_rest=False)  # (its neighbours' gradients share its edges)
+        release(grad)
+        self.state.record_update(torch.ones((), dtype=torch.bool))
 
     def step(self, values: Values, grad_scale: float) -> None:
         reducer = self._reducer
         if not self.landing:
-            super().step(values, grad_scale)
-            if self._active:  # the next micro-steps update as they land: not written again
-                release(reducer.grad_shard)  # type: ignore[attr-defined]
-                self.released = reducer.grads_released = True  # type: ignore[attr-defined]
+            if not self._active:
+                super().step(values, grad_scale)
+                return
+            # the next micro-steps update as they land: the gradient shard is not written
+            # again, and goes piece by piece as this update passes it
+            self._set_step(values, grad_scale)
+            reducer.update(self._update_handing_back)
+            self.released = reducer.grads_released = True  # type: ignore[attr-defined]
             return
         self.landing = False
         reducer.on_landing = None  # type: ignore[attr-defined]

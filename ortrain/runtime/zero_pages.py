@@ -87,21 +87,27 @@ def populate(t: torch.Tensor) -> bool:
 _MADV_DONTNEED = 4
 
 
-def release(t: torch.Tensor) -> None:
+def release(t: torch.Tensor, zero_rest: bool = True) -> None:
     """Zero ``t``, handing its whole pages back to the system where it is a ``lazy_zeros``
     buffer (a private anonymous mapping: they read as zeros again and take memory only
-    when next written); the rest (elsewhere, all of it) is written with zeros."""
+    when next written); the rest (elsewhere, all of it) is written with zeros.
+    ``zero_rest=False``: only whole pages go, nothing is written (the pages ``t`` shares
+    with its neighbours keep all their values)."""
     madvise = _madvise()
     size = t.element_size()
-    if madvise is None or not is_lazy(t.device) or not t.is_contiguous() or t.numel() == 0:
-        t.zero_()
+    lazy = madvise is not None and is_lazy(t.device) and t.is_contiguous()
+    if not lazy or t.numel() == 0:
+        if zero_rest:
+            t.zero_()
         return
     page = mmap.PAGESIZE
     first = t.data_ptr()
     start = -(-first // page) * page
     stop = (first + t.numel() * size) // page * page
     if stop <= start or madvise(start, stop - start, _MADV_DONTNEED) != 0:
-        t.zero_()
+        if zero_rest:
+            t.zero_()
         return
-    t[: (start - first) // size].zero_()  # the pages it shares with its neighbours
-    t[(stop - first) // size :].zero_()
+    if zero_rest:  # the pages it shares with its neighbours
+        t[: (start - first) // size].zero_()
+        t[(stop - first) // size :].zero_()
