@@ -387,9 +387,9 @@ class ShardTorchUpdate(_AfterBackward):
 class ShardBackwardUpdate(ShardTorchUpdate):
     """ZeRO-3: torch's fused Adam/AdamW over each bucket's stretch of this rank's shard as
     soon as the bucket's reduce lands, inside the backward (``ShardedGradients
-    .on_landing``): the summed gradient is used where it lands and never kept, so after the
-    first update (which lays the pieces out and runs after its backward, as
-    "zero-torch") the gradient shard's pages go back and are not taken again. Needs what
+    .on_landing``): the summed gradient is used where it lands and never kept. The first
+    update runs after its backward (the pieces are laid out then), piece by piece, handing
+    the gradient shard's pages back as it goes; they are not taken again. Needs what
     makes a stretch's update independent of every other gradient: no clipping, no loss
     scaling, no accumulation (``_zero_backward_needs``). A backward graph that reads a
     parameter after its gradient arrived (``ShardedParams.late_reads``, seen at the first
@@ -426,6 +426,7 @@ class ShardBackwardUpdate(ShardTorchUpdate):
 
     @property
     def _active(self) -> bool:
+        """Laid out, and no backward read a parameter after its gradient arrived."""
         reducer = self.env.reducer
         return bool(self._pieces) and not getattr(reducer, "late_reads", True)
 
