@@ -793,7 +793,10 @@ def eager_reads_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def train_eager_reads(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTrainer, list[float]]:
+def train_eager_reads(
+    stage: int, seed: int, batches: list[dict], clip: float | None = 1.0
+) -> tuple[ORTTrainer, list[float]]:
+    """``clip=None``: under ZeRO-3 the update runs in the backward ("zero-backward")."""
     model = EagerReads(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     options = TrainerOptions(
@@ -801,7 +804,7 @@ def train_eager_reads(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTr
         segments="blocks",
         intra_op_threads=1,
         reduce_bucket_mb=0.001,
-        max_grad_norm=1.0,
+        max_grad_norm=clip,
     )
     trainer = ORTTrainer(model, opt, options, loss_fn=lambda out, batch: out)
     losses = []
@@ -817,7 +820,8 @@ def train_eager_reads(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTr
 def scenario_eager_reads(rank: int, world: int, out: Path) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        trainer, losses = train_eager_reads(3, rank, eager_reads_batches(rank, world))
+        clip = None if os.environ.get("ORTRAIN_TEST_CLIP") == "none" else 1.0
+        trainer, losses = train_eager_reads(3, rank, eager_reads_batches(rank, world), clip)
     reducer = trainer.reducer
     held = {
         n: p.numel() for n, p in trainer.module.named_parameters()
@@ -830,6 +834,7 @@ def scenario_eager_reads(rank: int, world: int, out: Path) -> dict[str, Any]:
         "losses": losses,
         "warnings": [str(w.message) for w in said],
         "first_prefetched": trainer.first_prefetched,  # type: ignore[attr-defined]
+        "engine": trainer.update_engine.name,
         "whole": sorted(reducer.whole),  # type: ignore[union-attr]
         "held": held,
         "compiled": sorted(trainer.segments.model.compiled),

@@ -537,20 +537,25 @@ def test_zero3_follows_python_values_the_loop_changes(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_keeps_whole_the_parameters_eager_code_reads(tmp_path):
+@pytest.mark.parametrize("clip", [1.0, None], ids=["clipped", "landing"])
+def test_zero3_keeps_whole_the_parameters_eager_code_reads(tmp_path, clip):
     """ZeRO-3 of a model whose eager code reads parameters (the root's own, one of a module
     that falls back to eager, an embedding tied by hand as the output projection): those
     stay whole on every rank, the rest are sharded, and the training equals one process
     on the combined batches (losses, final parameters, an evaluation). A compiled block
     whose call runs in eager on some micro-steps keeps its gathered parameters for its
-    backward; the first micro-step's gathers are prefetched along the recorded forward."""
-    trainer, losses = train_eager_reads(0, 0, eager_reads_batches(0, 1))
-    results = finish(launch("eager_reads", tmp_path), tmp_path, "eager_reads")
+    backward; the first micro-step's gathers are prefetched along the recorded forward.
+    Without clipping the update runs as the buckets land, in the backward: the whole
+    parameters' shards change there, and their whole copies once the step is done."""
+    trainer, losses = train_eager_reads(0, 0, eager_reads_batches(0, 1), clip)
+    env = {"ORTRAIN_TEST_CLIP": "none"} if clip is None else {}
+    results = finish(launch("eager_reads", tmp_path, **env), tmp_path, "eager_reads")
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / "eager_reads_params.pt"), trainer.module)
     whole = ["embed.weight", "gate.w", "scale"]
     assert trainer.segments is not None and trainer.segments.model is not None
     for r in results:
+        assert r["engine"] == ("zero-torch" if clip else "zero-backward")
         assert r["whole"] == whole
         said = [w for w in r["warnings"] if "ZeRO-3 keeps 3 parameter(s) whole" in w]
         assert len(said) == 1 and "embed.weight, gate.w, scale" in said[0], r["warnings"]
