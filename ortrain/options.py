@@ -38,7 +38,7 @@ class TrainerOptions:
         "backward": each parameter's Adam/AdamW update inside the gradient graph right
         after its gradient is made (CPU, one process, fp32, no accumulation, clipping or
         loss scaling): no gradient buffers at all (a gradient dies at its update, which
-        lowers the peak), and ``trainer.grads`` stays empty; under ZeRO-3 (CPU,
+        lowers the peak), and ``trainer.grads`` stays empty; under ZeRO-2 and ZeRO-3 (CPU,
         Adam/AdamW, fp32, no accumulation or clipping) each gradient bucket's stretch of
         the rank's shard is updated with torch's kernels as its reduce lands ("zero-backward",
         from the second step on): the gradient shard is not kept. "auto": "backward" where

@@ -20,7 +20,7 @@ the process's own bytes, and the measured resident peak they should add up to:
     sessions         resident bytes that creating the ONNX Runtime sessions added
 
 ``total`` is their sum, except that the first step's whole parameters and a later step's
-buckets and gathers never coexist: the larger of the two is counted. Where ZeRO-3 updates
+buckets and gathers never coexist: the larger of the two is counted. Where ZeRO-2/3 update
 each bucket's stretch as it lands (update engine "zero-backward"), the gradient shard is
 held only up to the first update, which runs after its backward and hands it back as it
 takes the optimizer state's pages: the later steps count none. On CPU a ZeRO rank's

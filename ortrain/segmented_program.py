@@ -95,7 +95,7 @@ class SegmentedProgram:
         # the set each window reaches is followed (ZeRO-2/3 take the gradients themselves)
         if collecting is None and self._reached is None:
             self._reached = Reached(named, st.trainable)
-        # ZeRO-3's update in the backward (``ShardBackwardUpdate``) takes this step's
+        # ZeRO-2/3's update in the backward (``ShardBackwardUpdate``) takes this step's
         # hyperparameters now, and the loss is checked before its backward starts
         begin = getattr(ctx.engine, "begin_micro_step", None)
         if begin is not None:
@@ -120,7 +120,7 @@ class SegmentedProgram:
             done = getattr(ctx.engine, "updated_numel", 0) if landing else 0
             if done:
                 exc.add_note(
-                    f"ortrain: this step's update runs in its backward (ZeRO-3, "
+                    f"ortrain: this step's update runs in its backward (ZeRO, "
                     f"update engine {ctx.engine.name!r}): {done} of this rank's parameter "
                     "elements had taken it when the step failed"
                 )

@@ -23,11 +23,11 @@ layer_drop data parallel of a model that skips blocks at random: the same coins 
 reentrant ZeRO-2 of a model whose blocks run inside reentrant activation checkpoints
 bucketed data parallel or ZeRO-2/3 (ORTRAIN_TEST_STAGE) with bucketing on, each rank a
         length of its own every micro-step
-landing ZeRO-3 without clipping or accumulation: the update in the backward (or the
-        engine ORTRAIN_TEST_ENGINE names), a sharded checkpoint halfway
+landing ZeRO-``ORTRAIN_TEST_STAGE`` without clipping or accumulation: the update in the
+        backward (or the engine ORTRAIN_TEST_ENGINE names), a sharded checkpoint halfway
 landing_table the same over a tied table whose gradient goes as factors, against the
         update after the backward (max_grad_norm=inf)
-detached ZeRO-3 of a model whose backward reads a weight after its gradient arrived
+detached ZeRO-2/3 of a model whose backward reads a weight after its gradient arrived
 elementwise ZeRO-1/2/3 (ORTRAIN_TEST_STAGE) with an optimizer ortrain does not compile
         that works element by element (ORTRAIN_TEST_OPT): its own step on the shard; a
         sharded checkpoint after two optimizer steps (ORTRAIN_TEST_RESUME: resumed from it)
@@ -1243,8 +1243,9 @@ def landing_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
 
 def scenario_landing(rank: int, world: int, out: Path) -> dict[str, Any]:
     engine = os.environ.get("ORTRAIN_TEST_ENGINE", "auto")
+    batches = landing_batches(rank, world)
     trainer, losses = train_landing(
-        3, rank, landing_batches(rank, world), save=out / "landing_ckpt", update_engine=engine
+        _stage(), rank, batches, save=out / "landing_ckpt", update_engine=engine
     )
     reducer, update = trainer.reducer, trainer.update_engine
     updated = getattr(update, "updated_numel", 0)  # by the last step
@@ -1349,7 +1350,7 @@ def train_detached(stage: int, seed: int, batches: list[dict]) -> tuple[ORTTrain
 
 
 def scenario_detached(rank: int, world: int, out: Path) -> dict[str, Any]:
-    trainer, losses = train_detached(3, rank, reorder_batches(rank, world))
+    trainer, losses = train_detached(_stage(), rank, reorder_batches(rank, world))
     whole = whole_params(trainer)
     if rank == 0:
         torch.save(whole, out / "detached_params.pt")

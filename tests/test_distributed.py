@@ -986,16 +986,21 @@ def landing_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_zero3_updates_each_bucket_as_it_lands_as_one_process(tmp_path, landing_reference, world):
-    """ZeRO-3 without clipping, scaling or accumulation updates each gradient bucket's
+@pytest.mark.parametrize(
+    "stage,world", [(2, 2), (3, 2), (3, 3)], ids=["zero2-2", "zero3-2", "zero3-3"]
+)
+def test_zero_updates_each_bucket_as_it_lands_as_one_process(
+    tmp_path, landing_reference, stage, world
+):
+    """ZeRO-2/3 without clipping, scaling or accumulation updates each gradient bucket's
     stretch of a rank's shard as its reduce lands, inside the backward
     (``ShardBackwardUpdate``): 20 AdamW steps (two decay groups, a warmup schedule, GPT-2's
     tied table) end with losses and parameters equal to one process on the combined
     batches; after the first update the gradient shard is handed back and never written
     again (it reads zeros); the checkpoint taken halfway resumes in one process to the
     same end. A NaN loss on one rank stops the step on every rank, nothing updated."""
-    results = finish(launch("landing", tmp_path, world=world), tmp_path, "landing")
+    env = {"ORTRAIN_TEST_STAGE": str(stage)}
+    results = finish(launch("landing", tmp_path, world=world, **env), tmp_path, "landing")
     ref, losses = landing_reference
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / "landing_auto_params.pt"), ref.module)
@@ -1044,12 +1049,14 @@ def test_zero3_updates_a_factored_table_stretch_by_stretch(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_a_weight_read_after_its_gradient_keeps_the_update_after_the_backward(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_zero_a_weight_read_after_its_gradient_keeps_the_update_after_the_backward(tmp_path, stage):
     """A backward graph that reads a weight whose gradient arrived already (a projection
     called first through its weight detached, then as usual): the first step sees it, and
     the update runs after the backward (updated in the backward, the detached call's
     backward would read the new weight). Parameters equal one process's."""
-    results = finish(launch("detached", tmp_path), tmp_path, "detached")
+    env = {"ORTRAIN_TEST_STAGE": str(stage)}
+    results = finish(launch("detached", tmp_path, **env), tmp_path, "detached")
     ref, losses = train_detached(0, 0, reorder_batches(0, 1))
     assert_losses(rank_mean(results, "losses"), losses)
     assert_params(torch.load(tmp_path / "detached_params.pt"), ref.module)

@@ -60,15 +60,17 @@ def _facts(**changes: object) -> EngineFacts:
         # ZeRO on CPU: torch's kernels over the shard where they run the optimizer
         ({"zero_stage": 1}, "zero-torch"),
         ({"zero_stage": 3, "kind": "adam", "clipping": True}, "zero-torch"),
-        # ZeRO-3 without clipping, scaling or accumulation: each bucket's stretch updated
-        # as it lands, in the backward
+        # ZeRO-2/3 without clipping, scaling or accumulation: each bucket's stretch
+        # updated as it lands, in the backward
         ({"zero_stage": 3}, "zero-backward"),
         ({"zero_stage": 3, "kind": "adam", "requested": "backward"}, "zero-backward"),
         ({"zero_stage": 3, "accumulation": 2}, "zero-torch"),
         ({"zero_stage": 3, "fp32": False}, "zero-torch"),
         ({"zero_stage": 3, "cpu_kernels": False}, "zero-backward"),  # torch's kernels
         ({"zero_stage": 3, "kind": "sgd"}, "zero1"),
-        ({"zero_stage": 2}, "zero-torch"),
+        ({"zero_stage": 2}, "zero-backward"),
+        ({"zero_stage": 2, "clipping": True}, "zero-torch"),
+        ({"zero_stage": 1}, "zero-torch"),
         ({"zero_stage": 3, "requested": "graph"}, "zero1"),
         ({"zero_stage": 2, "requested": "graph"}, "zero1"),
         ({"zero_stage": 1, "kind": "sgd"}, "zero1"),
@@ -91,7 +93,7 @@ def test_choice(changes, engine):
         ({"requested": "kernels", "kind": "sgd"}, UnsupportedOptimizerError, "'kernels'"),
         ({"requested": "kernels", "zero_stage": 1}, ValueError, "single-process only"),
         ({"requested": "backward", "clipping": True}, ValueError, r"no clipping"),
-        ({"requested": "backward", "zero_stage": 2}, ValueError, r"ZeRO-2 needs ZeRO-3"),
+        ({"requested": "backward", "zero_stage": 1}, ValueError, r"ZeRO-1 needs ZeRO-2 or"),
         (
             {"requested": "backward", "zero_stage": 3, "accumulation": 4},
             ValueError,

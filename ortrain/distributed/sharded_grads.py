@@ -228,12 +228,16 @@ class ShardedGradients(ShardedState):
         self._name_of = {id(params[n]): n for n in layout.names}
         self._homed: set[str] = set()  # given a view of their bucket in this micro-step
         self.written_in_place = 0  # gradients that arrived in their bucket (a test's figure)
-        # ZeRO-3's update in the backward (``ShardBackwardUpdate``): given each landed
+        # ZeRO-2/3's update in the backward (``ShardBackwardUpdate``): given each landed
         # bucket's stretch of this rank's shard (its first flat element) and the summed
         # gradient of it, which is then not added to the gradient shard
         self.on_landing: Callable[[int, torch.Tensor], None] | None = None
         self.landed: set[str] = set()  # parameters whose bucket landed in this micro-step
         self.grads_released = False  # the gradient shard handed back (``memory_report``)
+        # parameters a backward graph read after their gradient had arrived (a read that
+        # contributes none, e.g. through ``detach()``): the update in the backward would
+        # change them before that read (``ShardBackwardUpdate`` then runs after it)
+        self.late_reads: set[str] = set()
         self._hooks = [
             params[n].register_post_accumulate_grad_hook(own_hook(self._arrival(n)))
             for n in layout.names
@@ -395,6 +399,28 @@ class ShardedGradients(ShardedState):
             self._arrive(name, grad)
 
         return arrived
+
+    def check_reads(self, params: Sequence[torch.Tensor]) -> None:
+        """A compiled segment's backward graph is about to read ``params``."""
+        self._check_late(frozenset(self._name_of[id(p)] for p in params if id(p) in self._name_of))
+
+    def _check_late(self, read: frozenset[str]) -> None:
+        """A backward graph reads ``read``: note those whose gradient arrived already (a
+        routed table's pieces are added at the micro-step's end: not among them); where
+        the update runs in the backward and one of them was updated, the read would see
+        the new value, so the step stops."""
+        if not self._armed:
+            return
+        late = (read & self.reached) - set(self.routed)
+        self.late_reads |= late
+        changed = read & self.landed
+        if changed:
+            raise RuntimeError(
+                f"ZeRO: a backward graph reads {', '.join(sorted(changed)[:3])}, which this "
+                "step's update in the backward changed already (its gradient had arrived; "
+                "the first step read no parameter so): this step's update is incomplete; "
+                "resume from a checkpoint with TrainerOptions(update_engine='graph')"
+            )
 
     def add_rows(self, name: str, rows: torch.Tensor, updates: torch.Tensor) -> None:
         """Rows of a routed parameter's gradient, kept until the micro-step's end."""

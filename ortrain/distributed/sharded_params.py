@@ -165,10 +165,6 @@ class ShardedParams(ShardedGradients):
         # id(module) -> its weight's name while they are in place; elements so far
         self._rows_of: dict[int, str] = {}
         self.rows_gathered_numel = 0
-        # parameters a backward graph read after their gradient had arrived (a read that
-        # contributes none, e.g. through ``detach()``): the update in the backward would
-        # change them before that read (``ShardBackwardUpdate`` then runs after it)
-        self.late_reads: set[str] = set()
 
     @property
     def sharded(self) -> bool:
@@ -217,24 +213,6 @@ class ShardedParams(ShardedGradients):
             ahead_names = [n for n in nxt.names if n not in self.gathered]
             if ahead_names:
                 self._ahead = self._start(ahead_names)
-
-    def _check_late(self, read: frozenset[str]) -> None:
-        """A backward graph reads ``read``: note those whose gradient arrived already (a
-        routed table's pieces are added at the micro-step's end: not among them); where
-        the update runs in the backward and one of them was updated, the read would see
-        the new value, so the step stops."""
-        if not self._armed:
-            return
-        late = (read & self.reached) - set(self.routed)
-        self.late_reads |= late
-        changed = read & self.landed
-        if changed:
-            raise RuntimeError(
-                f"ZeRO-3: a backward graph reads {', '.join(sorted(changed)[:3])}, which this "
-                "step's update in the backward changed already (its gradient had arrived; "
-                "the first step read no parameter so): this step's update is incomplete; "
-                "resume from a checkpoint with TrainerOptions(update_engine='graph')"
-            )
 
     def acquire_rows(self, module: torch.nn.Module, ids: torch.Tensor) -> bool:
         """For a plain embedding's forward: only the rows of its table that the ranks'

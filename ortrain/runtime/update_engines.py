@@ -22,7 +22,7 @@ engines (``TrainerOptions.update_engine``):
 6. "zero-torch" (``ShardTorchUpdate``): torch's fused Adam/AdamW kernels over the pieces
    of this rank's shard (ZeRO-1, -2 and -3 on CPU), between the same collectives: no
    update graph to build, one pass over each piece; "zero-backward"
-   (``ShardBackwardUpdate``, ZeRO-3 without clipping, scaling or accumulation): the same
+   (``ShardBackwardUpdate``, ZeRO-2/3 without clipping, scaling or accumulation): the same
    kernels over each gradient bucket's stretch as its reduce lands, in the backward: no
    gradient shard kept;
 7. "zero-eager" (``ShardEagerUpdate``): under ZeRO, an elementwise torch optimizer's own
@@ -385,15 +385,17 @@ class ShardTorchUpdate(_AfterBackward):
 
 
 class ShardBackwardUpdate(ShardTorchUpdate):
-    """ZeRO-3: torch's fused Adam/AdamW over each bucket's stretch of this rank's shard as
+    """ZeRO-2 and -3: torch's fused Adam/AdamW over each bucket's stretch of this rank's shard as
     soon as the bucket's reduce lands, inside the backward (``ShardedGradients
     .on_landing``): the summed gradient is used where it lands and never kept. The first
     update runs after its backward (the pieces are laid out then), piece by piece, handing
     the gradient shard's pages back as it goes; they are not taken again. Needs what
     makes a stretch's update independent of every other gradient: no clipping, no loss
     scaling, no accumulation (``_zero_backward_needs``). A backward graph that reads a
-    parameter after its gradient arrived (``ShardedParams.late_reads``, seen at the first
-    step) keeps the update after the backward."""
+    parameter after its gradient arrived (``ShardedGradients.late_reads``, seen at the
+    first step) keeps the update after the backward. Under ZeRO-2 the parameters are whole
+    on every rank: this rank's stretch of them changes in the backward, the others' after
+    the step's all-gather."""
 
     name = "zero-backward"
 
@@ -529,7 +531,7 @@ class ShardBackwardUpdate(ShardTorchUpdate):
         total = sum(end - start for start, end, *_ in self._pieces)
         if self.updated_numel != total:  # every piece once, or the step is not a step
             raise AssertionError(
-                f"ZeRO-3's update in the backward updated {self.updated_numel} of this "
+                f"ZeRO's update in the backward updated {self.updated_numel} of this "
                 f"rank's {total} elements"
             )
         st = self.state
@@ -905,8 +907,8 @@ def _zero_backward_needs(f: EngineFacts) -> list[str]:
     """What ZeRO's update in the backward (``ShardBackwardUpdate``) needs and these facts
     lack: each stretch's update must depend on its own gradients only."""
     why = []
-    if f.zero_stage != 3:
-        why.append("ZeRO-3 (zero_stage=3)")
+    if f.zero_stage not in (2, 3):
+        why.append("ZeRO-2 or ZeRO-3 (zero_stage=2 or 3)")
     if f.device.type != "cpu":
         why.append("device='cpu'")
     if f.kind not in TORCH_KINDS:
@@ -927,7 +929,7 @@ def choose_engine(f: EngineFacts) -> str:
        (the kernels' library must be built);
     2. "backward" requested: everything ``_backward_needs`` lists (under ZeRO:
        ``_zero_backward_needs``, each bucket's stretch updated as it lands);
-    3. "auto": the update in the backward where it can run (one process, or ZeRO-3's
+    3. "auto": the update in the backward where it can run (one process, or ZeRO-2/3's
        "zero-backward"); where a graph refused it
        (``refused``), the choice below, if no update was laid out yet (otherwise, and for
        "backward" requested, the refusal is raised);

@@ -464,6 +464,9 @@ class SegmentFunction(torch.autograd.Function):
         if home is not None:  # dropped after the forward; gathered again if read here
             named_all = dict(ctx.module.named_parameters())
             home.acquire(ctx.module, [named_all[p] for p in runner.backward_params])
+        elif (check := getattr(sink, "check_reads", None)) is not None:
+            # ZeRO-2: what it reads, for the update in the backward (ZeRO-3's acquire does)
+            check([ctx.module.get_parameter(p) for p in runner.backward_params])
         tensors = ctx.saved_tensors
         n = len(runner.backward_reads)
         read = dict(zip(runner.backward_reads, tensors[:n]))
