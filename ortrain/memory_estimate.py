@@ -130,9 +130,11 @@ def estimate_memory(
     if stage >= 2:
         # a block's backward writes its gradients into their buckets at once (buckets
         # end at its edges) while the ones before are on their way, each closed at the
-        # first parameter boundary past the bucket size
+        # first parameter boundary past the bucket size; on its way a bucket's owners
+        # receive the other ranks' stretches of it beside it, one at a time (at most a
+        # bucket's worth: ``Comm._send_to_owners``)
         bucket = int(reduce_bucket_mb * MIB) // 4 + block_largest
-        in_flight = 4 * min(psi, IN_FLIGHT * bucket + block)
+        in_flight = 4 * min(psi, IN_FLIGHT * 2 * bucket + block)
     if stage == 3:  # a segment's parameters gathered, and the next one's on its way
         largest = max((p.numel() for p in model.parameters()), default=0)
         in_flight += 2 * 4 * max(block, largest)

@@ -247,10 +247,12 @@ def test_zero2_and_3_match_single_process_and_hold_no_whole_gradients(
         assert len(r["buckets"]) >= 4 and sum(r["buckets"]) == r["numel"]
         # open or in flight at most: the buckets of one block's gradients (its backward
         # graph writes them there at once; they end at its edges) and the one before on
-        # its way, or the tied table's own bucket and the one before; never all of them
+        # its way (with a buffer for the other ranks' stretches of it that its owner
+        # receives, one at a time), or the tied table's own bucket and the one before;
+        # never all of them
         block = sum(p.numel() for p in blocks.module.transformer.h[0].parameters())
         table = blocks.module.transformer.wte.weight.numel()
-        assert r["peak_open"] <= max(block, table) + max(r["buckets"])
+        assert r["peak_open"] <= max(block, table) + 2 * max(r["buckets"])
         assert r["peak_open"] < r["numel"]
         # ZeRO-2's buckets (and ZeRO-3's gathers) of a step are the memory of the step
         # before's; ZeRO-3 keeps no bucket from one backward to the next (they would sit

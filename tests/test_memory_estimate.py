@@ -82,8 +82,9 @@ def test_stages_shard_what_the_zero_papers_say():
     # largest parameter more
     bucket = int(0.01 * 2**20) // 4 + 64 * 64
     # the Linears are repeated blocks: the buckets one's gradients are written into (none
-    # reaching past its ends) and the buckets on their way
-    assert z2.in_flight == 4 * (IN_FLIGHT * bucket + block)
+    # reaching past its ends) and the buckets on their way, each with a bucket's worth
+    # beside it for the stretches its owners receive
+    assert z2.in_flight == 4 * (IN_FLIGHT * 2 * bucket + block)
     assert z2.total - z2.in_flight == 4 * psi + 4 * psi // n + 8 * psi // n
     one = estimate_memory(model, 1, 2, "adam")  # one rank: no sharding, whatever the stage
     assert one.zero_stage == 0 and one.total == dp.total

@@ -355,7 +355,8 @@ class ShardedGradients(ShardedState):
             self._armed = False
             # a failed backward's buckets: its window starts over (those in flight may
             # still be written by their reduce: not reused)
-            for buf in [*self._open.values(), *(b for _, b, _ in self._flying)]:
+            flying = [x for _, b, f in self._flying for x in (b, *f.received)]
+            for buf in [*self._open.values(), *flying]:
                 if id(buf) in self._pooled:
                     self.bucket_pool.forget(buf)
             self._pooled.clear()
@@ -494,6 +495,7 @@ class ShardedGradients(ShardedState):
     def _count_held(self) -> None:
         held = sum(t.numel() for t in self._open.values())
         held += sum(buf.numel() for _, buf, _ in self._flying)
+        held += sum(r.numel() for _, _, flight in self._flying for r in flight.received)
         self.peak_open_numel = max(self.peak_open_numel, held)
 
     def _send(self, every: bool = False) -> None:
@@ -514,7 +516,7 @@ class ShardedGradients(ShardedState):
             while len(self._flying) >= IN_FLIGHT:
                 self._land()
             started = time.perf_counter()
-            flight = self.comm.start_reduce_to_owners(buf, bucket.start, n)
+            flight = self.comm.start_reduce_to_owners(buf, bucket.start, n, self._take_unzeroed)
             self._flying.append((k, buf, flight))
             self._count_held()
             self.reduce_seconds += time.perf_counter() - started
@@ -538,9 +540,10 @@ class ShardedGradients(ShardedState):
             if self._shard_lazy:  # its first sums: read before written
                 populate(dst)
             dst.add_(buf[a - bucket.start : b - bucket.start])
-        if id(buf) in self._pooled:
-            self._pooled.discard(id(buf))
-            self.bucket_pool.give(buf)
+        for got in [buf, *flight.received]:
+            if id(got) in self._pooled:
+                self._pooled.discard(id(got))
+                self.bucket_pool.give(got)
 
     def _land_rows(self) -> None:
         """Every rank's rows and factors of each routed parameter, added where this rank's
@@ -593,6 +596,9 @@ class ShardedGradients(ShardedState):
             if landing is not None:
                 self.landed.add(name)
             self.reduce_seconds += time.perf_counter() - started
+
+    def _take_unzeroed(self, numel: int) -> torch.Tensor:
+        return self._take_bucket(numel, zero=False)
 
     def _take_bucket(self, numel: int, zero: bool = True) -> torch.Tensor:
         buf = self.bucket_pool.take(numel, zero=zero)
