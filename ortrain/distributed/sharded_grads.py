@@ -217,6 +217,10 @@ class ShardedGradients(ShardedState):
         self._open: dict[int, torch.Tensor] = {}
         self._flying: collections.deque[tuple[int, torch.Tensor, InFlight]] = collections.deque()
         self.bucket_pool = BufferPool(comm.device)  # the buckets, reused step to step
+        # receive buffers of the point-to-point reduces (``_take_scratch``): free ones,
+        # and the one behind each view handed out
+        self._scratch_free: list[torch.Tensor] = []
+        self._scratch_base: dict[int, torch.Tensor] = {}
         self._pooled: set[int] = set()  # ids of the open or flying buckets taken from it
         self._unzeroed: set[int] = set()  # open buckets taken without zeros (``grad_home``)
         self._next = 0  # the position in ``_order`` of the next bucket to go out
@@ -355,14 +359,14 @@ class ShardedGradients(ShardedState):
             self._armed = False
             # a failed backward's buckets: its window starts over (those in flight may
             # still be written by their reduce: not reused)
-            flying = [x for _, b, f in self._flying for x in (b, *f.received)]
-            for buf in [*self._open.values(), *flying]:
+            for buf in [*self._open.values(), *(b for _, b, _ in self._flying)]:
                 if id(buf) in self._pooled:
                     self.bucket_pool.forget(buf)
             self._pooled.clear()
             self._open.clear()
             self._flying.clear()
             self._homed.clear()
+            self._scratch_base.clear()  # (one a receive may still write is not reused)
 
     def grad_home(self, param: torch.Tensor) -> torch.Tensor | None:
         """Where ``param``'s gradient of this micro-step goes: a view of its bucket of the
@@ -495,7 +499,7 @@ class ShardedGradients(ShardedState):
     def _count_held(self) -> None:
         held = sum(t.numel() for t in self._open.values())
         held += sum(buf.numel() for _, buf, _ in self._flying)
-        held += sum(r.numel() for _, _, flight in self._flying for r in flight.received)
+        held += sum(b.numel() for b in self._scratch_base.values())
         self.peak_open_numel = max(self.peak_open_numel, held)
 
     def _send(self, every: bool = False) -> None:
@@ -516,7 +520,7 @@ class ShardedGradients(ShardedState):
             while len(self._flying) >= IN_FLIGHT:
                 self._land()
             started = time.perf_counter()
-            flight = self.comm.start_reduce_to_owners(buf, bucket.start, n, self._take_unzeroed)
+            flight = self.comm.start_reduce_to_owners(buf, bucket.start, n, self._take_scratch)
             self._flying.append((k, buf, flight))
             self._count_held()
             self.reduce_seconds += time.perf_counter() - started
@@ -540,10 +544,11 @@ class ShardedGradients(ShardedState):
             if self._shard_lazy:  # its first sums: read before written
                 populate(dst)
             dst.add_(buf[a - bucket.start : b - bucket.start])
-        for got in [buf, *flight.received]:
-            if id(got) in self._pooled:
-                self._pooled.discard(id(got))
-                self.bucket_pool.give(got)
+        for got in flight.received:
+            self._give_scratch(got)
+        if id(buf) in self._pooled:
+            self._pooled.discard(id(buf))
+            self.bucket_pool.give(buf)
 
     def _land_rows(self) -> None:
         """Every rank's rows and factors of each routed parameter, added where this rank's
@@ -597,8 +602,26 @@ class ShardedGradients(ShardedState):
                 self.landed.add(name)
             self.reduce_seconds += time.perf_counter() - started
 
-    def _take_unzeroed(self, numel: int) -> torch.Tensor:
-        return self._take_bucket(numel, zero=False)
+    def _take_scratch(self, numel: int) -> torch.Tensor:
+        """Where a bucket's owner receives the other ranks' stretches of it: a buffer of
+        the largest bucket's size that goes out, kept from step to step (stretch sizes
+        vary by bucket: a buffer per size would be made afresh, its pages faulted, every
+        step)."""
+        free = next((b for b in self._scratch_free if b.numel() >= numel), None)
+        if free is None:
+            sent = (self.buckets[k].numel for k in self._order)  # (not a routed table's)
+            free = torch.empty(max(numel, *sent), device=self.comm.device)
+            populate(free)
+        else:
+            self._scratch_free.remove(free)
+        view = free[:numel]
+        self._scratch_base[id(view)] = free
+        return view
+
+    def _give_scratch(self, view: torch.Tensor) -> None:
+        base = self._scratch_base.pop(id(view), None)
+        if base is not None:
+            self._scratch_free.append(base)
 
     def _take_bucket(self, numel: int, zero: bool = True) -> torch.Tensor:
         buf = self.bucket_pool.take(numel, zero=zero)

@@ -633,6 +633,7 @@ class ShardedParams(ShardedGradients):
             # forward, which gathers (a tied table for all of it): that is a ZeRO-3 rank's
             # peak, so they go, and the next backward makes them afresh
             self.bucket_pool.clear()
+            self._scratch_free.clear()
             trim_heap()
         if not self.sharded:
             self._shard_params()
