@@ -215,6 +215,7 @@ class Comm:
         start: int,
         shard_numel: int,
         take: Callable[[int], torch.Tensor] | None = None,
+        chunk: int = 0,
     ) -> InFlight:
         """In place, for ``part`` = elements ``[start, start + part.numel())`` of a flat
         buffer whose rank-i shard is ``[i * shard_numel, (i + 1) * shard_numel)``: on the
@@ -222,18 +223,19 @@ class Comm:
         ``wait()`` returns; the rest is left undefined (ZeRO-2's bucket), all in flight at
         once.
 
-        On gloo with ``take`` (a buffer of n elements, for what other ranks send): each
-        rank sends every other owner its stretch and adds what it receives into its own
-        (one send per peer and stretch: gloo's reduce, which works through the whole
-        range on every rank, took 1.2-1.6x as long). Otherwise one reduce per owner."""
+        On gloo with ``take`` (a buffer of n elements) and ``chunk`` > 0: each rank sends
+        every other owner its stretch, in pieces of at most ``chunk`` elements, and an
+        owner adds the pieces it receives into its own, one at a time through one buffer
+        (gloo's reduce, which works through the whole range on every rank, took 1.2-1.6x
+        as long). Otherwise one reduce per owner."""
         stop, group = start + part.numel(), self.group_for(part)
         op = "reduce of a gradient bucket"
         stretches = [
             (max(start, i * shard_numel), min(stop, (i + 1) * shard_numel))
             for i in range(self.world_size)
         ]
-        if take is not None and group is self.group:
-            return self._send_to_owners(part, start, stretches, take, op)
+        if take is not None and chunk > 0 and group is self.group:
+            return self._send_to_owners(part, start, stretches, take, chunk, op)
         with self._guard(op):
             works = [
                 dist.reduce(
@@ -253,22 +255,32 @@ class Comm:
         start: int,
         stretches: list[tuple[int, int]],
         take: Callable[[int], torch.Tensor],
+        chunk: int,
         op: str,
     ) -> InFlight:
-        """``start_reduce_to_owners`` by point-to-point sends (gloo). The owner receives
-        into one buffer, from one peer at a time (the first while the caller goes on, the
-        others in ``wait``): a stretch's worth beside the bucket, whatever the world size."""
+        """``start_reduce_to_owners`` by point-to-point sends (gloo). Every send is posted
+        at once; the owner receives into one buffer of at most ``chunk`` elements, a piece
+        at a time (the first while the caller goes on, the others in ``wait``), so what
+        it holds beside the bucket stays one piece whatever the world size."""
         works = []
-        lo, hi = stretches[self.rank]
         with self._guard(op):
             for i, (a, b) in enumerate(stretches):
-                if a < b and i != self.rank:
-                    to = self.global_ranks[i]
-                    works.append(dist.isend(part[a - start : b - start], dst=to, group=self.group))
-        peers = [self.global_ranks[i] for i in range(self.world_size) if i != self.rank]
-        if lo >= hi or not peers:
+                if i == self.rank:
+                    continue
+                to = self.global_ranks[i]
+                for c in range(a, b, chunk):
+                    piece = part[c - start : min(b, c + chunk) - start]
+                    works.append(dist.isend(piece, dst=to, group=self.group))
+        lo, hi = stretches[self.rank]
+        pieces = [
+            (self.global_ranks[i], c - start, min(hi, c + chunk) - start)
+            for i in range(self.world_size)
+            if i != self.rank
+            for c in range(lo, hi, chunk)
+        ]
+        if not pieces:
             return InFlight(self, op, works)
-        return InFlight(self, op, works, part[lo - start : hi - start], take(hi - lo), peers)
+        return InFlight(self, op, works, part, take(min(chunk, hi - lo)), pieces)
 
     def start_broadcasts(self, pieces: Sequence[tuple[torch.Tensor, int]], op: str) -> InFlight:
         """Each ``(tensor, rank)``: ``tensor`` from group rank ``rank`` to every rank, in
@@ -350,33 +362,34 @@ class InFlight:
         works: list[Any],
         into: torch.Tensor | None = None,
         scratch: torch.Tensor | None = None,
-        peers: Sequence[int] = (),
+        pieces: Sequence[tuple[int, int, int]] = (),
     ):
         self._comm, self._op, self._works = comm, op, works
-        # point-to-point sums: ``peers``' stretches are received into ``scratch`` in turn
-        # and added to ``into`` (the first is on its way from the start)
-        self._into, self._peers = into, list(peers)
+        # point-to-point sums: each (peer, lo, hi) of ``pieces`` is received into
+        # ``scratch`` in turn and added to ``into[lo:hi]`` (the first is on its way from
+        # the start)
+        self._into, self._pieces = into, list(pieces)
         self.received = [] if scratch is None else [scratch]
         self._first: Any = None
-        if self._peers:
+        if self._pieces:
+            peer, lo, hi = self._pieces[0]
             with comm._guard(op):
-                self._first = dist.irecv(scratch, src=self._peers[0], group=comm.group)
+                self._first = dist.irecv(scratch[: hi - lo], src=peer, group=comm.group)
 
     def wait(self) -> None:
         works, self._works = self._works, []
         with self._comm._guard(self._op):
             if self._into is not None:
-                # receives first, in rank order (every step sums alike): a send may wait
-                # for its receiver to post, so none of them is waited before these
+                # receives first, in order (every step sums alike): a send may wait for
+                # its receiver to post, so none of them is waited before these
                 scratch = self.received[0]
-                for k, peer in enumerate(self._peers):
-                    got = (
-                        self._first
-                        if k == 0
-                        else dist.irecv(scratch, src=peer, group=self._comm.group)
+                for k, (peer, lo, hi) in enumerate(self._pieces):
+                    got = scratch[: hi - lo]
+                    work = (
+                        self._first if k == 0 else dist.irecv(got, src=peer, group=self._comm.group)
                     )
-                    got.wait()
-                    self._into.add_(scratch)
+                    work.wait()
+                    self._into[lo:hi].add_(got)
                 self._into = self._first = None
             for w in works:
                 w.wait()

@@ -520,7 +520,9 @@ class ShardedGradients(ShardedState):
             while len(self._flying) >= IN_FLIGHT:
                 self._land()
             started = time.perf_counter()
-            flight = self.comm.start_reduce_to_owners(buf, bucket.start, n, self._take_scratch)
+            flight = self.comm.start_reduce_to_owners(
+                buf, bucket.start, n, self._take_scratch, self._bucket_numel
+            )
             self._flying.append((k, buf, flight))
             self._count_held()
             self.reduce_seconds += time.perf_counter() - started
@@ -604,13 +606,15 @@ class ShardedGradients(ShardedState):
 
     def _take_scratch(self, numel: int) -> torch.Tensor:
         """Where a bucket's owner receives the other ranks' stretches of it: a buffer of
-        the largest bucket's size that goes out, kept from step to step (stretch sizes
-        vary by bucket: a buffer per size would be made afresh, its pages faulted, every
-        step)."""
+        the bucket size (larger stretches come in pieces), kept from step to step
+        (stretch sizes vary by bucket: a buffer per size would be made afresh, its pages
+        faulted, every step)."""
         free = next((b for b in self._scratch_free if b.numel() >= numel), None)
         if free is None:
-            sent = (self.buckets[k].numel for k in self._order)  # (not a routed table's)
-            free = torch.empty(max(numel, *sent), device=self.comm.device)
+            largest = max(self.buckets[k].numel for k in self._order)  # ones that go out
+            free = torch.empty(
+                max(numel, min(largest, self._bucket_numel)), device=self.comm.device
+            )
             populate(free)
         else:
             self._scratch_free.remove(free)
