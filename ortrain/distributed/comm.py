@@ -226,8 +226,8 @@ class Comm:
         On gloo with ``take`` (a buffer of n elements) and ``chunk`` > 0: each rank sends
         every other owner its stretch, in pieces of at most ``chunk`` elements, and an
         owner adds the pieces it receives into its own, one at a time through one buffer
-        (gloo's reduce, which works through the whole range on every rank, took 1.2-1.6x
-        as long). Otherwise one reduce per owner."""
+        (gloo's reduce per owner is slower: docs/distributed.md). Otherwise one reduce
+        per owner."""
         stop, group = start + part.numel(), self.group_for(part)
         op = "reduce of a gradient bucket"
         stretches = [
