@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -63,7 +62,6 @@ def _rank(rank: int, store_path: str, failures: str) -> None:
         Path(failures).with_suffix(f".{rank}").write_text("\n".join(problems))
 
 
-@pytest.mark.slow
 def test_point_to_point_reduce_sums_each_owners_stretch(tmp_path: Path) -> None:
     failures = str(tmp_path / "failures")
     mp.spawn(_rank, args=(str(tmp_path / "store"), failures), nprocs=WORLD)
