@@ -382,9 +382,10 @@ class Bucketing:
     ) -> Padded:
         """``batch`` padded to its bucket where that is exact. ``prove``: the training
         graph of a padded batch, built, says whether padding mixes into the loss (3.);
-        asked once per layout. ``proof_first``: its graph builds in the background, so it
-        is asked before the eager check, which runs once the graph has arrived (a layout's
-        batches run unpadded until then). ``start``: the padded batch's graph started
+        asked once per layout. ``proof_first``: its graph may come later (built in the
+        background, or deferred while its steps run in eager: ``deferred_builds.py``),
+        so it is asked before the eager check, which runs once the graph is there (a
+        layout's batches run unpadded until then). ``start``: the padded batch's graph started
         before a layout's first eager check and length trace, which run while it builds
         (what it returns drops it where the batch is not padded after all)."""
         if self.mode == "off":
@@ -408,8 +409,8 @@ class Bucketing:
             holds = plan.holds
         verdict = self.verdicts.get(key)
         to = self.bucket(plan.length)
-        if verdict is not None and verdict.exact:
-            to = self._borrow(key, to)
+        if verdict is None or verdict.exact:  # (a layout's first padded batch too: a
+            to = self._borrow(key, to)  # longer batch's graph is proven for it, not built)
         to = self._capped(key, plan.length, to)
         if to == plan.length:  # its own bucket already
             self._graphs.setdefault(key, set()).add(to)

@@ -705,6 +705,14 @@ class GraphCache:
                 return found
             return self._build_train(run, module, batch, loss_fn, settings, found, first, fkey)
 
+    def holds_train(self, batch: Mapping[str, Any], settings: BuildConfig) -> bool:
+        """Whether the cache has an entry for ``batch``'s exported forward (its graph is a
+        load away, not a build), without reading it."""
+        if not self.enabled:
+            return False
+        fkey = _key("forward", self._base("train", batch), settings.optimize)
+        return self._path(fkey).is_file()
+
     def _load_train(
         self,
         fkey: str,

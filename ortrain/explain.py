@@ -47,4 +47,8 @@ def _build_time(trainer: ORTTrainer) -> str:
     parts += [f"sessions {sessions:.2f} s", f"checks against eager {trainer.verify_seconds:.2f} s"]
     if trainer.options.background_build:  # what those builds cost the steps instead
         parts.append(f"built in the background, {trainer.eager_steps} step(s) in eager meanwhile")
-    return "build time: " + ", ".join(parts)
+    text = "build time: " + ", ".join(parts)
+    deferred = trainer.deferred_builds
+    if deferred:  # shapes whose steps ran in eager rather than wait for a build
+        text += "\nshapes stepped in eager until a build would pay:\n" + deferred
+    return text

@@ -189,7 +189,13 @@ class TrainerOptions:
         models whose graph ONNX Runtime runs slower than PyTorch (large convolutions on
         CPU, for one): never slower than eager. Where a trial ran, which steps run where
         after it depends on the times measured, so runs agree to float rounding, not
-        bit for bit. False: every step runs on its graph.
+        bit for bit. With "auto" or True, within the same limits, a batch shape with no
+        graph once the model has one (a new bucket length, a shorter last batch) steps
+        in eager until those steps have lost, against its graph's estimated step (the
+        graphs' own time per batch element), the time the model's latest build took; then
+        its graph is built (``ortrain/deferred_builds.py``): a rare shape costs no build,
+        a common one at most a build's time (``ortrain.explain`` lists them). False:
+        every step runs on its graph, each new shape built at once.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, the first step disagrees with eager, or
         parameters are not float32).

@@ -20,6 +20,7 @@ padded where bucketing is exact: ``bucketing.py``) and runs the model's program 
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 from typing import Any
 
@@ -165,7 +166,10 @@ class ORTTrainer(TrainerState, TrainerViews):
         try:
             if isinstance(program, WholeProgram):
                 program.refuse_autocast()
+                program.step_started = time.perf_counter()
             padded = self._padded(raw, program)
+            if isinstance(program, WholeProgram):
+                return program.step(padded, raw)
             return program.step(padded)
         except NotOneGraph as exc:
             own = self._ctx.eager.fails(raw, grad=True)
@@ -273,7 +277,7 @@ class ORTTrainer(TrainerState, TrainerViews):
             self._program = SegmentedProgram(self._ctx, cause)
 
     def _padded(self, batch: dict[str, Any], program: WholeProgram | SegmentedProgram) -> dict:
-        first = getattr(program, "background", None) is not None  # its proof comes later
+        first = getattr(program, "proof_first", False)  # its proof may come later
         start = getattr(program, "start_early", None)
         whole_if_any = getattr(self._ctx.reducer, "whole_if_any", None)
         if whole_if_any is None or self.bucketing.mode == "off":

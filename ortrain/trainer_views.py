@@ -147,11 +147,21 @@ class TrainerViews:
     @property
     def eager_steps(self) -> int:
         """Steps that ran in eager PyTorch over the trainer's state: while their graph
-        built in the background (``TrainerOptions.background_build``) or where eager
-        steps faster (``TrainerOptions.eager_if_faster``, its trial's steps included); 0
-        without either."""
-        runs = (getattr(self._program, k, None) for k in ("background", "trial"))
+        built in the background (``TrainerOptions.background_build``), where eager
+        steps faster (``TrainerOptions.eager_if_faster``, its trial's steps included), or
+        while a new batch shape's eager steps had not yet lost a build's time
+        (``ortrain/deferred_builds.py``); 0 without any of them."""
+        runs = (getattr(self._program, k, None) for k in ("background", "trial", "deferred"))
         return sum(r.eager.count for r in runs if r is not None)
+
+    @property
+    def deferred_builds(self) -> str:
+        """Per batch shape whose steps ran in eager rather than build its graph (a new
+        shape's graph is built once those steps have lost a build's time:
+        ``ortrain/deferred_builds.py``): its eager steps and whether its graph came since,
+        one line each; "" where none did."""
+        deferred = getattr(self._program, "deferred", None)
+        return deferred.summary() if deferred is not None else ""
 
     @property
     def speed_choices(self) -> str:

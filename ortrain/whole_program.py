@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -33,6 +34,7 @@ from ortrain.core.errors import (
 )
 from ortrain.core.names import GradientError, UpdateInBackwardError
 from ortrain.core.optimizer_spec import EAGER
+from ortrain.deferred_builds import DEFERRED, DeferredBuilds
 from ortrain.eager_steps import unsupported
 from ortrain.first_step import PendingReference
 from ortrain.forked import ForkedJob, can_fork
@@ -73,6 +75,14 @@ def _cores() -> int:
     return min(allowed, torch.get_num_threads())
 
 
+def _without_sizes(sig: tuple) -> tuple:
+    """A signature (``whole_graph.signature``) with each tensor's sizes left out (its rank
+    kept): what the sizes of one kind of batch share."""
+    return tuple(
+        (k, len(shape), d) if isinstance(shape, tuple) else (k, shape, d) for k, shape, d in sig
+    )
+
+
 class WholeProgram:
     """The training graphs of ``ctx.graphs`` run as the model's program."""
 
@@ -109,6 +119,23 @@ class WholeProgram:
             # forward) leaves out while the graph's steps include it
             if not why and (chosen is True or ctx.spec.kind != EAGER):
                 self.trial = SpeedTrial(ctx, gated=chosen == "auto")
+        # a new shape's steps in eager until they have lost a build's time
+        # (``ortrain/deferred_builds.py``); the background build has its own eager steps
+        self.deferred: DeferredBuilds | None = None
+        if chosen is not False and self.background is None and not unsupported(ctx):
+            self.deferred = DeferredBuilds(ctx)
+        # a padded shape whose padding proof (its graph) was deferred: the next step's
+        # unpadded batch runs in eager, its time counted to that shape
+        self._rent_as: tuple[tuple, dict[str, Any]] | None = None
+        self.step_started: float | None = None  # the trainer's step, before its padding
+
+    @property
+    def proof_first(self) -> bool:
+        """Whether a layout's padding proof is asked before its eager check (its graph
+        may come later: built in the background, or deferred while its batches run
+        unpadded in eager), rather than its graph started before the check."""
+        deferring = self.deferred is not None and self.deferred.build_seconds is not None
+        return self.background is not None or deferring
 
     def describe(self) -> TrainingProgram:
         graphs = list(self.graphs.train.values())
@@ -126,15 +153,49 @@ class WholeProgram:
         graph = memory_report(next(iter(self.graphs.train.values())).model, top=top)
         return graph, graph.arena_peak_bytes
 
-    def step(self, batch: dict[str, Any]) -> torch.Tensor:
+    def step(self, batch: dict[str, Any], unpadded: dict[str, Any] | None = None) -> torch.Tensor:
         """A micro-step of ``batch`` on its training graph (in eager while it builds in the
-        background: ``ortrain/background_build.py``)."""
+        background: ``ortrain/background_build.py``, or while its shape's eager steps
+        have not lost a build's time: ``ortrain/deferred_builds.py``). ``unpadded``: the
+        batch as given, where bucketing padded it (what an eager step runs)."""
+        # a build's cost is the whole step's: bucketing's checks may run beside its child
+        started, self.step_started = self.step_started, None
         if self._in_background(batch):
             return self.background.eager_step(batch)  # type: ignore[union-attr]
+        sig = signature(batch)
+        deferred = self.deferred
+        as_padded, self._rent_as = self._rent_as, None
+        if deferred is not None and as_padded is not None:  # its padding proof deferred
+            return deferred.step(*as_padded, batch if unpadded is None else unpadded)
+        if deferred is not None and self._defers(sig, batch):
+            return deferred.step(sig, batch, batch if unpadded is None else unpadded)
+        route = self.trial.route(sig) if self.trial is not None else "graph"
+        start, count = started or time.perf_counter(), self.graphs.count
         if self.trial is not None:  # the graph or eager, whichever steps faster
-            sig = signature(batch)
-            return self.trial.run(sig, self.trial.route(sig), self._graph_step, batch)
-        return self._graph_step(batch)
+            loss = self.trial.run(sig, route, self._graph_step, batch)
+        else:
+            loss = self._graph_step(batch)
+        if deferred is not None and route == "graph":
+            built = self.graphs.count > count or not deferred.stepped(sig)
+            deferred.graph_step(sig, batch, time.perf_counter() - start, built)
+        return loss
+
+    def _defers(self, sig: tuple, batch: dict[str, Any]) -> bool:
+        """Whether ``batch``'s step runs in eager instead of building its graph: a shape
+        with no graph, none building for it, and its eager steps short of a build's time.
+        Only another size of a signature built already (same inputs, dtypes, ranks and
+        Python values): what else makes a new graph (a changed value, a mode) has its
+        own rules, and the graphs' step times say nothing of its cost."""
+        if self.graphs.has_train(batch) or sig in self._started or sig in self._prebuilt:
+            return False
+        if self.ctx.state.grad_params is None:  # (the first graph: always built)
+            return False
+        sized = _without_sizes(sig)
+        if not any(_without_sizes(s) == sized for s, _ in self.graphs.train):
+            return False
+        if self.deferred is None or not self.deferred.rents(sig, batch):
+            return False
+        return not self.graphs.cache.holds_train(batch, self.ctx.settings())  # (a load)
 
     def refuse_autocast(self) -> None:
         """A step inside the user's ``torch.autocast`` computes in autocast's dtypes in
@@ -253,17 +314,24 @@ class WholeProgram:
         build as a step takes it); a graph where it does is dropped. ``holds``: what the
         padding of tensors bucketing learned holds (proven here, on the export kept)."""
         compiled = self.graphs.find_train(batch)
+        # a graph built before for a batch of this shape (unpadded at this length, or padded
+        # from another): its proof holds for any real length (``padding.prove``)
+        lent = compiled is not None
         if compiled is None and self.background is not None:
             if self._in_background(batch):
                 return PENDING  # this batch runs unpadded, in eager, until its graph arrives
             compiled = self.graphs.find_train(batch)  # arrived just now
+        if compiled is None and self._defers(signature(batch), batch):
+            # its steps run unpadded in eager, their time counted to this padded shape
+            self._rent_as = (signature(batch), batch)
+            return DEFERRED
         if compiled is None:
             reference = self._early_reference(batch)
             compiled = self._build(batch, reference=reference)
             if reference is not None:
                 self._references[signature(batch)] = reference
         proof = compiled.graph.padding if holds is None else self._learned_proof(batch, holds)
-        if proof[0] == "mixes":
+        if proof[0] == "mixes" and not lent:  # (a lent graph still serves its own batches)
             self.graphs.forget_train(compiled, batch)
             self._references.pop(signature(batch), None)
         return proof

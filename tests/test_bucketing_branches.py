@@ -43,7 +43,7 @@ def test_a_batch_is_padded_only_within_the_lengths_of_one_branch():
     model, ref = _LengthBranch(), _LengthBranch()
     ref.load_state_dict(model.state_dict())
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
-    trainer = ORTTrainer(model, opt, TrainerOptions())
+    trainer = ORTTrainer(model, opt, TrainerOptions(eager_if_faster=False))  # (every shape built)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch in batches:
@@ -101,7 +101,7 @@ def test_the_padding_check_puts_back_a_buffer_the_forward_assigns_anew():
     model, ref = _RunMax(), _RunMax()
     ref.load_state_dict(model.state_dict())
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    trainer = ORTTrainer(model, opt, TrainerOptions())
+    trainer = ORTTrainer(model, opt, TrainerOptions(eager_if_faster=False))  # (every shape built)
     for batch in batches:
         want = ref(**batch)
         want.backward()
@@ -139,7 +139,7 @@ def test_the_range_is_traced_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(lb, "branch_free_lengths", tracing)
     monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", str(tmp_path / "cache"))
     lengths = [[23, 21], [18, 12], [25, 24]]
-    options = TrainerOptions()
+    options = TrainerOptions(eager_if_faster=False)  # (every shape built)
     torch.manual_seed(0)
     model = _LengthBranch()
     first = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)

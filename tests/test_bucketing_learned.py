@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ortrain import ORTTrainer
+from ortrain import ORTTrainer, TrainerOptions
 from ortrain.bucketing import Bucketing, Layout, bucket_length, layout
 from ortrain.padding_roles import Pad, padding_values
 from tests.adam_noise import AdamDrift, TrainerGradients, assert_params_close
@@ -114,7 +114,8 @@ def test_nanogpt_with_varying_lengths_is_bucketed_and_trains_like_eager():
     ref = GPT(cfg)
     model = copy.deepcopy(ref)
     opt_ref = ref.configure_optimizers(0.1, lr, (0.9, 0.95))
-    trainer = ORTTrainer(model, model.configure_optimizers(0.1, lr, (0.9, 0.95)))
+    no_deferral = TrainerOptions(eager_if_faster=False)  # (every shape built)
+    trainer = ORTTrainer(model, model.configure_optimizers(0.1, lr, (0.9, 0.95)), no_deferral)
     drift, read = AdamDrift(lr, betas=(0.9, 0.95)), TrainerGradients(trainer)
     g = torch.Generator().manual_seed(1)
     lengths = [40, 45, 51, 64, 33, 58, 47, 62, 39, 50]
@@ -165,7 +166,8 @@ class _MaxOverTokens(torch.nn.Module):
 def test_the_graph_s_proof_refuses_learned_padding_that_mixes_in():
     model = _MaxOverTokens()
     ref = copy.deepcopy(model)
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    options = TrainerOptions(eager_if_faster=False)  # (every shape built)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as seen:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ortrain import ORTTrainer
+from ortrain import ORTTrainer, TrainerOptions
 from ortrain.build import padding_proof, training_view
 from ortrain.export import export_forward
 from tests.conftest import bert_mlm, gpt2
@@ -173,7 +173,8 @@ class MaxOverTime(torch.nn.Module):
 def test_trainer_refuses_padding_the_graph_mixes_in_where_eager_agreed():
     model = MaxOverTime()
     ref = copy.deepcopy(model)
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=None)
+    options = TrainerOptions(eager_if_faster=False)  # (every shape built)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options, loss_fn=None)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as seen:

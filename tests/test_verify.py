@@ -639,7 +639,9 @@ def test_the_eager_step_of_the_check_runs_in_a_child_beside_the_build(monkeypatc
     monkeypatch.delenv("ORTRAIN_EXPORT_IN_PROCESS", raising=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    options = TrainerOptions(fallback="off", graph_cache=False, build_progress=False)
+    options = TrainerOptions(
+        fallback="off", graph_cache=False, build_progress=False, eager_if_faster=False
+    )  # (the second shape built at once)
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options,
                          loss_fn=lambda out, batch: out.square().mean())  # fmt: skip
     try:

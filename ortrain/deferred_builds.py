@@ -1,0 +1,131 @@
+"""A new batch shape's graph built once its eager steps have lost a build's time.
+
+A graph pays for its build only over the steps that run on it: a build costs tens of a
+small model's steps, and variable-length data keeps bringing shapes (bucket lengths) no
+graph has yet, most of them rare. So once a model has a graph (its first shape is always
+built: nothing is known before), a step whose batch shape has none runs in eager PyTorch
+over the trainer's own state (``ortrain/eager_steps.py``: nothing is copied to switch, the
+step is eager's own), and the time those steps lose is counted per shape: each eager
+step's measured time less what the shape's graph would take, estimated from the graphs'
+own steps per batch element. The shape's graph is built at the step whose loss would
+bring the count to the time the model's last build took; from then on it runs as any.
+
+This is the ski-rental rule: a shape that comes back often gets its graph after at most
+one build's time lost, and a rare one never costs a build. Every number is measured on
+this machine, in this run (no threshold is picked for one). A shape eager steps as fast as
+the graph never builds, as ``eager_if_faster`` would decide after building it.
+
+Where the update or the batch needs what eager steps cannot do (``eager_steps.unsupported``:
+several processes, accumulation, half precision, a device) every shape builds at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ortrain.eager_steps import EagerSteps
+
+if TYPE_CHECKING:
+    from ortrain.program_context import ProgramContext
+
+# graph steps per element kept for the estimate: the latest few (the machine's load moves)
+RECENT = 8
+# what a padding proof says while its shape's graph is deferred (bucketing: unpadded then)
+DEFERRED = ("pending", "its shape's steps run in eager until a build pays")
+
+
+def elements(batch: Mapping[str, Any]) -> int:
+    """The batch's tensor elements: what a graph's step time scales with across the
+    shapes of one layout (the sequence length of every batch tensor)."""
+    return sum(v.numel() for v in batch.values() if isinstance(v, torch.Tensor)) or 1
+
+
+@dataclasses.dataclass
+class Rented:
+    """A shape's eager steps so far: their seconds and the elements of its batches."""
+
+    seconds: float = 0.0
+    elements: int = 0
+    steps: int = 0
+
+
+class DeferredBuilds:
+    """Per batch signature without a graph: eager steps until a build pays."""
+
+    def __init__(self, ctx: ProgramContext):
+        self.eager = EagerSteps(ctx)
+        self.build_seconds: float | None = None  # the latest step that built or loaded
+        self._per_element: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.rented: dict[tuple, Rented] = {}
+        self.built: dict[tuple, Rented] = {}  # shapes built after eager steps
+        self._stepped: set[tuple] = set()  # shapes whose graph has taken a step
+
+    def per_element(self) -> float:
+        """A graph step's seconds per batch element, the median of the latest (0 before
+        any was timed: a build then comes sooner, as before this rule)."""
+        return statistics.median(self._per_element) if self._per_element else 0.0
+
+    def graph_step_estimate(self, batch: Mapping[str, Any]) -> float:
+        """The seconds a graph of ``batch``'s shape would take a step."""
+        return self.per_element() * elements(batch)
+
+    def lost(self, sig: tuple) -> float:
+        """What ``sig``'s eager steps cost beyond its graph's estimate so far."""
+        r = self.rented.get(sig)
+        if r is None:
+            return 0.0
+        return r.seconds - self.per_element() * r.elements
+
+    def rents(self, sig: tuple, batch: Mapping[str, Any]) -> bool:
+        """Whether ``batch`` (whose shape has no graph) steps in eager rather than build."""
+        if self.build_seconds is None:  # no graph built yet: nothing to weigh
+            return False
+        r = self.rented.get(sig)
+        if r is None:  # its first step: eager's time is not known yet, a build is
+            return True
+        # this step would lose about what its last did: build where that reaches a build
+        per_step = (r.seconds / r.steps) - self.graph_step_estimate(batch)
+        if per_step <= 0:  # eager is as fast: a build gains nothing
+            return True
+        return self.lost(sig) + per_step < self.build_seconds
+
+    def step(self, sig: tuple, padded: Mapping[str, Any], batch: dict[str, Any]) -> torch.Tensor:
+        """``batch``'s step in eager (``padded``: what its graph would take), timed."""
+        start = time.perf_counter()
+        loss = self.eager.step(batch)
+        r = self.rented.setdefault(sig, Rented())
+        r.seconds += time.perf_counter() - start
+        r.elements += elements(padded)
+        r.steps += 1
+        return loss
+
+    def stepped(self, sig: tuple) -> bool:
+        return sig in self._stepped
+
+    def graph_step(self, sig: tuple, batch: Mapping[str, Any], seconds: float, built: bool) -> None:
+        """A step on a graph took ``seconds`` (``built``: it built or loaded the graph, or
+        was its first: a build's time is the whole step's, its check's and bucketing's
+        included, which may run beside it)."""
+        self._stepped.add(sig)
+        if built:
+            self.build_seconds = seconds
+            if sig in self.rented:
+                self.built[sig] = self.rented.pop(sig)
+            return
+        self._per_element.append(seconds / elements(batch))
+
+    def summary(self) -> str:
+        """Shapes that stepped in eager: how many steps, and whether their graph came."""
+        lines = []
+        for sig, r in [*self.built.items(), *self.rented.items()]:
+            shape = ", ".join(f"{k} {list(s)}" for k, s, _ in sig if isinstance(s, tuple))
+            then = "then built" if sig in self.built else "no graph yet"
+            lines.append(f"  {shape or 'batch'}: {r.steps} step(s) in eager, {then}")
+        return "\n".join(lines)
