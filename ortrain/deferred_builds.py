@@ -8,10 +8,14 @@ over the trainer's own state (``ortrain/eager_steps.py``: nothing is copied to s
 step is eager's own), and the time those steps lose is counted per shape: each eager
 step's measured time less what the shape's graph would take, estimated from the graphs'
 own steps per batch element. The shape's graph is built at the step whose loss would
-bring the count to the time the model's last build took; from then on it runs as any.
+bring the count to what a build costs the steps: the time the model's last build took,
+or, where the build can run in a forked child on one of the cores while the steps go on
+in eager on the others (one thread fewer, until it arrives), that time over the cores
+(the share of the machine the child takes from them). From then on the shape runs on its
+graph as any.
 
 This is the ski-rental rule: a shape that comes back often gets its graph after at most
-one build's time lost, and a rare one never costs a build. Every number is measured on
+one build's cost lost, and a rare one never costs a build. Every number is measured on
 this machine, in this run (no threshold is picked for one). A shape eager steps as fast as
 the graph never builds, as ``eager_if_faster`` would decide after building it.
 
@@ -83,10 +87,14 @@ class DeferredBuilds:
             return 0.0
         return r.seconds - self.per_element() * r.elements
 
-    def rents(self, sig: tuple, batch: Mapping[str, Any]) -> bool:
-        """Whether ``batch`` (whose shape has no graph) steps in eager rather than build."""
+    def rents(self, sig: tuple, batch: Mapping[str, Any], cores: int = 1) -> bool:
+        """Whether ``batch`` (whose shape has no graph) steps in eager rather than build.
+        ``cores``: the build runs in a forked child on one of that many cores while the
+        steps go on in eager on the others, which lose at most that share of the time it
+        takes (perfect scaling over threads; less where they scale worse)."""
         if self.build_seconds is None:  # no graph built yet: nothing to weigh
             return False
+        price = self.build_seconds / max(cores, 1)
         r = self.rented.get(sig)
         if r is None:  # its first step: eager's time is not known yet, a build is
             return True
@@ -94,17 +102,35 @@ class DeferredBuilds:
         per_step = (r.seconds / r.steps) - self.graph_step_estimate(batch)
         if per_step <= 0:  # eager is as fast: a build gains nothing
             return True
-        return self.lost(sig) + per_step < self.build_seconds
+        return self.lost(sig) + per_step < price
 
-    def step(self, sig: tuple, padded: Mapping[str, Any], batch: dict[str, Any]) -> torch.Tensor:
-        """``batch``'s step in eager (``padded``: what its graph would take), timed."""
+    def step(
+        self, sig: tuple, padded: Mapping[str, Any], batch: dict[str, Any], beside: bool = False
+    ) -> torch.Tensor:
+        """``batch``'s step in eager (``padded``: what its graph would take), timed;
+        ``beside``: a graph builds in a forked child meanwhile, on a core of its own (one
+        thread fewer here: OpenMP's team would wait at every barrier for the thread that
+        lost its core)."""
         start = time.perf_counter()
-        loss = self.eager.step(batch)
+        threads = torch.get_num_threads()
+        if beside:
+            torch.set_num_threads(max(1, threads - 1))
+        try:
+            loss = self.eager.step(batch)
+        finally:
+            torch.set_num_threads(threads)
         r = self.rented.setdefault(sig, Rented())
         r.seconds += time.perf_counter() - start
         r.elements += elements(padded)
         r.steps += 1
         return loss
+
+    def arrived(self, sig: tuple) -> None:
+        """``sig``'s graph came from a forked child that built it while its steps ran in
+        eager: its first step is not a build's time (the price stays the last one's)."""
+        self._stepped.add(sig)
+        if sig in self.rented:
+            self.built[sig] = self.rented.pop(sig)
 
     def stepped(self, sig: tuple) -> bool:
         return sig in self._stepped

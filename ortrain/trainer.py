@@ -214,9 +214,9 @@ class ORTTrainer(TrainerState, TrainerViews):
         weights and the optimizer's state to torch; the new trainer takes the state of the
         parameters it trains and leaves the frozen ones' in ``optimizer.state``, where
         eager keeps it for when they thaw). What it built and loaded so far still counts."""
-        background = getattr(self._program, "background", None)
-        if background is not None:
-            background.cancel()
+        cancel = getattr(self._program, "cancel_builds", None)
+        if cancel is not None:
+            cancel()
         self.sync_to_module()
         old = self._ctx
         scaler = old.state.scaler.state_dict() if old.state.scaler is not None else None

@@ -128,6 +128,9 @@ class WholeProgram:
         # unpadded batch runs in eager, its time counted to that shape
         self._rent_as: tuple[tuple, dict[str, Any]] | None = None
         self.step_started: float | None = None  # the trainer's step, before its padding
+        # a deferred shape's graph, once due, built in a forked child while its steps
+        # go on in eager (on one thread fewer), as ``background_build`` builds every one
+        self._aside: BackgroundBuild | None = None
 
     @property
     def proof_first(self) -> bool:
@@ -165,10 +168,11 @@ class WholeProgram:
         sig = signature(batch)
         deferred = self.deferred
         as_padded, self._rent_as = self._rent_as, None
+        raw = batch if unpadded is None else unpadded
         if deferred is not None and as_padded is not None:  # its padding proof deferred
-            return deferred.step(*as_padded, batch if unpadded is None else unpadded)
+            return deferred.step(*as_padded, raw, beside=self._aside is not None)
         if deferred is not None and self._defers(sig, batch):
-            return deferred.step(sig, batch, batch if unpadded is None else unpadded)
+            return deferred.step(sig, batch, raw, beside=self._aside is not None)
         route = self.trial.route(sig) if self.trial is not None else "graph"
         start, count = started or time.perf_counter(), self.graphs.count
         if self.trial is not None:  # the graph or eager, whichever steps faster
@@ -193,9 +197,51 @@ class WholeProgram:
         sized = _without_sizes(sig)
         if not any(_without_sizes(s) == sized for s, _ in self.graphs.train):
             return False
-        if self.deferred is None or not self.deferred.rents(sig, batch):
+        if self.deferred is None or self.graphs.cache.holds_train(batch, self.ctx.settings()):
+            return False  # (a load away: taken now)
+        self._take_aside()
+        if self.graphs.has_train(batch):  # (arrived just now)
             return False
-        return not self.graphs.cache.holds_train(batch, self.ctx.settings())  # (a load)
+        if self._aside is not None:  # one build aside at a time: eager until it arrives
+            return True
+        # built aside (a forked child on one of the cores, the steps in eager on the
+        # others meanwhile), a build costs the steps at most its time over the cores
+        cores = _cores()
+        aside = cores > 1 and can_fork([*self.ctx.state.params.values()])
+        if self.deferred.rents(sig, batch, cores if aside else 1):
+            return True
+        if not aside:
+            return False
+        self._aside = BackgroundBuild(self.ctx)
+        self._aside.start(batch)
+        return True
+
+    def _take_aside(self) -> None:
+        """The graph built aside (``_defers``), bound once it has arrived."""
+        aside = self._aside
+        if aside is None:
+            return
+        try:
+            with self._build_errors():
+                arrived = aside.arrived()
+        except UpdateInBackwardError:  # built again here, for the engine chosen now
+            if self.ctx.engine.in_backward:  # the engine may not change: the refusal stands
+                raise
+            arrived = None
+        if aside.building:
+            return
+        self._aside = None
+        if arrived is not None:
+            self._bind(arrived.batch, arrived.rows, arrived.built, arrived.hit)
+            if self.deferred is not None:
+                self.deferred.arrived(signature(arrived.batch))
+
+    def cancel_builds(self) -> None:
+        """Drop the builds running in forked children (the trainer is laid out anew)."""
+        for build in (self.background, self._aside):
+            if build is not None:
+                build.cancel()
+        self._aside = None
 
     def refuse_autocast(self) -> None:
         """A step inside the user's ``torch.autocast`` computes in autocast's dtypes in

@@ -218,3 +218,34 @@ def test_a_learned_layout_s_proof_waits_for_its_deferred_graph(build_s: float) -
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_due_graph_builds_aside_while_its_steps_run_in_eager(monkeypatch) -> None:
+    """Where a forked child can take a core, a shape's due build runs there: its steps go
+    on in eager (one thread fewer) until the graph arrives, then run on it, checked."""
+    from ortrain import whole_program
+
+    monkeypatch.setattr(whole_program, "_cores", lambda: 2)
+    torch.manual_seed(0)
+    model = _Causal()
+    reference = copy.deepcopy(model)
+    batches = [_batch(3, n, i) for i, n in enumerate([5, 7, 7, 7, 7])]
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), TrainerOptions())
+    program = trainer._program
+    program.deferred.per_element = lambda: 0.0
+    losses, aside = [], []
+    for b in batches:
+        losses.append(float(trainer.train_step(**b)))
+        program.deferred.build_seconds = 0.0  # every later build due at once
+        aside.append(program._aside is not None)
+        if program._aside is not None:
+            program._aside.wait()  # (the next step takes it)
+    torch.testing.assert_close(losses, _eager_losses(reference, batches), rtol=1e-5, atol=1e-6)
+    # 7: its first step in eager (its time unknown), its second starts the build aside
+    # and runs in eager too, the third takes the graph
+    assert aside == [False, False, True, False, False]
+    assert trainer.build_count == 2 and trainer.eager_steps == 2
+    assert "x [3, 7, 6]: 2 step(s) in eager, then built" in trainer.deferred_builds
+    trainer.sync_to_module()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
