@@ -157,7 +157,8 @@ def test_new_batch_shape_compiles_a_second_graph_and_keeps_parity():
     ref = tiny()
     model = copy.deepcopy(ref)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    options = TrainerOptions(eager_if_faster=False)  # (each shape built at once)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), options)
     shapes = [(4, 32), (2, 16), (4, 32), (3, 24)]
     g = torch.Generator().manual_seed(0)
     for b, s in shapes:
@@ -478,9 +479,8 @@ def test_many_batch_shapes_warn_once_per_doubling():
     import warnings
 
     model = tiny()  # unmasked causal batches would be bucketed: one graph per shape here
-    trainer = ORTTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions(bucketing="off")
-    )
+    options = TrainerOptions(bucketing="off", eager_if_faster=False)  # (each shape built)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     g = torch.Generator().manual_seed(0)
     warned = []
     for seq in (8, 9, 10, 11, 12, 8, 11):  # 5 shapes, two seen again
