@@ -53,7 +53,10 @@ sees:
    it, so a table nothing names does not fail the user's step.
    A length whose bucket has no graph yet runs on a longer bucket's graph, up to
    ``BORROW_LIMIT`` times, then builds its own: a long tail of rare lengths costs no
-   builds (padding further is as exact).
+   builds (padding further is as exact). A layout's first padded batch goes to such a
+   graph too (one built for an unpadded batch of its own length): the graph's proof
+   holds for any real length, so the layout is proven without a build. A bucket with
+   no graph to borrow steps in eager until a build pays (``deferred_builds.py``).
 5. ``eval_step``'s outputs are cut back to the batch's length on the axes that the check
    saw grow with the padding (``logits``' sequence axis; attention maps' two).
 6. A forward that branches in Python on the length (BigBird's block-sparse attention

@@ -192,10 +192,13 @@ class TrainerOptions:
         bit for bit. With "auto" or True, within the same limits, a batch shape with no
         graph once the model has one (a new bucket length, a shorter last batch) steps
         in eager until those steps have lost, against its graph's estimated step (the
-        graphs' own time per batch element), the time the model's latest build took; then
-        its graph is built (``ortrain/deferred_builds.py``): a rare shape costs no build,
-        a common one at most a build's time (``ortrain.explain`` lists them). False:
-        every step runs on its graph, each new shape built at once.
+        graphs' own time per batch element), what its build would cost: the time the
+        model's latest build took, over the cores where a forked child can build it on
+        one while its steps go on in eager on the others (one thread fewer); then its
+        graph is built (``ortrain/deferred_builds.py``): a rare shape costs no build, a
+        common one at most that cost (``ortrain.explain`` lists them). Only another size
+        of an input signature built already (same inputs, ranks, dtypes, Python values).
+        False: every step runs on its graph, each new shape built at once.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, the first step disagrees with eager, or
         parameters are not float32).
