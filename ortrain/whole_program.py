@@ -371,6 +371,8 @@ class WholeProgram:
             # its steps run unpadded in eager, their time counted to this padded shape
             self._rent_as = (signature(batch), batch)
             return DEFERRED
+        if compiled is None:  # (built aside for this padded shape, arrived just now)
+            compiled = self.graphs.find_train(batch)
         if compiled is None:
             reference = self._early_reference(batch)
             compiled = self._build(batch, reference=reference)

@@ -249,3 +249,37 @@ def test_a_due_graph_builds_aside_while_its_steps_run_in_eager(monkeypatch) -> N
     trainer.sync_to_module()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_learned_layout_s_graph_built_aside_is_proven_when_it_arrives(monkeypatch) -> None:
+    """The padded shape's graph built aside (a core free): the batch after it arrives is
+    proven on it and runs on it, padded; nothing is built twice."""
+    from ortrain import whole_program
+    from tests.test_loss_outputs import GPT, GPTConfig
+
+    monkeypatch.setattr(whole_program, "_cores", lambda: 2)
+    cfg = GPTConfig(block_size=64)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerOptions())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    program = trainer._program
+    program.deferred.per_element = lambda: 0.0
+    g = torch.Generator().manual_seed(1)
+    graphs, aside = [], []
+    for n in [40, 45, 41, 44, 47]:
+        seq = torch.randint(0, cfg.vocab_size, (2, n + 1), generator=g)
+        batch = {"idx": seq[:, :-1].contiguous(), "targets": seq[:, 1:].contiguous()}
+        loss = trainer.train_step(**batch)
+        torch.testing.assert_close(loss, _eager_step(ref, opt, batch), rtol=1e-5, atol=0)
+        program.deferred.build_seconds = 0.0
+        graphs.append(trainer.build_count)
+        aside.append(program._aside is not None)
+        if program._aside is not None:
+            program._aside.wait()
+    # 45: eager (its time unknown); 41: due, built aside, eager; 44 takes it, proven
+    assert aside == [False, False, True, False, False]
+    assert graphs == [1, 1, 1, 2, 2] and trainer.eager_steps == 2
+    (key,) = trainer.bucketing.learned
+    assert trainer.bucketing.proofs[key] == ("exact", "") and trainer.bucketing.verdicts[key].exact
