@@ -52,12 +52,15 @@ def start_build(ctx: ProgramContext, batch: dict[str, Any], nice: int = 0) -> Fo
     job = ctx.graphs.train_job(batch, ctx.settings())
     cache, parent = ctx.graph_cache, os.getpid()
 
-    def in_child() -> tuple[ForwardSource, tuple, BuiltGraph, bool]:
-        if os.getpid() != parent:  # (run here instead where the child failed)
+    def in_child() -> tuple[ForwardSource, tuple, BuiltGraph, bool, float | None]:
+        forked = os.getpid() != parent  # (run here instead where the child failed)
+        if forked:
             os.environ[IN_PROCESS_ENV] = "1"  # the child is the build's process
-        hits = cache.hits
+        hits, saved = cache.hits, cache.saved_seconds
         forward, rows, built = job()
-        return forward, rows, built, cache.hits > hits
+        # a hit's counts, for the parent to add (where it ran here, they are added)
+        moved = cache.saved_seconds - saved if forked else None
+        return forward, rows, built, cache.hits > hits, moved
 
     return ForkedJob(in_child, what="building the ONNX graph", nice=nice)
 
@@ -68,9 +71,10 @@ def collect_build(
     """What ``start_build`` built (waited for), adopted as ``graphs.build_train`` adopts
     its own: (label rows, graph, whether it came from the graph cache). Raises what the
     build raised."""
-    forward, rows, built, hit = job.result()
-    if hit:  # counted in the child
+    forward, rows, built, hit, saved = job.result()
+    if hit and saved is not None:  # counted in the child
         ctx.graph_cache.hits += 1
+        ctx.graph_cache.saved_seconds += saved
     return ctx.graphs.adopt_train(batch, forward, rows, built, hit)
 
 

@@ -523,6 +523,9 @@ class GraphCache:
         self.module = module
         self.loss_fn = loss_fn
         self.hits = 0  # graphs taken from the cache instead of built
+        # the build seconds those graphs took where they were built, less their loads here:
+        # what a build costs this model (``deferred_builds.py`` prices new shapes by it)
+        self.saved_seconds = 0.0
         self.session_log: list[StageRecord] = []  # seconds each ONNX Runtime session took
         self.progress: BuildProgress | None = None
         self._model_key: str | None = None
@@ -801,8 +804,10 @@ class GraphCache:
         from ortrain.build import StageRecord
 
         self.hits += 1
+        load = time.perf_counter() - start
+        self.saved_seconds += max(0.0, sum(r.seconds for r in built.log) - load)
         # this process's log: the load, not the stages of the build that made the entry
-        built.log = [StageRecord(graph, "cache", time.perf_counter() - start, 0, 0)]
+        built.log = [StageRecord(graph, "cache", load, 0, 0)]
         return built
 
     @contextlib.contextmanager

@@ -128,6 +128,7 @@ class WholeProgram:
         # unpadded batch runs in eager, its time counted to that shape
         self._rent_as: tuple[tuple, dict[str, Any]] | None = None
         self.step_started: float | None = None  # the trainer's step, before its padding
+        self._saved_priced = 0.0  # the graph cache's saved build seconds priced so far
         # a deferred shape's graph, once due, built in a forked child while its steps
         # go on in eager (on one thread fewer), as ``background_build`` builds every one
         self._aside: BackgroundBuild | None = None
@@ -181,7 +182,14 @@ class WholeProgram:
             loss = self._graph_step(batch)
         if deferred is not None and route == "graph":
             built = self.graphs.count > count or not deferred.stepped(sig)
-            deferred.graph_step(sig, batch, time.perf_counter() - start, built)
+            seconds = time.perf_counter() - start
+            if built:  # a graph the cache held: what its build took where it was made
+                # prices the next shape's, which the cache does not hold (loads since the
+                # last such step: bucketing may have taken it before this step began)
+                cache = self.graphs.cache
+                seconds += cache.saved_seconds - self._saved_priced
+                self._saved_priced = cache.saved_seconds
+            deferred.graph_step(sig, batch, seconds, built)
         return loss
 
     def _defers(self, sig: tuple, batch: dict[str, Any]) -> bool:

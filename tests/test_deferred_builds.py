@@ -78,11 +78,21 @@ def _eager_losses(model, batches) -> list[float]:
     return out
 
 
+def _one_core(monkeypatch) -> None:
+    """A due build runs in line (as on one core), whatever this machine's cores and
+    torch's threads (a test alone runs with more than a pytest-xdist worker)."""
+    from ortrain import whole_program
+
+    monkeypatch.setattr(whole_program, "_cores", lambda: 1)
+
+
 @pytest.mark.parametrize("build_s", [1e9, 0.0])
-def test_training_through_deferred_shapes_equals_eager(build_s: float) -> None:
+def test_training_through_deferred_shapes_equals_eager(build_s: float, monkeypatch) -> None:
     """Lengths 5, 7, 5, 7, 9, 7: with builds priced out of reach every new shape steps in
-    eager (one graph); priced at nothing a new shape builds at its second step. Either way
-    each step's loss and the parameters after equal eager training's."""
+    eager (one graph); priced at nothing a new shape builds at its second step (here, on
+    one core: not aside). Either way each step's loss and the parameters after equal
+    eager training's."""
+    _one_core(monkeypatch)
     torch.manual_seed(0)
     model = _Causal()
     reference = copy.deepcopy(model)
@@ -146,6 +156,29 @@ def test_a_shape_the_graph_cache_holds_loads_at_once(tmp_path, monkeypatch) -> N
     assert trainer.build_count == 2 and trainer.eager_steps == 1
 
 
+def test_a_graph_loaded_from_the_cache_prices_new_shapes_at_its_build(
+    tmp_path, monkeypatch
+) -> None:
+    """A first graph the graph cache holds loads in a fraction of its build: a new shape
+    (not cached) is priced at what that build took where it was made, not at the load."""
+    monkeypatch.setenv("ORTRAIN_GRAPH_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = _Causal()
+    other = copy.deepcopy(model)
+    options = TrainerOptions(eager_if_faster=False)
+    first = ORTTrainer(other, torch.optim.AdamW(other.parameters(), lr=1e-2), options)
+    first.train_step(**_batch(3, 5, 0))
+    stages = sum(r.seconds for r in first.build_log)
+    assert first.build_count == 1 and stages > 0
+    trainer = ORTTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), TrainerOptions())
+    trainer.train_step(**_batch(3, 5, 0))
+    assert trainer.cache_hits == 1
+    load = sum(r.seconds for r in trainer.build_log)
+    assert [r.stage for r in trainer.build_log] == ["cache"] and load < stages
+    price = trainer._program.deferred.build_seconds
+    assert price is not None and price >= stages - load
+
+
 def _eager_step(model, opt, batch) -> torch.Tensor:
     opt.zero_grad()
     out = model(**batch)
@@ -181,11 +214,12 @@ def test_a_layout_s_first_padded_batch_borrows_a_longer_graph(eager_if_faster) -
 
 
 @pytest.mark.parametrize("build_s", [1e9, 0.0])
-def test_a_learned_layout_s_proof_waits_for_its_deferred_graph(build_s: float) -> None:
+def test_a_learned_layout_s_proof_waits_for_its_deferred_graph(build_s: float, monkeypatch) -> None:
     """nanoGPT's names (``idx``, ``targets`` skipped at -1): the first length runs on its
     own graph; the next lengths' padded shape is deferred, so its padding proof waits:
     they run unpadded in eager, their time counted to the padded shape, whose graph (and
-    the proof on it) comes once that time reaches a build's, here pinned."""
+    the proof on it) comes once that time reaches a build's, here pinned (in line)."""
+    _one_core(monkeypatch)
     from tests.test_loss_outputs import GPT, GPTConfig
 
     cfg = GPTConfig(block_size=64)
