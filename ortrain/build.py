@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
     from ortrain.graph_passes.infra.serialize import Serialized
+    from ortrain.length_family import LengthFamily
 
 
 @dataclasses.dataclass
@@ -53,6 +54,9 @@ class ForwardSource:
 
     wire: tuple  # ExportedForward.to_wire()
     sites: list[LabelSite]
+    # the signature's other sizes' export (``ortrain/length_family.py``), carried back
+    # from the build to the training process (not stored with the forward)
+    family: LengthFamily | None = None
 
 
 @dataclasses.dataclass
@@ -80,6 +84,9 @@ class BuiltGraph:
     signature: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     # an evaluation graph built from the training export (``build_eval``), not its own
     from_training_export: bool = False
+    # its forward from the symbolic export of its signature's sizes, not its own export
+    # (``ortrain/length_family.py``): one that disagrees with eager is built again so
+    specialized: bool = False
     # (op type, node name) of the nodes that draw random numbers (``random_nodes``): the
     # training process reads them without loading the graph libraries
     random_ops: tuple[tuple[str, str], ...] = ()
@@ -178,19 +185,64 @@ class _Log:
         self.records: list[StageRecord] = []
 
     def export(
-        self, module: torch.nn.Module, batch: Mapping[str, Any], train: bool, loss_fn: LossFn | None
+        self,
+        module: torch.nn.Module,
+        batch: Mapping[str, Any],
+        train: bool,
+        loss_fn: LossFn | None,
+        dynamic: Mapping[str, tuple[int, ...]] | None = None,
     ) -> ExportedForward:
         """The forward of ``batch`` with the model's other outputs too (a training build
-        drops them; its evaluation graph is built from the same export)."""
+        drops them; its evaluation graph is built from the same export); ``dynamic``:
+        those axes' sizes symbolic."""
         import time
 
         stage("export")  # the line a long build prints (ortrain/build_cache.py)
         t = time.perf_counter()
-        ex = export_here(module, batch, train, loss_fn, True)
+        ex = export_here(module, batch, train, loss_fn, True, dynamic)
         seconds = time.perf_counter() - t
         self.records.append(StageRecord(self.graph, "export", seconds, 0, len(ex.model.graph)))
         self.next += 1
         return ex
+
+    def specialize(self, wire: tuple, batch: Mapping[str, Any]) -> ExportedForward:
+        """A symbolic export (``ExportedForward.to_wire``) at ``batch``'s sizes."""
+        import time
+
+        from ortrain.length_family import specialize
+
+        stage("specialize")
+        t = time.perf_counter()
+        ex = specialize(ExportedForward.from_wire(wire), batch)
+        seconds = time.perf_counter() - t
+        self.records.append(StageRecord(self.graph, "specialize", seconds, 0, len(ex.model.graph)))
+        self.next += 1
+        return ex
+
+    def family_export(
+        self,
+        module: torch.nn.Module,
+        batch: Mapping[str, Any],
+        loss_fn: LossFn | None,
+        family: LengthFamily,
+    ) -> tuple[ExportedForward | None, LengthFamily]:
+        """``batch``'s training forward from its signature's symbolic export (traced
+        now where there is none yet): None where that does not give it (exported as
+        before then), and the family as it stands."""
+        from ortrain.core.errors import first_line
+
+        if family.failed:
+            return None, family
+        try:
+            if family.wire is None:
+                sym = self.export(module, batch, True, loss_fn, family.axes)
+                family = dataclasses.replace(family, wire=sym.to_wire())
+            return self.specialize(family.wire, batch), family
+        except Exception as exc:  # the export at the batch's own sizes stands, as ever
+            if family.wire is None:  # (a size out of range tells nothing of the others)
+                why = f"{type(exc).__name__}: {first_line(exc)}"
+                family = dataclasses.replace(family, failed=why)
+            return None, family
 
     def run(self, model: ir.Model, passes: list, serialized: Serialized) -> None:
         import onnx
@@ -270,19 +322,27 @@ def build_train(
     config: BuildConfig,
     forward: ForwardSource | None,
     first: int,
+    family: LengthFamily | None = None,
 ) -> tuple[ForwardSource, tuple, BuiltGraph]:
     """The gradient graph of ``batch``'s signature and labelled-row count, exporting the
-    forward unless ``forward`` is given. Returns (forward, label rows, graph)."""
+    forward unless ``forward`` is given (``family``: from the symbolic export of the
+    signature's sizes where it gives it). Returns (forward, label rows, graph)."""
     from ortrain.graph_passes.training.label_sparsity import find_label_sites
     from ortrain.graph_passes.training_pipeline import BuildProducts, build_pipeline
 
     log = _Log("train", config, first)
+    specialized = False
     if forward is None:
-        full = log.export(module, batch, True, loss_fn)
+        full = None
+        if family is not None:
+            full, family = log.family_export(module, batch, loss_fn, family)
+            specialized = full is not None
+        if full is None:
+            full = log.export(module, batch, True, loss_fn)
         wire = full.to_wire()  # with the model's outputs: an evaluation graph's source
         ex = training_view(full)
         sites = find_label_sites(ex.model) if config.optimize else []
-        forward = ForwardSource(wire, sites)
+        forward = ForwardSource(wire, sites, family)
     else:
         ex = training_view(ExportedForward.from_wire(forward.wire))
     rows = label_rows(forward.sites, batch, headroom=True)
@@ -311,6 +371,7 @@ def build_train(
         index_checks=checks,
         computed_indices=computed,
         padding=padding,
+        specialized=specialized,
     )
     return forward, rows, graph
 

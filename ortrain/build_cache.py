@@ -45,6 +45,7 @@ nothing).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import errno
 import functools
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from ortrain.build import BuiltGraph, ForwardSource, StageRecord
     from ortrain.core.build_config import BuildConfig
     from ortrain.export import LossFn
+    from ortrain.length_family import LengthFamily
     from ortrain.options import TrainerOptions
 
 T = TypeVar("T")
@@ -173,6 +175,12 @@ def _tree_token(root: Path, suffixes: tuple[str, ...] = (".py",)) -> str:
     for path in sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()):
         h.update(f"{path.relative_to(root)}={_file_token(path)}\n".encode())
     return h.hexdigest()
+
+
+def _unshared(forward: ForwardSource) -> ForwardSource:
+    """``forward`` as stored: without its signature's symbolic export (that one stays
+    with the training process, which asks for it by the signature's sizes)."""
+    return dataclasses.replace(forward, family=None) if forward.family is not None else forward
 
 
 def _version(dist: str) -> str | None:
@@ -674,24 +682,30 @@ class GraphCache:
         forward: ForwardSource | None,
         first: int,
         fresh: bool = False,
+        family: LengthFamily | None = None,
     ) -> tuple[ForwardSource, tuple, BuiltGraph]:
         """``ortrain.build.build_train``'s result, from the cache where it has it;
         ``fresh``: built anew and stored over the entry (a cached graph that failed its
-        first-step check against eager, ``ortrain/verify.py``)."""
+        first-step check against eager, ``ortrain/verify.py``); ``family``: an export
+        is taken from the symbolic one of the signature's sizes where it can be."""
         from ortrain.build import build_train
 
         self._progress("training")
         if not self.enabled or fresh:
             if fresh and self.enabled:
-                job = functools.partial(build_train, module, batch, loss_fn, settings, None, first)
+                job = functools.partial(
+                    build_train, module, batch, loss_fn, settings, None, first, family
+                )
                 new_forward, rows, built = self._run(run, job)
                 fkey = _key("forward", self._base("train", batch), settings.optimize)
-                self.store(fkey, new_forward)
+                self.store(fkey, _unshared(new_forward))
                 self.store(_key("graph", fkey, _settings_token(settings), rows), built)
                 return new_forward, rows, built
             return self._run(
                 run,
-                functools.partial(build_train, module, batch, loss_fn, settings, forward, first),
+                functools.partial(
+                    build_train, module, batch, loss_fn, settings, forward, first, family
+                ),
             )
         t = time.perf_counter()
         # a build that raised UpdateInBackwardError ("auto" then builds without the update
@@ -706,7 +720,9 @@ class GraphCache:
             found = self._load_train(fkey, batch, settings, forward, t)
             if isinstance(found, tuple):
                 return found
-            return self._build_train(run, module, batch, loss_fn, settings, found, first, fkey)
+            return self._build_train(
+                run, module, batch, loss_fn, settings, found, first, fkey, family
+            )
 
     def holds_train(self, batch: Mapping[str, Any], settings: BuildConfig) -> bool:
         """Whether the cache has an entry for ``batch``'s exported forward (its graph is a
@@ -751,20 +767,23 @@ class GraphCache:
         forward: ForwardSource | None,
         first: int,
         fkey: str,
+        family: LengthFamily | None = None,
     ) -> tuple[ForwardSource, tuple, BuiltGraph]:
         from ortrain.build import build_train
         from ortrain.core.names import UpdateInBackwardError
 
         refused_key = _key("refused", fkey, _settings_token(settings))
         exports = forward is None
-        job = functools.partial(build_train, module, batch, loss_fn, settings, forward, first)
+        job = functools.partial(
+            build_train, module, batch, loss_fn, settings, forward, first, family
+        )
         try:
             new_forward, rows, built = self._run(run, job)
         except UpdateInBackwardError as exc:
             self.store(refused_key, str(exc))
             raise
         if exports:
-            self.store(fkey, new_forward)
+            self.store(fkey, _unshared(new_forward))
         self.store(_key("graph", fkey, _settings_token(settings), rows), built)
         return new_forward, rows, built
 

@@ -20,7 +20,7 @@ import re
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,21 +67,25 @@ class ExportedForward:
     io: list[GraphIO]  # graph inputs, in order, with roles
     output_names: list[str]  # graph outputs; the first is the loss
     output_keys: list[str]  # user-facing key of each output ("loss", "logits", ...)
+    # an export with symbolic sizes (``ortrain/length_family.py``): each symbol's range
+    # of values the trace holds for, (lowest, highest or None)
+    ranges: dict[str, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
 
     def to_wire(self) -> tuple:
         """Picklable form (the model as serialized ONNX)."""
         import onnx_ir as ir
 
         data = ir.serde.serialize_model(self.model).SerializeToString()
-        return data, self.io, self.output_names, self.output_keys
+        return data, self.io, self.output_names, self.output_keys, self.ranges
 
     @classmethod
     def from_wire(cls, wire: tuple) -> ExportedForward:
         import onnx
         import onnx_ir as ir
 
-        data, roles, outs, keys = wire
-        return cls(ir.serde.deserialize_model(onnx.ModelProto.FromString(data)), roles, outs, keys)
+        data, roles, outs, keys, ranges = wire
+        model = ir.serde.deserialize_model(onnx.ModelProto.FromString(data))
+        return cls(model, roles, outs, keys, ranges)
 
 
 _P = inspect.Parameter
@@ -487,8 +491,10 @@ def export_here(
     train: bool,
     loss_fn: LossFn | None,
     with_outputs: bool,
+    dynamic: Mapping[str, Sequence[int]] | None = None,
 ) -> ExportedForward:
-    """The export itself, in this process."""
+    """The export itself, in this process. ``dynamic``: batch tensor -> the axes whose
+    size is symbolic in the export (``ortrain/length_family.py``)."""
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     tensors, consts = nested_batch.split(batch)
@@ -503,7 +509,8 @@ def export_here(
     tensors = _unaliased(tensors)
     pnames, keys = list(params), list(tensors)
     wrapper = _Functional(module, pnames, [], keys, consts, loss_fn, with_outputs)
-    traced = trace_to_onnx(module, wrapper, list(tensors.values()), keys, train)
+    axes = [tuple((dynamic or {}).get(k, ())) for k in keys]
+    traced = trace_to_onnx(module, wrapper, list(tensors.values()), keys, train, axes)
     model = traced.model
     roles = traced.roles(keys)
     outs = traced.outputs
@@ -515,7 +522,7 @@ def export_here(
             f"the loss must be a scalar (0-dim or one element) tensor, got shape {loss_v.shape} "
             "(eager's backward() needs one element too); reduce it in the model or in loss_fn"
         )
-    return ExportedForward(model, roles, outs, list(wrapper.output_keys))
+    return ExportedForward(model, roles, outs, list(wrapper.output_keys), traced.ranges)
 
 
 @dataclasses.dataclass
@@ -528,6 +535,7 @@ class Traced:
     buffers: list[str]
     updated: list[str]  # buffers whose new value is an output (``updated:<name>``)
     outputs: list[str]  # the wrapper's outputs (the updated buffers' follow them)
+    ranges: dict[str, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
 
     def roles(self, input_names: list[str], role: Role = Role.BATCH) -> list[GraphIO]:
         """Every graph input with its role (``role`` for the given tensors), then the
@@ -605,7 +613,9 @@ def _refuse_input_mutations(module: torch.nn.Module, signature: Any, names: list
     )
 
 
-def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProgram:
+def _exported(
+    traced: torch.nn.Module, flat: tuple, axes: Sequence[Sequence[int]] = ()
+) -> torch.export.ExportedProgram:
     """``traced`` exported as the ONNX exporter would first try it (non-strict), with its
     detached and no-grad values marked (``ortrain/stop_gradient.py``).
 
@@ -622,10 +632,35 @@ def _exported(traced: torch.nn.Module, flat: tuple) -> torch.export.ExportedProg
         reentrant_checkpoints_inline(),
         contextlib.redirect_stderr(io.StringIO()),
     ):
-        program = torch.export.export(traced, flat, strict=False)
+        program = torch.export.export(
+            traced, flat, dynamic_shapes=_dynamic_shapes(flat, axes), strict=False
+        )
     mark_stop_gradients(program)
     wrap_scalar_operands(program)
     return program
+
+
+def _dynamic_shapes(flat: tuple, axes: Sequence[Sequence[int]]) -> tuple | None:
+    """torch.export's ``dynamic_shapes`` for ``forward(*flat)``: the last ``len(axes)``
+    tensors' given axes left to the trace (``Dim.AUTO``: a size the code fixes stays
+    fixed, one it bounds keeps the bound, in ``range_constraints``)."""
+    if not any(axes):
+        return None
+    from torch.export import Dim
+
+    specs: list[dict[int, Any] | None] = [None] * (len(flat) - len(axes))
+    specs += [{a: Dim.AUTO for a in ax} or None for ax in axes]
+    return (tuple(specs),)
+
+
+def _ranges(program: torch.export.ExportedProgram) -> dict[str, tuple[int, int | None]]:
+    """Each size symbol's values the trace holds for (no bound: 0, None)."""
+    out: dict[str, tuple[int, int | None]] = {}
+    for sym, vr in program.range_constraints.items():
+        lower = 0 if "oo" in str(vr.lower) else int(vr.lower)
+        upper = None if "oo" in str(vr.upper) else int(vr.upper)
+        out[str(sym)] = (lower, upper)
+    return out
 
 
 def trace_to_onnx(
@@ -634,6 +669,7 @@ def trace_to_onnx(
     tensors: list[torch.Tensor],
     input_names: list[str],
     train: bool,
+    axes: Sequence[Sequence[int]] = (),
 ) -> Traced:
     """Export ``wrapper`` (a functional view of ``module`` that takes ``module``'s
     parameters, then ``tensors``) with dynamo; ``module``'s buffers become graph inputs
@@ -662,8 +698,9 @@ def trace_to_onnx(
             _quiet_torch_logs(),
         ):
             warnings.simplefilter("ignore")
+            exported = _exported(traced, flat, axes)
             program = torch.onnx.export(
-                _exported(traced, flat),
+                exported,
                 flat,
                 dynamo=True,
                 optimize=False,  # below, once the buffers are inputs (not folded)
@@ -715,4 +752,5 @@ def trace_to_onnx(
     tag_padding_rows(model, module)
     outs = [v.name for v in model.graph.outputs[: len(model.graph.outputs) - len(updated)]]
     trains = {n: p.requires_grad for n, p in params.items()}
-    return Traced(model, trains, bnames, updated, outs)
+    ranges = _ranges(exported) if any(axes) else {}
+    return Traced(model, trains, bnames, updated, outs, ranges)

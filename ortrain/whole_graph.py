@@ -34,6 +34,7 @@ from ortrain.build import BuiltGraph, ForwardSource, StageRecord, graph_for, hol
 from ortrain.core.errors import first_line
 from ortrain.core.roles import Role
 from ortrain.index_check import check_batch
+from ortrain.length_family import LengthFamily, varying_axes
 from ortrain.runtime.session import BoundSession
 
 if TYPE_CHECKING:
@@ -56,6 +57,18 @@ def signature(batch: Mapping[str, Any]) -> tuple:
         else:
             sig.append((k, "const", repr(v)))
     return tuple(sig)
+
+
+def without_sizes(sig: tuple) -> tuple:
+    """A signature (``signature``) with each tensor's sizes left out (its rank kept):
+    what the sizes of one kind of batch share."""
+    return tuple(
+        (k, len(shape), d) if isinstance(shape, tuple) else (k, shape, d) for k, shape, d in sig
+    )
+
+
+def _shapes(sig: tuple) -> dict[str, tuple[int, ...]]:
+    return {k: shape for k, shape, _ in sig if isinstance(shape, tuple)}
 
 
 class NotOneGraph(Exception):
@@ -165,6 +178,8 @@ class WholeGraphs:
         self.train: dict[tuple, CompiledGraph] = {}  # by (signature, label rows)
         self.eval: dict[tuple, CompiledGraph] = {}  # by signature
         self.forwards: dict[tuple, ForwardSource] = {}  # by signature
+        # by signature without sizes: the symbolic export its later sizes start from
+        self.families: dict[tuple, LengthFamily] = {}
         self._borrowed: collections.Counter[tuple] = collections.Counter()
         self.count = 0  # graphs built or loaded (training and eval)
 
@@ -192,6 +207,29 @@ class WholeGraphs:
                 self._borrowed[(sig, target)] += rows is not None
         return None if rows is None else self.train[(sig, rows)]
 
+    def family(self, batch: Mapping[str, Any]) -> LengthFamily | None:
+        """Where ``batch`` is another size of a signature exported before, the sizes'
+        symbolic export (``ortrain/length_family.py``): the one traced already, or the
+        axes to trace it on; None for a signature's first size."""
+        sig = signature(batch)
+        sized = without_sizes(sig)
+        known = self.families.get(sized)
+        if known is not None:
+            return known
+        for other in self.forwards:
+            if other != sig and without_sizes(other) == sized:
+                axes = varying_axes(_shapes(sig), _shapes(other))
+                return LengthFamily(axes) if axes else None
+        return None
+
+    def drop_family(self, batch: Mapping[str, Any], why: str) -> None:
+        """``batch``'s signature's sizes exported each at its own from now on."""
+        sig = signature(batch)
+        self.forwards.pop(sig, None)  # (its forward came from the symbolic export)
+        sized = without_sizes(sig)
+        known = self.families.get(sized) or LengthFamily({})
+        self.families[sized] = dataclasses.replace(known, wire=None, failed=why)
+
     def build_train(
         self, batch: Mapping[str, Any], settings: BuildConfig, fresh: bool = False
     ) -> tuple[tuple, BuiltGraph, bool]:
@@ -209,6 +247,7 @@ class WholeGraphs:
         or in a forked child (``ortrain/background_build.py``); ``adopt_train`` takes its
         result."""
         forward = None if fresh else self.forwards.get(signature(batch))
+        family = self.family(batch) if forward is None and not fresh else None
 
         def job() -> tuple[ForwardSource, tuple, BuiltGraph]:
             return self.cache.build_train(
@@ -220,6 +259,7 @@ class WholeGraphs:
                 forward,
                 len(self.log) + 1,
                 fresh=fresh,
+                family=family,
             )
 
         return job
@@ -231,6 +271,9 @@ class WholeGraphs:
         sig = signature(batch)
         if sig not in self.forwards:
             _warn_many_shapes(len(self.forwards) + 1, batch)
+        if forward.family is not None:  # the signature's later sizes start from it
+            self.families[without_sizes(sig)] = forward.family
+            forward = dataclasses.replace(forward, family=None)
         self.forwards[sig] = forward
         self.log.extend(built.log)
         return rows, built, hit

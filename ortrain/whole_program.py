@@ -48,7 +48,7 @@ from ortrain.runtime.session import CudaGraphCaptureError, UnbindableError, regi
 from ortrain.speed_trial import SpeedTrial
 from ortrain.step_errors import failed_in_onnxruntime, from_onnxruntime, run_failed
 from ortrain.verify import EagerStep, compare, module_of, report
-from ortrain.whole_graph import CompiledGraph, NotOneGraph, signature
+from ortrain.whole_graph import CompiledGraph, NotOneGraph, signature, without_sizes
 
 if TYPE_CHECKING:
     from ortrain.graph_passes.memory.memory_plan import MemoryReport
@@ -73,14 +73,6 @@ def _cores() -> int:
     except (AttributeError, OSError):
         allowed = os.cpu_count() or 1
     return min(allowed, torch.get_num_threads())
-
-
-def _without_sizes(sig: tuple) -> tuple:
-    """A signature (``whole_graph.signature``) with each tensor's sizes left out (its rank
-    kept): what the sizes of one kind of batch share."""
-    return tuple(
-        (k, len(shape), d) if isinstance(shape, tuple) else (k, shape, d) for k, shape, d in sig
-    )
 
 
 class WholeProgram:
@@ -202,8 +194,8 @@ class WholeProgram:
             return False
         if self.ctx.state.grad_params is None:  # (the first graph: always built)
             return False
-        sized = _without_sizes(sig)
-        if not any(_without_sizes(s) == sized for s, _ in self.graphs.train):
+        sized = without_sizes(sig)
+        if not any(without_sizes(s) == sized for s, _ in self.graphs.train):
             return False
         if self.deferred is None or self.graphs.cache.holds_train(batch, self.ctx.settings()):
             return False  # (a load away: taken now)
@@ -339,6 +331,14 @@ class WholeProgram:
             trim_heap()
             if checked:
                 return compiled, keep
+            if compiled.graph.specialized:
+                warnings.warn(
+                    "ortrain: a graph made from the symbolic export of its batch signature's "
+                    "sizes disagrees with eager on its first step; exporting it at its own "
+                    "sizes (and the signature's later sizes too)",
+                    stacklevel=5,
+                )
+                continue
             if not compiled.cache_hit:
                 raise AssertionError("unreachable: _checks_out raises for a built graph")
             warnings.warn(
@@ -694,6 +694,9 @@ class WholeProgram:
             return True
         self.graphs.forget_train(compiled, batch)
         if compiled.cache_hit:
+            return False
+        if compiled.graph.specialized:  # built anew from an export of its own sizes
+            self.graphs.drop_family(batch, first_line(str(bad)))
             return False
         self._disagrees(bad)
 
