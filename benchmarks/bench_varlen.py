@@ -13,6 +13,9 @@ Backends, one after the other in this process, on the same batches and initial w
   ortrain-pershape  ``TrainerOptions(bucketing="off")``: an export + build per length;
   ortrain-background  ``TrainerOptions(background_build=True)``: bucketed, the steps run
                     in eager PyTorch while a graph builds in a forked child.
+  ortrain-everyshape  ``TrainerOptions(bucketing="off", eager_if_faster=False)``: every
+                    length's graph built at its first batch (what a later length's build
+                    costs: ``ortrain/length_family.py``).
 
 Reported per backend: total wall time of all steps, builds included (the number a user
 waits for), graphs built, the seconds the builds took, the median step without a build,
@@ -47,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hardware import cpu_description
 
-BACKENDS = ("torch", "ortrain", "ortrain-pershape", "ortrain-background")
+BACKENDS = ("torch", "ortrain", "ortrain-pershape", "ortrain-background", "ortrain-everyshape")
 Batch = dict[str, torch.Tensor]
 
 
@@ -170,9 +173,11 @@ def run(backend: str, model: torch.nn.Module, batches: list[Batch], lr: float) -
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     trainer = None
     if backend != "torch":
+        every = backend == "ortrain-everyshape"
         options = TrainerOptions(
-            bucketing="off" if backend == "ortrain-pershape" else "auto",
+            bucketing="off" if backend in ("ortrain-pershape", "ortrain-everyshape") else "auto",
             background_build=backend == "ortrain-background",
+            eager_if_faster=False if every else "auto",
         )
         trainer = ORTTrainer(model, opt, options)
     losses, times, built, eager = [], [], [], []
