@@ -14,9 +14,10 @@ in eager on the others (one thread fewer, until it arrives), that time over the 
 (the share of the machine the child takes from them). From then on the shape runs on its
 graph as any.
 
-This is the ski-rental rule: a shape that comes back often gets its graph after at most
-one build's cost lost, and a rare one never costs a build. Every number is measured on
-this machine, in this run (no threshold is picked for one). A shape eager steps as fast as
+This is the ski-rental rule (``ski_rental.py``, which compiled segments' new call
+signatures follow too): a shape that comes back often gets its graph after at most one
+build's cost lost, and a rare one never costs a build. Every number is measured on this
+machine, in this run (no threshold is picked for one). A shape eager steps as fast as
 the graph never builds, as ``eager_if_faster`` would decide after building it.
 
 Where the update or the batch needs what eager steps cannot do (``eager_steps.unsupported``:
@@ -26,7 +27,6 @@ several processes, accumulation, half precision, a device) every shape builds at
 from __future__ import annotations
 
 import collections
-import dataclasses
 import statistics
 import time
 from collections.abc import Mapping
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ortrain.eager_steps import EagerSteps
+from ortrain.ski_rental import Rented, keeps_renting
 
 if TYPE_CHECKING:
     from ortrain.program_context import ProgramContext
@@ -49,15 +50,6 @@ def elements(batch: Mapping[str, Any]) -> int:
     """The batch's tensor elements: what a graph's step time scales with across the
     shapes of one layout (the sequence length of every batch tensor)."""
     return sum(v.numel() for v in batch.values() if isinstance(v, torch.Tensor)) or 1
-
-
-@dataclasses.dataclass
-class Rented:
-    """A shape's eager steps so far: their seconds and the elements of its batches."""
-
-    seconds: float = 0.0
-    elements: int = 0
-    steps: int = 0
 
 
 class DeferredBuilds:
@@ -83,9 +75,7 @@ class DeferredBuilds:
     def lost(self, sig: tuple) -> float:
         """What ``sig``'s eager steps cost beyond its graph's estimate so far."""
         r = self.rented.get(sig)
-        if r is None:
-            return 0.0
-        return r.seconds - self.per_element() * r.elements
+        return 0.0 if r is None else r.lost(self.per_element())
 
     def rents(self, sig: tuple, batch: Mapping[str, Any], cores: int = 1) -> bool:
         """Whether ``batch`` (whose shape has no graph) steps in eager rather than build.
@@ -95,14 +85,7 @@ class DeferredBuilds:
         if self.build_seconds is None:  # no graph built yet: nothing to weigh
             return False
         price = self.build_seconds / max(cores, 1)
-        r = self.rented.get(sig)
-        if r is None:  # its first step: eager's time is not known yet, a build is
-            return True
-        # this step would lose about what its last did: build where that reaches a build
-        per_step = (r.seconds / r.steps) - self.graph_step_estimate(batch)
-        if per_step <= 0:  # eager is as fast: a build gains nothing
-            return True
-        return self.lost(sig) + per_step < price
+        return keeps_renting(self.rented.get(sig), self.per_element(), elements(batch), price)
 
     def step(
         self, sig: tuple, padded: Mapping[str, Any], batch: dict[str, Any], beside: bool = False
@@ -119,10 +102,7 @@ class DeferredBuilds:
             loss = self.eager.step(batch)
         finally:
             torch.set_num_threads(threads)
-        r = self.rented.setdefault(sig, Rented())
-        r.seconds += time.perf_counter() - start
-        r.elements += elements(padded)
-        r.steps += 1
+        self.rented.setdefault(sig, Rented()).add(time.perf_counter() - start, elements(padded))
         return loss
 
     def arrived(self, sig: tuple) -> None:

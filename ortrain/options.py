@@ -198,6 +198,11 @@ class TrainerOptions:
         graph is built (``ortrain/deferred_builds.py``): a rare shape costs no build, a
         common one at most that cost (``ortrain.explain`` lists them). Only another size
         of an input signature built already (same inputs, ranks, dtypes, Python values).
+        Likewise a compiled segment's call of a new signature (a batch shape, or a size
+        the data sets: the rows a mask selects, the tokens routed to an expert) runs in
+        eager until such calls have lost, against the segment's compiled forward per
+        element, what its last build took (``ortrain/ski_rental.py``); one process, full
+        precision.
         False: every step runs on its graph, each new shape built at once.
     fallback: what happens when the whole model cannot be one training graph (the export
         fails, an op has no gradient rule, the first step disagrees with eager, or

@@ -51,6 +51,14 @@ class SegmentedProgram:
             # small's shape, measured)
             reuse_outputs=getattr(ctx.reducer, "takes_grads", False),
             sink=ctx.reducer if hasattr(ctx.reducer, "add_rows") else None,  # type: ignore[arg-type]
+            # as a new batch shape's whole graph is deferred (``eager_if_faster``): in one
+            # process (ranks would decide apart on their own times) and full precision
+            # (an eager call would run in float32 where its graph runs in half)
+            rent_signatures=(
+                options.eager_if_faster is not False
+                and ctx.reducer is None
+                and options.mixed_precision is None
+            ),
         )
         ctx.segmented = True
         self._reached: Reached | None = None  # made at the first step (one process)

@@ -196,7 +196,9 @@ def test_accumulation_clipping_and_the_update_graph():
 @pytest.mark.slow
 def test_adamw_on_torchs_kernels_and_a_new_batch_shape():
     """AdamW (the CPU default engine for segments: torch's) and a batch of another size,
-    which builds and checks that segment's graph for its new call signature."""
+    which builds and checks that segment's graph for its new call signature at once
+    (``eager_if_faster=False``; by default its calls run in eager until a build pays:
+    tests/test_segment_signatures.py)."""
     batches = _batches(2) + _batches(2, rows=8, seed=2)
 
     def adamw(params):
@@ -204,7 +206,7 @@ def test_adamw_on_torchs_kernels_and_a_new_batch_shape():
         # gradient difference an lr-sized step, and this test is about the plumbing
         return torch.optim.AdamW(params, lr=1e-3, eps=1e-3)
 
-    trainer = train_like_eager(_Mixed, batches, opt=adamw)
+    trainer = train_like_eager(_Mixed, batches, TrainerOptions(eager_if_faster=False), opt=adamw)
     assert trainer.update_engine.name == "torch"
     assert len(trainer.segments.model.runners["encoder"]) == 2  # one graph per shape
 

@@ -23,7 +23,10 @@ forked where the trainer forks its builds) walks the module tree from the top:
 
 ``SegmentedModel`` holds the plan's sessions and, while ``active``, replaces each compiled
 module's ``forward`` by a call of its graphs through ``SegmentFunction``. A call whose
-signature the plan did not see (another batch shape) is compiled and checked then.
+signature the plan did not see (another batch shape) is compiled and checked then, or, in
+one process at full precision, runs in eager until such calls have lost a build's time
+(``_rents``: a size that depends on the data, as the rows a mask selects, rarely comes
+back and would otherwise cost a build on every step).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from ortrain.segments.runner import (
     TiedGradients,
 )
 from ortrain.segments.twice import TwiceWatch, refuse_twice
+from ortrain.ski_rental import Rented, keeps_renting
 from ortrain.verify import (
     Draws,
     Mismatch,
@@ -504,6 +508,14 @@ class SegmentedModel:
         self._read_in_eager: frozenset[str] = frozenset()
         # what this rank would route (``_watch_tied``), until the ranks agree on it
         self._proposed: tuple[dict[int, str], frozenset[str], frozenset[str]] | None = None
+        # a compiled module's new call signatures run in eager until a build pays
+        # (``ski_rental.py``): their eager calls, the module's last build's seconds, and
+        # before any, the plan's seconds per graph (``plan_price``, set after the plan)
+        # (``SegmentedTraining`` turns it on where eager calls may stand in)
+        self.rent_signatures = False
+        self.rented: dict[tuple[str, Key], Rented] = {}
+        self.build_seconds: dict[str, float] = {}
+        self.plan_price: float | None = None
         self.adopt(plan)
 
     def _runner(self, graphs: SegmentGraphs) -> SegmentRunner:
@@ -653,7 +665,16 @@ class SegmentedModel:
                 return original(*args, **kwargs), True
             key = (call.signature, m.training)
             if key not in table:
+                if self._rents(name, key, call, table):
+                    start = time.perf_counter()
+                    out = original(*args, **kwargs)
+                    took = time.perf_counter() - start
+                    self.rented.setdefault((name, key), Rented()).add(took, _elements(call))
+                    return out, True
+                start = time.perf_counter()
                 table[key] = self._build(name, call, m.training)
+                if m.training:
+                    self.build_seconds[name] = time.perf_counter() - start
                 self._watch_tied()
             runner = table[key]
             if runner is None:
@@ -672,6 +693,26 @@ class SegmentedModel:
         # a module inside a torch.compile'd one: dynamo would trace the runner's sessions
         # with fake tensors; it calls the segment as it is instead (a graph break)
         return torch._dynamo.disable(forward)
+
+    def _rents(self, name: str, key: Key, call: Call, table: dict) -> bool:
+        """Whether ``name``'s call of a signature without a graph runs in eager rather
+        than build one now: weighed (``ski_rental.py``) against the module's compiled
+        forward time per input element and the time its last build took. A signature that
+        depends on the data (the rows a mask selects, the tokens routed to an expert) comes
+        back rarely and is not built each step. Not before the module's graphs have run."""
+        if not self.rent_signatures or not key[1]:
+            return False  # (evaluation calls run in eager: ``_build``)
+        runners = {id(r): r for r in table.values() if r is not None and r.forward_elements}
+        price = self.build_seconds.get(name, self.plan_price)
+        if not runners or price is None:
+            return False
+        seconds = sum(r.forward_seconds for r in runners.values())
+        per_element = seconds / sum(r.forward_elements for r in runners.values())
+        return keeps_renting(self.rented.get((name, key)), per_element, _elements(call), price)
+
+    def eager_calls(self, name: str) -> int:
+        """``name``'s calls that ran in eager for a signature without a graph (so far)."""
+        return sum(r.steps for (n, _), r in self.rented.items() if n == name)
 
     def _acquire_rows(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
         """ZeRO-3: an embedding's call takes only the rows its ids read
@@ -729,6 +770,11 @@ class SegmentedModel:
         finally:
             for m in patched:
                 del m.forward
+
+
+def _elements(call: Call) -> int:
+    """The call's tensor elements: what a graph's forward time scales with."""
+    return sum(t.numel() for t in call.tensors) or 1
 
 
 def eager_share(plan_modules: Mapping[str, ModulePlan], recorded_total: float) -> float:

@@ -87,6 +87,10 @@ class SegmentRunner:
         self.unchecked = ""  # why its check could not compare it (eager drew unfixed draws)
         self.tally = MemoryTally()  # the model's, shared by its runners (``memory_report``)
         self.seconds = 0.0  # in both graphs' runs (``explain``'s share of the step)
+        # the forward graph's runs: their seconds and their inputs' elements (what a new
+        # signature's eager calls are weighed against, ``ski_rental.py``)
+        self.forward_seconds = 0.0
+        self.forward_elements = 0
         # the model's outputs, reused step to step (a fresh large tensor faults in every
         # page again); None: allocated per call
         self.pool: ReusePool | None = None
@@ -169,7 +173,10 @@ class SegmentRunner:
         start = time.perf_counter()
         self.fwd.run()
         self.fwd.release_outputs()
-        self.seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.seconds += took
+        self.forward_seconds += took
+        self.forward_elements += sum(t.numel() for t in inputs)
         del keep
         self.runs += 1
         buffers = dict(module.named_buffers())

@@ -59,6 +59,7 @@ class SegmentedTraining:
         stateful: Mapping[str, str] | None = None,
         reuse_outputs: bool = False,
         sink: RowsSink | None = None,
+        rent_signatures: bool = False,
     ):
         self.module = module
         self.loss_fn = loss_fn
@@ -87,6 +88,9 @@ class SegmentedTraining:
         self.before_backward: Callable[[torch.Tensor], None] | None = None
         self.pooled_losses = 0  # cross-entropies computed over pooled buffers (``pooled_loss``)
         self.route_losses = True  # until a step's routed losses were too small to gain
+        # a compiled module's new call signatures run in eager until a build pays
+        # (``SegmentedModel._rents``)
+        self.rent_signatures = rent_signatures
 
     def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """The training step's forward's loss, in the modes the user gave the module (as a
@@ -142,6 +146,7 @@ class SegmentedTraining:
         self.model = SegmentedModel(
             self.module, plan, self.session, self.device, replan, self.home, self.reuse_outputs
         )
+        self.model.rent_signatures = self.rent_signatures
         # the planned calls' tensors (every sub-module's inputs) are not needed again
         self.recorded = dataclasses.replace(self.recorded, calls={})
         if self.sink is not None and reads is not None:
@@ -156,6 +161,8 @@ class SegmentedTraining:
             order = [n for n in self.recorded.order if n in compiled]
             self.home.planned([modules[n] for n in order], [self._backward_reads(n) for n in order])
         self.plan_seconds = time.perf_counter() - start
+        # a new signature's build is priced at the plan's time per graph until one is timed
+        self.model.plan_price = self.plan_seconds / max(1, len(plan.graphs))
         if self.blocks is None or self.model.fallbacks:  # a fallback, or one in the cut
             warnings.warn(self.summary(), stacklevel=6)  # the user's train_step call
 
@@ -261,6 +268,8 @@ class SegmentedTraining:
         for name in self.model.compiled:
             p = self.model.plans[name]
             note = f"; not checked: {p.unchecked}" if p.unchecked else ""
+            if rented := self.model.eager_calls(name):
+                note += f"; {rented} call(s) of new signatures in eager"
             rows.append(f"  compiled  {name} ({len(p.graphs)} graph(s), {p.calls} call(s){note})")
         for p in self.model.fallbacks:
             rows.append(f"  {p.status:<9} {name_or_root(p.name)}: {p.cause}")
