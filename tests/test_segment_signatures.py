@@ -56,9 +56,19 @@ def _batches(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _train(batches: list[dict], options: TrainerOptions) -> ORTTrainer:
+class _TiedHead(_MaskedHead):
+    """The head's projection is the embedding table (BERT's tied decoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head[1].weight = self.emb.weight
+
+
+def _train(
+    batches: list[dict], options: TrainerOptions, make: type[_MaskedHead] = _MaskedHead
+) -> ORTTrainer:
     """ortrain against eager, step by step and in the parameters (SGD)."""
-    model = _MaskedHead()
+    model = make()
     ref = copy.deepcopy(model)
     trainer = ORTTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), options)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -131,3 +141,15 @@ def test_eager_if_faster_false_builds_every_signature() -> None:
     assert seg.model.eager_calls("head") == 0
     head = {id(r) for r in seg.model.runners["head"].values() if r is not None}
     assert len(head) == 3  # counts 6, 8 and 9
+
+
+@pytest.mark.slow
+def test_a_tied_head_in_eager_beside_the_compiled_embedding_rows() -> None:
+    """The embedding's compiled rows add into the tied table's gradient where the head's
+    graph made it, and into autograd's where the head ran in eager."""
+    trainer = _train(_batches(6), TrainerOptions(), make=_TiedHead)
+    seg = trainer.segments
+    assert seg is not None and seg.model is not None
+    assert sorted(seg.model.compiled) == ["emb", "enc", "head"]
+    assert seg.model.eager_calls("head") == 4
+    assert seg.model.tied.added_count == 2  # the two steps whose head ran on its graph
